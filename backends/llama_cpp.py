@@ -1,0 +1,151 @@
+"""llama.cpp in-process, through llama-cpp-python (pinned 0.3.36, vendoring llama.cpp 0c1e57098).
+
+The session drives llama_decode through the low-level API with one reused batch and reads
+logits with llama_get_logits, asking only for the output rows the loop needs. The high-level
+`Llama.eval()` copies every row into `scores` and costs ~60 us of bookkeeping per call, which
+is several percent of a step on small models (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from crossrt.runtime import ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
+from crossrt.schema import RuntimeInfo
+
+try:
+    import llama_cpp
+    from llama_cpp import _internals
+    from llama_cpp._logger import set_verbose
+except ImportError:  # reported by check_available, with the fix
+    llama_cpp = None
+
+PINNED_VERSION = "0.3.36"
+VENDORED_COMMIT = "0c1e57098"  # from llama-cpp-python's CHANGELOG for 0.3.36
+
+
+class LlamaCppSession(ModelSession):
+    def __init__(self, path: Path, options: RuntimeOptions, n_outputs_max: int = 0):
+        set_verbose(False)  # llama.cpp logs every graph reservation; keep errors only
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = options.n_gpu_layers
+        if options.gpu_split:
+            # Kept alive on self: llama.cpp reads the array when the model loads.
+            self._tensor_split = (ctypes.c_float * llama_cpp.LLAMA_MAX_DEVICES)(*options.gpu_split)
+            model_params.tensor_split = self._tensor_split
+        self._model = _internals.LlamaModel(path_model=str(path), params=model_params, verbose=False)
+
+        context_params = llama_cpp.llama_context_default_params()
+        context_params.n_ctx = options.n_ctx
+        context_params.n_batch = options.n_ctx
+        context_params.n_ubatch = min(options.n_ctx, 512)
+        context_params.n_threads = options.threads
+        context_params.n_threads_batch = options.threads
+        context_params.n_outputs_max = n_outputs_max
+        context_params.n_outputs_max_per_seq = n_outputs_max
+        context_params.no_perf = True
+        context_params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        if options.f32_kv_cache:
+            context_params.type_k = llama_cpp.GGML_TYPE_F32
+            context_params.type_v = llama_cpp.GGML_TYPE_F32
+        self._context = _internals.LlamaContext(model=self._model, params=context_params, verbose=False)
+        self._ctx = self._context.ctx
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        # llama.cpp may round the context up; one batch must hold any evaluation that fits it,
+        # so the usable context is the smaller of the two and the batch is allocated to match.
+        self.n_ctx = min(llama_cpp.llama_n_ctx(self._ctx), llama_cpp.llama_n_batch(self._ctx))
+        self._batch = llama_cpp.llama_batch_init(self.n_ctx, 0, 1)
+        self.n_vocab = self._model.n_vocab()
+        self.eog_ids = frozenset(t for t in range(self.n_vocab)
+                                 if llama_cpp.llama_vocab_is_eog(self._model.vocab, t))
+        self._add_bos = self._model.add_bos_token()
+        self._n_past = 0
+
+    def close(self) -> None:
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        self._context.close()
+        self._model.close()
+
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    def eval(self, tokens: Sequence[int], rows: Rows) -> np.ndarray:
+        n_tokens = len(tokens)
+        if n_tokens == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        if self._n_past + n_tokens > self.n_ctx:
+            raise ValueError(f"context full: {self._n_past} cached + {n_tokens} new > n_ctx {self.n_ctx}")
+        batch = self._batch
+        batch.n_tokens = n_tokens
+        first_output = {Rows.NONE: n_tokens, Rows.LAST: n_tokens - 1, Rows.ALL: 0}[rows]
+        for i, token in enumerate(tokens):
+            batch.token[i] = token
+            batch.pos[i] = self._n_past + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = i >= first_output
+        code = llama_cpp.llama_decode(self._ctx, batch)
+        if code != 0:
+            raise RuntimeError(f"llama_decode returned {code} at position {self._n_past}")
+        self._n_past += n_tokens
+        n_rows = n_tokens - first_output
+        if n_rows == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        pointer = llama_cpp.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(pointer, shape=(n_rows, self.n_vocab))
+
+    def truncate(self, n_keep: int) -> None:
+        if n_keep < self._n_past:
+            llama_cpp.llama_memory_seq_rm(self._memory, 0, n_keep, -1)
+            self._n_past = n_keep
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._model.tokenize(text.encode("utf-8"), add_bos=self._add_bos, special=True)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._model.detokenize(list(ids), special=False).decode("utf-8", errors="replace")
+
+
+class LlamaCppRuntime(Runtime):
+    name = "llama-cpp"
+    model_format = "gguf"
+
+    @classmethod
+    def check_available(cls) -> None:
+        if llama_cpp is None:
+            raise RuntimeUnavailable(
+                "llama-cpp-python is not installed: run scripts/setup, or "
+                f"pip install 'crossrt[llama]' (llama-cpp-python=={PINNED_VERSION})")
+
+    def load(self, path: Path, n_outputs_max: int = 0) -> LlamaCppSession:
+        """n_outputs_max > 0 caps the output rows per batch, as llama-speculative-simple does
+        on its target context (1 + n_max); 0 leaves llama.cpp's default (n_batch)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"model file not found: {path}")
+        try:
+            return LlamaCppSession(path, self.options, n_outputs_max)
+        except ValueError as error:
+            raise ValueError(f"llama.cpp could not load {path}: {error}") from None
+
+    def info(self) -> RuntimeInfo:
+        offloaded = self.options.n_gpu_layers > 0 and llama_cpp.llama_supports_gpu_offload()
+        return RuntimeInfo(
+            name=self.name,
+            version=llama_cpp.__version__,
+            build=VENDORED_COMMIT if llama_cpp.__version__ == PINNED_VERSION else None,
+            device="gpu" if offloaded else "cpu",
+            threads=self.options.threads,
+            gpu_split=self.options.gpu_split,
+            kv_cache="f32" if self.options.f32_kv_cache else "f16",
+        )
+

@@ -1,0 +1,142 @@
+"""The crossrt command line: thin click commands that parse, call and print."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import click
+
+from crossrt.pairs import PairError, load_pair, pair_from_paths
+from crossrt.prompts import PromptError, load_prompts
+from crossrt.runtime import RuntimeOptions, RuntimeUnavailable, availability, runtime_names
+from crossrt.schema import RecordError, load_record
+from crossrt.tables import format_table, summary_rows
+
+REPO_PAIRS = Path(__file__).resolve().parent.parent / "models" / "pairs"
+USER_ERRORS = (PairError, PromptError, RecordError, RuntimeUnavailable, FileNotFoundError)
+
+
+class GpuSplit(click.ParamType):
+    """`1,1` or `3,1`: relative shares of the model per GPU."""
+
+    name = "SHARES"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            shares = tuple(float(part) for part in str(value).split(","))
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of numbers, e.g. 1,1", param, ctx)
+        if any(share < 0 for share in shares) or not any(shares):
+            self.fail(f"{value!r}: shares must be non-negative and not all zero", param, ctx)
+        return shares
+
+
+def _resolve_pair(pair: Optional[str], target: Optional[Path], drafter: Optional[Path]):
+    if target or drafter:
+        if not (target and drafter) or pair:
+            raise click.UsageError("give either --pair, or both --target and --drafter")
+        return pair_from_paths(target, drafter)
+    pair = pair or "tiny"
+    path = Path(pair)
+    if not path.exists() and (REPO_PAIRS / f"{pair}.toml").is_file():
+        path = REPO_PAIRS / f"{pair}.toml"
+    return load_pair(path)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="crossrt")
+def main() -> None:
+    """Run one drafter/target pair through several runtimes, normalize their speculative
+    decoding statistics into one schema, and compare them.
+
+    \b
+    Typical session:
+      crossrt runtimes                          # what can run here
+      crossrt run --pair tiny --k 4             # tiny pair, built-in prompts -> runs/*.json
+      crossrt show runs/tiny-llama-cpp-k4.json  # tau, alpha, lossless, speed per category
+    """
+
+
+@main.command()
+@click.option("--pair", help="Pair manifest (.toml path, or a name under models/pairs such as "
+              "'tiny'). Default: the tiny test pair.")
+@click.option("--target", type=click.Path(path_type=Path), help="Target model file/folder (instead of --pair).")
+@click.option("--drafter", type=click.Path(path_type=Path), help="Drafter model file/folder (with --target).")
+@click.option("--runtime", "runtime_name", type=click.Choice(runtime_names()), default="llama-cpp",
+              show_default=True, help="Runtime to run the pair on (see `crossrt runtimes`).")
+@click.option("--k", type=click.IntRange(min=1),
+              help="Draft tokens per verification step. Default: the pair's default k, else 4.")
+@click.option("--prompts", "prompt_source", default="builtin", show_default=True,
+              help="A built-in suite name, or a JSONL file with id, category, prompt fields.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path, dir_okay=False),
+              help="Run record to write, after every prompt. Default: runs/<pair>-<runtime>-k<k>.json")
+@click.option("--resume", is_flag=True, help="Continue the record at --out, skipping finished prompts.")
+@click.option("--overwrite", is_flag=True, help="Replace the record at --out.")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="CPU threads (ggml busy-waits: more threads than free cores is very slow).")
+@click.option("--n-ctx", type=click.IntRange(min=16), default=2048, show_default=True, help="Context size.")
+@click.option("--n-gpu-layers", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Layers to offload to GPU (llama.cpp); large values offload all.")
+@click.option("--gpu-split", type=GpuSplit(), help="Relative model share per GPU, e.g. 1,1 for two T4s.")
+@click.option("--f32-kv-cache", is_flag=True, help="F32 KV cache, for logit comparisons across runtimes.")
+def run(pair, target, drafter, runtime_name, k, prompt_source, max_new_tokens, out, resume, overwrite,
+        threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache) -> None:
+    """Run a pair over prompts: plain greedy baseline and speculative decoding, per prompt.
+
+    Writes a run record (JSON, schema in docs/schema.md) after every prompt, so an
+    interrupted run keeps what finished; --resume continues it.
+    """
+    from crossrt.driver import RunRequest, run_pair  # the driver pulls in the loop: only here
+
+    try:
+        resolved = _resolve_pair(pair, target, drafter)
+        prompts = load_prompts(prompt_source)
+        k = k or int(resolved.defaults.get("k", 4))
+        out = out or Path("runs") / f"{resolved.name}-{runtime_name}-k{k}.json"
+        options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers,
+                                 gpu_split=gpu_split, f32_kv_cache=f32_kv_cache)
+        request = RunRequest(resolved, runtime_name, options, k, max_new_tokens, out, resume, overwrite)
+        with click.progressbar(length=len(prompts), label=f"{runtime_name} k={k}", file=sys.stderr,
+                               item_show_func=lambda text: text) as bar:
+            def advance(prompt, result):
+                status = "skipped (done)" if result is None else result.status
+                bar.update(1, f"{prompt.id}: {status}")
+            record = run_pair(request, prompts, on_prompt=advance)
+    except USER_ERRORS as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(format_table(summary_rows([record])))
+    failed = [r for r in record.results if not r.ok]
+    for result in failed:
+        click.echo(f"failed: {result.prompt_id}: {result.error}", err=True)
+    click.echo(f"record: {out}")
+
+
+@main.command()
+@click.argument("records", nargs=-1, required=True, type=click.Path(path_type=Path))
+def show(records: Sequence[Path]) -> None:
+    """Summary table of run records: per category and overall, tau (tokens per step, bonus
+    included), alpha (accepted/drafted), steps, lossless prompts, tokens/s and speedup."""
+    try:
+        loaded = [load_record(path) for path in records]
+    except RecordError as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(format_table(summary_rows(loaded)))
+
+
+@main.command()
+@click.option("--usable", is_flag=True, help="Print only the names of usable runtimes, one per line.")
+def runtimes(usable: bool) -> None:
+    """Which runtimes can run on this machine and, for the others, why not."""
+    reasons = {name: availability(name) for name in runtime_names()}
+    if usable:
+        for name, reason in reasons.items():
+            if reason is None:
+                click.echo(name)
+        return
+    rows = [[name, "yes" if reason is None else "no", reason or ""] for name, reason in reasons.items()]
+    click.echo(format_table([["runtime", "usable", "why not"]] + rows))

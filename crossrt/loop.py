@@ -1,0 +1,127 @@
+"""crossrt's shared greedy speculative loop ("driven" mode) and the plain greedy baseline.
+
+Pure logic over the ModelSession contract, identical whatever the runtime. The schedule
+("crossrt"):
+- Both models prefill prompt[:-1]; the last prompt token is the first token to verify, so
+  drafting starts at once and every emitted token comes out of a verification step. Hence
+  emitted = steps + accepted exactly.
+- Each step drafts min(k, budget_left - 1) tokens greedily (the drafter's argmax), so a step
+  never produces tokens past max_new_tokens; with one token of budget left the step verifies
+  an empty draft (a plain decode, still counted as a step with 0 drafted).
+- The target scores [last] + draft in one batch; the longest prefix where its argmax equals
+  the draft is accepted, and its own next token is added (the bonus). An accepted EOS ends
+  acceptance: the EOS is then the step's own token, and generation stops.
+- Both caches roll back to what was kept. The drafter never decodes its own last draft
+  token, which it would only need if every draft token were accepted.
+The baseline prefills the same prompt[:-1] and decodes one token at a time, so both runs do
+the same prefill and their decode timings compare like for like.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from crossrt.runtime import ModelSession, Rows
+
+SCHEDULE = "crossrt"
+
+
+@dataclass(frozen=True)
+class Generation:
+    output_ids: tuple[int, ...]
+    stop_reason: str  # "eos" or "max_new_tokens"
+    prefill_s: float
+    decode_s: float
+    step_drafted: Optional[tuple[int, ...]] = None  # None for the plain baseline
+    step_accepted: Optional[tuple[int, ...]] = None
+
+
+def _check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, sessions: Sequence[ModelSession]) -> None:
+    if not prompt_ids:
+        raise ValueError("empty prompt: nothing to condition on")
+    for session in sessions:
+        if len(prompt_ids) + max_new_tokens > session.n_ctx:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens does not fit "
+                f"the context of {session.n_ctx} tokens")
+
+
+def greedy_generate(target: ModelSession, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
+    """Plain greedy decoding, one token per target pass: the reference output."""
+    _check_prompt(prompt_ids, max_new_tokens, [target])
+    start = time.perf_counter()
+    target.truncate(0)
+    target.eval(prompt_ids[:-1], Rows.NONE)
+    prefilled = time.perf_counter()
+    output: list[int] = []
+    last = prompt_ids[-1]
+    stop_reason = "max_new_tokens"
+    while len(output) < max_new_tokens:
+        last = int(target.eval((last,), Rows.LAST)[0].argmax())
+        output.append(last)
+        if last in target.eog_ids:
+            stop_reason = "eos"
+            break
+    return Generation(tuple(output), stop_reason, prefilled - start, time.perf_counter() - prefilled)
+
+
+def speculative_generate(target: ModelSession, drafter: ModelSession, prompt_ids: Sequence[int],
+                         k: int, max_new_tokens: int) -> Generation:
+    """Greedy speculative decoding with the crossrt schedule (module docstring)."""
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    _check_prompt(prompt_ids, max_new_tokens, [target, drafter])
+    start = time.perf_counter()
+    target.truncate(0)
+    drafter.truncate(0)
+    context = list(prompt_ids)
+    target.eval(context[:-1], Rows.NONE)
+    drafter.eval(context[:-1], Rows.NONE)
+    prefilled = time.perf_counter()
+
+    eog = target.eog_ids
+    step_drafted: list[int] = []
+    step_accepted: list[int] = []
+    n_emitted = 0
+    stop_reason = "max_new_tokens"
+    while n_emitted < max_new_tokens:
+        n_draft = min(k, max_new_tokens - n_emitted - 1)
+        draft: list[int] = []
+        if n_draft:
+            pending = context[drafter.n_past:]
+            while True:
+                token = int(drafter.eval(pending, Rows.LAST)[0].argmax())
+                draft.append(token)
+                if len(draft) == n_draft:
+                    break
+                pending = (token,)
+
+        choices = target.eval([context[-1]] + draft, Rows.ALL).argmax(axis=1)
+        n_accepted = 0
+        while n_accepted < n_draft and draft[n_accepted] == choices[n_accepted] \
+                and draft[n_accepted] not in eog:
+            n_accepted += 1
+        kept = draft[:n_accepted] + [int(choices[n_accepted])]
+
+        # The target now caches context + draft; keep context + accepted draft tokens (the
+        # bonus token is the new last token, evaluated at the next step).
+        target.truncate(len(context) + n_accepted)
+        drafter.truncate(min(drafter.n_past, len(context) + n_accepted))
+        context += kept
+        n_emitted += len(kept)
+        step_drafted.append(n_draft)
+        step_accepted.append(n_accepted)
+        if kept[-1] in eog:
+            stop_reason = "eos"
+            break
+
+    return Generation(
+        output_ids=tuple(context[len(prompt_ids):]),
+        stop_reason=stop_reason,
+        prefill_s=prefilled - start,
+        decode_s=time.perf_counter() - prefilled,
+        step_drafted=tuple(step_drafted),
+        step_accepted=tuple(step_accepted),
+    )

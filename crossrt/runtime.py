@@ -1,0 +1,143 @@
+"""The contract a runtime implements, and the lazy registry of runtimes.
+
+The registry maps a runtime's name to "module:Class" so that `import crossrt` never imports
+llama_cpp, torch or exllamav3: a runtime's module is imported only when that runtime is used.
+
+A runtime loads models as sessions. A session owns one model's KV cache and exposes what
+crossrt's shared loop needs, nothing more: evaluate tokens after the cached ones and return
+logits for the rows asked for, cut the cache back, tokenize and detokenize.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import ClassVar, Optional, Sequence
+
+import numpy as np
+
+from crossrt.schema import RuntimeInfo
+
+RUNTIMES: dict[str, str] = {
+    "llama-cpp": "crossrt.backends.llama_cpp:LlamaCppRuntime",
+}
+
+
+class RuntimeUnavailable(RuntimeError):
+    """A runtime cannot run on this machine; the message says why and what would fix it."""
+
+
+class Rows(Enum):
+    """Which logits rows an evaluation returns: asking for fewer keeps the runtime from
+    computing and copying output rows nobody reads."""
+
+    NONE = "none"
+    LAST = "last"
+    ALL = "all"
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Settings every runtime understands, normalized.
+
+    gpu_split: relative shares of the model per GPU (e.g. (1, 1) for two equal GPUs),
+    translated by each runtime into its own knob (llama.cpp's tensor_split, ...).
+    f32_kv_cache: keep the KV cache in F32 for cross-runtime logit comparisons; the default
+    F16 cache matches what llama.cpp's own tools use.
+    """
+
+    n_ctx: int = 2048
+    threads: int = 1
+    n_gpu_layers: int = 0
+    gpu_split: Optional[tuple[float, ...]] = None
+    f32_kv_cache: bool = False
+    flash_attn: bool = True
+
+
+class ModelSession(abc.ABC):
+    """One loaded model with its cache. Positions are implicit: eval appends after n_past."""
+
+    n_vocab: int
+    n_ctx: int
+    eog_ids: frozenset[int]
+
+    @property
+    @abc.abstractmethod
+    def n_past(self) -> int:
+        """Tokens currently held in the cache."""
+
+    @abc.abstractmethod
+    def eval(self, tokens: Sequence[int], rows: Rows) -> np.ndarray:
+        """Append tokens to the cache and return logits, shape (rows, n_vocab).
+
+        The array may be a view into the runtime's buffer, valid until the next call.
+        """
+
+    @abc.abstractmethod
+    def truncate(self, n_keep: int) -> None:
+        """Drop every cached position from n_keep on."""
+
+    @abc.abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of text, with the model's BOS when the model asks for one."""
+
+    @abc.abstractmethod
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of ids; invalid UTF-8 (a split multi-byte character) is replaced, not raised."""
+
+
+class Runtime(abc.ABC):
+    name: ClassVar[str]
+    model_format: ClassVar[str]  # which file of a pair manifest this runtime loads
+
+    def __init__(self, options: RuntimeOptions):
+        self.options = options
+
+    @classmethod
+    @abc.abstractmethod
+    def check_available(cls) -> None:
+        """Raise RuntimeUnavailable with the reason when this runtime cannot run here."""
+
+    @abc.abstractmethod
+    def load(self, path: Path) -> ModelSession:
+        """Load one model file or folder; raise FileNotFoundError or ValueError with a clear
+        message when it cannot be loaded."""
+
+    @abc.abstractmethod
+    def info(self) -> RuntimeInfo:
+        """Name, version, build and device, for the run record."""
+
+
+def runtime_names() -> list[str]:
+    return list(RUNTIMES)
+
+
+def runtime_class(name: str) -> type[Runtime]:
+    if name not in RUNTIMES:
+        known = ", ".join(RUNTIMES)
+        raise RuntimeUnavailable(f"unknown runtime {name!r}; known runtimes: {known}")
+    module_name, class_name = RUNTIMES[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise RuntimeUnavailable(f"runtime {name!r} cannot be imported: {error}") from None
+    return getattr(module, class_name)
+
+
+def open_runtime(name: str, options: RuntimeOptions) -> Runtime:
+    """The runtime called name, checked usable here; RuntimeUnavailable says why not."""
+    cls = runtime_class(name)
+    cls.check_available()
+    return cls(options)
+
+
+def availability(name: str) -> Optional[str]:
+    """None when runtime name is usable here, else the reason it is not."""
+    try:
+        runtime_class(name).check_available()
+    except RuntimeUnavailable as error:
+        return str(error)
+    return None

@@ -1,0 +1,345 @@
+"""The run record: one versioned JSON document per (pair, runtime, params) run.
+
+Counters are stored; every rate (tau, alpha, tokens/s, speedup) is derived from them, as
+vLLM does, so two records can always be compared by recomputing from the same numbers.
+Convention: tau counts the bonus token (tau = emitted / steps = 1 + accepted / steps), as
+community "tokens per step" figures do. docs/schema.md documents each field.
+
+Records are validated against data/run-record.schema.json on write and on read, and the
+derived blocks written for readers (jq, spreadsheets) must match a recomputation on read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any, Optional
+
+import jsonschema
+
+SCHEMA_VERSION = 1
+SCHEMA_RESOURCE = "run-record.schema.json"
+
+
+class RecordError(ValueError):
+    """A record that does not follow the schema, or whose numbers do not add up."""
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    name: str
+    version: str
+    build: Optional[str]
+    device: str
+    threads: Optional[int]
+    gpu_split: Optional[tuple[float, ...]]
+    kv_cache: str  # KV cache element type, e.g. "f16": it changes logits, so it is recorded
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    sha256: str
+    format: str
+    quantization: str
+    vocab_fingerprint: str
+    n_vocab: int
+
+
+@dataclass(frozen=True)
+class PairInfo:
+    name: str
+    target: ModelInfo
+    drafter: ModelInfo
+
+
+@dataclass(frozen=True)
+class RunParams:
+    k: int
+    greedy: bool
+    max_new_tokens: int
+    mode: str
+    spec_type: str
+    schedule: str
+    n_ctx: int
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds. Prefill is the prompt pass of target and drafter; decode is the rest."""
+
+    prefill_s: float
+    decode_s: float
+    baseline_prefill_s: float
+    baseline_decode_s: float
+
+
+def _ratio(numerator: float, denominator: float) -> Optional[float]:
+    return numerator / denominator if denominator else None
+
+
+@dataclass(frozen=True)
+class Counters:
+    """What a speculative run counts; the same fields whatever the runtime.
+
+    steps: verification passes of the target (each emits accepted-in-step + 1 tokens).
+    drafted: draft tokens the target verified. accepted: draft tokens it kept (bonus excluded).
+    emitted: tokens produced. accepted_per_pos[i]: steps that accepted at least i + 1 tokens.
+    step_drafted / step_accepted: the raw per-step lengths, None where a runtime does not
+    report them (then accepted_per_pos may be None too).
+    """
+
+    steps: int
+    drafted: int
+    accepted: int
+    emitted: int
+    accepted_per_pos: Optional[tuple[int, ...]]
+    step_drafted: Optional[tuple[int, ...]]
+    step_accepted: Optional[tuple[int, ...]]
+
+    @property
+    def tau(self) -> Optional[float]:
+        return _ratio(self.emitted, self.steps)
+
+    @property
+    def alpha(self) -> Optional[float]:
+        return _ratio(self.accepted, self.drafted)
+
+    def identity_violations(self, k: int) -> list[str]:
+        """The counter identities every speculative run must satisfy; empty when they hold."""
+        problems = []
+        if self.emitted != self.steps + self.accepted:
+            problems.append(f"emitted {self.emitted} != steps {self.steps} + accepted {self.accepted}")
+        if not self.accepted <= self.drafted <= k * self.steps:
+            problems.append(f"not accepted {self.accepted} <= drafted {self.drafted} <= k*steps {k * self.steps}")
+        per_pos = self.accepted_per_pos
+        if per_pos is not None:
+            if any(later > earlier for earlier, later in zip(per_pos, per_pos[1:])):
+                problems.append(f"accepted_per_pos {list(per_pos)} increases")
+            if per_pos and per_pos[0] > self.steps:
+                problems.append(f"accepted_per_pos[0] {per_pos[0]} > steps {self.steps}")
+            if sum(per_pos) != self.accepted:
+                problems.append(f"sum(accepted_per_pos) {sum(per_pos)} != accepted {self.accepted}")
+        if self.step_accepted is not None and self.step_drafted is not None:
+            if len(self.step_accepted) != self.steps or len(self.step_drafted) != self.steps:
+                problems.append("per-step lists do not have one entry per step")
+            elif sum(self.step_accepted) != self.accepted or sum(self.step_drafted) != self.drafted:
+                problems.append("per-step lists do not sum to the counters")
+        return problems
+
+
+def accepted_per_position(step_accepted: typing.Sequence[int], k: int) -> tuple[int, ...]:
+    """accepted_per_pos[i] = number of steps that accepted at least i + 1 draft tokens."""
+    return tuple(sum(1 for n in step_accepted if n > i) for i in range(k))
+
+
+@dataclass(frozen=True)
+class PromptResult:
+    prompt_id: str
+    category: str
+    status: str  # "ok" or "failed"
+    error: Optional[str]
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    baseline_ids: tuple[int, ...]
+    stop_reason: Optional[str]  # "eos" or "max_new_tokens"
+    counters: Optional[Counters]
+    timings: Optional[Timings]
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def lossless(self) -> Optional[bool]:
+        # Full-length token-id comparison: a shorter output is a difference, never a prefix match.
+        return list(self.output_ids) == list(self.baseline_ids) if self.ok else None
+
+    @property
+    def tokens_per_s(self) -> Optional[float]:
+        return _ratio(self.counters.emitted, self.timings.decode_s) if self.ok else None
+
+    @property
+    def baseline_tokens_per_s(self) -> Optional[float]:
+        return _ratio(len(self.baseline_ids), self.timings.baseline_decode_s) if self.ok else None
+
+    @classmethod
+    def failed(cls, prompt_id: str, category: str, error: str, prompt_ids=()) -> "PromptResult":
+        return cls(prompt_id, category, "failed", error, tuple(prompt_ids), (), (), None, None, None)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Rates over a group of prompts: ratios of summed counters, not means of ratios."""
+
+    prompts: int
+    failed: int
+    lossless: int
+    steps: int
+    drafted: int
+    accepted: int
+    emitted: int
+    tau: Optional[float]
+    alpha: Optional[float]
+    tokens_per_s: Optional[float]
+    baseline_tokens_per_s: Optional[float]
+    speedup: Optional[float]
+
+    @classmethod
+    def of(cls, results: typing.Sequence[PromptResult]) -> "Summary":
+        done = [r for r in results if r.ok]
+        total = Counters(*(sum(getattr(r.counters, name) for r in done)
+                           for name in ("steps", "drafted", "accepted", "emitted")), None, None, None)
+        decode_s = sum(r.timings.decode_s for r in done)
+        baseline_s = sum(r.timings.baseline_decode_s for r in done)
+        tps = _ratio(total.emitted, decode_s)
+        baseline_tps = _ratio(sum(len(r.baseline_ids) for r in done), baseline_s)
+        return cls(
+            prompts=len(results), failed=len(results) - len(done),
+            lossless=sum(1 for r in done if r.lossless),
+            steps=total.steps, drafted=total.drafted, accepted=total.accepted, emitted=total.emitted,
+            tau=total.tau, alpha=total.alpha, tokens_per_s=tps, baseline_tokens_per_s=baseline_tps,
+            speedup=_ratio(tps, baseline_tps) if tps is not None and baseline_tps else None,
+        )
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    runtime: RuntimeInfo
+    pair: PairInfo
+    params: RunParams
+    results: tuple[PromptResult, ...] = ()
+    schema_version: int = SCHEMA_VERSION
+    notes: tuple[str, ...] = field(default=())
+
+    def with_result(self, result: PromptResult) -> "RunRecord":
+        kept = tuple(r for r in self.results if r.prompt_id != result.prompt_id)
+        return dataclasses.replace(self, results=kept + (result,))
+
+    def categories(self) -> list[str]:
+        return sorted({r.category for r in self.results})
+
+    def summary(self, category: Optional[str] = None) -> Summary:
+        return Summary.of([r for r in self.results if category is None or r.category == category])
+
+
+# ---- JSON ---------------------------------------------------------------------------------
+
+def _derived_of_result(result: PromptResult) -> dict[str, Any]:
+    counters = result.counters
+    return {
+        "lossless": result.lossless,
+        "tau": counters.tau if counters else None,
+        "alpha": counters.alpha if counters else None,
+        "tokens_per_s": result.tokens_per_s,
+        "baseline_tokens_per_s": result.baseline_tokens_per_s,
+        "speedup": _ratio(result.tokens_per_s, result.baseline_tokens_per_s)
+        if result.ok and result.baseline_tokens_per_s else None,
+    }
+
+
+def record_to_json(record: RunRecord) -> dict[str, Any]:
+    data = dataclasses.asdict(record)
+    for result_data, result in zip(data["results"], record.results, strict=True):
+        result_data["derived"] = _derived_of_result(result)
+    data["summary"] = {
+        "overall": dataclasses.asdict(record.summary()),
+        "by_category": {c: dataclasses.asdict(record.summary(c)) for c in record.categories()},
+    }
+    return json.loads(json.dumps(data))  # plain JSON types: tuples become lists
+
+
+def _decode(kind: Any, value: Any) -> Any:
+    """Build a typed value (dataclass, tuple, Optional) from its plain JSON form."""
+    origin = typing.get_origin(kind)
+    if value is None:
+        return None
+    if origin is typing.Union:
+        inner = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        return _decode(inner[0], value)
+    if origin is tuple:
+        return tuple(_decode(typing.get_args(kind)[0], item) for item in value)
+    if dataclasses.is_dataclass(kind):
+        hints = typing.get_type_hints(kind)
+        return kind(**{f.name: _decode(hints[f.name], value[f.name])
+                       for f in dataclasses.fields(kind) if f.name in value})
+    return value
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    return a == b
+
+
+def _check_derived(written: dict[str, Any], recomputed: dict[str, Any], where: str) -> None:
+    for name, value in recomputed.items():
+        if not _close(written.get(name), value):
+            raise RecordError(f"{where}: {name} is {written.get(name)!r} but the counters give {value!r}")
+
+
+@lru_cache(maxsize=1)
+def json_schema() -> dict[str, Any]:
+    text = resources.files("crossrt").joinpath("data", SCHEMA_RESOURCE).read_text()
+    return json.loads(text)
+
+
+def validate_json(data: Any) -> None:
+    """Raise RecordError naming the first place where data breaks the JSON Schema."""
+    validator = jsonschema.Draft202012Validator(json_schema())
+    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
+        raise RecordError(f"record does not follow schema v{SCHEMA_VERSION} at {where}: {error.message}")
+
+
+def record_from_json(data: Any) -> RunRecord:
+    validate_json(data)
+    record = _decode(RunRecord, data)
+    check_counters(record)
+    for result_data, result in zip(data["results"], record.results, strict=True):
+        _check_derived(result_data["derived"], _derived_of_result(result), f"result {result.prompt_id}")
+    _check_derived(data["summary"]["overall"], dataclasses.asdict(record.summary()), "summary")
+    return record
+
+
+def check_counters(record: RunRecord) -> None:
+    """Raise RecordError when a finished prompt's counters break the identities."""
+    for result in record.results:
+        if result.ok:
+            problems = result.counters.identity_violations(record.params.k)
+            if problems:
+                raise RecordError(f"result {result.prompt_id}: " + "; ".join(problems))
+
+
+def save_record(record: RunRecord, path: Path) -> None:
+    """Validate, then write atomically, so an interrupted run never leaves half a file."""
+    check_counters(record)
+    data = record_to_json(record)
+    validate_json(data)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(temporary, path)
+
+
+def load_record(path: Path) -> RunRecord:
+    path = Path(path)
+    if not path.is_file():
+        raise RecordError(f"no run record at {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise RecordError(f"{path} is not JSON: {error}") from None
+    try:
+        return record_from_json(data)
+    except RecordError as error:
+        raise RecordError(f"{path}: {error}") from None

@@ -1,0 +1,40 @@
+"""Plain-text tables of run records, shared by the commands that print summaries."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from crossrt.schema import RunRecord, Summary
+
+SUMMARY_HEADER = ["runtime", "mode", "k", "category", "prompts", "failed", "lossless", "steps",
+                  "tau", "alpha", "tok/s", "base tok/s", "speedup"]
+
+
+def _number(value: Optional[float], digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _summary_cells(record: RunRecord, category: str, summary: Summary) -> list[str]:
+    done = summary.prompts - summary.failed
+    return [record.runtime.name, record.params.mode, str(record.params.k), category, str(summary.prompts),
+            str(summary.failed), f"{summary.lossless}/{done}", str(summary.steps), _number(summary.tau),
+            _number(summary.alpha, 3), _number(summary.tokens_per_s, 1),
+            _number(summary.baseline_tokens_per_s, 1), _number(summary.speedup)]
+
+
+def summary_rows(records: Sequence[RunRecord]) -> list[list[str]]:
+    """Header plus, per record, one row per category and one overall row."""
+    rows = [SUMMARY_HEADER]
+    for record in records:
+        for category in record.categories():
+            rows.append(_summary_cells(record, category, record.summary(category)))
+        rows.append(_summary_cells(record, "ALL", record.summary()))
+    return rows
+
+
+def format_table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+             for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)

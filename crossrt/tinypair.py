@@ -1,0 +1,436 @@
+"""Deterministic builder for small drafter/target pairs of llama models sharing a vocabulary.
+
+    build_pair(out_dir, preset="tiny", seed=0) -> list[pathlib.Path]   # the files written
+
+- "tiny": the committed test pair (models/tiny): {target,drafter}.{f32,f16}.gguf, HF folders
+  {target,drafter}-hf/ with the same F32 weights, and a README.md.
+- "bench": a ~60M-parameter target and ~10M-parameter drafter, F32 GGUF only, for timings.
+The same seed and library versions (numpy, tokenizers, gguf, safetensors, and the stdlib sources
+the tokenizer trains on) give byte-identical files.
+
+Random llama weights alone give near-tied logits (top-2 margins ~1e-5, below cross-runtime
+noise) and an argmax that hardly depends on context. So the models also carry a small designed
+grammar: the next token is succ[bit(previous), current]. A rope-built attention head copies the
+previous token's bit, and output rows boost the chosen successor. Greedy margins are then large
+everywhere, outputs depend on the KV cache (a stale entry or a wrong rope layout changes them),
+and the drafter, whose grammar differs at a `drafter_disagreement` share of entries, agrees with
+the target often but not always.
+"""
+from __future__ import annotations
+
+import codecs
+import contextlib
+import io
+import json
+import math
+import platform
+import string
+import textwrap
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+BOS, EOS = "<|bos|>", "<|eos|>"
+BOS_ID, EOS_ID = 0, 1  # trained first, as special tokens
+EOS_SOURCE = "."  # followed by EOS when the token before it has bit 0, so some outputs end
+CONTEXT_LENGTH, RMS_EPS, ROPE_THETA = 2048, 1e-5, 10000.0
+NORM_JITTER = 0.1  # norm weights are 1 + jitter, so a converter that drops one shows up
+# Residual dimensions the grammar uses; the others hold a token identity code of unit rms.
+U, W, Z = 0, 1, 2  # constant (feeds the previous-token head), own bit, previous token's bit
+EMBED_U, EMBED_W, PREV_BIT = 2.0, 2.0, 6.0  # their sizes; PREV_BIT stands above layer noise
+ATTN_GAP = 14.0  # score of the previous position over any other: the softmax leaks ~e^-14
+BIT_SHARE = 0.3  # logit the bit gives its map's successors, as a share of successor_strength
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    successor_strength: float  # logit of the grammar's successor of the current token
+    residual_gain: float  # size of the random layers' output next to the embedding
+    logit_noise: float  # std of the random, context-dependent part of the logits
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+@dataclass(frozen=True)
+class PairPreset:
+    vocab_size: int
+    target: ModelSpec
+    drafter: ModelSpec
+    drafter_disagreement: float  # share of grammar pairs whose drafter successor differs
+    formats: tuple[str, ...]  # of "f32", "f16", "hf"
+
+
+PRESETS = {
+    "tiny": PairPreset(512, ModelSpec("target", 64, 4, 4, 2, 128, 30.0, 0.5, 2.0),
+                       ModelSpec("drafter", 32, 2, 2, 1, 64, 30.0, 0.3, 2.0),
+                       0.15, ("f32", "f16", "hf")),
+    "bench": PairPreset(512, ModelSpec("target", 640, 13, 10, 5, 1792, 30.0, 0.5, 2.0),
+                        ModelSpec("drafter", 384, 6, 6, 6, 896, 30.0, 0.3, 2.0),
+                        0.15, ("f32",)),
+}
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def training_texts(prompts_file: Path) -> list[str]:
+    """Prose and code: the built-in prompts plus a few stdlib sources of this interpreter."""
+    texts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines() if line]
+    texts += [Path(m.__file__).read_text(encoding="utf-8") for m in (textwrap, json)]
+    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
+        import this
+    return texts + [codecs.decode(this.s, "rot13")]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE that adds BOS, so HF and llama.cpp give the same ids for a prompt."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B:1", special_tokens=[(BOS, BOS_ID)])
+    assert tok.token_to_id(BOS) == BOS_ID and tok.token_to_id(EOS) == EOS_ID
+    return tok
+
+
+def vocab_tokens(tok: Tokenizer) -> list[str]:
+    by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+    return [by_id[i] for i in range(len(by_id))]
+
+
+def merges(tok: Tokenizer) -> list[str]:
+    # tokenizer.json stores merges as pairs; GGUF wants "a b" strings, in the same order.
+    return [m if isinstance(m, str) else " ".join(m)
+            for m in json.loads(tok.to_str())["model"]["merges"]]
+
+
+# ---------------------------------------------------------------- grammar
+
+@dataclass(frozen=True)
+class Grammar:
+    """After `prev`, `cur` the next token is succ[bit[prev], cur]. Normal tokens come in
+    pairs, one of each bit, that share their successors."""
+
+    bit: np.ndarray  # (vocab,) 0 or 1
+    partner: np.ndarray  # (vocab,) the other token of the pair; BOS and EOS are their own
+    succ: np.ndarray  # (2, vocab)
+
+
+def grammars(tok: Tokenizer, rng: np.random.Generator,
+             disagreement: float) -> tuple[Grammar, Grammar]:
+    """The target's grammar and the drafter's.
+
+    A pair holds one token of each bit and shares a successor, so (bit of previous, current)
+    -> (bit of current, next) is one-to-one: greedy chains run through long cycles instead of
+    collapsing into short ones. Map 0 leads into one half of the vocabulary (EOS included) and
+    map 1 into the other, so the bit acts through one output direction; BOS and EOS lead to
+    the one normal token left over. The drafter's maps hand the successors of a random
+    `disagreement` share of pairs round among them: a discrete difference, so its margins
+    stay large too."""
+    n = tok.get_vocab_size()
+    normal = np.arange(2, n)
+    half = normal.size // 2
+    assert normal.size % 2 == 0, "pairs need an even number of normal tokens"
+    bit = np.zeros(n, dtype=np.int64)
+    bit[rng.permutation(normal)[:half]] = 1
+    zeros, ones = (rng.permutation(normal[bit[normal] == v]) for v in (0, 1))
+    source = tok.token_to_id(EOS_SOURCE)  # into the last pair, which map 0 sends to EOS
+    side = zeros if bit[source] == 0 else ones
+    k = np.flatnonzero(side == source)[0]
+    side[[k, half - 1]] = side[[half - 1, k]]
+    partner = np.arange(n)
+    partner[zeros], partner[ones] = ones, zeros
+    order = rng.permutation(normal)
+    into = [np.append(order[:half - 1], EOS_ID), order[half - 1:-1]]
+
+    def build(targets: list[np.ndarray]) -> Grammar:
+        succ = np.empty((2, n), dtype=np.int64)
+        for b in (0, 1):
+            succ[b, zeros] = succ[b, ones] = targets[b]
+        succ[:, [BOS_ID, EOS_ID]] = order[-1]  # EOS too: prompts may spell out EOS
+        return Grammar(bit, partner, succ)
+
+    drafter = []
+    for b in (0, 1):
+        pick = np.flatnonzero(rng.random(half) < disagreement)
+        pick = pick[into[b][pick] != EOS_ID]  # both models end on EOS alike
+        targets = into[b].copy()
+        targets[pick] = np.roll(targets[pick], 1)  # a derangement: each gets another's
+        drafter.append(targets)
+    return build(into), build(drafter)
+
+
+# ---------------------------------------------------------------- weights
+
+def model_weights(spec: ModelSpec, grammar: Grammar, rng: np.random.Generator
+                  ) -> dict[str, np.ndarray]:
+    """F32 weights under HF names (rotate-half rope layout): random, then the grammar."""
+    w = random_weights(spec, grammar.bit.size, rng)
+    embed_grammar(w, grammar)
+    previous_token_head(w, spec)
+    w["lm_head.weight"] += successor_rows(w, spec, grammar)
+    return w
+
+
+def random_weights(spec: ModelSpec, vocab: int, rng: np.random.Generator
+                   ) -> dict[str, np.ndarray]:
+    d, hd = spec.n_embd, spec.head_dim
+    # Residual branches shrink with 1/sqrt(n_layer): deep and shallow models get equal noise.
+    out_std = spec.residual_gain / math.sqrt(spec.n_layer)
+
+    def normal(shape, std):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def norm():
+        return (1.0 + NORM_JITTER * rng.standard_normal(d)).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": normal((vocab, d), 1.0)}
+    for i in range(spec.n_layer):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm()
+        w[p + "self_attn.q_proj.weight"] = normal((spec.n_head * hd, d), d ** -0.5)
+        w[p + "self_attn.k_proj.weight"] = normal((spec.n_head_kv * hd, d), d ** -0.5)
+        w[p + "self_attn.v_proj.weight"] = normal((spec.n_head_kv * hd, d), d ** -0.5)
+        w[p + "self_attn.o_proj.weight"] = normal((d, spec.n_head * hd), out_std * d ** -0.5)
+        w[p + "post_attention_layernorm.weight"] = norm()
+        w[p + "mlp.gate_proj.weight"] = normal((spec.n_ff, d), d ** -0.5)
+        w[p + "mlp.up_proj.weight"] = normal((spec.n_ff, d), d ** -0.5)
+        w[p + "mlp.down_proj.weight"] = normal((d, spec.n_ff), out_std * spec.n_ff ** -0.5)
+    w["model.norm.weight"] = norm()
+    w["lm_head.weight"] = normal((vocab, d), spec.logit_noise * d ** -0.5)
+    return w
+
+
+def embed_grammar(w: dict[str, np.ndarray], grammar: Grammar) -> None:
+    """Embedding = [EMBED_U, +-EMBED_W for the bit, 0 for the previous bit, identity code].
+    A pair shares its code (it shares its successors: fewer codes to tell apart); all rows
+    have one norm, so RMSNorm scales every token alike."""
+    e = w["model.embed_tokens.weight"]
+    code = e[np.minimum(np.arange(len(e)), grammar.partner), Z + 1:]
+    e[:, Z + 1:] = code * math.sqrt(code.shape[1]) / np.linalg.norm(code, axis=1, keepdims=True)
+    e[:, U], e[:, W], e[:, Z] = EMBED_U, EMBED_W * (2 * grammar.bit - 1), 0.0
+
+
+def rms(*parts: float, d: int) -> float:
+    """RMS of a hidden state: the grammar's dimensions plus a unit-rms identity code."""
+    return math.sqrt((sum(p * p for p in parts) + d - (Z + 1)) / d)
+
+
+def previous_token_head(w: dict[str, np.ndarray], spec: ModelSpec) -> None:
+    """Layer 0, head 0 (on kv head 0) attends to the previous position and copies its bit to Z.
+
+    Query and key read only the constant U, so scores depend on position alone: rope pair k
+    turns by w_k per position, and key (a, 0) with query a*exp(-i w_k) scores
+    a^2 sum_k cos(w_k (i - j - 1)) / sqrt(head_dim), highest at i - j = 1. With equal
+    amplitudes the runner-up over 0..2048 is the current position, short by
+    a^2 sum_k (1 - cos w_k) / sqrt(head_dim) = ATTN_GAP."""
+    hd, h2 = spec.head_dim, spec.head_dim // 2
+    p = "model.layers.0."
+    x = w[p + "input_layernorm.weight"] / rms(EMBED_U, EMBED_W, d=spec.n_embd)  # per dim
+    omega = ROPE_THETA ** (-np.arange(h2) * 2.0 / hd)
+    amp = math.sqrt(ATTN_GAP * math.sqrt(hd) / np.sum(1 - np.cos(omega))) / (x[U] * EMBED_U)
+    q, k = w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"]
+    v, o = w[p + "self_attn.v_proj.weight"], w[p + "self_attn.o_proj.weight"]
+    q[:hd], k[:hd], v[0], o[:, 0] = 0.0, 0.0, 0.0, 0.0
+    q[:h2, U], q[h2:hd, U] = amp * np.cos(-omega), amp * np.sin(-omega)
+    k[:h2, U] = amp
+    v[0, W] = 1.0 / (x[W] * EMBED_W)  # value +-1: the previous token's bit
+    o[Z, 0] = PREV_BIT
+
+
+def successor_rows(w: dict[str, np.ndarray], spec: ModelSpec, grammar: Grammar) -> np.ndarray:
+    """Output rows that give the grammar's choice a large margin.
+
+    The final RMSNorm maps [.., +-PREV_BIT, code c] to g*h/rms. Row j gets the normed code of
+    the pair it follows over its squared norm (logit successor_strength when that pair is
+    current) and, in Z, the sign of the map that leads to j: the previous bit adds
+    BIT_SHARE * successor_strength to its map's successors and takes it from the other's.
+    What competes is cross-talk between codes, and the random layers' noise."""
+    strength = spec.successor_strength
+    scale = w["model.norm.weight"].astype(np.float64) / rms(EMBED_U, EMBED_W, PREV_BIT,
+                                                            d=spec.n_embd)
+    code = w["model.embed_tokens.weight"][:, Z + 1:] * scale[Z + 1:]
+    rows = np.zeros((grammar.bit.size, spec.n_embd))
+    for t, j in sorted({(min(t, grammar.partner[t]), j)
+                        for (_, t), j in np.ndenumerate(grammar.succ)}):
+        rows[j, Z + 1:] += strength * code[t] / np.sum(code[t] ** 2)
+    for b, sign in ((0, -1.0), (1, 1.0)):
+        rows[grammar.succ[b], Z] = sign * BIT_SHARE * strength / (scale[Z] * PREV_BIT)
+    # BOS's and EOS's successor follows under either bit: no Z sign, a bigger code term.
+    spare = grammar.succ[0, BOS_ID]
+    rows[spare, Z] = 0.0
+    rows[spare, Z + 1:] *= 1.0 + BIT_SHARE
+    return rows.astype(np.float32)
+
+
+# ---------------------------------------------------------------- writers
+
+def rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF q/k rows (rope pairs i, i + hd/2) to llama.cpp's (adjacent pairs), as llama.cpp's
+    convert_hf_to_gguf.py permutes them."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, w.shape[1])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+GGUF_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+              "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def gguf_tensors(w: dict[str, np.ndarray], spec: ModelSpec) -> dict[str, np.ndarray]:
+    out = {"token_embd.weight": w["model.embed_tokens.weight"],
+           "output_norm.weight": w["model.norm.weight"], "output.weight": w["lm_head.weight"]}
+    for i in range(spec.n_layer):
+        for name, hf_name in GGUF_NAMES.items():
+            out[f"blk.{i}.{name}.weight"] = w[f"model.layers.{i}.{hf_name}.weight"]
+        for name, heads in (("attn_q", spec.n_head), ("attn_k", spec.n_head_kv)):
+            out[f"blk.{i}.{name}.weight"] = rope_permute(out[f"blk.{i}.{name}.weight"], heads)
+    return out
+
+
+def write_gguf(path: Path, w: dict[str, np.ndarray], spec: ModelSpec, tok: Tokenizer,
+               f16: bool) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(f"crossrt-{spec.name}")
+    writer.add_context_length(CONTEXT_LENGTH)
+    writer.add_embedding_length(spec.n_embd)
+    writer.add_block_count(spec.n_layer)
+    writer.add_feed_forward_length(spec.n_ff)
+    writer.add_head_count(spec.n_head)
+    writer.add_head_count_kv(spec.n_head_kv)
+    writer.add_rope_dimension_count(spec.head_dim)
+    writer.add_rope_freq_base(ROPE_THETA)
+    writer.add_layer_norm_rms_eps(RMS_EPS)
+    writer.add_vocab_size(tok.get_vocab_size())
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
+    tokens = vocab_tokens(tok)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")  # the GPT-2 split regex, as tokenizers' ByteLevel uses
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in (BOS, EOS) else gguf.TokenType.NORMAL
+                            for t in tokens])
+    writer.add_token_merges(merges(tok))
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    for name, arr in gguf_tensors(w, spec).items():
+        # As llama.cpp's converters do: 1-D tensors (norms) stay F32 in an F16 file.
+        writer.add_tensor(name, arr.astype(np.float16) if f16 and arr.ndim > 1 else arr)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_hf(folder: Path, w: dict[str, np.ndarray], spec: ModelSpec, tok: Tokenizer
+             ) -> list[Path]:
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": tok.get_vocab_size(), "hidden_size": spec.n_embd,
+        "intermediate_size": spec.n_ff, "num_hidden_layers": spec.n_layer,
+        "num_attention_heads": spec.n_head, "num_key_value_heads": spec.n_head_kv,
+        "head_dim": spec.head_dim, "hidden_act": "silu", "max_position_embeddings": CONTEXT_LENGTH,
+        # LlamaConfig's defaults differ (eps 1e-6, bos 1, eos 2): say what the GGUF says.
+        "rms_norm_eps": RMS_EPS, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+        # rope_theta for transformers 4.x, rope_parameters for 5.x.
+        "rope_theta": ROPE_THETA,
+        "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "torch_dtype": "float32", "use_cache": True,
+    }
+    files = {
+        "config.json": config,
+        "generation_config.json": {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+                                   "pad_token_id": EOS_ID, "do_sample": False},
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast",
+                                  "bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
+                                  "model_max_length": CONTEXT_LENGTH,
+                                  "clean_up_tokenization_spaces": False},
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, obj in files.items():
+        (folder / name).write_text(json.dumps(obj, indent=2) + "\n")
+    (folder / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
+    save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return [folder / name for name in (*files, "tokenizer.json", "model.safetensors")]
+
+
+def eos_example(tok: Tokenizer, grammar: Grammar) -> str:
+    """A short prompt whose greedy continuation is EOS at once, for tests."""
+    for c in string.ascii_letters:
+        ids = tok.encode(c + EOS_SOURCE).ids
+        if len(ids) == 3 and grammar.succ[grammar.bit[ids[1]], ids[2]] == EOS_ID:
+            return c + EOS_SOURCE
+    raise AssertionError("no letter before EOS_SOURCE has bit 0")
+
+
+def write_readme(path: Path, preset: str, seed: int, pair: PairPreset,
+                 counts: dict[str, int], eos_prompt: str) -> None:
+    versions = ", ".join(f"{d} {version(d)}" for d in ("numpy", "tokenizers", "gguf",
+                                                       "safetensors"))
+    rows = "\n".join(f"| {s.name} | {s.n_embd} | {s.n_layer} | {s.n_head} | {s.n_head_kv} "
+                     f"| {s.head_dim} | {s.n_ff} | {counts[s.name]:,} |"
+                     for s in (pair.target, pair.drafter))
+    path.write_text(f"""# crossrt {preset} pair
+
+Built by `python scripts/build_tiny_pair.py --shape {preset} --seed {seed}`
+(`crossrt.tinypair.build_pair`) with Python {platform.python_version()}, {versions}.
+Do not edit by hand. The tokenizer trains on the built-in prompts and this interpreter's
+textwrap.py, json/__init__.py and `this`: other versions may give other (equally good) files.
+
+Tokenizer: byte-level BPE, {pair.vocab_size} tokens, `{BOS}` = {BOS_ID} (added at the start),
+`{EOS}` = {EOS_ID}; GGUF `tokenizer.ggml.pre = "gpt-2"`. Models: llama, untied output, RMS eps
+{RMS_EPS:g}, rope theta {ROPE_THETA:g}, context {CONTEXT_LENGTH}. F16 GGUFs keep norms in F32;
+the HF folders hold the F32 weights (the GGUFs' q/k rows carry llama.cpp's rope permutation).
+
+| model | n_embd | layers | heads | kv heads | head_dim | ff | parameters |
+|---|---|---|---|---|---|---|---|
+{rows}
+
+Random weights plus a designed grammar (see `crossrt/tinypair.py`): the next token is
+succ[bit(previous token), current token], so greedy top-2 margins are several logits, outputs
+depend on the previous position's KV entry, and the drafter's grammar differs from the
+target's at {pair.drafter_disagreement:.0%} of its pairs. EOS follows `{EOS_SOURCE}` after a
+bit-0 token: the prompt `{eos_prompt}` is followed by EOS at once.
+""")
+
+
+# ---------------------------------------------------------------- entry point
+
+def build_pair(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> list[Path]:
+    """Build the `preset` pair from `seed` into `out_dir`; returns the files written."""
+    pair, out = PRESETS[preset], Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(training_texts(Path(__file__).parent / "data" / "prompts" /
+                                         "builtin.jsonl"), pair.vocab_size)
+    both = grammars(tok, np.random.default_rng([seed, 0]), pair.drafter_disagreement)
+    files, counts = [], {}
+    for stream, (spec, grammar) in enumerate(zip((pair.target, pair.drafter), both), start=1):
+        w = model_weights(spec, grammar, np.random.default_rng([seed, stream]))
+        counts[spec.name] = sum(a.size for a in w.values())
+        for fmt in pair.formats:
+            if fmt == "hf":
+                files += write_hf(out / f"{spec.name}-hf", w, spec, tok)
+            else:
+                files.append(out / f"{spec.name}.{fmt}.gguf")
+                write_gguf(files[-1], w, spec, tok, f16=fmt == "f16")
+    files.append(out / "README.md")
+    write_readme(files[-1], preset, seed, pair, counts, eos_example(tok, both[0]))
+    return files
