@@ -10,12 +10,14 @@ import click
 
 from crossrt.pairs import PairError, load_pair, pair_from_paths
 from crossrt.prompts import PromptError, load_prompts
-from crossrt.runtime import RuntimeOptions, RuntimeUnavailable, availability, runtime_names
+from crossrt.driver import RunRequest, run_pair
+from crossrt.loop import SCHEDULE, SCHEDULES
+from crossrt.runtime import RuntimeFailure, RuntimeOptions, RuntimeUnavailable, availability, runtime_names
 from crossrt.schema import RecordError, load_record
 from crossrt.tables import format_table, summary_rows
 
 REPO_PAIRS = Path(__file__).resolve().parent.parent / "models" / "pairs"
-USER_ERRORS = (PairError, PromptError, RecordError, RuntimeUnavailable, FileNotFoundError)
+USER_ERRORS = (PairError, PromptError, RecordError, RuntimeUnavailable, RuntimeFailure, FileNotFoundError)
 
 
 class GpuSplit(click.ParamType):
@@ -68,6 +70,12 @@ def main() -> None:
 @click.option("--drafter", type=click.Path(path_type=Path), help="Drafter model file/folder (with --target).")
 @click.option("--runtime", "runtime_name", type=click.Choice(runtime_names()), default="llama-cpp",
               show_default=True, help="Runtime to run the pair on (see `crossrt runtimes`).")
+@click.option("--mode", type=click.Choice(["driven", "native"]), default="driven", show_default=True,
+              help="driven: crossrt's shared loop over the runtime's forward pass; native: the "
+              "runtime's own speculative decoding, its statistics normalized.")
+@click.option("--schedule", type=click.Choice(SCHEDULES), default=SCHEDULE, show_default=True,
+              help="Driven mode: whose schedule the loop follows (when drafts start, how they are "
+              "cut near the budget), so counts can match a native runtime's exactly.")
 @click.option("--k", type=click.IntRange(min=1),
               help="Draft tokens per verification step. Default: the pair's default k, else 4.")
 @click.option("--prompts", "prompt_source", default="builtin", show_default=True,
@@ -84,23 +92,29 @@ def main() -> None:
               help="Layers to offload to GPU (llama.cpp); large values offload all.")
 @click.option("--gpu-split", type=GpuSplit(), help="Relative model share per GPU, e.g. 1,1 for two T4s.")
 @click.option("--f32-kv-cache", is_flag=True, help="F32 KV cache, for logit comparisons across runtimes.")
-def run(pair, target, drafter, runtime_name, k, prompt_source, max_new_tokens, out, resume, overwrite,
-        threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache) -> None:
+@click.option("--llama-server", "llama_server", type=click.Path(path_type=Path, dir_okay=False),
+              help="llama-server executable for --runtime llama-server (default: the one "
+              "scripts/build_llama_tools built, else PATH).")
+@click.option("--llama-spec", "llama_spec", type=click.Path(path_type=Path, dir_okay=False),
+              help="llama-speculative-simple executable for --runtime llama-spec-cli (default: the "
+              "one scripts/build_llama_tools built, else PATH).")
+def run(pair, target, drafter, runtime_name, mode, schedule, k, prompt_source, max_new_tokens, out, resume, overwrite,
+        threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache, llama_server, llama_spec) -> None:
     """Run a pair over prompts: plain greedy baseline and speculative decoding, per prompt.
 
     Writes a run record (JSON, schema in docs/schema.md) after every prompt, so an
     interrupted run keeps what finished; --resume continues it.
     """
-    from crossrt.driver import RunRequest, run_pair  # the driver pulls in the loop: only here
-
     try:
         resolved = _resolve_pair(pair, target, drafter)
         prompts = load_prompts(prompt_source)
         k = k or int(resolved.defaults.get("k", 4))
         out = out or Path("runs") / f"{resolved.name}-{runtime_name}-k{k}.json"
         options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers,
-                                 gpu_split=gpu_split, f32_kv_cache=f32_kv_cache)
-        request = RunRequest(resolved, runtime_name, options, k, max_new_tokens, out, resume, overwrite)
+                                 gpu_split=gpu_split, f32_kv_cache=f32_kv_cache,
+                                 executable={"llama-server": llama_server, "llama-spec-cli": llama_spec}.get(runtime_name))
+        request = RunRequest(resolved, runtime_name, options, k, max_new_tokens, out, mode, schedule,
+                             resume, overwrite)
         with click.progressbar(length=len(prompts), label=f"{runtime_name} k={k}", file=sys.stderr,
                                item_show_func=lambda text: text) as bar:
             def advance(prompt, result):

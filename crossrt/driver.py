@@ -4,6 +4,7 @@ after every prompt (so an interrupted run keeps what finished), and resume.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -11,7 +12,7 @@ from typing import Callable, Optional, Sequence
 from crossrt import loop
 from crossrt.pairs import ROLES, Pair, pair_info
 from crossrt.prompts import Prompt
-from crossrt.runtime import ModelSession, RuntimeOptions, open_runtime
+from crossrt.runtime import ModelSession, NativeSession, Runtime, RuntimeOptions, RuntimeUnavailable, open_runtime
 from crossrt.schema import (Counters, PromptResult, RecordError, RunParams, RunRecord, Timings,
                             accepted_per_position, load_record, save_record)
 
@@ -24,19 +25,21 @@ class RunRequest:
     k: int
     max_new_tokens: int
     out: Path
+    mode: str = "driven"
+    schedule: str = loop.SCHEDULE  # driven mode only: native runs follow the runtime's own
     resume: bool = False
     overwrite: bool = False
 
 
 def run_prompt(target: ModelSession, drafter: ModelSession, prompt: Prompt, k: int,
-               max_new_tokens: int) -> PromptResult:
+               max_new_tokens: int, schedule: str = loop.SCHEDULE) -> PromptResult:
     """Baseline then speculative run of one prompt; a prompt that cannot run (too long for
     the context, a decode error) becomes a failed result with the reason."""
     prompt_ids: list[int] = []
     try:
         prompt_ids = target.tokenize(prompt.text)
         baseline = loop.greedy_generate(target, prompt_ids, max_new_tokens)
-        speculative = loop.speculative_generate(target, drafter, prompt_ids, k, max_new_tokens)
+        speculative = loop.speculative_generate(target, drafter, prompt_ids, k, max_new_tokens, schedule)
     except (ValueError, RuntimeError) as error:
         return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
     step_accepted = speculative.step_accepted
@@ -48,10 +51,27 @@ def run_prompt(target: ModelSession, drafter: ModelSession, prompt: Prompt, k: i
         accepted_per_pos=accepted_per_position(step_accepted, k),
         step_drafted=speculative.step_drafted,
         step_accepted=step_accepted,
+        unverified=speculative.unverified,
+        cut=speculative.cut,
     )
     timings = Timings(speculative.prefill_s, speculative.decode_s, baseline.prefill_s, baseline.decode_s)
     return PromptResult(prompt.id, prompt.category, "ok", None, tuple(prompt_ids), speculative.output_ids,
                         baseline.output_ids, speculative.stop_reason, counters, timings)
+
+
+def run_prompt_native(session: NativeSession, prompt: Prompt, max_new_tokens: int) -> PromptResult:
+    """The runtime's own plain and speculative generation of one prompt. A prompt that cannot
+    run becomes a failed result; a runtime that breaks (RuntimeFailure) ends the run."""
+    prompt_ids: list[int] = []
+    try:
+        prompt_ids = session.tokenize(prompt.text)
+        baseline = session.generate(prompt_ids, max_new_tokens, speculative=False)
+        speculative = session.generate(prompt_ids, max_new_tokens, speculative=True)
+    except ValueError as error:
+        return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
+    timings = Timings(speculative.prefill_s, speculative.decode_s, baseline.prefill_s, baseline.decode_s)
+    return PromptResult(prompt.id, prompt.category, "ok", None, tuple(prompt_ids), speculative.output_ids,
+                        baseline.output_ids, speculative.stop_reason, speculative.counters, timings)
 
 
 def _starting_record(request: RunRequest, fresh: RunRecord) -> RunRecord:
@@ -72,28 +92,47 @@ def _starting_record(request: RunRequest, fresh: RunRecord) -> RunRecord:
                      tuple(r for r in previous.results if r.ok), notes=previous.notes)
 
 
+def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.ExitStack):
+    """A function running one prompt in the requested mode, and the schedule it follows."""
+    if request.mode not in runtime.modes:
+        raise RuntimeUnavailable(f"runtime {runtime.name!r} has no {request.mode} mode "
+                                 f"(it has: {', '.join(runtime.modes)})")
+    paths = {role: request.pair.path(role, runtime.model_format) for role in ROLES}
+    if request.mode == "native":
+        work_dir = request.out.with_name(request.out.stem + ".logs")
+        session = runtime.open_native(paths["target"], paths["drafter"], request.k, work_dir)
+        stack.callback(session.close)
+        return (lambda prompt: run_prompt_native(session, prompt, request.max_new_tokens)), session
+    target, drafter = runtime.load(paths["target"]), runtime.load(paths["drafter"])
+    return (lambda prompt: run_prompt(target, drafter, prompt, request.k, request.max_new_tokens,
+                                      request.schedule)), None
+
+
 def run_pair(request: RunRequest, prompts: Sequence[Prompt],
              on_prompt: Optional[Callable[[Prompt, Optional[PromptResult]], None]] = None) -> RunRecord:
     """Run every prompt not already finished in the record at request.out.
 
     on_prompt(prompt, result) is called once per prompt, with None for a prompt skipped
-    because the resumed record already holds it.
+    because the resumed record already holds it. The record is saved after every prompt,
+    so what finished survives an error or Ctrl-C in the middle of the run.
     """
     runtime = open_runtime(request.runtime, request.options)
     info = pair_info(request.pair, runtime.model_format)
-    params = RunParams(k=request.k, greedy=True, max_new_tokens=request.max_new_tokens, mode="driven",
-                       spec_type="draft", schedule=loop.SCHEDULE, n_ctx=request.options.n_ctx)
-    record = _starting_record(request, RunRecord(runtime.info(), info, params))
-    done = {r.prompt_id for r in record.results}
-    sessions = {role: runtime.load(request.pair.path(role, runtime.model_format)) for role in ROLES}
-    save_record(record, request.out)
-    for prompt in prompts:
-        if prompt.id in done:
+    with contextlib.ExitStack() as stack:
+        run_one, native = _prompt_runner(runtime, request, stack)
+        params = RunParams(k=request.k, greedy=True, max_new_tokens=request.max_new_tokens, mode=request.mode,
+                           spec_type="draft", schedule=native.schedule if native else request.schedule,
+                           n_ctx=request.options.n_ctx)
+        fresh = RunRecord(runtime.info(), info, params, notes=native.notes if native else ())
+        record = _starting_record(request, fresh)
+        done = {r.prompt_id for r in record.results}
+        save_record(record, request.out)
+        for prompt in prompts:
             result = None
-        else:
-            result = run_prompt(sessions["target"], sessions["drafter"], prompt, request.k, request.max_new_tokens)
-            record = record.with_result(result)
-            save_record(record, request.out)
-        if on_prompt is not None:
-            on_prompt(prompt, result)
+            if prompt.id not in done:
+                result = run_one(prompt)
+                record = record.with_result(result)
+                save_record(record, request.out)
+            if on_prompt is not None:
+                on_prompt(prompt, result)
     return record

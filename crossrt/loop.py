@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 from crossrt.runtime import ModelSession, Rows
 
 SCHEDULE = "crossrt"
+SCHEDULES = (SCHEDULE,)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class Generation:
     decode_s: float
     step_drafted: Optional[tuple[int, ...]] = None  # None for the plain baseline
     step_accepted: Optional[tuple[int, ...]] = None
+    unverified: int = 0  # tokens emitted outside steps (see schema.Counters)
+    cut: int = 0  # tokens counted as accepted but dropped at the budget or after EOS
 
 
 def _check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, sessions: Sequence[ModelSession]) -> None:
@@ -68,10 +71,12 @@ def greedy_generate(target: ModelSession, prompt_ids: Sequence[int], max_new_tok
 
 
 def speculative_generate(target: ModelSession, drafter: ModelSession, prompt_ids: Sequence[int],
-                         k: int, max_new_tokens: int) -> Generation:
-    """Greedy speculative decoding with the crossrt schedule (module docstring)."""
+                         k: int, max_new_tokens: int, schedule: str = SCHEDULE) -> Generation:
+    """Greedy speculative decoding with the named schedule (module docstring)."""
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
     _check_prompt(prompt_ids, max_new_tokens, [target, drafter])
     start = time.perf_counter()
     target.truncate(0)

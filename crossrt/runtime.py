@@ -19,7 +19,7 @@ from typing import ClassVar, Optional, Sequence
 
 import numpy as np
 
-from crossrt.schema import RuntimeInfo
+from crossrt.schema import Counters, RuntimeInfo
 
 RUNTIMES: dict[str, str] = {
     "llama-cpp": "crossrt.backends.llama_cpp:LlamaCppRuntime",
@@ -28,6 +28,11 @@ RUNTIMES: dict[str, str] = {
 
 class RuntimeUnavailable(RuntimeError):
     """A runtime cannot run on this machine; the message says why and what would fix it."""
+
+
+class RuntimeFailure(Exception):
+    """The runtime itself broke mid-run (a server that died, a tool that crashed): the run
+    stops, keeping the prompts already finished. The message carries the runtime's log tail."""
 
 
 class Rows(Enum):
@@ -55,6 +60,7 @@ class RuntimeOptions:
     gpu_split: Optional[tuple[float, ...]] = None
     f32_kv_cache: bool = False
     flash_attn: bool = True
+    executable: Optional[Path] = None  # for runtimes that run a program (llama-server, ...)
 
 
 class ModelSession(abc.ABC):
@@ -89,22 +95,61 @@ class ModelSession(abc.ABC):
         """Text of ids; invalid UTF-8 (a split multi-byte character) is replaced, not raised."""
 
 
+@dataclass(frozen=True)
+class NativeGeneration:
+    """What a runtime's own speculative decoding produced for one prompt, its statistics
+    already translated into crossrt's counters (None where the runtime does not report)."""
+
+    output_ids: tuple[int, ...]
+    stop_reason: str  # "eos" or "max_new_tokens"
+    counters: Optional[Counters]  # None for a plain (baseline) generation
+    prefill_s: float
+    decode_s: float
+
+
+class NativeSession(abc.ABC):
+    """A runtime's own speculative decoding of one pair at one k (a server, a CLI tool).
+
+    notes: what the runtime does not report or how a counter was derived, for the record.
+    """
+
+    schedule: str
+    notes: tuple[str, ...] = ()
+
+    @abc.abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of text as the runtime tokenizes it, BOS included."""
+
+    @abc.abstractmethod
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, speculative: bool) -> NativeGeneration:
+        """Greedy generation from prompt_ids: speculative, or plain for the baseline."""
+
+    def close(self) -> None:
+        """Release processes and files; safe to call twice."""
+
+
 class Runtime(abc.ABC):
     name: ClassVar[str]
     model_format: ClassVar[str]  # which file of a pair manifest this runtime loads
+    modes: ClassVar[tuple[str, ...]] = ("driven",)  # "driven" needs load(), "native" open_native()
 
     def __init__(self, options: RuntimeOptions):
         self.options = options
+
+    def load(self, path: Path) -> ModelSession:
+        """Load one model file or folder as a session for crossrt's driven loop; raise
+        FileNotFoundError or ValueError with a clear message when it cannot be loaded."""
+        raise RuntimeUnavailable(f"runtime {self.name!r} has no driven mode; use --mode native")
+
+    def open_native(self, target: Path, drafter: Path, k: int, work_dir: Path) -> NativeSession:
+        """Start the runtime's own speculative decoding of target with drafter at k; logs and
+        temporary files go under work_dir."""
+        raise RuntimeUnavailable(f"runtime {self.name!r} has no native speculative mode; use --mode driven")
 
     @classmethod
     @abc.abstractmethod
     def check_available(cls) -> None:
         """Raise RuntimeUnavailable with the reason when this runtime cannot run here."""
-
-    @abc.abstractmethod
-    def load(self, path: Path) -> ModelSession:
-        """Load one model file or folder; raise FileNotFoundError or ValueError with a clear
-        message when it cannot be loaded."""
 
     @abc.abstractmethod
     def info(self) -> RuntimeInfo:

@@ -2,8 +2,8 @@
 
 Counters are stored; every rate (tau, alpha, tokens/s, speedup) is derived from them, as
 vLLM does, so two records can always be compared by recomputing from the same numbers.
-Convention: tau counts the bonus token (tau = emitted / steps = 1 + accepted / steps), as
-community "tokens per step" figures do. docs/schema.md documents each field.
+Convention: tau counts the bonus token (tau = 1 + accepted / steps, which is emitted / steps in
+crossrt's own schedule), as community "tokens per step" figures do. docs/schema.md documents each field.
 
 Records are validated against data/run-record.schema.json on write and on read, and the
 derived blocks written for readers (jq, spreadsheets) must match a recomputation on read.
@@ -89,9 +89,12 @@ def _ratio(numerator: float, denominator: float) -> Optional[float]:
 class Counters:
     """What a speculative run counts; the same fields whatever the runtime.
 
-    steps: verification passes of the target (each emits accepted-in-step + 1 tokens).
+    steps: verification passes of the target (each yields accepted-in-step + 1 tokens).
     drafted: draft tokens the target verified. accepted: draft tokens it kept (bonus excluded).
     emitted: tokens produced. accepted_per_pos[i]: steps that accepted at least i + 1 tokens.
+    unverified: tokens emitted outside any step (llama-server's first token from the prompt
+    pass, plain decodes when no draft fits the budget). cut: tokens steps yielded, counted as
+    accepted, but dropped at the token budget or after EOS. Both are 0 in crossrt's schedule.
     step_drafted / step_accepted: the raw per-step lengths, None where a runtime does not
     report them (then accepted_per_pos may be None too).
     """
@@ -103,10 +106,13 @@ class Counters:
     accepted_per_pos: Optional[tuple[int, ...]]
     step_drafted: Optional[tuple[int, ...]]
     step_accepted: Optional[tuple[int, ...]]
+    unverified: int = 0
+    cut: int = 0
 
     @property
     def tau(self) -> Optional[float]:
-        return _ratio(self.emitted, self.steps)
+        """Tokens per verification step, bonus included: 1 + accepted / steps."""
+        return 1 + self.accepted / self.steps if self.steps else None
 
     @property
     def alpha(self) -> Optional[float]:
@@ -115,8 +121,9 @@ class Counters:
     def identity_violations(self, k: int) -> list[str]:
         """The counter identities every speculative run must satisfy; empty when they hold."""
         problems = []
-        if self.emitted != self.steps + self.accepted:
-            problems.append(f"emitted {self.emitted} != steps {self.steps} + accepted {self.accepted}")
+        if self.emitted != self.steps + self.accepted + self.unverified - self.cut:
+            problems.append(f"emitted {self.emitted} != steps {self.steps} + accepted {self.accepted}"
+                            f" + unverified {self.unverified} - cut {self.cut}")
         if not self.accepted <= self.drafted <= k * self.steps:
             problems.append(f"not accepted {self.accepted} <= drafted {self.drafted} <= k*steps {k * self.steps}")
         per_pos = self.accepted_per_pos
