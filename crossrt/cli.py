@@ -12,12 +12,13 @@ from crossrt.pairs import PairError, load_pair, pair_from_paths
 from crossrt.prompts import PromptError, load_prompts
 from crossrt.driver import RunRequest, run_pair
 from crossrt.loop import SCHEDULE, SCHEDULES
-from crossrt.runtime import RuntimeFailure, RuntimeOptions, RuntimeUnavailable, availability, runtime_names
+from crossrt.runtime import DraftRules, RuntimeFailure, RuntimeOptions, RuntimeUnavailable, availability, runtime_names
 from crossrt.schema import RecordError, load_record
 from crossrt.tables import format_table, summary_rows
 
 REPO_PAIRS = Path(__file__).resolve().parent.parent / "models" / "pairs"
-USER_ERRORS = (PairError, PromptError, RecordError, RuntimeUnavailable, RuntimeFailure, FileNotFoundError)
+USER_ERRORS = (PairError, PromptError, RecordError, RuntimeUnavailable, RuntimeFailure, FileNotFoundError,
+               ValueError)
 
 
 class GpuSplit(click.ParamType):
@@ -78,6 +79,11 @@ def main() -> None:
               "cut near the budget), so counts can match a native runtime's exactly.")
 @click.option("--k", type=click.IntRange(min=1),
               help="Draft tokens per verification step. Default: the pair's default k, else 4.")
+@click.option("--draft-n-min", type=click.IntRange(min=0),
+              help="llama.cpp drafting rule: drafts shorter than this are dropped. Default: k.")
+@click.option("--draft-p-min", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="llama.cpp drafting rule: stop drafting when the drafter's top probability "
+              "falls below this.")
 @click.option("--prompts", "prompt_source", default="builtin", show_default=True,
               help="A built-in suite name, or a JSONL file with id, category, prompt fields.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
@@ -98,7 +104,7 @@ def main() -> None:
 @click.option("--llama-spec", "llama_spec", type=click.Path(path_type=Path, dir_okay=False),
               help="llama-speculative-simple executable for --runtime llama-spec-cli (default: the "
               "one scripts/build_llama_tools built, else PATH).")
-def run(pair, target, drafter, runtime_name, mode, schedule, k, prompt_source, max_new_tokens, out, resume, overwrite,
+def run(pair, target, drafter, runtime_name, mode, schedule, k, draft_n_min, draft_p_min, prompt_source, max_new_tokens, out, resume, overwrite,
         threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache, llama_server, llama_spec) -> None:
     """Run a pair over prompts: plain greedy baseline and speculative decoding, per prompt.
 
@@ -113,7 +119,8 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, prompt_source, m
         options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers,
                                  gpu_split=gpu_split, f32_kv_cache=f32_kv_cache,
                                  executable={"llama-server": llama_server, "llama-spec-cli": llama_spec}.get(runtime_name))
-        request = RunRequest(resolved, runtime_name, options, k, max_new_tokens, out, mode, schedule,
+        rules = DraftRules(k, draft_n_min, draft_p_min)
+        request = RunRequest(resolved, runtime_name, options, rules, max_new_tokens, out, mode, schedule,
                              resume, overwrite)
         with click.progressbar(length=len(prompts), label=f"{runtime_name} k={k}", file=sys.stderr,
                                item_show_func=lambda text: text) as bar:

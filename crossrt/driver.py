@@ -12,7 +12,8 @@ from typing import Callable, Optional, Sequence
 from crossrt import loop
 from crossrt.pairs import ROLES, Pair, pair_info
 from crossrt.prompts import Prompt
-from crossrt.runtime import ModelSession, NativeSession, Runtime, RuntimeOptions, RuntimeUnavailable, open_runtime
+from crossrt.runtime import (DraftRules, ModelSession, NativeSession, Runtime, RuntimeOptions,
+                             RuntimeUnavailable, open_runtime)
 from crossrt.schema import (Counters, PromptResult, RecordError, RunParams, RunRecord, Timings,
                             accepted_per_position, load_record, save_record)
 
@@ -22,7 +23,7 @@ class RunRequest:
     pair: Pair
     runtime: str
     options: RuntimeOptions
-    k: int
+    rules: DraftRules
     max_new_tokens: int
     out: Path
     mode: str = "driven"
@@ -31,7 +32,7 @@ class RunRequest:
     overwrite: bool = False
 
 
-def run_prompt(target: ModelSession, drafter: ModelSession, prompt: Prompt, k: int,
+def run_prompt(target: ModelSession, drafter: ModelSession, prompt: Prompt, rules: DraftRules,
                max_new_tokens: int, schedule: str = loop.SCHEDULE) -> PromptResult:
     """Baseline then speculative run of one prompt; a prompt that cannot run (too long for
     the context, a decode error) becomes a failed result with the reason."""
@@ -39,7 +40,7 @@ def run_prompt(target: ModelSession, drafter: ModelSession, prompt: Prompt, k: i
     try:
         prompt_ids = target.tokenize(prompt.text)
         baseline = loop.greedy_generate(target, prompt_ids, max_new_tokens)
-        speculative = loop.speculative_generate(target, drafter, prompt_ids, k, max_new_tokens, schedule)
+        speculative = loop.speculative_generate(target, drafter, prompt_ids, rules, max_new_tokens, schedule)
     except (ValueError, RuntimeError) as error:
         return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
     step_accepted = speculative.step_accepted
@@ -48,7 +49,7 @@ def run_prompt(target: ModelSession, drafter: ModelSession, prompt: Prompt, k: i
         drafted=sum(speculative.step_drafted),
         accepted=sum(step_accepted),
         emitted=len(speculative.output_ids),
-        accepted_per_pos=accepted_per_position(step_accepted, k),
+        accepted_per_pos=accepted_per_position(step_accepted, rules.k),
         step_drafted=speculative.step_drafted,
         step_accepted=step_accepted,
         unverified=speculative.unverified,
@@ -100,11 +101,11 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
     paths = {role: request.pair.path(role, runtime.model_format) for role in ROLES}
     if request.mode == "native":
         work_dir = request.out.with_name(request.out.stem + ".logs")
-        session = runtime.open_native(paths["target"], paths["drafter"], request.k, work_dir)
+        session = runtime.open_native(paths["target"], paths["drafter"], request.rules, work_dir)
         stack.callback(session.close)
         return (lambda prompt: run_prompt_native(session, prompt, request.max_new_tokens)), session
     target, drafter = runtime.load(paths["target"]), runtime.load(paths["drafter"])
-    return (lambda prompt: run_prompt(target, drafter, prompt, request.k, request.max_new_tokens,
+    return (lambda prompt: run_prompt(target, drafter, prompt, request.rules, request.max_new_tokens,
                                       request.schedule)), None
 
 
@@ -120,9 +121,10 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
     info = pair_info(request.pair, runtime.model_format)
     with contextlib.ExitStack() as stack:
         run_one, native = _prompt_runner(runtime, request, stack)
-        params = RunParams(k=request.k, greedy=True, max_new_tokens=request.max_new_tokens, mode=request.mode,
-                           spec_type="draft", schedule=native.schedule if native else request.schedule,
-                           n_ctx=request.options.n_ctx)
+        params = RunParams(k=request.rules.k, greedy=True, max_new_tokens=request.max_new_tokens,
+                           mode=request.mode, spec_type="draft",
+                           schedule=native.schedule if native else request.schedule, n_ctx=request.options.n_ctx,
+                           draft_n_min=request.rules.n_min, draft_p_min=request.rules.p_min)
         fresh = RunRecord(runtime.info(), info, params, notes=native.notes if native else ())
         record = _starting_record(request, fresh)
         done = {r.prompt_id for r in record.results}

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from crossrt.runtime import ModelSession, Rows
+from crossrt.runtime import DraftRules, ModelSession, Rows
 
 SCHEDULE = "crossrt"
 SCHEDULES = (SCHEDULE,)
@@ -71,12 +71,14 @@ def greedy_generate(target: ModelSession, prompt_ids: Sequence[int], max_new_tok
 
 
 def speculative_generate(target: ModelSession, drafter: ModelSession, prompt_ids: Sequence[int],
-                         k: int, max_new_tokens: int, schedule: str = SCHEDULE) -> Generation:
+                         rules: DraftRules, max_new_tokens: int, schedule: str = SCHEDULE) -> Generation:
     """Greedy speculative decoding with the named schedule (module docstring)."""
-    if k < 1:
-        raise ValueError(f"k must be at least 1, got {k}")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
+    if schedule == SCHEDULE and not rules.fixed:
+        raise ValueError("the crossrt schedule drafts exactly k tokens: n_min and p_min are "
+                         "llama.cpp drafting rules, for the llama-* schedules")
+    k = rules.k
     _check_prompt(prompt_ids, max_new_tokens, [target, drafter])
     start = time.perf_counter()
     target.truncate(0)

@@ -45,6 +45,32 @@ class Rows(Enum):
 
 
 @dataclass(frozen=True)
+class DraftRules:
+    """How drafts are made: up to k tokens; llama.cpp's drafting rules add n_min (shorter
+    drafts are thrown away) and p_min (drafting stops when the drafter's top-10 softmax
+    probability of its choice falls below it). n_min defaults to k: fixed-length drafts."""
+
+    k: int
+    n_min: Optional[int] = None
+    p_min: float = 0.0
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise ValueError(f"k must be at least 1, got {self.k}")
+        if self.n_min is None:
+            object.__setattr__(self, "n_min", self.k)
+        if not 0 <= self.n_min <= self.k:
+            raise ValueError(f"n_min must be between 0 and k={self.k}, got {self.n_min}")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise ValueError(f"p_min must be between 0 and 1, got {self.p_min}")
+
+    @property
+    def fixed(self) -> bool:
+        """Every draft is k tokens unless the token budget cuts it."""
+        return self.n_min == self.k and self.p_min == 0.0
+
+
+@dataclass(frozen=True)
 class RuntimeOptions:
     """Settings every runtime understands, normalized.
 
@@ -141,9 +167,9 @@ class Runtime(abc.ABC):
         FileNotFoundError or ValueError with a clear message when it cannot be loaded."""
         raise RuntimeUnavailable(f"runtime {self.name!r} has no driven mode; use --mode native")
 
-    def open_native(self, target: Path, drafter: Path, k: int, work_dir: Path) -> NativeSession:
-        """Start the runtime's own speculative decoding of target with drafter at k; logs and
-        temporary files go under work_dir."""
+    def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path) -> NativeSession:
+        """Start the runtime's own speculative decoding of target with drafter under rules;
+        logs and temporary files go under work_dir."""
         raise RuntimeUnavailable(f"runtime {self.name!r} has no native speculative mode; use --mode driven")
 
     @classmethod

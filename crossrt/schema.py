@@ -69,6 +69,8 @@ class RunParams:
     spec_type: str
     schedule: str
     n_ctx: int
+    draft_n_min: int
+    draft_p_min: float
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from crossrt import loop
 from crossrt.backends import llama_cpp as backend
-from crossrt.runtime import RuntimeOptions, open_runtime
+from crossrt.runtime import DraftRules, RuntimeOptions, open_runtime
 from crossrt.tinypair import build_pair
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,7 +85,7 @@ class DecodeTimer:
 
 def run_driven(sessions, prompt_ids, k: int, tokens: int) -> dict[str, float]:
     target, drafter = sessions
-    generation = loop.speculative_generate(target, drafter, prompt_ids, k, tokens)
+    generation = loop.speculative_generate(target, drafter, prompt_ids, DraftRules(k), tokens)
     return {"n_predict": len(generation.output_ids), "n_drafted": sum(generation.step_drafted),
             "n_accept": sum(generation.step_accepted), "steps": len(generation.step_accepted),
             "tokens_per_s": len(generation.output_ids) / generation.decode_s,

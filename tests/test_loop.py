@@ -3,6 +3,7 @@
 import pytest
 
 from crossrt import loop
+from crossrt.runtime import DraftRules
 from crossrt.prompts import load_prompts
 from crossrt.schema import Counters, accepted_per_position
 
@@ -23,7 +24,7 @@ def test_speculative_output_equals_greedy(tiny_sessions, prompt):
     target, drafter = tiny_sessions
     ids = target.tokenize(prompt.text)
     baseline = loop.greedy_generate(target, ids, MAX_NEW)
-    speculative = loop.speculative_generate(target, drafter, ids, K, MAX_NEW)
+    speculative = loop.speculative_generate(target, drafter, ids, DraftRules(K), MAX_NEW)
     assert list(speculative.output_ids) == list(baseline.output_ids)
     assert speculative.stop_reason == baseline.stop_reason
     counters = counters_of(speculative, K)
@@ -40,7 +41,7 @@ def test_acceptance_is_neither_zero_nor_one(tiny_sessions):
     target, drafter = tiny_sessions
     drafted = accepted = 0
     for prompt in PROMPTS:
-        generation = loop.speculative_generate(target, drafter, target.tokenize(prompt.text), K, MAX_NEW)
+        generation = loop.speculative_generate(target, drafter, target.tokenize(prompt.text), DraftRules(K), MAX_NEW)
         drafted += sum(generation.step_drafted)
         accepted += sum(generation.step_accepted)
     assert 0.2 < accepted / drafted < 0.95
@@ -51,7 +52,7 @@ def test_drafter_identical_to_target_accepts_every_draft(tiny_sessions, llama_ru
     target, _ = tiny_sessions
     twin = llama_runtime.load(tiny_pair.path("target", "gguf"))
     ids = target.tokenize(PROMPTS[0].text)
-    generation = loop.speculative_generate(target, twin, ids, K, max_new)
+    generation = loop.speculative_generate(target, twin, ids, DraftRules(K), max_new)
     # Every step but the last drafts k and accepts all: tau = k + 1; the last step is cut to
     # the token budget, so it drafts what is left minus its own bonus token.
     assert generation.step_accepted == generation.step_drafted
@@ -64,13 +65,17 @@ def test_drafter_identical_to_target_accepts_every_draft(tiny_sessions, llama_ru
 def test_prompt_that_does_not_fit_the_context_is_refused(tiny_sessions):
     target, drafter = tiny_sessions
     with pytest.raises(ValueError, match="does not fit the context"):
-        loop.speculative_generate(target, drafter, [5] * 500, K, 64)
+        loop.speculative_generate(target, drafter, [5] * 500, DraftRules(K), 64)
 
 
-def test_k_must_be_positive(tiny_sessions):
+def test_draft_rules_are_validated(tiny_sessions):
     target, drafter = tiny_sessions
     with pytest.raises(ValueError, match="k must be at least 1"):
-        loop.speculative_generate(target, drafter, [5, 6], 0, 8)
+        DraftRules(0)
+    with pytest.raises(ValueError, match="n_min must be between 0 and k=4"):
+        DraftRules(4, n_min=5)
+    with pytest.raises(ValueError, match="crossrt schedule drafts exactly k tokens"):
+        loop.speculative_generate(target, drafter, [5, 6], DraftRules(4, p_min=0.5), 8)
 
 
 def test_eos_stops_both_runs_and_counts_as_the_steps_own_token(tiny_sessions):
@@ -78,7 +83,7 @@ def test_eos_stops_both_runs_and_counts_as_the_steps_own_token(tiny_sessions):
     target, drafter = tiny_sessions
     ids = target.tokenize("b.")
     baseline = loop.greedy_generate(target, ids, MAX_NEW)
-    speculative = loop.speculative_generate(target, drafter, ids, K, MAX_NEW)
+    speculative = loop.speculative_generate(target, drafter, ids, DraftRules(K), MAX_NEW)
     assert baseline.stop_reason == speculative.stop_reason == "eos"
     assert speculative.output_ids == baseline.output_ids and speculative.output_ids[-1] in target.eog_ids
     assert counters_of(speculative, K).identity_violations(K) == []

@@ -9,6 +9,7 @@ import pytest
 from crossrt.driver import run_prompt
 from crossrt.pairs import pair_info
 from crossrt.prompts import load_prompts
+from crossrt.runtime import DraftRules
 from crossrt.schema import (RecordError, RunParams, RunRecord, load_record, record_from_json,
                             record_to_json, save_record)
 
@@ -17,10 +18,10 @@ from crossrt.schema import (RecordError, RunParams, RunRecord, load_record, reco
 def record(tiny_pair, llama_runtime, tiny_sessions):
     target, drafter = tiny_sessions
     params = RunParams(k=3, greedy=True, max_new_tokens=24, mode="driven", spec_type="draft",
-                       schedule="crossrt", n_ctx=512)
+                       schedule="crossrt", n_ctx=512, draft_n_min=3, draft_p_min=0.0)
     record = RunRecord(llama_runtime.info(), pair_info(tiny_pair, "gguf"), params)
     for prompt in load_prompts("builtin")[:3]:
-        record = record.with_result(run_prompt(target, drafter, prompt, 3, 24))
+        record = record.with_result(run_prompt(target, drafter, prompt, DraftRules(3), 24))
     return record.with_result(type(record.results[0]).failed("too-long", "prose", "does not fit", [0, 5]))
 
 
