@@ -4,51 +4,18 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 import click
 
-from crossrt.pairs import PairError, load_pair, pair_from_paths
-from crossrt.prompts import PromptError, load_prompts
+from crossrt.cli_common import USER_ERRORS, GpuSplit, resolve_pair
+from crossrt.cli_compare import parity
 from crossrt.driver import RunRequest, run_pair
 from crossrt.loop import SCHEDULE, SCHEDULES
-from crossrt.runtime import DraftRules, RuntimeFailure, RuntimeOptions, RuntimeUnavailable, availability, runtime_names
+from crossrt.prompts import load_prompts
+from crossrt.runtime import DraftRules, RuntimeOptions, availability, runtime_names
 from crossrt.schema import RecordError, load_record
 from crossrt.tables import format_table, summary_rows
-
-REPO_PAIRS = Path(__file__).resolve().parent.parent / "models" / "pairs"
-USER_ERRORS = (PairError, PromptError, RecordError, RuntimeUnavailable, RuntimeFailure, FileNotFoundError,
-               ValueError)
-
-
-class GpuSplit(click.ParamType):
-    """`1,1` or `3,1`: relative shares of the model per GPU."""
-
-    name = "SHARES"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, tuple):
-            return value
-        try:
-            shares = tuple(float(part) for part in str(value).split(","))
-        except ValueError:
-            self.fail(f"{value!r} is not a comma-separated list of numbers, e.g. 1,1", param, ctx)
-        if any(share < 0 for share in shares) or not any(shares):
-            self.fail(f"{value!r}: shares must be non-negative and not all zero", param, ctx)
-        return shares
-
-
-def _resolve_pair(pair: Optional[str], target: Optional[Path], drafter: Optional[Path]):
-    if target or drafter:
-        if not (target and drafter) or pair:
-            raise click.UsageError("give either --pair, or both --target and --drafter")
-        return pair_from_paths(target, drafter)
-    pair = pair or "tiny"
-    path = Path(pair)
-    if not path.exists() and (REPO_PAIRS / f"{pair}.toml").is_file():
-        path = REPO_PAIRS / f"{pair}.toml"
-    return load_pair(path)
-
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="crossrt")
@@ -112,7 +79,7 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, draft_n_min, dra
     interrupted run keeps what finished; --resume continues it.
     """
     try:
-        resolved = _resolve_pair(pair, target, drafter)
+        resolved = resolve_pair(pair, target, drafter)
         prompts = load_prompts(prompt_source)
         k = k or int(resolved.defaults.get("k", 4))
         out = out or Path("runs") / f"{resolved.name}-{runtime_name}-k{k}.json"
@@ -161,3 +128,6 @@ def runtimes(usable: bool) -> None:
         return
     rows = [[name, "yes" if reason is None else "no", reason or ""] for name, reason in reasons.items()]
     click.echo(format_table([["runtime", "usable", "why not"]] + rows))
+
+
+main.add_command(parity)

@@ -158,6 +158,7 @@ class Runtime(abc.ABC):
     name: ClassVar[str]
     model_format: ClassVar[str]  # which file of a pair manifest this runtime loads
     modes: ClassVar[tuple[str, ...]] = ("driven",)  # "driven" needs load(), "native" open_native()
+    scored_by: ClassVar[Optional[str]] = None  # a native-only runtime's in-process sibling, for logits
 
     def __init__(self, options: RuntimeOptions):
         self.options = options

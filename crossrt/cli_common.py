@@ -1,0 +1,66 @@
+"""Pieces the crossrt commands share: option types, pair resolution, the errors shown to
+users as messages rather than tracebacks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+import click
+
+from crossrt.pairs import Pair, PairError, load_pair, pair_from_paths
+from crossrt.prompts import PromptError
+from crossrt.runtime import RuntimeFailure, RuntimeUnavailable
+from crossrt.schema import RecordError
+
+REPO_PAIRS = Path(__file__).resolve().parent.parent / "models" / "pairs"
+USER_ERRORS = (PairError, PromptError, RecordError, RuntimeUnavailable, RuntimeFailure, FileNotFoundError,
+               ValueError)
+
+
+class GpuSplit(click.ParamType):
+    """`1,1` or `3,1`: relative shares of the model per GPU."""
+
+    name = "SHARES"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            shares = tuple(float(part) for part in str(value).split(","))
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of numbers, e.g. 1,1", param, ctx)
+        if any(share < 0 for share in shares) or not any(shares):
+            self.fail(f"{value!r}: shares must be non-negative and not all zero", param, ctx)
+        return shares
+
+
+def resolve_pair(pair: Optional[str], target: Optional[Path] = None, drafter: Optional[Path] = None) -> Pair:
+    """--pair (a manifest path or a name under models/pairs), or --target with --drafter."""
+    if target or drafter:
+        if not (target and drafter) or pair:
+            raise click.UsageError("give either --pair, or both --target and --drafter")
+        return pair_from_paths(target, drafter)
+    pair = pair or "tiny"
+    path = Path(pair)
+    if not path.exists() and (REPO_PAIRS / f"{pair}.toml").is_file():
+        path = REPO_PAIRS / f"{pair}.toml"
+    return load_pair(path)
+
+
+class CommaChoice(click.ParamType):
+    """A comma-separated list of names from a fixed set, e.g. `llama-cpp,transformers`."""
+
+    name = "LIST"
+
+    def __init__(self, choices: Sequence[str]):
+        self.choices = tuple(choices)
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        names = tuple(part.strip() for part in str(value).split(",") if part.strip())
+        unknown = [name for name in names if name not in self.choices]
+        if unknown or not names:
+            self.fail(f"{value!r}: choose from {', '.join(self.choices)}", param, ctx)
+        return names

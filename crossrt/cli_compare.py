@@ -1,0 +1,83 @@
+"""The commands that compare runs: `crossrt parity` (and `crossrt diff`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import click
+
+from crossrt.cli_common import USER_ERRORS, CommaChoice, resolve_pair
+from crossrt.parity import compare_against, compare_all, labelled
+from crossrt.parity_report import ParityReport, logit_checks, render_junit, render_markdown, render_text
+from crossrt.parity_run import Matrix, run_matrix, score_records
+from crossrt.prompts import load_prompts
+from crossrt.runtime import DraftRules, RuntimeOptions, runtime_names
+from crossrt.schema import load_record
+
+
+@click.command()
+@click.argument("records", nargs=-1, type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--pair", help="Run the matrix on this pair (manifest path or name; default: tiny) "
+              "instead of comparing RECORDS.")
+@click.option("--runtimes", type=CommaChoice(runtime_names()), default="llama-cpp", show_default=True,
+              help="Comma-separated runtimes to run.")
+@click.option("--modes", type=CommaChoice(("driven", "native")), default="driven,native", show_default=True,
+              help="Comma-separated modes; a runtime runs the modes it has (others are skipped, not failed).")
+@click.option("--prompts", "prompt_source", default="builtin", show_default=True,
+              help="A built-in suite name, or a JSONL file with id, category, prompt fields.")
+@click.option("--k", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("runs/parity"),
+              show_default=True, help="Where the matrix's run records go.")
+@click.option("--f32-kv-cache", is_flag=True, help="F32 KV cache where the runtime allows: logits then "
+              "agree to ~1e-5 on F32 weights instead of ~1e-3.")
+@click.option("--against", "baselines", multiple=True, type=click.Path(path_type=Path, dir_okay=False),
+              help="Saved record(s) to compare the new runs with (same runtime, mode and k); repeatable.")
+@click.option("--counter-tolerance", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Allowed relative difference of counters between runs with the same schedule.")
+@click.option("--logit-tolerance", type=click.FloatRange(min=0), default=1e-3, show_default=True,
+              help="Allowed max absolute logit difference along common outputs.")
+@click.option("--no-logits", is_flag=True, help="Skip re-scoring outputs to compare logits.")
+@click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), help="Write a JUnit XML report.")
+@click.option("--markdown", type=click.Path(path_type=Path, dir_okay=False), help="Write a markdown summary.")
+def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max_new_tokens, out_dir, f32_kv_cache,
+           baselines, counter_tolerance, logit_tolerance, no_logits, junit, markdown) -> None:
+    """Check that runs agree: same token ids over the full length, counters equal between runs
+    with the same schedule, each run lossless, logits close along common outputs.
+
+    \b
+    Compare saved records:  crossrt parity runs/a.json runs/b.json
+    Run a matrix:           crossrt parity --pair tiny --runtimes llama-cpp,transformers --modes driven,native
+    Guard an upgrade:       crossrt parity --pair tiny --against runs/saved.json
+
+    Exit code 0 only when everything agrees; 1 when something differs or could not run.
+    """
+    try:
+        not_run, skipped = [], []
+        if records:
+            runs = labelled([load_record(path) for path in records], [path.name for path in records])
+        else:
+            matrix = Matrix(resolve_pair(pair), runtimes, modes, RuntimeOptions(threads=1, f32_kv_cache=f32_kv_cache),
+                            DraftRules(k), max_new_tokens, out_dir)
+            records_run, not_run, skipped = run_matrix(matrix, load_prompts(prompt_source),
+                                                       on_run=lambda label: click.echo(f"running {label}", err=True))
+            runs = labelled(records_run, [""] * len(records_run))
+        comparisons = compare_all(runs, counter_tolerance)
+        if baselines:
+            comparisons += compare_against(runs, [load_record(path) for path in baselines], counter_tolerance)
+        checks = () if no_logits else logit_checks(comparisons, score_records(runs), logit_tolerance)
+    except USER_ERRORS as error:
+        raise click.ClickException(str(error)) from None
+    report = ParityReport(tuple(comparisons), checks, tuple(not_run))
+    for line in skipped:
+        click.echo(f"skipped {line}", err=True)
+    if len(runs) < 2 and not baselines:
+        click.echo("note: fewer than two runs, so nothing was compared across runs", err=True)
+    click.echo(render_text(report))
+    if junit:
+        junit.write_text(render_junit(report))
+    if markdown:
+        markdown.write_text(render_markdown(report))
+    sys.exit(0 if report.ok else 1)

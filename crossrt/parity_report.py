@@ -1,0 +1,126 @@
+"""A parity verdict and its renderings: terminal text, markdown for CI summaries, JUnit XML."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from crossrt.parity import OWN_BASELINE, PromptParity
+from crossrt.rescore import LogitAgreement, agreement
+
+
+@dataclass(frozen=True)
+class LogitCheck:
+    prompt_id: str
+    run_a: str
+    run_b: str
+    agreement: LogitAgreement
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.agreement.max_abs_diff <= self.tolerance
+
+
+@dataclass(frozen=True)
+class NotRun:
+    run: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    comparisons: tuple[PromptParity, ...]
+    logit_checks: tuple[LogitCheck, ...] = ()
+    not_run: tuple[NotRun, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return (all(c.ok for c in self.comparisons) and all(c.ok for c in self.logit_checks)
+                and not self.not_run)
+
+    def failures(self) -> list[str]:
+        lines = [f"{c.run_a} vs {c.run_b}, {c.prompt_id}: {'; '.join(c.problems)}"
+                 for c in self.comparisons if not c.ok]
+        lines += [f"{c.run_a} vs {c.run_b}, {c.prompt_id}: logits differ by up to "
+                  f"{c.agreement.max_abs_diff:.3g} (tolerance {c.tolerance:g})" for c in self.logit_checks if not c.ok]
+        lines += [f"{n.run}: not run: {n.reason}" for n in self.not_run]
+        return lines
+
+
+def _pairs(report: ParityReport) -> list[tuple[str, str]]:
+    return sorted({(c.run_a, c.run_b) for c in report.comparisons})
+
+
+def _counting(group: Sequence[PromptParity]) -> str:
+    if group[0].run_b == OWN_BASELINE:
+        return "lossless check"
+    return "counters compared" if any(c.counters_compared for c in group) else "counters not compared (schedules differ)"
+
+
+def render_text(report: ParityReport) -> str:
+    lines = []
+    for run_a, run_b in _pairs(report):
+        group = [c for c in report.comparisons if (c.run_a, c.run_b) == (run_a, run_b)]
+        lines.append(f"{run_a} vs {run_b}: {sum(c.ok for c in group)}/{len(group)} prompts agree; {_counting(group)}")
+    checks = report.logit_checks
+    if checks:
+        worst = max(checks, key=lambda c: c.agreement.max_abs_diff)
+        lines.append(f"logits along common outputs: {sum(c.ok for c in checks)}/{len(checks)} within tolerance; "
+                     f"worst {worst.agreement.max_abs_diff:.3g} ({worst.run_a} vs {worst.run_b}, {worst.prompt_id}), "
+                     f"top-1 agreement {min(c.agreement.top1_agreement for c in checks):.3f} at worst")
+    lines += [f"FAIL {line}" for line in report.failures()]
+    lines.append("parity: OK" if report.ok else "parity: FAILED")
+    return "\n".join(lines)
+
+
+def render_markdown(report: ParityReport) -> str:
+    lines = ["## crossrt parity: " + ("passed" if report.ok else "FAILED"), "",
+             "| run A | run B | prompts agreeing | first divergences | counters |", "|---|---|---|---|---|"]
+    for run_a, run_b in _pairs(report):
+        group = [c for c in report.comparisons if (c.run_a, c.run_b) == (run_a, run_b)]
+        parted = ", ".join(f"{c.prompt_id}@{c.divergence}" for c in group if c.divergence is not None) or "none"
+        lines.append(f"| {run_a} | {run_b} | {sum(c.ok for c in group)}/{len(group)} | {parted} | {_counting(group)} |")
+    if report.logit_checks:
+        lines += ["", "| run A | run B | prompt | max abs logit diff | top-1 agreement | top-5 overlap |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {c.run_a} | {c.run_b} | {c.prompt_id} | {c.agreement.max_abs_diff:.3g} | "
+                  f"{c.agreement.top1_agreement:.3f} | {c.agreement.top5_overlap:.3f} |" for c in report.logit_checks]
+    failures = report.failures()
+    if failures:
+        lines += ["", "### Failures", ""] + [f"- {line}" for line in failures]
+    return "\n".join(lines) + "\n"
+
+
+def render_junit(report: ParityReport) -> str:
+    suite = ElementTree.Element("testsuite", name="crossrt-parity")
+    cases = [(f"{c.run_a} vs {c.run_b}", c.prompt_id, c.ok, "; ".join(c.problems)) for c in report.comparisons]
+    cases += [(f"logits {c.run_a} vs {c.run_b}", c.prompt_id, c.ok,
+               f"max abs logit diff {c.agreement.max_abs_diff:.3g} > tolerance {c.tolerance:g}")
+              for c in report.logit_checks]
+    cases += [(n.run, "run", False, f"not run: {n.reason}") for n in report.not_run]
+    for classname, name, ok, message in cases:
+        case = ElementTree.SubElement(suite, "testcase", classname=classname, name=name)
+        if not ok:
+            ElementTree.SubElement(case, "failure", message=message).text = message
+    suite.set("tests", str(len(cases)))
+    suite.set("failures", str(sum(1 for case in cases if not case[2])))
+    return ElementTree.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def logit_checks(comparisons: Sequence[PromptParity], scored: dict[tuple[str, str], np.ndarray],
+                 tolerance: float) -> tuple[LogitCheck, ...]:
+    """LogitChecks for the comparisons whose both runs were scored: scored maps
+    (run label, prompt id) -> logits rows along that run's output."""
+    checks = []
+    for comparison in comparisons:
+        a, b = scored.get((comparison.run_a, comparison.prompt_id)), scored.get((comparison.run_b, comparison.prompt_id))
+        if a is None or b is None:
+            continue
+        common = comparison.divergence if comparison.divergence is not None else min(len(a), len(b))
+        checks.append(LogitCheck(comparison.prompt_id, comparison.run_a, comparison.run_b,
+                                 agreement(a[:common], b[:common]), tolerance))
+    return tuple(checks)

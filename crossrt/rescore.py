@@ -1,0 +1,67 @@
+"""Re-scoring a token sequence on the runtime that produced a record, to compare logits.
+
+Greedy tokens can agree while logits do not (a wrong rope permutation still gives ~95% equal
+argmax on small models), so parity and diff look at the logits themselves: the target scores
+prompt + output in one pass and the rows that predicted each output token are compared.
+Native-only runtimes are scored by their in-process sibling at the same commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from crossrt.runtime import ModelSession, Rows, RuntimeOptions, open_runtime, runtime_class
+from crossrt.schema import RunRecord
+
+
+def scoring_runtime(name: str) -> str:
+    """The runtime whose forward pass scores sequences for records of runtime name."""
+    cls = runtime_class(name)
+    return name if "driven" in cls.modes else cls.scored_by
+
+
+def open_scorer(record: RunRecord) -> ModelSession:
+    """The record's target loaded on its scoring runtime, with the record's KV cache type."""
+    name = scoring_runtime(record.runtime.name)
+    options = RuntimeOptions(n_ctx=record.params.n_ctx, threads=1, f32_kv_cache=record.runtime.kv_cache == "f32")
+    return open_runtime(name, options).load(Path(record.pair.target.path))
+
+
+def score(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> np.ndarray:
+    """Logits rows that predict each of output_ids after prompt_ids: shape (len(output_ids), vocab).
+    The last output token is not fed: no row needs it."""
+    session.truncate(0)
+    sequence = list(prompt_ids) + list(output_ids[:-1])
+    rows = session.eval(sequence, Rows.ALL)
+    return np.array(rows[len(prompt_ids) - 1:], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class LogitAgreement:
+    """How closely two runtimes' logits agree over the same positions."""
+
+    positions: int
+    max_abs_diff: float
+    mean_abs_diff: float
+    top1_agreement: float  # share of positions with the same argmax
+    top5_overlap: float  # mean share of the top-5 tokens both runtimes rank in their top 5
+
+
+def top_k(rows: np.ndarray, k: int) -> np.ndarray:
+    return np.argsort(-rows, axis=-1, kind="stable")[..., :k]
+
+
+def agreement(a: np.ndarray, b: np.ndarray) -> LogitAgreement:
+    if a.shape != b.shape:
+        raise ValueError(f"logit shapes differ: {a.shape} vs {b.shape} (different vocabulary sizes?)")
+    if len(a) == 0:
+        return LogitAgreement(0, 0.0, 0.0, 1.0, 1.0)
+    difference = np.abs(a - b)
+    top_a, top_b = top_k(a, 5), top_k(b, 5)
+    overlap = np.mean([len(set(x) & set(y)) / 5 for x, y in zip(top_a, top_b, strict=True)])
+    return LogitAgreement(len(a), float(difference.max()), float(difference.mean()),
+                          float(np.mean(top_a[:, 0] == top_b[:, 0])), float(overlap))

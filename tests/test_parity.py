@@ -1,0 +1,113 @@
+"""crossrt parity on real llama.cpp runs of the tiny pair: agreement, forced divergences,
+logit checks that catch what tokens do not, saved baselines, CI outputs."""
+
+import dataclasses
+import xml.etree.ElementTree as ElementTree
+
+import pytest
+from click.testing import CliRunner
+
+from crossrt.cli import main
+from crossrt.driver import RunRequest, run_pair
+from crossrt.pairs import load_pair, pair_from_paths
+from crossrt.parity import compare_all, first_divergence, labelled
+from crossrt.prompts import load_prompts
+from crossrt.runtime import DraftRules, RuntimeOptions
+from crossrt.schema import save_record
+
+from conftest import REPO, TINY_PAIR
+
+PROMPTS = load_prompts("builtin")[:4]
+
+
+def make_record(tmp_path_factory, pair, name):
+    out = tmp_path_factory.mktemp("runs") / f"{name}.json"
+    request = RunRequest(pair, "llama-cpp", RuntimeOptions(n_ctx=256, threads=1), DraftRules(4), 24, out)
+    run_pair(request, PROMPTS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    tiny = load_pair(TINY_PAIR)
+    models = REPO / "models" / "tiny"
+    return {
+        "f32": make_record(tmp_path_factory, tiny, "f32"),
+        "f32-again": make_record(tmp_path_factory, tiny, "f32-again"),
+        "f16": make_record(tmp_path_factory, load_pair(REPO / "models" / "pairs" / "tiny-f16.toml"), "f16"),
+        # The drafter standing in for the target: same vocabulary, different model.
+        "swapped": make_record(tmp_path_factory, pair_from_paths(models / "drafter.f32.gguf",
+                                                                 models / "drafter.f32.gguf"), "swapped"),
+    }
+
+
+def parity(*args):
+    return CliRunner().invoke(main, ["parity", *map(str, args)], catch_exceptions=False)
+
+
+def test_first_divergence_never_drops_the_tail():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 2]) == 2
+    assert first_divergence([1, 9, 3], [1, 2, 3]) == 1
+    assert first_divergence([], [4]) == 0
+
+
+def test_identical_runs_agree_and_ci_reports_say_so(records, tmp_path):
+    result = parity(records["f32"], records["f32-again"], "--junit", tmp_path / "p.xml", "--markdown", tmp_path / "p.md")
+    assert result.exit_code == 0, result.output
+    assert "4/4 prompts agree; counters compared" in result.output and "parity: OK" in result.output
+    suite = ElementTree.parse(tmp_path / "p.xml").getroot()
+    assert suite.get("failures") == "0" and int(suite.get("tests")) == 4 * 3 + 4  # lossless x2, pair, logits
+    assert (tmp_path / "p.md").read_text().startswith("## crossrt parity: passed")
+
+
+def test_swapped_target_is_a_divergence(records, tmp_path):
+    result = parity(records["f32"], records["swapped"], "--junit", tmp_path / "p.xml")
+    assert result.exit_code == 1
+    assert "outputs part at token" in result.output and "parity: FAILED" in result.output
+    suite = ElementTree.parse(tmp_path / "p.xml").getroot()
+    assert int(suite.get("failures")) >= 4
+
+
+def test_logits_catch_a_difference_that_tokens_hide(records):
+    """F16 weights give the same greedy tokens on the tiny pair, but logits ~1e-2 away."""
+    strict = parity(records["f32"], records["f16"])
+    assert strict.exit_code == 1
+    assert "4/4 prompts agree" in strict.output and "logits differ by up to" in strict.output
+    assert parity(records["f32"], records["f16"], "--logit-tolerance", "0.05").exit_code == 0
+    assert parity(records["f32"], records["f16"], "--no-logits").exit_code == 0
+
+
+def test_saved_baseline_guards_an_upgrade(records):
+    assert parity(records["f32"], "--against", records["f32-again"]).exit_code == 0
+    changed = parity(records["f32"], "--against", records["swapped"])
+    assert changed.exit_code == 1 and "(saved)" in changed.output
+
+
+def test_non_lossless_run_and_missing_prompt_are_reported(records, tmp_path):
+    from crossrt.schema import load_record
+
+    record = load_record(records["f32"])
+    first = record.results[0]
+    broken = dataclasses.replace(record, results=(dataclasses.replace(first, baseline_ids=first.baseline_ids[:-1]),))
+    save_record(broken, tmp_path / "broken.json")
+    result = parity(tmp_path / "broken.json", records["f32-again"], "--no-logits")
+    assert result.exit_code == 1
+    assert "not lossless" in result.output
+    assert "missing from llama-cpp/driven (broken.json)" in result.output
+
+
+def test_problems_name_both_runs(records):
+    from crossrt.schema import load_record
+
+    runs = labelled([load_record(records["f32"]), load_record(records["swapped"])], ["a", "b"])
+    failing = [c for c in compare_all(runs) if not c.ok]
+    assert failing and all((c.run_a, c.run_b) == ("llama-cpp/driven (a)", "llama-cpp/driven (b)") for c in failing)
+
+
+def test_matrix_skips_modes_a_runtime_lacks(tmp_path):
+    result = CliRunner().invoke(main, ["parity", "--pair", str(TINY_PAIR), "--max-new-tokens", "8",
+                                                       "--out-dir", str(tmp_path)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "skipped llama-cpp/native" in result.stderr
+    assert (tmp_path / "tiny-llama-cpp-driven-k4.json").is_file()
