@@ -9,7 +9,7 @@ from typing import Sequence
 import click
 
 from crossrt.cli_common import USER_ERRORS, GpuSplit, resolve_pair
-from crossrt.cli_compare import parity
+from crossrt.cli_compare import diff, parity
 from crossrt.driver import RunRequest, run_pair
 from crossrt.loop import SCHEDULE, SCHEDULES
 from crossrt.prompts import load_prompts
@@ -131,3 +131,4 @@ def runtimes(usable: bool) -> None:
 
 
 main.add_command(parity)
+main.add_command(diff)

@@ -9,6 +9,7 @@ from typing import Sequence
 import click
 
 from crossrt.cli_common import USER_ERRORS, CommaChoice, resolve_pair
+from crossrt.diff import diff_records, render_diff
 from crossrt.parity import compare_against, compare_all, labelled
 from crossrt.parity_report import ParityReport, logit_checks, render_junit, render_markdown, render_text
 from crossrt.parity_run import Matrix, run_matrix, score_records
@@ -81,3 +82,25 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
     if markdown:
         markdown.write_text(render_markdown(report))
     sys.exit(0 if report.ok else 1)
+
+
+@click.command()
+@click.argument("record_a", type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("record_b", type=click.Path(path_type=Path, dir_okay=False))
+def diff(record_a: Path, record_b: Path) -> None:
+    """Where two runs of the same pair part, and why.
+
+    For each prompt whose outputs differ: the first diverging token, the text before it, both
+    runtimes' top-5 tokens with probabilities (each target re-scores the common prefix on its
+    own runtime), and a verdict: near-tie (numerics) or disagreement (a real difference). The
+    threshold scales with the noise measured between the two runtimes on common tokens.
+    """
+    try:
+        (label_a, a), (label_b, b) = labelled([load_record(record_a), load_record(record_b)],
+                                              [record_a.name, record_b.name])
+        if a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
+            raise ValueError("the two runs used different vocabularies: their token ids cannot be compared")
+        report = diff_records(label_a, a, label_b, b)
+    except USER_ERRORS as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(render_diff(report))

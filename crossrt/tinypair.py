@@ -77,6 +77,11 @@ PRESETS = {
     "tiny": PairPreset(512, ModelSpec("target", 64, 4, 4, 2, 128, 30.0, 0.5, 2.0),
                        ModelSpec("drafter", 32, 2, 2, 1, 64, 30.0, 0.3, 2.0),
                        0.15, ("f32", "f16", "hf")),
+    # No grammar: a plain random pair whose greedy top-2 margins fall to ~1e-4, so F16 and F32
+    # weights part at near-ties: what `crossrt diff` must call numerics.
+    "random": PairPreset(512, ModelSpec("target", 64, 4, 4, 2, 128, 0.0, 0.5, 2.0),
+                         ModelSpec("drafter", 32, 2, 2, 1, 64, 0.0, 0.3, 2.0),
+                         0.15, ("f32", "f16")),
     "bench": PairPreset(512, ModelSpec("target", 640, 13, 10, 5, 1792, 30.0, 0.5, 2.0),
                         ModelSpec("drafter", 384, 6, 6, 6, 896, 30.0, 0.3, 2.0),
                         0.15, ("f32",)),

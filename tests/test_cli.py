@@ -103,4 +103,4 @@ def test_runtimes_lists_llama_cpp_as_usable():
     result = invoke("runtimes")
     assert result.exit_code == 0
     assert any(line.split()[:2] == ["llama-cpp", "yes"] for line in result.output.splitlines())
-    assert invoke("runtimes", "--usable").output.split() == ["llama-cpp"]
+    assert "llama-cpp" in invoke("runtimes", "--usable").output.split()

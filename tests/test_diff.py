@@ -1,0 +1,79 @@
+"""crossrt diff on real llama.cpp runs: near-ties on a random pair, real disagreements on a
+swapped model, and the verdict's threshold scaling with the measured noise."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from crossrt.cli import main
+from crossrt.diff import DiffReport, Divergence, diff_records
+from crossrt.schema import load_record
+from crossrt.tinypair import build_pair
+
+from conftest import REPO
+
+# Prompts on which the grammar-free random pair's F32 and F16 weights part (near-ties), and
+# prompts on which they agree; found by running 120 random prompts.
+PROMPTS = {"agrees-1": "river value code light", "agrees-2": "light storm import code light the storm night the",
+           "parts-1": "code house a night", "parts-2": "list return house code river return return the return storm river",
+           "parts-3": "river market", "parts-4": "import river class day def value"}
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def random_records(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("random")
+    build_pair(folder, preset="random", seed=0)
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "category": "prose", "prompt": p}) + "\n" for i, p in PROMPTS.items()))
+    for precision in ("f32", "f16"):
+        result = run("run", "--target", folder / f"target.{precision}.gguf", "--drafter", folder / f"drafter.{precision}.gguf",
+                     "--prompts", prompts, "--max-new-tokens", 40, "--out", folder / f"{precision}.json")
+        assert result.exit_code == 0, result.output
+    return folder / "f32.json", folder / "f16.json"
+
+
+def test_f16_weights_part_at_near_ties(random_records):
+    a, b = (load_record(path) for path in random_records)
+    report = diff_records("f32", a, "f16", b)
+    assert set(report.agreeing) == {"agrees-1", "agrees-2"}
+    assert {d.prompt_id for d in report.divergences} == {"parts-1", "parts-2", "parts-3", "parts-4"}
+    assert 1e-4 < report.noise < 1e-2  # F16 rounding of weights, measured on common tokens
+    for divergence in report.divergences:
+        assert report.verdict(divergence).startswith("near-tie")
+        first, second = divergence.views
+        assert first.chosen != second.chosen
+        # Each runtime's choice is the other's runner-up: a swap of two near-equal candidates.
+        assert second.chosen in [c.token_id for c in first.top[:2]]
+        assert first.margin < 0.01 and second.margin < 0.01
+
+
+def test_diff_command_prints_candidates_and_verdicts(random_records):
+    result = run("diff", *random_records)
+    assert result.exit_code == 0
+    assert "2 prompts agree, 4 part" in result.output
+    assert result.output.count("verdict: near-tie (numerics)") == 4
+    assert "top-5:" in result.output and "text before:" in result.output
+
+
+def test_a_different_model_is_a_disagreement(tmp_path):
+    models = REPO / "models" / "tiny"
+    for name, target in (("tiny", models / "target.f32.gguf"), ("swapped", models / "drafter.f32.gguf")):
+        assert run("run", "--target", target, "--drafter", models / "drafter.f32.gguf", "--max-new-tokens", 16,
+                   "--out", tmp_path / f"{name}.json").exit_code == 0
+    result = run("diff", tmp_path / "tiny.json", tmp_path / "swapped.json")
+    assert result.exit_code == 0
+    assert "verdict: disagreement: the runs do not compute the same function" in result.output
+    assert "near-tie" not in result.output
+
+
+def test_threshold_scales_with_measured_noise():
+    divergence = Divergence("p", 3, "", (), flip=0.05)
+    quiet = DiffReport("a", "b", (divergence,), (), noise=1e-5, max_shift=2e-5, median_margin=5.0)
+    noisy = DiffReport("a", "b", (divergence,), (), noise=0.2, max_shift=3.0, median_margin=5.0)
+    assert quiet.verdict(divergence).startswith("disagreement (a real difference")
+    assert noisy.verdict(divergence).startswith("near-tie")
