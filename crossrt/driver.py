@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from crossrt import loop
 from crossrt.pairs import ROLES, Pair, pair_info
@@ -30,15 +30,28 @@ class RunRequest:
     schedule: str = loop.SCHEDULE  # driven mode only: native runs follow the runtime's own
     resume: bool = False
     overwrite: bool = False
+    # Prompt id -> token ids shared by every runtime of a comparison; each runtime's own
+    # tokenization is still made and recorded where it differs.
+    shared_prompt_ids: Optional[Mapping[str, tuple[int, ...]]] = None
+
+
+def _prompt_ids(tokenize: Callable[[str], list[int]], prompt: Prompt,
+                shared: Optional[Sequence[int]]) -> tuple[tuple[int, ...], Optional[tuple[int, ...]]]:
+    """(ids to run, the runtime's own ids where they differ from the shared ones)."""
+    own = tuple(tokenize(prompt.text))
+    if shared is None:
+        return own, None
+    return tuple(shared), (own if own != tuple(shared) else None)
 
 
 def run_prompt(target: ModelSession, drafter: ModelSession, prompt: Prompt, rules: DraftRules,
-               max_new_tokens: int, schedule: str = loop.SCHEDULE) -> PromptResult:
+               max_new_tokens: int, schedule: str = loop.SCHEDULE,
+               shared_ids: Optional[Sequence[int]] = None) -> PromptResult:
     """Baseline then speculative run of one prompt; a prompt that cannot run (too long for
     the context, a decode error) becomes a failed result with the reason."""
-    prompt_ids: list[int] = []
+    prompt_ids: tuple[int, ...] = ()
     try:
-        prompt_ids = target.tokenize(prompt.text)
+        prompt_ids, own_ids = _prompt_ids(target.tokenize, prompt, shared_ids)
         baseline = loop.greedy_generate(target, prompt_ids, max_new_tokens)
         speculative = loop.speculative_generate(target, drafter, prompt_ids, rules, max_new_tokens, schedule)
     except (ValueError, RuntimeError) as error:
@@ -56,23 +69,24 @@ def run_prompt(target: ModelSession, drafter: ModelSession, prompt: Prompt, rule
         cut=speculative.cut,
     )
     timings = Timings(speculative.prefill_s, speculative.decode_s, baseline.prefill_s, baseline.decode_s)
-    return PromptResult(prompt.id, prompt.category, "ok", None, tuple(prompt_ids), speculative.output_ids,
-                        baseline.output_ids, speculative.stop_reason, counters, timings)
+    return PromptResult(prompt.id, prompt.category, "ok", None, prompt_ids, speculative.output_ids,
+                        baseline.output_ids, speculative.stop_reason, counters, timings, own_ids)
 
 
-def run_prompt_native(session: NativeSession, prompt: Prompt, max_new_tokens: int) -> PromptResult:
+def run_prompt_native(session: NativeSession, prompt: Prompt, max_new_tokens: int,
+                      shared_ids: Optional[Sequence[int]] = None) -> PromptResult:
     """The runtime's own plain and speculative generation of one prompt. A prompt that cannot
     run becomes a failed result; a runtime that breaks (RuntimeFailure) ends the run."""
-    prompt_ids: list[int] = []
+    prompt_ids: tuple[int, ...] = ()
     try:
-        prompt_ids = session.tokenize(prompt.text)
+        prompt_ids, own_ids = _prompt_ids(session.tokenize, prompt, shared_ids)
         baseline = session.generate(prompt_ids, max_new_tokens, speculative=False)
         speculative = session.generate(prompt_ids, max_new_tokens, speculative=True)
     except ValueError as error:
         return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
     timings = Timings(speculative.prefill_s, speculative.decode_s, baseline.prefill_s, baseline.decode_s)
-    return PromptResult(prompt.id, prompt.category, "ok", None, tuple(prompt_ids), speculative.output_ids,
-                        baseline.output_ids, speculative.stop_reason, speculative.counters, timings)
+    return PromptResult(prompt.id, prompt.category, "ok", None, prompt_ids, speculative.output_ids,
+                        baseline.output_ids, speculative.stop_reason, speculative.counters, timings, own_ids)
 
 
 def _starting_record(request: RunRequest, fresh: RunRecord) -> RunRecord:
@@ -99,14 +113,18 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
         raise RuntimeUnavailable(f"runtime {runtime.name!r} has no {request.mode} mode "
                                  f"(it has: {', '.join(runtime.modes)})")
     paths = {role: request.pair.path(role, runtime.model_format) for role in ROLES}
+
+    def shared(prompt: Prompt) -> Optional[tuple[int, ...]]:
+        return (request.shared_prompt_ids or {}).get(prompt.id)
+
     if request.mode == "native":
         work_dir = request.out.with_name(request.out.stem + ".logs")
         session = runtime.open_native(paths["target"], paths["drafter"], request.rules, work_dir)
         stack.callback(session.close)
-        return (lambda prompt: run_prompt_native(session, prompt, request.max_new_tokens)), session
+        return (lambda prompt: run_prompt_native(session, prompt, request.max_new_tokens, shared(prompt))), session
     target, drafter = runtime.load(paths["target"]), runtime.load(paths["drafter"])
     return (lambda prompt: run_prompt(target, drafter, prompt, request.rules, request.max_new_tokens,
-                                      request.schedule)), None
+                                      request.schedule, shared(prompt))), None
 
 
 def run_pair(request: RunRequest, prompts: Sequence[Prompt],

@@ -120,11 +120,14 @@ def lossless_checks(label: str, record: RunRecord) -> list[PromptParity]:
     """Each finished prompt of one run against its own plain greedy baseline."""
     checks = []
     for result in record.results:
-        problems = ()
+        problems = []
         if result.ok and not result.lossless:
             at = first_divergence(result.output_ids, result.baseline_ids)
-            problems = (f"not lossless: speculative output leaves the greedy baseline at token {at}",)
-        checks.append(PromptParity(result.prompt_id, label, OWN_BASELINE, problems,
+            problems.append(f"not lossless: speculative output leaves the greedy baseline at token {at}")
+        if result.own_prompt_ids is not None:
+            at = first_divergence(result.own_prompt_ids, result.prompt_ids)
+            problems.append(f"tokenizes the prompt text differently from the shared ids, from position {at}")
+        checks.append(PromptParity(result.prompt_id, label, OWN_BASELINE, tuple(problems),
                                    None, (), False))
     return checks
 

@@ -34,6 +34,7 @@ def run_matrix(matrix: Matrix, prompts: Sequence[Prompt],
     """Records of every (runtime, mode) the runtime has; the combinations that could not run
     (failures), and those skipped because the runtime lacks the mode (not failures)."""
     records, not_run, skipped = [], [], []
+    shared_ids = None  # the first run's tokenization feeds every later run
     for name in matrix.runtimes:
         for mode in matrix.modes:
             label = f"{name}/{mode}"
@@ -45,8 +46,10 @@ def run_matrix(matrix: Matrix, prompts: Sequence[Prompt],
                     on_run(label)
                 out = matrix.out_dir / f"{matrix.pair.name}-{name}-{mode}-k{matrix.rules.k}.json"
                 request = RunRequest(matrix.pair, name, matrix.options, matrix.rules, matrix.max_new_tokens,
-                                     out, mode=mode, overwrite=True)
+                                     out, mode=mode, overwrite=True, shared_prompt_ids=shared_ids)
                 records.append(run_pair(request, prompts))
+                if shared_ids is None:
+                    shared_ids = {r.prompt_id: r.prompt_ids for r in records[0].results if r.prompt_ids}
             except RuntimeUnavailable as error:
                 not_run.append(NotRun(label, str(error)))
     return records, not_run, skipped

@@ -161,6 +161,9 @@ class PromptResult:
     stop_reason: Optional[str]  # "eos" or "max_new_tokens"
     counters: Optional[Counters]
     timings: Optional[Timings]
+    # The runtime's own tokenization of the prompt text, kept only where it differs from
+    # prompt_ids (ids shared by every runtime of a comparison): a tokenizer mismatch.
+    own_prompt_ids: Optional[tuple[int, ...]] = None
 
     @property
     def ok(self) -> bool:

@@ -111,3 +111,20 @@ def test_matrix_skips_modes_a_runtime_lacks(tmp_path):
     assert result.exit_code == 0, result.output
     assert "skipped llama-cpp/native" in result.stderr
     assert (tmp_path / "tiny-llama-cpp-driven-k4.json").is_file()
+
+
+def test_a_runtime_tokenizing_differently_is_reported(tmp_path):
+    """Shared ids that are not what the runtime makes of the text (as when two tokenizers
+    split a run of spaces differently): the record keeps the runtime's own ids, parity fails."""
+    tiny = load_pair(TINY_PAIR)
+    prompt = PROMPTS[0]
+    out = tmp_path / "run.json"
+    request = RunRequest(tiny, "llama-cpp", RuntimeOptions(n_ctx=256, threads=1), DraftRules(4), 8, out)
+    own = run_pair(request, [prompt]).results[0].prompt_ids
+    shared = own[:-1] + (own[-1] + 1,)
+    record = run_pair(dataclasses.replace(request, overwrite=True, shared_prompt_ids={prompt.id: shared}), [prompt])
+    result = record.results[0]
+    assert result.prompt_ids == shared and result.own_prompt_ids == own
+    report = parity(out, "--no-logits")
+    assert report.exit_code == 1
+    assert f"tokenizes the prompt text differently from the shared ids, from position {len(own) - 1}" in report.output
