@@ -23,6 +23,7 @@ from crossrt.schema import Counters, RuntimeInfo
 
 RUNTIMES: dict[str, str] = {
     "llama-cpp": "crossrt.backends.llama_cpp:LlamaCppRuntime",
+    "transformers": "crossrt.backends.transformers:TransformersRuntime",
 }
 
 

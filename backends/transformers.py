@@ -1,0 +1,202 @@
+"""HF transformers (torch), in-process: crossrt's driven loop over a model's forward pass, and
+HF's own assisted generation as the native mode (backends/transformers_native.py).
+
+Models load in float32 (so the KV cache is F32 too) from a transformers folder, or from a
+.gguf file through transformers' GGUF loader, which dequantizes to float. A session keeps one
+DynamicCache and evaluates tokens at explicit positions after it, so crossrt's loop sees the
+same contract as on llama.cpp.
+
+This module is crossrt.backends.transformers: `import transformers` below still means the
+installed package, because imports are absolute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from crossrt.runtime import DraftRules, ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
+from crossrt.schema import RuntimeInfo
+
+try:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
+except ImportError:  # reported by check_available, with the fix
+    transformers = None
+
+INSTALL_HINT = "run scripts/setup, or pip install 'crossrt[hf]' (torch, transformers, accelerate)"
+LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model in eval mode on its device, its tokenizer, and the end-of-generation ids its
+    configuration names (read before generation_config is replaced by a clean one)."""
+
+    model: "transformers.PreTrainedModel"
+    tokenizer: "transformers.PreTrainedTokenizerBase"
+    eog_ids: frozenset[int]
+
+
+def device_of(options: RuntimeOptions) -> str:
+    """"cuda" when layers are asked on the GPU and torch sees one: a transformers model runs
+    whole on one device, so any n_gpu_layers > 0 means all of it, as a large value does in
+    llama.cpp; without CUDA it stays on the CPU, as llama.cpp does."""
+    return "cuda" if options.n_gpu_layers > 0 and torch.cuda.is_available() else "cpu"
+
+
+def _ids(value) -> set[int]:
+    if value is None:
+        return set()
+    return {int(value)} if isinstance(value, int) else {int(v) for v in value}
+
+
+def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
+    """Load a transformers folder (config.json) or a .gguf file, float32, on the options' device.
+
+    The model's generation_config is replaced by one holding only its special token ids, so
+    model.generate() is plain greedy decoding whatever sampling or penalty settings the model
+    ships with (a shipped repetition_penalty would otherwise change even greedy outputs).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path}")
+    if path.suffix == ".gguf":
+        source, extra = path.parent, {"gguf_file": path.name}
+    elif (path / "config.json").is_file():
+        source, extra = path, {}
+    else:
+        raise ValueError(f"{path}: expected a transformers folder with config.json, or a .gguf file")
+    if options.gpu_split:
+        raise ValueError("the transformers runtime runs a model on one device; --gpu-split is not supported")
+    torch.set_num_threads(options.threads)
+    # Progress bars and load reports would interleave with crossrt's own progress output.
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    # The GGUF loader draws its own progress bar on stderr, with no switch to turn it off.
+    quiet = contextlib.redirect_stderr(io.StringIO()) if extra else contextlib.nullcontext()
+    try:
+        # local_files_only: a path that is not a local model must fail here, never reach for a hub.
+        with quiet:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, local_files_only=True, **extra)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **extra)
+    except LOAD_ERRORS as error:
+        raise ValueError(f"transformers could not load {path}: {error}") from None
+    model.to(device_of(options)).eval()
+    shipped = model.generation_config
+    eog = _ids(shipped.eos_token_id) | _ids(model.config.get_text_config().eos_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=shipped.bos_token_id, eos_token_id=sorted(eog) or None,
+        pad_token_id=shipped.pad_token_id if shipped.pad_token_id is not None else min(eog, default=None))
+    return LoadedModel(model, tokenizer, frozenset(eog))
+
+
+def synchronize(device: "torch.device") -> None:
+    """Wait for queued GPU work, so a timer read next measures it; CPU work is already done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def tokenize(tokenizer, text: str) -> list[int]:
+    """Ids of text with the special tokens the tokenizer adds itself (BOS for llama-style ones);
+    special-token texts in the prompt are parsed as those tokens, as llama.cpp does with special=True."""
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+class TransformersSession(ModelSession):
+    def __init__(self, loaded: LoadedModel, options: RuntimeOptions):
+        self._model = loaded.model
+        self._tokenizer = loaded.tokenizer
+        self._device = self._model.device
+        self.eog_ids = loaded.eog_ids
+        # Logits have one column per output row of the LM head, which can exceed the tokenizer.
+        self.n_vocab = int(self._model.get_output_embeddings().weight.shape[0])
+        self.n_ctx = options.n_ctx
+        self._cache = self._new_cache()
+        self._n_past = 0
+
+    def _new_cache(self) -> "DynamicCache":
+        cache = DynamicCache(config=self._model.config)
+        # Sliding-window layers drop old states unless told to keep them until the next crop,
+        # which rolling back a rejected draft needs.
+        cache.activate_past_recording()
+        return cache
+
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    def eval(self, tokens: Sequence[int], rows: Rows) -> np.ndarray:
+        n_tokens = len(tokens)
+        if n_tokens == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        if self._n_past + n_tokens > self.n_ctx:
+            raise ValueError(f"context full: {self._n_past} cached + {n_tokens} new > n_ctx {self.n_ctx}")
+        input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self._device)
+        positions = torch.arange(self._n_past, self._n_past + n_tokens, device=self._device).unsqueeze(0)
+        with torch.inference_mode():
+            if rows is Rows.NONE:
+                # The base model fills the cache without the LM head: no logits are computed.
+                self._model.base_model(input_ids=input_ids, position_ids=positions, cache=self._cache, use_cache=True)
+                synchronize(self._device)  # nothing is read back to wait for it, and the loop times prefills
+                logits = np.empty((0, self.n_vocab), dtype=np.float32)
+            else:
+                keep = 1 if rows is Rows.LAST else 0  # 0 keeps every row
+                output = self._model(input_ids=input_ids, position_ids=positions, cache=self._cache,
+                                     use_cache=True, logits_to_keep=keep)
+                logits = output.logits[0].float().cpu().numpy()
+        self._n_past += n_tokens
+        return logits
+
+    def truncate(self, n_keep: int) -> None:
+        if n_keep <= 0:
+            self._cache = self._new_cache()
+            self._n_past = 0
+        elif n_keep < self._n_past:
+            self._cache.crop(n_keep - self._n_past)  # transformers 5 crops by a negative count
+            self._n_past = n_keep
+
+    def tokenize(self, text: str) -> list[int]:
+        return tokenize(self._tokenizer, text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        # Byte-level tokenizers already replace a split multi-byte character when decoding.
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class TransformersRuntime(Runtime):
+    name = "transformers"
+    model_format = "hf"
+    modes = ("driven", "native")
+
+    @classmethod
+    def check_available(cls) -> None:
+        if transformers is None:
+            raise RuntimeUnavailable(f"torch and transformers are not installed: {INSTALL_HINT}")
+
+    def load(self, path: Path) -> TransformersSession:
+        return TransformersSession(load_model(path, self.options), self.options)
+
+    def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path):
+        """HF's assisted generation; it writes no logs or files, so work_dir stays unused."""
+        from crossrt.backends.transformers_native import AssistedSession, check_rules
+
+        check_rules(rules)  # before loading models, which takes a while on real ones
+        return AssistedSession(load_model(target, self.options), load_model(drafter, self.options), rules, self.options)
+
+    def info(self) -> RuntimeInfo:
+        return RuntimeInfo(
+            name=self.name,
+            version=transformers.__version__,
+            build=f"torch {torch.__version__}",
+            device="gpu" if device_of(self.options) == "cuda" else "cpu",
+            threads=self.options.threads,
+            gpu_split=None,
+            kv_cache="f32",  # models load in float32, and the cache takes the model's dtype
+        )
