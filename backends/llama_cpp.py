@@ -147,5 +147,6 @@ class LlamaCppRuntime(Runtime):
             threads=self.options.threads,
             gpu_split=self.options.gpu_split,
             kv_cache="f32" if self.options.f32_kv_cache else "f16",
+            flash_attn=self.options.flash_attn,
         )
 

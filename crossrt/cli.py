@@ -65,6 +65,9 @@ def main() -> None:
               help="Layers to offload to GPU (llama.cpp); large values offload all.")
 @click.option("--gpu-split", type=GpuSplit(), help="Relative model share per GPU, e.g. 1,1 for two T4s.")
 @click.option("--f32-kv-cache", is_flag=True, help="F32 KV cache, for logit comparisons across runtimes.")
+@click.option("--flash-attn/--no-flash-attn", default=True, show_default=True,
+              help="llama.cpp's flash attention (on, as its own tools run). Off, with --f32-kv-cache, "
+              "gives logits within ~1e-5 of transformers on F32 weights; on, ~5e-3.")
 @click.option("--llama-server", "llama_server", type=click.Path(path_type=Path, dir_okay=False),
               help="llama-server executable for --runtime llama-server (default: the one "
               "scripts/build_llama_tools built, else PATH).")
@@ -72,7 +75,7 @@ def main() -> None:
               help="llama-speculative-simple executable for --runtime llama-spec-cli (default: the "
               "one scripts/build_llama_tools built, else PATH).")
 def run(pair, target, drafter, runtime_name, mode, schedule, k, draft_n_min, draft_p_min, prompt_source, max_new_tokens, out, resume, overwrite,
-        threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache, llama_server, llama_spec) -> None:
+        threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache, flash_attn, llama_server, llama_spec) -> None:
     """Run a pair over prompts: plain greedy baseline and speculative decoding, per prompt.
 
     Writes a run record (JSON, schema in docs/schema.md) after every prompt, so an
@@ -84,7 +87,7 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, draft_n_min, dra
         k = k or int(resolved.defaults.get("k", 4))
         out = out or Path("runs") / f"{resolved.name}-{runtime_name}-k{k}.json"
         options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers,
-                                 gpu_split=gpu_split, f32_kv_cache=f32_kv_cache,
+                                 gpu_split=gpu_split, f32_kv_cache=f32_kv_cache, flash_attn=flash_attn,
                                  executable={"llama-server": llama_server, "llama-spec-cli": llama_spec}.get(runtime_name))
         rules = DraftRules(k, draft_n_min, draft_p_min)
         request = RunRequest(resolved, runtime_name, options, rules, max_new_tokens, out, mode, schedule,

@@ -34,6 +34,8 @@ from crossrt.schema import load_record
               show_default=True, help="Where the matrix's run records go.")
 @click.option("--f32-kv-cache", is_flag=True, help="F32 KV cache where the runtime allows: logits then "
               "agree to ~1e-5 on F32 weights instead of ~1e-3.")
+@click.option("--flash-attn/--no-flash-attn", default=True, show_default=True,
+              help="llama.cpp's flash attention; off (with --f32-kv-cache) for the closest logits to other runtimes.")
 @click.option("--against", "baselines", multiple=True, type=click.Path(path_type=Path, dir_okay=False),
               help="Saved record(s) to compare the new runs with (same runtime, mode and k); repeatable.")
 @click.option("--counter-tolerance", type=click.FloatRange(min=0), default=0.0, show_default=True,
@@ -44,7 +46,7 @@ from crossrt.schema import load_record
 @click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), help="Write a JUnit XML report.")
 @click.option("--markdown", type=click.Path(path_type=Path, dir_okay=False), help="Write a markdown summary.")
 def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max_new_tokens, out_dir, f32_kv_cache,
-           baselines, counter_tolerance, logit_tolerance, no_logits, junit, markdown) -> None:
+           flash_attn, baselines, counter_tolerance, logit_tolerance, no_logits, junit, markdown) -> None:
     """Check that runs agree: same token ids over the full length, counters equal between runs
     with the same schedule, each run lossless, logits close along common outputs.
 
@@ -60,8 +62,8 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
         if records:
             runs = labelled([load_record(path) for path in records], [path.name for path in records])
         else:
-            matrix = Matrix(resolve_pair(pair), runtimes, modes, RuntimeOptions(threads=1, f32_kv_cache=f32_kv_cache),
-                            DraftRules(k), max_new_tokens, out_dir)
+            options = RuntimeOptions(threads=1, f32_kv_cache=f32_kv_cache, flash_attn=flash_attn)
+            matrix = Matrix(resolve_pair(pair), runtimes, modes, options, DraftRules(k), max_new_tokens, out_dir)
             records_run, not_run, skipped = run_matrix(matrix, load_prompts(prompt_source),
                                                        on_run=lambda label: click.echo(f"running {label}", err=True))
             runs = labelled(records_run, [""] * len(records_run))

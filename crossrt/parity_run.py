@@ -61,7 +61,8 @@ def score_records(runs: Sequence[tuple[str, RunRecord]]) -> dict[tuple[str, str]
     scorers = {}
     scored = {}
     for label, record in runs:
-        key = (scoring_runtime(record.runtime.name), record.pair.target.path, record.runtime.kv_cache)
+        key = (scoring_runtime(record.runtime.name), record.pair.target.path, record.runtime.kv_cache,
+               record.runtime.flash_attn)
         if key not in scorers:
             scorers[key] = open_scorer(record)
         for result in record.results:

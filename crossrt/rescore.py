@@ -27,7 +27,8 @@ def scoring_runtime(name: str) -> str:
 def open_scorer(record: RunRecord) -> ModelSession:
     """The record's target loaded on its scoring runtime, with the record's KV cache type."""
     name = scoring_runtime(record.runtime.name)
-    options = RuntimeOptions(n_ctx=record.params.n_ctx, threads=1, f32_kv_cache=record.runtime.kv_cache == "f32")
+    options = RuntimeOptions(n_ctx=record.params.n_ctx, threads=1, f32_kv_cache=record.runtime.kv_cache == "f32",
+                             flash_attn=record.runtime.flash_attn is not False)
     return open_runtime(name, options).load(Path(record.pair.target.path))
 
 

@@ -41,6 +41,7 @@ class RuntimeInfo:
     threads: Optional[int]
     gpu_split: Optional[tuple[float, ...]]
     kv_cache: str  # KV cache element type, e.g. "f16": it changes logits, so it is recorded
+    flash_attn: Optional[bool] = None  # llama.cpp's flash attention kernels (None: not a choice)
 
 
 @dataclass(frozen=True)
