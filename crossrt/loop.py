@@ -15,45 +15,26 @@ Pure logic over the ModelSession contract, identical whatever the runtime. The s
   token, which it would only need if every draft token were accepted.
 The baseline prefills the same prompt[:-1] and decodes one token at a time, so both runs do
 the same prefill and their decode timings compare like for like.
+
+The other schedules mirror llama.cpp's own tools ("llama-spec-simple", "llama-server"), with
+its drafting rules (n_min, p_min): crossrt/schedules.py.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 from crossrt.runtime import DraftRules, ModelSession, Rows
+from crossrt.schedules import LLAMA_SCHEDULES, Generation, check_prompt
 
 SCHEDULE = "crossrt"
-SCHEDULES = (SCHEDULE,)
-
-
-@dataclass(frozen=True)
-class Generation:
-    output_ids: tuple[int, ...]
-    stop_reason: str  # "eos" or "max_new_tokens"
-    prefill_s: float
-    decode_s: float
-    step_drafted: Optional[tuple[int, ...]] = None  # None for the plain baseline
-    step_accepted: Optional[tuple[int, ...]] = None
-    unverified: int = 0  # tokens emitted outside steps (see schema.Counters)
-    cut: int = 0  # tokens counted as accepted but dropped at the budget or after EOS
-
-
-def _check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, sessions: Sequence[ModelSession]) -> None:
-    if not prompt_ids:
-        raise ValueError("empty prompt: nothing to condition on")
-    for session in sessions:
-        if len(prompt_ids) + max_new_tokens > session.n_ctx:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens does not fit "
-                f"the context of {session.n_ctx} tokens")
+SCHEDULES = (SCHEDULE, *LLAMA_SCHEDULES)
 
 
 def greedy_generate(target: ModelSession, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
     """Plain greedy decoding, one token per target pass: the reference output."""
-    _check_prompt(prompt_ids, max_new_tokens, [target])
+    check_prompt(prompt_ids, max_new_tokens, [target])
     start = time.perf_counter()
     target.truncate(0)
     target.eval(prompt_ids[:-1], Rows.NONE)
@@ -75,11 +56,13 @@ def speculative_generate(target: ModelSession, drafter: ModelSession, prompt_ids
     """Greedy speculative decoding with the named schedule (module docstring)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
-    if schedule == SCHEDULE and not rules.fixed:
+    if schedule in LLAMA_SCHEDULES:
+        return LLAMA_SCHEDULES[schedule](target, drafter, prompt_ids, rules, max_new_tokens)
+    if not rules.fixed:
         raise ValueError("the crossrt schedule drafts exactly k tokens: n_min and p_min are "
                          "llama.cpp drafting rules, for the llama-* schedules")
     k = rules.k
-    _check_prompt(prompt_ids, max_new_tokens, [target, drafter])
+    check_prompt(prompt_ids, max_new_tokens, [target, drafter])
     start = time.perf_counter()
     target.truncate(0)
     drafter.truncate(0)

@@ -23,6 +23,8 @@ from crossrt.schema import Counters, RuntimeInfo
 
 RUNTIMES: dict[str, str] = {
     "llama-cpp": "crossrt.backends.llama_cpp:LlamaCppRuntime",
+    "llama-server": "crossrt.backends.llama_server:LlamaServerRuntime",
+    "llama-spec-cli": "crossrt.backends.llama_spec_cli:LlamaSpecCliRuntime",
     "transformers": "crossrt.backends.transformers:TransformersRuntime",
 }
 
@@ -201,9 +203,13 @@ def runtime_class(name: str) -> type[Runtime]:
 
 
 def open_runtime(name: str, options: RuntimeOptions) -> Runtime:
-    """The runtime called name, checked usable here; RuntimeUnavailable says why not."""
+    """The runtime called name, checked usable here; RuntimeUnavailable says why not.
+
+    An explicit executable (--llama-server PATH, ...) replaces the default lookup that
+    check_available makes; the runtime checks that path itself when constructed."""
     cls = runtime_class(name)
-    cls.check_available()
+    if options.executable is None:
+        cls.check_available()
     return cls(options)
 
 

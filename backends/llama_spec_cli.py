@@ -1,0 +1,374 @@
+"""llama.cpp's own speculative decoding, run through its `llama-speculative-simple` tool
+("native" mode), its statistics translated into crossrt's counters.
+
+Each speculative generation runs the tool once with debug logging (-lv 5), the prompt in a
+file, stdout and stderr written to files; a run whose log lost its statistics tail at exit is
+rerun. Output token ids come from the
+debug log, never from text: each step logs its draft (the drafter's candidate 0 at each
+position) and "accepted A/N draft tokens, the last target token is: (ID)", from which the
+step's tokens are rebuilt; the printed text is then checked byte for byte against them.
+The tool tokenizes the prompt text itself (add_special and parse_special, as
+`common_tokenize(ctx, prompt, true, true)`); crossrt tokenizes the same way in-process at the
+same llama.cpp commit and checks the tool's prompt (its token count and echoed text) against it.
+
+The plain greedy baseline runs in-process through the pinned llama-cpp-python (the same
+llama.cpp commit as scripts/build_llama_tools builds) with the same options: the tool has no
+plain mode (with every draft dropped its drafter still runs, slowing the baseline), and a
+plain llama-server is another tool with another prefill. docs/llama-cpp-native.md has the
+details and where each rule comes from.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional, Sequence
+
+from crossrt import loop
+from crossrt.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
+                             RuntimeOptions, RuntimeUnavailable)
+from crossrt.schedules import SPEC_SIMPLE, check_prompt
+from crossrt.schema import Counters, RuntimeInfo, accepted_per_position
+from crossrt.backends.llama_cpp import VENDORED_COMMIT, LlamaCppRuntime, llama_cpp
+
+try:
+    from llama_cpp import _internals
+except ImportError:  # reported by check_available, with the fix
+    _internals = None
+
+TOOL = "llama-speculative-simple"
+REPO = Path(__file__).resolve().parents[1]
+REPO_TOOL = REPO / ".cache" / "llama-tools" / "build" / "bin" / TOOL
+# The tool's logger thread is leaked at exit, so the log's tail is lost in about a quarter of
+# runs on a busy 2-core machine (more with debug logging): rerun before calling it a failure.
+ATTEMPTS = 6
+LOG_TAIL_LINES = 30
+CHECKPOINT_NOTICE = b"speculative decoding will use checkpoints"
+
+_VERSION = re.compile(r"version: (\S+) \(([^)]*)\)")
+_EVENT = re.compile(
+    rb"draft candidate\s+(?P<rank>\d+), pos\s+(?P<pos>\d+):\s+(?P<token>\d+) \("
+    rb"|accepted (?P<accepted>\d+)/(?P<drafted>\d+) draft tokens, the last target token is: \((?P<last>-?\d+)\)")
+_PHASE = re.compile(rb"(?P<name>encoded|decoded)\s+(?P<n>\d+) tokens in\s+(?P<s>[\d.]+) seconds, "
+                    rb"speed:\s+(?P<speed>\S+) t/s")
+_STAT = re.compile(rb"(?P<name>n_predict|n_drafted|n_accept)\s+= (?P<value>\d+)")
+
+
+def default_executable() -> Optional[Path]:
+    """The tool scripts/build_llama_tools built in this repository, else the one on PATH."""
+    if REPO_TOOL.is_file():
+        return REPO_TOOL
+    found = shutil.which(TOOL)
+    return Path(found) if found else None
+
+
+@dataclass(frozen=True)
+class ToolFlags:
+    """How this build spells what crossrt passes: the draft flags were renamed
+    (--draft-max/--draft-min/--draft-p-min became --spec-draft-n-max/...), --spec-type became
+    required for a drafter model, and -fa took a value."""
+
+    n_max: str
+    n_min: str
+    p_min: str
+    spec_type: bool
+    flash_attn_takes_value: bool
+
+    @classmethod
+    def of_help(cls, text: str) -> "ToolFlags":
+        if "--spec-draft-n-max" in text:
+            names = ("--spec-draft-n-max", "--spec-draft-n-min", "--spec-draft-p-min")
+        elif "--draft-max" in text:
+            names = ("--draft-max", "--draft-min", "--draft-p-min")
+        else:
+            raise RuntimeUnavailable(f"{TOOL} --help lists no draft length flag: not a draft-model build")
+        takes_value = re.search(r"--flash-attn \[on\|off", text) is not None
+        return cls(*names, spec_type="--spec-type" in text, flash_attn_takes_value=takes_value)
+
+
+@dataclass(frozen=True)
+class ToolStep:
+    draft: tuple[int, ...]
+    accepted: int
+    last: int  # the step's last emitted token (an accepted EOS when one ends the step)
+
+
+@dataclass(frozen=True)
+class ToolRun:
+    """What one run of the tool printed: its log events and its final statistics."""
+
+    n_prompt: int
+    steps: tuple[ToolStep, ...]
+    n_predict: int
+    n_drafted: int
+    n_accept: int
+    prefill_s: float
+    decode_s: float
+
+
+def _seconds(match: re.Match) -> float:
+    # tokens / speed keeps the precision the printed seconds (3 decimals) lose
+    speed = float(match["speed"])
+    n = int(match["n"])
+    return n / speed if math.isfinite(speed) and speed > 0 else float(match["s"])
+
+
+def parse_log(log: bytes) -> Optional[ToolRun]:
+    """The run in the tool's stderr; None when its statistics tail is missing (lost at exit)."""
+    stats = {m["name"].decode(): int(m["value"]) for m in _STAT.finditer(log)}
+    phases = {m["name"].decode(): m for m in _PHASE.finditer(log)}
+    if len(stats) < 3 or len(phases) < 2:
+        return None
+    steps: list[ToolStep] = []
+    candidates: dict[int, int] = {}
+    for event in _EVENT.finditer(log):
+        if event["rank"] is not None:
+            if event["rank"] == b"0":
+                candidates[int(event["pos"])] = int(event["token"])
+            continue
+        n_draft = int(event["drafted"])
+        if any(pos not in candidates for pos in range(n_draft)):
+            raise RuntimeFailure(f"{TOOL} log: a step verified {n_draft} draft tokens but logged "
+                                 f"candidates for positions {sorted(candidates)}")
+        steps.append(ToolStep(tuple(candidates[pos] for pos in range(n_draft)), int(event["accepted"]),
+                              int(event["last"])))
+        candidates = {}
+    return ToolRun(int(phases["encoded"]["n"]), tuple(steps), stats["n_predict"],
+                   stats["n_drafted"], stats["n_accept"], _seconds(phases["encoded"]), _seconds(phases["decoded"]))
+
+
+def step_tokens(step: ToolStep, eog: frozenset[int]) -> list[int]:
+    """The tokens a step emitted. After a fully accepted draft ending in EOS the tool stops at
+    that EOS and its bonus token is never shown (but it counts in n_predict)."""
+    if step.draft and step.accepted == len(step.draft) and step.draft[-1] in eog:
+        return list(step.draft)
+    return list(step.draft[:step.accepted]) + [step.last]
+
+
+class Vocab:
+    """The target's vocabulary in-process, at the tool's llama.cpp commit."""
+
+    def __init__(self, path: Path):
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        self._model = _internals.LlamaModel(path_model=str(path), params=params, verbose=False)
+        vocab = self._model.vocab
+        self.eog_ids = frozenset(t for t in range(self._model.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t))
+
+    def tokenize(self, text: str) -> list[int]:
+        # common_tokenize(ctx, prompt, add_special=true, parse_special=true), as the tool calls it
+        return self._model.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+
+    def piece(self, token: int) -> bytes:
+        """common_token_to_piece(ctx, token): special tokens rendered, as the tool prints them."""
+        size = 64
+        while True:
+            buffer = (ctypes.c_char * size)()
+            n = llama_cpp.llama_token_to_piece(self._model.vocab, token, buffer, size, 0, True)
+            if n >= 0:
+                return bytes(buffer[:n])
+            size = -n
+
+    def printed(self, ids: Sequence[int]) -> bytes:
+        """ids as the tool prints them: with printf's %s, so each piece ends at a NUL byte."""
+        return b"".join(self.piece(t).split(b"\0")[0] for t in ids)
+
+    def close(self) -> None:
+        self._model.close()
+
+
+def _tail(path: Path) -> str:
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines() if path.exists() else []
+    return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+class LlamaSpecCliSession(NativeSession):
+    schedule = SPEC_SIMPLE
+
+    def __init__(self, command: list[str], baseline_runtime: LlamaCppRuntime, target: Path,
+                 rules: DraftRules, work_dir: Path, notes: tuple[str, ...]):
+        self._command = command
+        self._rules = rules
+        work_dir.mkdir(parents=True, exist_ok=True)
+        # Only the latest run's files are kept: enough to read a failure, bounded on disk.
+        self._prompt = work_dir / f"{TOOL}.prompt"
+        self._out = work_dir / f"{TOOL}.out"
+        self._log = work_dir / f"{TOOL}.log"
+        try:
+            self._baseline = baseline_runtime.load(target)
+        except ValueError as error:
+            raise RuntimeFailure(str(error)) from None
+        self._vocab = Vocab(target)
+        self._texts: dict[tuple[int, ...], str] = {}
+        self.notes = notes
+
+    def tokenize(self, text: str) -> list[int]:
+        ids = self._vocab.tokenize(text)
+        self._texts[tuple(ids)] = text
+        return ids
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, speculative: bool) -> NativeGeneration:
+        if not speculative:
+            plain = loop.greedy_generate(self._baseline, prompt_ids, max_new_tokens)
+            return NativeGeneration(plain.output_ids, plain.stop_reason, None, plain.prefill_s, plain.decode_s)
+        text = self._texts.get(tuple(prompt_ids))
+        if text is None:
+            raise ValueError(f"{TOOL} takes prompt text: pass ids that this session's tokenize() made")
+        # The tool's last step can run k tokens past the budget: keep that inside the context.
+        check_prompt(prompt_ids, max_new_tokens, [self._baseline], overrun=self._rules.k)
+        run = self._run(text, max_new_tokens)
+        return self._translate(run, prompt_ids, max_new_tokens)
+
+    def _run(self, text: str, max_new_tokens: int) -> ToolRun:
+        # A file has no argument-length limit; -f drops one trailing newline, so add one.
+        self._prompt.write_bytes(text.encode("utf-8") + b"\n")
+        command = self._command + ["-n", str(max_new_tokens), "-f", str(self._prompt)]
+        for _ in range(ATTEMPTS):
+            with open(self._out, "wb") as out_file, open(self._log, "wb") as log_file:
+                code = subprocess.run(command, stdout=out_file, stderr=log_file, stdin=subprocess.DEVNULL).returncode
+            if code != 0:
+                raise RuntimeFailure(f"{TOOL} exited with {code}; log {self._log}:\n{_tail(self._log)}")
+            log = self._log.read_bytes()
+            if CHECKPOINT_NOTICE in log:
+                raise RuntimeFailure(f"{TOOL}: this target cannot drop part of a sequence, so the tool "
+                                     "verifies through checkpoints, re-running partial drafts; crossrt "
+                                     "does not read that path's log")
+            run = parse_log(log)
+            if run is not None:
+                return run
+        raise RuntimeFailure(f"{TOOL} printed no statistics in {ATTEMPTS} runs; log {self._log}:\n{_tail(self._log)}")
+
+    def _translate(self, run: ToolRun, prompt_ids: Sequence[int], max_new_tokens: int) -> NativeGeneration:
+        vocab = self._vocab
+        echo = b"\n\n" + vocab.printed(prompt_ids)
+        printed = self._out.read_bytes()
+        if run.n_prompt != len(prompt_ids):
+            raise ValueError(f"{TOOL} tokenized the prompt into {run.n_prompt} tokens, crossrt into {len(prompt_ids)}")
+        if not printed.startswith(echo):
+            raise ValueError(f"{TOOL} tokenized the prompt into other pieces than crossrt (same count)")
+        produced: list[int] = []
+        for step in run.steps:
+            produced += step_tokens(step, vocab.eog_ids)
+        shown = [t for t in produced if t not in vocab.eog_ids]
+        step_drafted = tuple(len(step.draft) for step in run.steps)
+        step_accepted = tuple(step.accepted for step in run.steps)
+        problems = []
+        if not printed[len(echo):].startswith(vocab.printed(shown) + b"\n\n"):
+            problems.append("its printed text differs from the tokens read from its log")
+        if (sum(step_drafted), sum(step_accepted), len(run.steps) + sum(step_accepted)) != \
+                (run.n_drafted, run.n_accept, run.n_predict):
+            problems.append(f"its steps do not add up to n_drafted {run.n_drafted}, n_accept {run.n_accept}, "
+                            f"n_predict {run.n_predict}")
+        if problems:
+            raise RuntimeFailure(f"{TOOL} run not understood: {'; '.join(problems)}; log {self._log}")
+        output = tuple(produced[:max_new_tokens])
+        counters = Counters(
+            steps=len(run.steps), drafted=run.n_drafted, accepted=run.n_accept, emitted=len(output),
+            accepted_per_pos=accepted_per_position(step_accepted, self._rules.k),
+            step_drafted=step_drafted, step_accepted=step_accepted,
+            cut=run.n_predict - len(output))
+        stop_reason = "eos" if output and output[-1] in vocab.eog_ids else "max_new_tokens"
+        return NativeGeneration(output, stop_reason, counters, run.prefill_s, run.decode_s)
+
+    def close(self) -> None:
+        if self._vocab is not None:
+            self._vocab.close()
+            self._baseline.close()
+            self._vocab = None
+
+
+class LlamaSpecCliRuntime(Runtime):
+    name = "llama-spec-cli"
+    model_format = "gguf"
+    modes = ("native",)
+
+    def __init__(self, options: RuntimeOptions):
+        super().__init__(options)
+        executable = options.executable or default_executable()
+        if executable is None or not (Path(executable).is_file() and os.access(executable, os.X_OK)):
+            raise RuntimeUnavailable(f"{TOOL} not found at {executable}, or not executable")
+        self.executable = Path(executable)
+        help_text = self._ask("--help")
+        self.flags = ToolFlags.of_help(help_text)
+        self._version = _VERSION.search(self._ask("--version"))
+        self._devices = self._ask("--list-devices")
+
+    def _ask(self, flag: str) -> str:
+        done = subprocess.run([str(self.executable), flag], capture_output=True, stdin=subprocess.DEVNULL)
+        return (done.stdout + done.stderr).decode("utf-8", errors="replace")
+
+    @classmethod
+    def check_available(cls) -> None:
+        LlamaCppRuntime.check_available()  # tokenization and the baseline run in-process
+        if default_executable() is None:
+            raise RuntimeUnavailable(f"{TOOL} not found: run scripts/build_llama_tools, or pass "
+                                     "--llama-spec with the path of one")
+
+    def _build(self) -> Optional[str]:
+        """The llama.cpp commit: from --version, else the vendored commit when the tool is this
+        repository's build (scripts/build_llama_tools builds llama-cpp-python's vendored tree,
+        which has no git metadata, so the tool says "commit unknown")."""
+        if self._version:
+            commit = self._version[2].split()[-1]
+            if re.fullmatch(r"[0-9a-f]{7,40}", commit):
+                return commit
+        return VENDORED_COMMIT if self.executable.resolve() == REPO_TOOL.resolve() else None
+
+    def info(self) -> RuntimeInfo:
+        has_gpu = "(none)" not in self._devices
+        return RuntimeInfo(
+            name=self.name,
+            version=self._version[1] if self._version else "unknown",
+            build=self._build(),
+            device="gpu" if has_gpu and self.options.n_gpu_layers > 0 else "cpu",
+            threads=self.options.threads,
+            gpu_split=self.options.gpu_split,
+            kv_cache="f32" if self.options.f32_kv_cache else "f16",
+            flash_attn=self.options.flash_attn,
+        )
+
+    def command(self, target: Path, drafter: Path, rules: DraftRules) -> list[str]:
+        """Everything but -n and the prompt: greedy, the run options, debug logging."""
+        options, flags = self.options, self.flags
+        threads = str(options.threads)
+        command = [str(self.executable), "-m", str(target), "-md", str(drafter),
+                   flags.n_max, str(rules.k), flags.n_min, str(rules.n_min), flags.p_min, repr(rules.p_min),
+                   # The in-process runtime's batch sizes: the prompt is one batch, 512-token ubatches.
+                   "-c", str(options.n_ctx), "-b", str(options.n_ctx), "-ub", str(min(options.n_ctx, 512)),
+                   "--temp", "0",
+                   "-t", threads, "-tb", threads, "-td", threads,
+                   "-ngl", str(options.n_gpu_layers), "-ngld", str(options.n_gpu_layers), "-lv", "5"]
+        if flags.spec_type:
+            command += ["--spec-type", "draft-simple"]
+        if flags.flash_attn_takes_value:
+            command += ["-fa", "on" if options.flash_attn else "off"]
+        elif options.flash_attn:
+            command += ["-fa"]
+        if options.f32_kv_cache:
+            command += ["-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32"]
+        if options.gpu_split:
+            command += ["-ts", ",".join(str(share) for share in options.gpu_split)]
+        return command
+
+    def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path) -> LlamaSpecCliSession:
+        for path in (target, drafter):
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"model file not found: {path}")
+        baseline_runtime = LlamaCppRuntime(replace(self.options, executable=None))
+        notes = [
+            f"speculative runs: {self.executable.name} (schedule {SPEC_SIMPLE}); counters from its "
+            "n_drafted, n_accept, n_predict (= emitted + cut: its last step overshoots -n) and its "
+            "debug log's steps; timings from its encoded/decoded lines, with debug logging on",
+            "baseline: plain greedy in-process through llama-cpp-python at the same llama.cpp commit "
+            "and options, timed with crossrt's Python loop (the tool has no plain mode)",
+        ]
+        if self._build() is None:
+            notes.append(f"{self.executable} does not say its commit: the baseline's commit may differ")
+        return LlamaSpecCliSession(self.command(target, drafter, rules), baseline_runtime, Path(target),
+                                   rules, Path(work_dir), tuple(notes))

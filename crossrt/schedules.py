@@ -1,0 +1,215 @@
+"""What every schedule of the driven loop returns, and llama.cpp's two draft-model schedules,
+mirrored count for count so a driven run can be compared with llama.cpp's own tools.
+
+Both llama.cpp schedules share the drafting and verification rules of the vendored llama.cpp
+(docs/llama-cpp-native.md gives the source lines):
+- Drafting (common/speculative.cpp, draft-simple): the drafter decodes the last token, then
+  proposes its argmax one token at a time, stopping when the top-10 softmax probability of its
+  choice is below p_min, at k tokens, or at the per-call limit (a limit of 0 means none). A draft
+  shorter than n_min is thrown away. The drafter does not stop at EOS, and it never decodes its
+  own last draft token.
+- The drafter's cache mirrors the target's: after drafting it is cut back to the target's
+  cache and decodes the same batch the target decodes, as llama.cpp does. Mirroring the batch
+  structure keeps the drafter's numerics those of the native tools, not just its tokens.
+- Verification (common/sampling.cpp, sample-and-accept-n): the target's argmax at each
+  position of [last] + draft; stop at the first mismatch, or at a matched EOS that is not in
+  the draft's last position; a fully matched draft adds the target's next token.
+
+"llama-spec-simple" (examples/speculative-simple): prefills prompt[:-1], so the first draft is
+made right away and every token comes from a step (plain decodes included: a dropped draft
+still verifies [last]). Its per-call limit is max(min(n_ctx - n_past - 2, N - n_predict - 1), 0),
+and 0 means unlimited, so it overshoots the budget N: it stops once n_predict > N. The tokens
+past N, and the target's token after an accepted EOS, are `cut`: n_predict = emitted + cut.
+
+"llama-server" (tools/server): prefills the whole prompt and takes the first token from the
+prompt pass (`unverified`). Its limit is min(n_ctx - n_tokens - 2, n_remaining - 1); at 0 or
+below no draft is made, and an empty draft is a plain decode (`unverified`), not a step. It
+counts a step's accepted tokens before its stop check, so tokens after an EOS are `cut`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from crossrt.runtime import DraftRules, ModelSession, Rows
+
+SPEC_SIMPLE = "llama-spec-simple"
+SERVER = "llama-server"
+TOP_K = 10  # draft-simple's drafter sampler keeps the 10 best tokens before its softmax
+
+
+@dataclass(frozen=True)
+class Generation:
+    output_ids: tuple[int, ...]
+    stop_reason: str  # "eos" or "max_new_tokens"
+    prefill_s: float
+    decode_s: float
+    step_drafted: Optional[tuple[int, ...]] = None  # None for the plain baseline
+    step_accepted: Optional[tuple[int, ...]] = None
+    unverified: int = 0  # tokens emitted outside steps (see schema.Counters)
+    cut: int = 0  # tokens counted as accepted but dropped at the budget or after EOS
+
+
+def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, sessions: Sequence[ModelSession],
+                 overrun: int = 0) -> None:
+    """Refuse a prompt whose run could leave the context; overrun: positions a schedule may
+    use past prompt + max_new_tokens (a step that overshoots the budget)."""
+    if not prompt_ids:
+        raise ValueError("empty prompt: nothing to condition on")
+    for session in sessions:
+        if len(prompt_ids) + max_new_tokens + overrun > session.n_ctx:
+            past = f" (+ {overrun} the schedule may run past them)" if overrun else ""
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens{past} does not fit "
+                f"the context of {session.n_ctx} tokens")
+
+
+def top_probability(logits: np.ndarray) -> np.float32:
+    """The drafter's confidence as llama.cpp computes it: softmax over the top-10 logits, in
+    float32 terms summed in double in descending order (llama-sampler.cpp, dist sampler)."""
+    count = min(TOP_K, logits.size)
+    top = np.sort(np.partition(logits, -count)[-count:])[::-1]
+    weights = np.exp(top - top[0])
+    return np.float32(1.0 / sum(float(w) for w in weights))
+
+
+def llama_draft(drafter: ModelSession, last: int, rules: DraftRules, limit: int) -> list[int]:
+    """One draft-simple draft after last; the drafter's cache holds the context before last."""
+    p_min = np.float32(rules.p_min)
+    draft: list[int] = []
+    pending = last
+    while True:
+        logits = drafter.eval((pending,), Rows.LAST)[0]
+        token = int(logits.argmax())
+        if p_min > 0 and top_probability(logits) < p_min:
+            break
+        draft.append(token)
+        if len(draft) >= rules.k or 0 < limit <= len(draft):
+            break
+        pending = token
+    return draft if len(draft) >= rules.n_min else []
+
+
+def verify(choices: np.ndarray, draft: Sequence[int], eog: frozenset[int]) -> list[int]:
+    """The tokens a verification yields: the accepted draft prefix and the target's own token,
+    or a matched EOS that ends it early (llama.cpp accepts an EOS only in the last position)."""
+    ids: list[int] = []
+    for position, token in enumerate(draft):
+        chosen = int(choices[position])
+        ids.append(chosen)
+        if chosen != token or (chosen in eog and position + 1 < len(draft)):
+            return ids
+    ids.append(int(choices[len(draft)]))
+    return ids
+
+
+class _Tally:
+    """What a llama schedule has emitted and counted so far."""
+
+    def __init__(self, max_new_tokens: int, eog: frozenset[int]):
+        self.max_new_tokens = max_new_tokens
+        self.eog = eog
+        self.output: list[int] = []
+        self.step_drafted: list[int] = []
+        self.step_accepted: list[int] = []
+        self.unverified = 0
+        self.cut = 0
+        self.stopped = False
+
+    def emit(self, ids: Sequence[int]) -> None:
+        """Emit ids in order until EOS or the budget; the rest of them are cut."""
+        for position, token in enumerate(ids):
+            self.output.append(token)
+            if token in self.eog or len(self.output) >= self.max_new_tokens:
+                self.stopped = True
+                self.cut += len(ids) - 1 - position
+                return
+
+    def generation(self, start: float, prefilled: float) -> Generation:
+        stop_reason = "eos" if self.output and self.output[-1] in self.eog else "max_new_tokens"
+        return Generation(tuple(self.output), stop_reason, prefilled - start, time.perf_counter() - prefilled,
+                          tuple(self.step_drafted), tuple(self.step_accepted), self.unverified, self.cut)
+
+
+def _verify_batch(target: ModelSession, drafter: ModelSession, last: int, draft: list[int]) -> np.ndarray:
+    """Decode [last] + draft on both models (the drafter mirrors the target's batch) and return
+    the target's argmax at each position."""
+    drafter.truncate(target.n_past)
+    batch = [last] + draft
+    choices = target.eval(batch, Rows.ALL).argmax(axis=1)
+    drafter.eval(batch, Rows.NONE)
+    return choices
+
+
+def spec_simple_generate(target: ModelSession, drafter: ModelSession, prompt_ids: Sequence[int],
+                         rules: DraftRules, max_new_tokens: int) -> Generation:
+    """llama-speculative-simple's schedule (module docstring)."""
+    check_prompt(prompt_ids, max_new_tokens, [target, drafter], overrun=rules.k)
+    start = time.perf_counter()
+    target.truncate(0)
+    drafter.truncate(0)
+    target.eval(prompt_ids[:-1], Rows.NONE)
+    drafter.eval(prompt_ids[:-1], Rows.NONE)
+    prefilled = time.perf_counter()
+
+    tally = _Tally(max_new_tokens, target.eog_ids)
+    last = prompt_ids[-1]
+    n_predict = 0
+    seen_eos = False
+    while not seen_eos and n_predict <= max_new_tokens:
+        n_past = target.n_past
+        limit = max(min(target.n_ctx - n_past - 2, max_new_tokens - n_predict - 1), 0)
+        draft = llama_draft(drafter, last, rules, limit)
+        ids = verify(_verify_batch(target, drafter, last, draft), draft, tally.eog)
+        target.truncate(n_past + len(ids))
+        drafter.truncate(n_past + len(ids))
+        tally.step_drafted.append(len(draft))
+        tally.step_accepted.append(len(ids) - 1)
+        n_predict += len(ids)
+        # The tool emits up to its first EOS; crossrt keeps what fits the budget of those.
+        produced = ids[:next((i + 1 for i, t in enumerate(ids) if t in tally.eog), len(ids))]
+        seen_eos = produced[-1] in tally.eog
+        if not tally.stopped:
+            tally.emit(produced)
+        last = ids[-1]
+    # n_predict counts every token the steps yielded, those past the budget or after EOS too.
+    tally.cut = n_predict - len(tally.output)
+    return tally.generation(start, prefilled)
+
+
+def server_generate(target: ModelSession, drafter: ModelSession, prompt_ids: Sequence[int],
+                    rules: DraftRules, max_new_tokens: int) -> Generation:
+    """llama-server's schedule (module docstring)."""
+    # The server stops when its cache reaches n_ctx - 1: keep a position spare so it never does.
+    check_prompt(prompt_ids, max_new_tokens, [target, drafter], overrun=1)
+    start = time.perf_counter()
+    target.truncate(0)
+    drafter.truncate(0)
+    first = int(target.eval(prompt_ids, Rows.LAST)[0].argmax())
+    drafter.eval(prompt_ids, Rows.NONE)
+    prefilled = time.perf_counter()
+
+    tally = _Tally(max_new_tokens, target.eog_ids)
+    tally.unverified += 1
+    tally.emit((first,))
+    while not tally.stopped:
+        n_tokens = target.n_past
+        limit = min(target.n_ctx - n_tokens - 2, max_new_tokens - len(tally.output) - 1)
+        draft = llama_draft(drafter, tally.output[-1], rules, limit) if limit > 0 else []
+        ids = verify(_verify_batch(target, drafter, tally.output[-1], draft), draft, tally.eog)
+        target.truncate(n_tokens + len(ids))
+        drafter.truncate(n_tokens + len(ids))
+        if draft:
+            tally.step_drafted.append(len(draft))
+            tally.step_accepted.append(len(ids) - 1)
+        else:
+            tally.unverified += 1
+        tally.emit(ids)
+    return tally.generation(start, prefilled)
+
+
+LLAMA_SCHEDULES = {SPEC_SIMPLE: spec_simple_generate, SERVER: server_generate}
