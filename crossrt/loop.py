@@ -29,7 +29,10 @@ from crossrt.runtime import DraftRules, ModelSession, Rows
 from crossrt.schedules import LLAMA_SCHEDULES, Generation, check_prompt
 
 SCHEDULE = "crossrt"
-SCHEDULES = (SCHEDULE, *LLAMA_SCHEDULES)
+# transformers' assisted generation: crossrt's schedule, except that the drafter, running its
+# own generate() with the target's EOS ids, ends a draft at its first EOS (EOS kept).
+HF_SCHEDULE = "hf-assisted"
+SCHEDULES = (SCHEDULE, HF_SCHEDULE, *LLAMA_SCHEDULES)
 
 
 def greedy_generate(target: ModelSession, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
@@ -59,8 +62,9 @@ def speculative_generate(target: ModelSession, drafter: ModelSession, prompt_ids
     if schedule in LLAMA_SCHEDULES:
         return LLAMA_SCHEDULES[schedule](target, drafter, prompt_ids, rules, max_new_tokens)
     if not rules.fixed:
-        raise ValueError("the crossrt schedule drafts exactly k tokens: n_min and p_min are "
+        raise ValueError(f"the {schedule} schedule drafts exactly k tokens: n_min and p_min are "
                          "llama.cpp drafting rules, for the llama-* schedules")
+    draft_stops_at_eos = schedule == HF_SCHEDULE
     k = rules.k
     check_prompt(prompt_ids, max_new_tokens, [target, drafter])
     start = time.perf_counter()
@@ -84,9 +88,10 @@ def speculative_generate(target: ModelSession, drafter: ModelSession, prompt_ids
             while True:
                 token = int(drafter.eval(pending, Rows.LAST)[0].argmax())
                 draft.append(token)
-                if len(draft) == n_draft:
+                if len(draft) == n_draft or (draft_stops_at_eos and token in eog):
                     break
                 pending = (token,)
+            n_draft = len(draft)
 
         choices = target.eval([context[-1]] + draft, Rows.ALL).argmax(axis=1)
         n_accepted = 0
