@@ -287,6 +287,7 @@ class LlamaSpecCliRuntime(Runtime):
     name = "llama-spec-cli"
     model_format = "gguf"
     modes = ("native",)
+    scored_by = "llama-cpp"  # the same llama.cpp commit in-process, for logits
 
     def __init__(self, options: RuntimeOptions):
         super().__init__(options)

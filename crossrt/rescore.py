@@ -14,14 +14,19 @@ from typing import Sequence
 
 import numpy as np
 
-from crossrt.runtime import ModelSession, Rows, RuntimeOptions, open_runtime, runtime_class
+from crossrt.runtime import ModelSession, Rows, RuntimeOptions, RuntimeUnavailable, open_runtime, runtime_class
 from crossrt.schema import RunRecord
 
 
 def scoring_runtime(name: str) -> str:
     """The runtime whose forward pass scores sequences for records of runtime name."""
     cls = runtime_class(name)
-    return name if "driven" in cls.modes else cls.scored_by
+    if "driven" in cls.modes:
+        return name
+    if cls.scored_by is None:
+        raise RuntimeUnavailable(f"runtime {name!r} cannot re-score outputs and names no in-process "
+                                 "sibling that can: pass --no-logits")
+    return cls.scored_by
 
 
 def open_scorer(record: RunRecord) -> ModelSession:

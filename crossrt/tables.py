@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 from crossrt.schema import RunRecord, Summary
 
-SUMMARY_HEADER = ["runtime", "mode", "k", "category", "prompts", "failed", "lossless", "steps",
+SUMMARY_HEADER = ["runtime", "mode", "schedule", "k", "category", "prompts", "failed", "lossless", "steps",
                   "tau", "alpha", "tok/s", "base tok/s", "speedup"]
 
 
@@ -16,7 +16,7 @@ def _number(value: Optional[float], digits: int = 2) -> str:
 
 def _summary_cells(record: RunRecord, category: str, summary: Summary) -> list[str]:
     done = summary.prompts - summary.failed
-    return [record.runtime.name, record.params.mode, str(record.params.k), category, str(summary.prompts),
+    return [record.runtime.name, record.params.mode, record.params.schedule, str(record.params.k), category, str(summary.prompts),
             str(summary.failed), f"{summary.lossless}/{done}", str(summary.steps), _number(summary.tau),
             _number(summary.alpha, 3), _number(summary.tokens_per_s, 1),
             _number(summary.baseline_tokens_per_s, 1), _number(summary.speedup)]

@@ -38,7 +38,7 @@ def test_run_writes_a_record_and_show_summarizes_it(tmp_path):
     shown = invoke("show", tmp_path / "run.json")
     assert shown.exit_code == 0
     lines = shown.output.splitlines()
-    assert [line.split()[3] for line in lines[2:]] == ["code", "prose", "ALL"]
+    assert [line.split()[4] for line in lines[2:]] == ["code", "prose", "ALL"]
     assert "2/2" in lines[-1]
 
 
