@@ -265,6 +265,18 @@ class LlamaServerSession(NativeSession):
                 server.stop()
 
 
+# crossrt's spec types as llama-server's --spec-type values (common/arg.cpp at 0c1e57098).
+LLAMA_SPEC_TYPES = {"draft": "draft-simple", "mtp": "draft-mtp", "eagle3": "draft-eagle3", "dflash": "draft-dflash",
+                    "dspark": "draft-dspark", "ngram-simple": "ngram-simple", "ngram-map-k": "ngram-map-k",
+                    "ngram-map-k4v": "ngram-map-k4v", "ngram-mod": "ngram-mod", "ngram-cache": "ngram-cache"}
+
+
+def llama_spec_type(spec_type: str) -> str:
+    if spec_type not in LLAMA_SPEC_TYPES:
+        raise ValueError(f"llama.cpp has no spec type {spec_type!r}; it has: {', '.join(LLAMA_SPEC_TYPES)}")
+    return LLAMA_SPEC_TYPES[spec_type]
+
+
 class LlamaServerRuntime(Runtime):
     name = "llama-server"
     model_format = "gguf"
@@ -313,7 +325,10 @@ class LlamaServerRuntime(Runtime):
                 flags.n_max, str(rules.k), flags.n_min, str(rules.n_min), flags.p_min, str(rules.p_min),
                 "--metrics"]
         if flags.spec_type:
-            args += [flags.spec_type, "draft-simple"]  # without it -md loads a drafter that never drafts
+            # Without it -md loads a drafter that never drafts.
+            args += [flags.spec_type, llama_spec_type(rules.spec_type)]
+        elif rules.spec_type != "draft":
+            raise ValueError(f"this llama-server build has no --spec-type: it cannot run spec type {rules.spec_type!r}")
         if options.f32_kv_cache:
             args += ["-ctkd", "f32", "-ctvd", "f32"]
         return args
@@ -333,7 +348,7 @@ class LlamaServerRuntime(Runtime):
     def _notes(self, rules: DraftRules) -> tuple[str, ...]:
         return (
             f"llama-server {self.build.version} (commit {self.build.commit or 'unknown'}): its own draft-model "
-            f"speculative decoding (--spec-type draft-simple, n_max {rules.k}, n_min {rules.n_min}, "
+            f"speculative decoding (--spec-type {llama_spec_type(rules.spec_type)}, n_max {rules.k}, n_min {rules.n_min}, "
             f"p_min {rules.p_min:g}), one slot, greedy (temperature 0, samplers [temperature]), no prompt cache; "
             "the baseline is a second server without a drafter",
             "drafted/accepted: /completion timings.draft_n/draft_n_accepted (absent when nothing was drafted: 0); "

@@ -358,6 +358,8 @@ class LlamaSpecCliRuntime(Runtime):
         return command
 
     def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path) -> LlamaSpecCliSession:
+        # Draft token ids are read from draft-simple's debug lines; other spec types log differently.
+        rules.require_drafter_model("runtime llama-spec-cli")
         for path in (target, drafter):
             if not Path(path).is_file():
                 raise FileNotFoundError(f"model file not found: {path}")

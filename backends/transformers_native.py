@@ -50,6 +50,7 @@ NOTES = (
 
 
 def check_rules(rules: DraftRules) -> None:
+    rules.require_drafter_model("HF assisted generation")
     if not rules.fixed:
         raise ValueError(
             f"HF assisted generation drafts a fixed num_assistant_tokens={rules.k}: it has no "

@@ -8,12 +8,14 @@ from typing import Sequence
 
 import click
 
-from crossrt.cli_common import USER_ERRORS, GpuSplit, resolve_pair
+from crossrt.cli_common import PROMPTS_HELP, USER_ERRORS, GpuSplit, resolve_pair
+from crossrt.cli_analysis import analyze, simulate_command
 from crossrt.cli_compare import diff, parity
+from crossrt.cli_reproduce import reproduce
 from crossrt.driver import RunRequest, run_pair
 from crossrt.loop import SCHEDULE, SCHEDULES
 from crossrt.prompts import load_prompts
-from crossrt.runtime import DraftRules, RuntimeOptions, availability, runtime_names
+from crossrt.runtime import SPEC_TYPES, DraftRules, RuntimeOptions, availability, runtime_names
 from crossrt.schema import RecordError, load_record
 from crossrt.tables import format_table, summary_rows
 
@@ -46,16 +48,21 @@ def main() -> None:
               "cut near the budget), so counts can match a native runtime's exactly.")
 @click.option("--k", type=click.IntRange(min=1),
               help="Draft tokens per verification step. Default: the pair's default k, else 4.")
+@click.option("--spec-type", type=click.Choice(SPEC_TYPES),
+              help="Drafting method: draft (a drafter model) or a native one some runtimes have "
+              "(n-gram, MTP, DFlash...). Default: the pair's [defaults] spec_type, else draft.")
 @click.option("--draft-n-min", type=click.IntRange(min=0),
               help="llama.cpp drafting rule: drafts shorter than this are dropped. Default: k.")
 @click.option("--draft-p-min", type=click.FloatRange(0, 1), default=0.0, show_default=True,
               help="llama.cpp drafting rule: stop drafting when the drafter's top probability "
               "falls below this.")
 @click.option("--prompts", "prompt_source", default="builtin", show_default=True,
-              help="A built-in suite name, or a JSONL file with id, category, prompt fields.")
+              help=PROMPTS_HELP)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False),
               help="Run record to write, after every prompt. Default: runs/<pair>-<runtime>-k<k>.json")
+@click.option("--trace", is_flag=True, help="Also record per-token traces (driven mode, crossrt or hf-assisted "
+              "schedule) in <out stem>.trace.npz beside the record, for `crossrt analyze`.")
 @click.option("--resume", is_flag=True, help="Continue the record at --out, skipping finished prompts.")
 @click.option("--overwrite", is_flag=True, help="Replace the record at --out.")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
@@ -74,8 +81,8 @@ def main() -> None:
 @click.option("--llama-spec", "llama_spec", type=click.Path(path_type=Path, dir_okay=False),
               help="llama-speculative-simple executable for --runtime llama-spec-cli (default: the "
               "one scripts/build_llama_tools built, else PATH).")
-def run(pair, target, drafter, runtime_name, mode, schedule, k, draft_n_min, draft_p_min, prompt_source, max_new_tokens, out, resume, overwrite,
-        threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache, flash_attn, llama_server, llama_spec) -> None:
+def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_min, prompt_source,
+        max_new_tokens, out, trace, resume, overwrite, threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache, flash_attn, llama_server, llama_spec) -> None:
     """Run a pair over prompts: plain greedy baseline and speculative decoding, per prompt.
 
     Writes a run record (JSON, schema in docs/schema.md) after every prompt, so an
@@ -89,9 +96,9 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, draft_n_min, dra
         options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers,
                                  gpu_split=gpu_split, f32_kv_cache=f32_kv_cache, flash_attn=flash_attn,
                                  executable={"llama-server": llama_server, "llama-spec-cli": llama_spec}.get(runtime_name))
-        rules = DraftRules(k, draft_n_min, draft_p_min)
+        rules = DraftRules(k, draft_n_min, draft_p_min, spec_type or str(resolved.defaults.get("spec_type", "draft")))
         request = RunRequest(resolved, runtime_name, options, rules, max_new_tokens, out, mode, schedule,
-                             resume, overwrite)
+                             resume, overwrite, trace=trace)
         with click.progressbar(length=len(prompts), label=f"{runtime_name} k={k}", file=sys.stderr,
                                item_show_func=lambda text: text) as bar:
             def advance(prompt, result):
@@ -135,3 +142,6 @@ def runtimes(usable: bool) -> None:
 
 main.add_command(parity)
 main.add_command(diff)
+main.add_command(reproduce)
+main.add_command(analyze)
+main.add_command(simulate_command)

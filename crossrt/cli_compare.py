@@ -8,7 +8,7 @@ from typing import Sequence
 
 import click
 
-from crossrt.cli_common import USER_ERRORS, CommaChoice, resolve_pair
+from crossrt.cli_common import PROMPTS_HELP, USER_ERRORS, CommaChoice, resolve_pair
 from crossrt.diff import diff_records, render_diff
 from crossrt.parity import compare_against, compare_all, labelled
 from crossrt.parity_report import ParityReport, logit_checks, render_junit, render_markdown, render_text
@@ -27,7 +27,7 @@ from crossrt.schema import load_record
 @click.option("--modes", type=CommaChoice(("driven", "native")), default="driven,native", show_default=True,
               help="Comma-separated modes; a runtime runs the modes it has (others are skipped, not failed).")
 @click.option("--prompts", "prompt_source", default="builtin", show_default=True,
-              help="A built-in suite name, or a JSONL file with id, category, prompt fields.")
+              help=PROMPTS_HELP)
 @click.option("--k", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("runs/parity"),

@@ -1,10 +1,13 @@
 """Runs a pair over prompts on one runtime: baseline, speculative run, a record written
-after every prompt (so an interrupted run keeps what finished), and resume.
+after every prompt (so an interrupted run keeps what finished), and resume. With
+RunRequest.trace, driven runs also keep per-token traces beside the record (crossrt/trace.py),
+written with it after every prompt.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
@@ -16,6 +19,7 @@ from crossrt.runtime import (DraftRules, ModelSession, NativeSession, Runtime, R
                              RuntimeUnavailable, open_runtime)
 from crossrt.schema import (Counters, PromptResult, RecordError, RunParams, RunRecord, Timings,
                             accepted_per_position, load_record, save_record)
+from crossrt.trace import PromptTrace, TraceRecorder, read_traces, save_traces, trace_path
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,9 @@ class RunRequest:
     # Prompt id -> token ids shared by every runtime of a comparison; each runtime's own
     # tokenization is still made and recorded where it differs.
     shared_prompt_ids: Optional[Mapping[str, tuple[int, ...]]] = None
+    # Record per-token traces (driven mode, crossrt and hf-assisted schedules) in
+    # <out stem>.trace.npz beside the record.
+    trace: bool = False
 
 
 def _prompt_ids(tokenize: Callable[[str], list[int]], prompt: Prompt,
@@ -46,14 +53,15 @@ def _prompt_ids(tokenize: Callable[[str], list[int]], prompt: Prompt,
 
 def run_prompt(target: ModelSession, drafter: ModelSession, prompt: Prompt, rules: DraftRules,
                max_new_tokens: int, schedule: str = loop.SCHEDULE,
-               shared_ids: Optional[Sequence[int]] = None) -> PromptResult:
+               shared_ids: Optional[Sequence[int]] = None, trace: Optional[TraceRecorder] = None) -> PromptResult:
     """Baseline then speculative run of one prompt; a prompt that cannot run (too long for
-    the context, a decode error) becomes a failed result with the reason."""
+    the context, a decode error) becomes a failed result with the reason. trace, when given,
+    records the speculative run."""
     prompt_ids: tuple[int, ...] = ()
     try:
         prompt_ids, own_ids = _prompt_ids(target.tokenize, prompt, shared_ids)
         baseline = loop.greedy_generate(target, prompt_ids, max_new_tokens)
-        speculative = loop.speculative_generate(target, drafter, prompt_ids, rules, max_new_tokens, schedule)
+        speculative = loop.speculative_generate(target, drafter, prompt_ids, rules, max_new_tokens, schedule, trace)
     except (ValueError, RuntimeError) as error:
         return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
     step_accepted = speculative.step_accepted
@@ -104,14 +112,27 @@ def _starting_record(request: RunRequest, fresh: RunRecord) -> RunRecord:
             raise RecordError(f"cannot resume {request.out}: its {name} differ ({before} vs {now})")
     # Failed prompts are tried again; finished ones are kept.
     return RunRecord(previous.runtime, previous.pair, previous.params,
-                     tuple(r for r in previous.results if r.ok), notes=previous.notes)
+                     tuple(r for r in previous.results if r.ok), notes=previous.notes, trace=previous.trace)
+
+
+def _starting_traces(request: RunRequest, record: RunRecord) -> dict[str, PromptTrace]:
+    """The traces a traced run continues: those of the record's finished prompts, if any."""
+    path = request.out.parent / record.trace if record.trace else None
+    if not request.trace or path is None or not path.is_file():
+        return {}
+    kept = {r.prompt_id for r in record.results}
+    return {i: trace for i, trace in read_traces(path).items() if i in kept}
 
 
 def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.ExitStack):
-    """A function running one prompt in the requested mode, and the schedule it follows."""
+    """A function running one prompt (and filling a trace recorder) in the requested mode,
+    and the native session when the mode is native."""
     if request.mode not in runtime.modes:
         raise RuntimeUnavailable(f"runtime {runtime.name!r} has no {request.mode} mode "
                                  f"(it has: {', '.join(runtime.modes)})")
+    if request.trace and (request.mode != "driven" or request.schedule not in loop.TRACED_SCHEDULES):
+        raise ValueError(f"traces are recorded in driven mode with the {' or '.join(loop.TRACED_SCHEDULES)} "
+                         "schedule")
     paths = {role: request.pair.path(role, runtime.model_format) for role in ROLES}
 
     def shared(prompt: Prompt) -> Optional[tuple[int, ...]]:
@@ -121,10 +142,11 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
         work_dir = request.out.with_name(request.out.stem + ".logs")
         session = runtime.open_native(paths["target"], paths["drafter"], request.rules, work_dir)
         stack.callback(session.close)
-        return (lambda prompt: run_prompt_native(session, prompt, request.max_new_tokens, shared(prompt))), session
+        return (lambda prompt, _: run_prompt_native(session, prompt, request.max_new_tokens, shared(prompt))), session
+    request.rules.require_drafter_model("crossrt's driven loop")
     target, drafter = runtime.load(paths["target"]), runtime.load(paths["drafter"])
-    return (lambda prompt: run_prompt(target, drafter, prompt, request.rules, request.max_new_tokens,
-                                      request.schedule, shared(prompt))), None
+    return (lambda prompt, trace: run_prompt(target, drafter, prompt, request.rules, request.max_new_tokens,
+                                             request.schedule, shared(prompt), trace)), None
 
 
 def run_pair(request: RunRequest, prompts: Sequence[Prompt],
@@ -133,24 +155,34 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
 
     on_prompt(prompt, result) is called once per prompt, with None for a prompt skipped
     because the resumed record already holds it. The record is saved after every prompt,
-    so what finished survives an error or Ctrl-C in the middle of the run.
+    so what finished survives an error or Ctrl-C in the middle of the run; with request.trace,
+    the trace file is saved just before it (a resumed run without request.trace keeps the
+    traces it has and traces no new prompt).
     """
     runtime = open_runtime(request.runtime, request.options)
     info = pair_info(request.pair, runtime.model_format)
     with contextlib.ExitStack() as stack:
         run_one, native = _prompt_runner(runtime, request, stack)
         params = RunParams(k=request.rules.k, greedy=True, max_new_tokens=request.max_new_tokens,
-                           mode=request.mode, spec_type="draft",
+                           mode=request.mode, spec_type=request.rules.spec_type,
                            schedule=native.schedule if native else request.schedule, n_ctx=request.options.n_ctx,
                            draft_n_min=request.rules.n_min, draft_p_min=request.rules.p_min)
         fresh = RunRecord(runtime.info(), info, params, notes=native.notes if native else ())
         record = _starting_record(request, fresh)
+        traces = _starting_traces(request, record)
+        if request.trace:
+            record = dataclasses.replace(record, trace=trace_path(request.out).name)
+            save_traces(traces, trace_path(request.out))
         done = {r.prompt_id for r in record.results}
         save_record(record, request.out)
         for prompt in prompts:
             result = None
             if prompt.id not in done:
-                result = run_one(prompt)
+                recorder = TraceRecorder() if request.trace else None
+                result = run_one(prompt, recorder)
+                if recorder is not None and result.ok:
+                    traces[prompt.id] = recorder.finish()
+                    save_traces(traces, trace_path(request.out))
                 record = record.with_result(result)
                 save_record(record, request.out)
             if on_prompt is not None:

@@ -13,6 +13,8 @@ Pure logic over the ModelSession contract, identical whatever the runtime. The s
   acceptance: the EOS is then the step's own token, and generation stops.
 - Both caches roll back to what was kept. The drafter never decodes its own last draft
   token, which it would only need if every draft token were accepted.
+Given a TraceRecorder, the crossrt and hf-assisted schedules also record the run's per-token
+trace from the rows they compute anyway (crossrt/trace.py).
 The baseline prefills the same prompt[:-1] and decodes one token at a time, so both runs do
 the same prefill and their decode timings compare like for like.
 
@@ -23,16 +25,18 @@ its drafting rules (n_min, p_min): crossrt/schedules.py.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 from crossrt.runtime import DraftRules, ModelSession, Rows
 from crossrt.schedules import LLAMA_SCHEDULES, Generation, check_prompt
+from crossrt.trace import TraceRecorder
 
 SCHEDULE = "crossrt"
 # transformers' assisted generation: crossrt's schedule, except that the drafter, running its
 # own generate() with the target's EOS ids, ends a draft at its first EOS (EOS kept).
 HF_SCHEDULE = "hf-assisted"
 SCHEDULES = (SCHEDULE, HF_SCHEDULE, *LLAMA_SCHEDULES)
+TRACED_SCHEDULES = (SCHEDULE, HF_SCHEDULE)  # the schedules that can record a trace (crossrt/trace.py)
 
 
 def greedy_generate(target: ModelSession, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
@@ -55,10 +59,15 @@ def greedy_generate(target: ModelSession, prompt_ids: Sequence[int], max_new_tok
 
 
 def speculative_generate(target: ModelSession, drafter: ModelSession, prompt_ids: Sequence[int],
-                         rules: DraftRules, max_new_tokens: int, schedule: str = SCHEDULE) -> Generation:
-    """Greedy speculative decoding with the named schedule (module docstring)."""
+                         rules: DraftRules, max_new_tokens: int, schedule: str = SCHEDULE,
+                         trace: Optional[TraceRecorder] = None) -> Generation:
+    """Greedy speculative decoding with the named schedule (module docstring); trace, when
+    given, records the run's per-token trace."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
+    rules.require_drafter_model("crossrt's driven loop")
+    if trace is not None and schedule not in TRACED_SCHEDULES:
+        raise ValueError(f"traces are recorded by the {' and '.join(TRACED_SCHEDULES)} schedules, not {schedule}")
     if schedule in LLAMA_SCHEDULES:
         return LLAMA_SCHEDULES[schedule](target, drafter, prompt_ids, rules, max_new_tokens)
     if not rules.fixed:
@@ -86,19 +95,25 @@ def speculative_generate(target: ModelSession, drafter: ModelSession, prompt_ids
         if n_draft:
             pending = context[drafter.n_past:]
             while True:
-                token = int(drafter.eval(pending, Rows.LAST)[0].argmax())
+                row = drafter.eval(pending, Rows.LAST)[0]
+                token = int(row.argmax())
+                if trace is not None:
+                    trace.drafted(row)
                 draft.append(token)
                 if len(draft) == n_draft or (draft_stops_at_eos and token in eog):
                     break
                 pending = (token,)
             n_draft = len(draft)
 
-        choices = target.eval([context[-1]] + draft, Rows.ALL).argmax(axis=1)
+        rows = target.eval([context[-1]] + draft, Rows.ALL)
+        choices = rows.argmax(axis=1)
         n_accepted = 0
         while n_accepted < n_draft and draft[n_accepted] == choices[n_accepted] \
                 and draft[n_accepted] not in eog:
             n_accepted += 1
         kept = draft[:n_accepted] + [int(choices[n_accepted])]
+        if trace is not None:
+            trace.verified(rows[:n_accepted + 1], n_draft, n_accepted)
 
         # The target now caches context + draft; keep context + accepted draft tokens (the
         # bonus token is the new last token, evaluated at the next step).

@@ -26,6 +26,7 @@ RUNTIMES: dict[str, str] = {
     "llama-server": "crossrt.backends.llama_server:LlamaServerRuntime",
     "llama-spec-cli": "crossrt.backends.llama_spec_cli:LlamaSpecCliRuntime",
     "transformers": "crossrt.backends.transformers:TransformersRuntime",
+    "exllamav3": "crossrt.backends.exllamav3:ExllamaV3Runtime",
 }
 
 
@@ -47,6 +48,13 @@ class Rows(Enum):
     ALL = "all"
 
 
+# How drafts are made. "draft": a drafter model (every runtime); the others are native
+# drafting methods some runtimes have (llama.cpp's n-gram and MTP/EAGLE3/DFlash drafting,
+# exllamav3's block drafters), selected by a pair manifest's [defaults] spec_type.
+SPEC_TYPES = ("draft", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache",
+              "mtp", "eagle3", "dflash", "dflash2", "dspark")
+
+
 @dataclass(frozen=True)
 class DraftRules:
     """How drafts are made: up to k tokens; llama.cpp's drafting rules add n_min (shorter
@@ -56,6 +64,7 @@ class DraftRules:
     k: int
     n_min: Optional[int] = None
     p_min: float = 0.0
+    spec_type: str = "draft"
 
     def __post_init__(self):
         if self.k < 1:
@@ -66,6 +75,14 @@ class DraftRules:
             raise ValueError(f"n_min must be between 0 and k={self.k}, got {self.n_min}")
         if not 0.0 <= self.p_min <= 1.0:
             raise ValueError(f"p_min must be between 0 and 1, got {self.p_min}")
+        if self.spec_type not in SPEC_TYPES:
+            raise ValueError(f"unknown spec type {self.spec_type!r}; spec types: {', '.join(SPEC_TYPES)}")
+
+    def require_drafter_model(self, where: str) -> None:
+        """Refuse spec types other than a drafter model, for runtimes that have no other."""
+        if self.spec_type != "draft":
+            raise ValueError(f"{where} drafts with a drafter model only (spec type 'draft'), not "
+                             f"{self.spec_type!r}: run it natively on a runtime that has it (e.g. llama-server)")
 
     @property
     def fixed(self) -> bool:

@@ -231,6 +231,9 @@ class RunRecord:
     results: tuple[PromptResult, ...] = ()
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default=())
+    # The per-token trace file beside the record (crossrt/trace.py), relative to the record's
+    # folder; None when no prompt was traced.
+    trace: Optional[str] = None
 
     def with_result(self, result: PromptResult) -> "RunRecord":
         kept = tuple(r for r in self.results if r.prompt_id != result.prompt_id)
@@ -266,6 +269,8 @@ def record_to_json(record: RunRecord) -> dict[str, Any]:
         "overall": dataclasses.asdict(record.summary()),
         "by_category": {c: dataclasses.asdict(record.summary(c)) for c in record.categories()},
     }
+    if record.trace is None:
+        del data["trace"]  # optional: an untraced record reads as before traces existed
     return json.loads(json.dumps(data))  # plain JSON types: tuples become lists
 
 

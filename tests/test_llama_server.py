@@ -298,3 +298,19 @@ def test_counts_that_do_not_fit_the_schedule_are_refused():
         speculative_counters(10, "max_new_tokens", timings, delta, 4)  # a cut without an EOS
     with pytest.raises(RuntimeFailure, match="timings 12/5"):
         speculative_counters(11, "max_new_tokens", {**timings, "draft_n_accepted": 5}, delta, 4)
+
+
+def test_native_spec_types_pass_through_and_driven_mode_refuses_them(tmp_path):
+    def run(*args):
+        return CliRunner().invoke(main, ["run", "--pair", str(TINY_PAIR), "--spec-type", "ngram-simple",
+                                         "--max-new-tokens", "24", *map(str, args)], catch_exceptions=False)
+
+    native = run("--runtime", "llama-server", "--mode", "native", "--out", tmp_path / "ngram.json")
+    assert native.exit_code == 0, native.output
+    record = load_record(tmp_path / "ngram.json")
+    assert record.params.spec_type == "ngram-simple"
+    assert any("--spec-type ngram-simple" in note for note in record.notes)
+    assert all(r.ok and r.lossless for r in record.results)
+    driven = run("--out", tmp_path / "driven.json")
+    assert driven.exit_code == 1 and "drafts with a drafter model only" in driven.output
+    assert not (tmp_path / "driven.json").exists()  # refused before anything ran

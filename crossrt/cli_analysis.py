@@ -1,0 +1,214 @@
+"""The commands that explain acceptance: `crossrt analyze` (records and their traces) and
+`crossrt simulate` (what-if runs of the crossrt schedule from an oracle trace)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import click
+
+from crossrt import analysis
+from crossrt.cli_common import USER_ERRORS, resolve_pair
+from crossrt.pairs import ROLES, pair_info
+from crossrt.prompts import load_prompts
+from crossrt.runtime import RuntimeOptions, open_runtime, runtime_names
+from crossrt.schema import RunRecord, load_record
+from crossrt.simulate import (Oracle, Policy, Simulation, build_oracle, compare_with_record, measure_costs,
+                              simulate, simulate_suite)
+from crossrt.tables import format_table
+
+ALL = "ALL"
+
+
+def _number(value: Optional[float], digits: int = 2) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def _signed(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:+.2f}"
+
+
+def _name(category: Optional[str]) -> str:
+    return ALL if category is None else category
+
+
+class Increasing(click.ParamType):
+    """Comma-separated increasing numbers (bucket edges, thresholds); `inf` allowed."""
+
+    name = "NUMBERS"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            edges = tuple(float(part) for part in str(value).split(","))
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of numbers", param, ctx)
+        if any(b <= a for a, b in zip(edges, edges[1:])):
+            self.fail(f"{value!r}: give increasing numbers", param, ctx)
+        return edges
+
+
+def render_record(path: Path, record: RunRecord, trace: dict, entropy_edges: Sequence[float]) -> str:
+    params = record.params
+    traced = f"trace {record.trace} ({len(trace)} prompts)" if trace else "no trace (run with --trace)"
+    blocks = [f"{path}: {record.pair.name} on {record.runtime.name}, {params.mode} {params.schedule}, "
+              f"k={params.k}, {params.max_new_tokens} new tokens; {traced}"]
+    fits = {fit.category: fit for fit in analysis.iid_fit(record)}
+    rows = [["category", "prompts", "steps", "tau", "alpha", "P(acc|reached)", "iid tau a=alpha", "error",
+             "iid tau a=P, own lengths", "error"]]
+    for stats in analysis.category_stats(record):
+        fit = fits[stats.category]
+        rows.append([_name(stats.category), str(stats.prompts), str(stats.steps), _number(stats.tau),
+                     _number(stats.alpha, 3), _number(stats.accept_rate, 3), _number(fit.predicted_tau),
+                     _signed(fit.error), _number(fit.predicted_tau_reached), _signed(fit.error_reached)])
+    blocks.append(format_table(rows))
+    rows = [["category"] + [f"pos {i + 1}" for i in range(params.k)]]
+    for category in [*record.categories(), None]:
+        rows.append([_name(category)] + [f"{_number(p.rate)} ({p.reached})"
+                                         for p in analysis.position_acceptance(record, category)])
+    blocks.append("acceptance by draft position, P(accept i | reached i) (steps reaching i):\n" + format_table(rows))
+    if trace:
+        rows = [["entropy (nats)", "exp(entropy)", "tokens", "accepted", "rate", "mean entropy"]]
+        for b in analysis.entropy_acceptance(record, trace, entropy_edges):
+            if b.tokens:
+                rows.append([f"[{b.low:g}, {b.high:g})", f"{b.branching_low:.4g}-{b.branching_high:.4g}",
+                             str(b.tokens), str(b.accepted), _number(b.rate, 3), f"{b.mean_entropy:.3g}"])
+        blocks.append("acceptance of reached draft positions by the target's entropy there:\n" + format_table(rows))
+        rows = [["drafter p1", "tokens", "accepted", "rate", "mean p1"]]
+        for b in analysis.confidence_acceptance(record, trace):
+            if b.tokens:
+                rows.append([f"[{b.low:g}, {min(b.high, 1.0):g}{']' if b.high > 1 else ')'}", str(b.tokens),
+                             str(b.accepted), _number(b.rate, 3), f"{b.mean_p1:.4f}"])
+        blocks.append("acceptance of reached draft positions by the drafter's top-1 probability:\n"
+                      + format_table(rows))
+    return "\n\n".join(blocks)
+
+
+@click.command()
+@click.argument("records", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--entropy-buckets", type=Increasing(), default=",".join(f"{e:g}" for e in analysis.ENTROPY_BUCKETS),
+              show_default=True, help="Edges of the target-entropy buckets, in nats.")
+def analyze(records: Sequence[Path], entropy_buckets) -> None:
+    """Acceptance in run records: per category tau, alpha and per-token acceptance where the
+    target judged a draft token; acceptance per draft position; how well the i.i.d. model
+    E = (1 - a^(k+1)) / (1 - a) predicts tau; and, for records run with --trace, acceptance
+    by the target's entropy and by the drafter's confidence (docs/analysis.md)."""
+    try:
+        loaded = [(path, load_record(path)) for path in records]
+        blocks = [render_record(path, record, analysis.load_trace(path, record), entropy_buckets)
+                  for path, record in loaded]
+    except USER_ERRORS as error:
+        raise click.ClickException(str(error)) from None
+    click.echo("\n\n".join(blocks))
+
+
+def render_simulation(sim: Simulation) -> str:
+    costs = sim.costs
+    verify = ", ".join(f"{r + 1}: {t * 1e3:.3f}" for r, t in enumerate(costs.verify_s))
+    blocks = [f"cost model (median, ms): target pass by tokens {verify}; drafter pass {costs.draft_s * 1e3:.3f} "
+              f"(c = {costs.ratio:.2f})"]
+    rows = [["k"] + [_name(r.category) for r in sim.by_k[0]]]
+    for k, group in enumerate(sim.by_k, start=1):
+        rows.append([str(k)] + [f"{_number(r.tau)} ({_number(r.speedup)}x)" for r in group])
+    blocks.append("simulated tau by k (predicted speedup over plain greedy):\n" + format_table(rows))
+    rows = [["category", "best k", "tau", "speedup"]]
+    rows += [[_name(b.category), str(b.k), _number(b.tau), _number(b.speedup)] for b in sim.best_k]
+    blocks.append(format_table(rows))
+    rows = [["policy", "category", "steps", "drafted/step", "tau", "alpha", "speedup"]]
+    rows += [[r.policy, _name(r.category), str(r.steps), _number(r.drafted / r.steps if r.steps else None),
+              _number(r.tau), _number(r.alpha, 3), _number(r.speedup)] for r in (*sim.per_category_k, *sim.thresholds)]
+    blocks.append("policies (p1>=x: stop drafting before a token the drafter gives top-1 probability below x):\n"
+                  + format_table(rows))
+    return "\n\n".join(blocks)
+
+
+def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
+    result = []
+    for oracle in oracles:
+        runs = [simulate(oracle, Policy(k)) for k in range(1, max_k + 1)]
+        result.append({"prompt_id": oracle.prompt_id, "category": oracle.category, "output_tokens": len(oracle.output),
+                       "by_k": [{"k": k + 1, "steps": run.steps, "drafted": run.drafted, "accepted": run.accepted}
+                                for k, run in enumerate(runs)]})
+    return result
+
+
+@click.command(name="simulate")
+@click.option("--pair", help="Pair manifest (.toml path or a name under models/pairs). Default: tiny.")
+@click.option("--target", type=click.Path(path_type=Path), help="Target model file/folder (instead of --pair).")
+@click.option("--drafter", type=click.Path(path_type=Path), help="Drafter model file/folder (with --target).")
+@click.option("--runtime", "runtime_name", type=click.Choice(runtime_names()), default="llama-cpp",
+              show_default=True, help="A runtime with a driven mode, to compute the oracle and time passes.")
+@click.option("--prompts", "prompt_source", default="builtin", show_default=True,
+              help="A built-in suite name, or a JSONL file with id, category, prompt fields.")
+@click.option("--max-k", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Simulate every k up to this (the oracle's draft length).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--thresholds", type=Increasing(), default="0.5,0.9,0.99,0.999,0.9999", show_default=True,
+              help="Drafter-confidence cut-offs to simulate at k = --max-k.")
+@click.option("--against", "records", multiple=True, type=click.Path(path_type=Path, dir_okay=False),
+              help="A crossrt-schedule run record to check the simulation against, step for step "
+              "(same prompts and token budget); repeatable. Exit code 1 on a difference.")
+@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), help="Write the results as JSON.")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--n-ctx", type=click.IntRange(min=16), default=2048, show_default=True)
+@click.option("--n-gpu-layers", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--f32-kv-cache", is_flag=True, help="F32 KV cache (as the run it is compared with, if any).")
+@click.option("--flash-attn/--no-flash-attn", default=True, show_default=True)
+def simulate_command(pair, target, drafter, runtime_name, prompt_source, max_k, max_new_tokens, thresholds, records,
+                     out, threads, n_ctx, n_gpu_layers, f32_kv_cache, flash_attn) -> None:
+    """What-if runs of the crossrt schedule: tau at every k up to --max-k per category, the
+    best k per category, drafter-confidence cut-offs, and speedups predicted from measured
+    pass times. Computed exactly (greedy) from an oracle: the target's greedy output and the
+    drafter's greedy continuation from every position of it (docs/analysis.md)."""
+    try:
+        resolved = resolve_pair(pair, target, drafter)
+        prompts = load_prompts(prompt_source)
+        options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers,
+                                 f32_kv_cache=f32_kv_cache, flash_attn=flash_attn)
+        runtime = open_runtime(runtime_name, options)
+        info = pair_info(resolved, runtime.model_format)
+        sessions = {role: runtime.load(resolved.path(role, runtime.model_format)) for role in ROLES}
+        oracles = []
+        for prompt in prompts:
+            try:
+                oracles.append(build_oracle(sessions["target"], sessions["drafter"], prompt.id, prompt.category,
+                                            sessions["target"].tokenize(prompt.text), max_new_tokens, max_k))
+            except ValueError as error:
+                click.echo(f"skipped {prompt.id}: {error}", err=True)
+        if not oracles:
+            raise ValueError("no prompt could run")
+        # Passes are timed at the average decoding position of the median prompt.
+        typical = sorted(oracles, key=lambda o: len(o.prompt_ids) + len(o.output))[len(oracles) // 2]
+        context = typical.prompt_ids + typical.output[:len(typical.output) // 2]
+        costs = measure_costs(sessions["target"], sessions["drafter"], context, max_k + 1)
+        sim = simulate_suite(oracles, costs, max_k, thresholds)
+        checks = [(path, *compare_with_record(oracles, load_record(path))) for path in records]
+    except USER_ERRORS as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(f"{info.name} on {runtime_name}: {len(oracles)} prompts, {max_new_tokens} new tokens, "
+               f"oracle drafts of {max_k}\n")
+    click.echo(render_simulation(sim))
+    if checks:
+        click.echo("")
+    for path, compared, differences in checks:
+        verdict = "differ" if differences else "match step for step"
+        click.echo(f"against {path}: {compared} prompts compared, {len(differences) or compared} {verdict}")
+        for line in differences:
+            click.echo(f"  {line}")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({
+            "pair": dataclasses.asdict(info), "runtime": dataclasses.asdict(runtime.info()),
+            "prompts": prompt_source, "max_new_tokens": max_new_tokens, "max_k": max_k,
+            "thresholds": list(thresholds), **dataclasses.asdict(sim),
+            "per_prompt": _per_prompt(oracles, max_k),
+        }, indent=1) + "\n")
+        click.echo(f"\nresults: {out}")
+    if any(differences for _, _, differences in checks):
+        sys.exit(1)

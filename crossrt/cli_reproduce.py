@@ -1,0 +1,189 @@
+"""`crossrt reproduce`: run the claims this machine can run and compare them with what they claim.
+
+Planning a claim collects every reason it cannot run here (sampling, drafting method, runtime,
+pair files, prompts) rather than stopping at the first, so one pass shows all that is missing.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import click
+
+from crossrt.claims import Claim, ClaimError, Outcome, check_record, exit_code, load_claims, render
+from crossrt.cli_common import USER_ERRORS, GpuSplit, resolve_pair
+from crossrt.driver import RunRequest, run_pair
+from crossrt.loop import SCHEDULE
+from crossrt.pairs import ROLES, Pair, PairError
+from crossrt.prompts import Prompt, PromptError, load_prompts, relabel, source_relative_to
+from crossrt.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, availability, runtime_class
+
+@dataclass(frozen=True)
+class Settings:
+    """What the command line adds to every claim."""
+
+    options: RuntimeOptions
+    max_new_tokens: int  # for claims that state none
+    prompts: str  # suite for claims that name none
+    out_dir: Path
+    hardware: Optional[str]
+    resume: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    request: RunRequest
+    prompts: tuple[Prompt, ...]
+
+
+def claim_prompts(claim: Claim, default_source: str) -> list[Prompt]:
+    """The claim's prompts: one suite per category, relabelled to it, or one suite (the
+    claim's or the default) kept to the claimed categories (all of it for overall-only claims)."""
+    base = claim.origin.parent
+    if isinstance(claim.prompts, tuple):
+        prompts = [p for category, source in claim.prompts
+                   for p in relabel(load_prompts(source_relative_to(source, base)), category)]
+        ids = [p.id for p in prompts]
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            raise PromptError(f"prompt id(s) {', '.join(repeated)} appear in more than one of the claim's suites")
+        return prompts
+    source = source_relative_to(claim.prompts, base) if claim.prompts else default_source
+    wanted = set(claim.categories)
+    return [p for p in load_prompts(source) if not wanted or p.category in wanted]
+
+
+def claim_pair(claim: Claim) -> Pair:
+    """The claim's manifest: a path relative to the claims file, else one crossrt resolves
+    (a path from the working folder, or a name under models/pairs)."""
+    candidate = claim.origin.parent / claim.pair
+    return resolve_pair(str(candidate) if candidate.is_file() else claim.pair)
+
+
+def _pair_reasons(claim: Claim, model_format: Optional[str]) -> list[str]:
+    if claim.pair is None:
+        return ["the claim names no pair manifest (pair)"]
+    try:
+        pair = claim_pair(claim)
+        if model_format is not None:
+            for role in ROLES:
+                pair.path(role, model_format)
+        elif not all(any(pair.files[role].values()) for role in ROLES):
+            return [f"pair {pair.name!r} ({pair.source}): its model paths are left empty; fill them in"]
+    except PairError as error:
+        return [str(error)]
+    return []
+
+
+def plan_claim(claim: Claim, settings: Settings) -> tuple[Optional[Plan], list[str]]:
+    """The run reproducing claim, or every reason it cannot run on this machine."""
+    reasons = []
+    if claim.sampling != "greedy":
+        reasons.append(f"sampling {claim.sampling!r}: crossrt decodes greedily only")
+    runtime = None
+    if claim.crossrt_runtime is None:
+        reasons.append(f"no crossrt runtime reproduces {claim.runtime!r} (crossrt_runtime)")
+    else:
+        unavailable = availability(claim.crossrt_runtime)
+        if unavailable:
+            reasons.append(unavailable)
+        try:
+            runtime = runtime_class(claim.crossrt_runtime)
+        except RuntimeUnavailable:
+            pass  # unknown or not importable here: the availability reason says so
+    mode = claim.mode or ("native" if runtime is not None and "native" in runtime.modes else "driven")
+    if runtime is not None and mode not in runtime.modes:
+        reasons.append(f"runtime {runtime.name!r} has no {mode} mode (it has: {', '.join(runtime.modes)})")
+    # Block drafters, MTP heads and n-gram drafting are a runtime's own: whether a native runtime
+    # has the claim's method is known only when it starts, and a refusal then is a failed run.
+    if mode == "driven" and claim.spec_type != "draft":
+        reasons.append(f"spec_type {claim.spec_type!r}: crossrt's driven loop drafts with a drafter model only; "
+                       "it needs a runtime's native mode")
+    reasons += _pair_reasons(claim, runtime.model_format if runtime is not None else None)
+    prompts: list[Prompt] = []
+    try:
+        prompts = claim_prompts(claim, settings.prompts)
+        present = {p.category for p in prompts}
+        if not prompts or (claim.categories and not present & set(claim.categories)):
+            reasons.append(f"none of the claimed categories ({', '.join(claim.categories)}) is in the prompt suite "
+                           f"{claim.prompts or settings.prompts!r}")
+    except PromptError as error:
+        reasons.append(f"prompts: {error}")
+    if reasons:
+        return None, reasons
+    request = RunRequest(claim_pair(claim), claim.crossrt_runtime, settings.options, DraftRules(claim.k, spec_type=claim.spec_type),
+                         claim.max_new_tokens or settings.max_new_tokens, settings.out_dir / f"{claim.id}.json",
+                         mode, claim.schedule or SCHEDULE, resume=settings.resume, overwrite=not settings.resume)
+    return Plan(request, tuple(prompts)), []
+
+
+def reproduce_claim(claim: Claim, settings: Settings) -> Outcome:
+    plan, reasons = plan_claim(claim, settings)
+    if plan is None:
+        return Outcome(claim, skipped=tuple(reasons))
+    request = plan.request
+    click.echo(f"running {claim.id}: {request.runtime} {request.mode} k={claim.k}, {len(plan.prompts)} prompts, "
+               f"{request.max_new_tokens} tokens each", err=True)
+    try:
+        record = run_pair(request, plan.prompts)
+    except USER_ERRORS as error:
+        return Outcome(claim, error=str(error), record=request.out)
+    return Outcome(claim, check_record(claim, record, settings.hardware), record=request.out)
+
+
+@click.command()
+@click.argument("claims_files", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--claim", "only", multiple=True, help="Only the claim with this id; repeatable.")
+@click.option("--prompts", "prompt_source", default="categories", show_default=True,
+              help="Prompts for claims that name none, kept to each claim's categories: a built-in suite "
+              "(categories, code, prose, structured, math, chat, builtin) or a file: PATH or jsonl:PATH "
+              "(crossrt's id, category, prompt), specbench:PATH or mtbench:PATH (question.jsonl, first turn), "
+              "humaneval:PATH (category code).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Token budget per prompt for claims that state none.")
+@click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("runs/claims"),
+              show_default=True, help="Where each claim's run record goes (<claim id>.json).")
+@click.option("--hardware", help="This machine as claims describe theirs, e.g. '2x NVIDIA T4'. tokens/s and "
+              "speedups are compared only with claims made on the same hardware (case and spacing ignored); "
+              "otherwise they are shown as not comparable here, not failed.")
+@click.option("--strict", is_flag=True, help="Also fail when a claim, category or number could not be checked here.")
+@click.option("--resume", is_flag=True, help="Continue the records in --out-dir instead of replacing them.")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="CPU threads (ggml busy-waits: more threads than free cores is very slow).")
+@click.option("--n-ctx", type=click.IntRange(min=16), default=2048, show_default=True, help="Context size.")
+@click.option("--n-gpu-layers", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Layers to offload to GPU (llama.cpp); large values offload all.")
+@click.option("--gpu-split", type=GpuSplit(), help="Relative model share per GPU, e.g. 1,1 for two T4s.")
+def reproduce(claims_files: Sequence[Path], only, prompt_source, max_new_tokens, out_dir, hardware, strict, resume,
+              threads, n_ctx, n_gpu_layers, gpu_split) -> None:
+    """Check published speculative decoding numbers: run every claim this machine can (claims
+    format: docs/claims.md) and print claimed against measured, with tolerances.
+
+    \b
+    crossrt reproduce models/claims/community.toml
+    crossrt reproduce my-claims.toml --claim tiny-llama-cpp-k4 --hardware '2x NVIDIA T4'
+
+    Claims that cannot run here (runtime unavailable, pair paths not filled in, a drafting
+    method crossrt lacks...) are listed with the reason. Exit code 0 when every number that
+    ran is within tolerance; 1 when one misses or a run breaks, and with --strict also when
+    anything claimed could not be checked.
+    """
+    try:
+        claims = [claim for path in claims_files for claim in load_claims(path)]
+        ids = [claim.id for claim in claims]
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            raise ClaimError(f"claim id(s) {', '.join(repeated)} appear in more than one claims file")
+        unknown = [name for name in only if name not in ids]
+        if unknown:
+            raise ClaimError(f"no claim {', '.join(map(repr, unknown))} (claims: {', '.join(ids)})")
+        options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, gpu_split=gpu_split)
+        settings = Settings(options, max_new_tokens, prompt_source, out_dir, hardware, resume)
+        outcomes = [reproduce_claim(claim, settings) for claim in claims if not only or claim.id in only]
+    except USER_ERRORS as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(render(outcomes))
+    sys.exit(exit_code(outcomes, strict))
