@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import click
 
 from crossrt import analysis
-from crossrt.cli_common import USER_ERRORS, resolve_pair
+from crossrt.cli_common import PROMPTS_HELP, USER_ERRORS, resolve_pair
 from crossrt.pairs import ROLES, pair_info
 from crossrt.prompts import load_prompts
 from crossrt.runtime import RuntimeOptions, open_runtime, runtime_names
@@ -145,7 +145,7 @@ def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
 @click.option("--runtime", "runtime_name", type=click.Choice(runtime_names()), default="llama-cpp",
               show_default=True, help="A runtime with a driven mode, to compute the oracle and time passes.")
 @click.option("--prompts", "prompt_source", default="builtin", show_default=True,
-              help="A built-in suite name, or a JSONL file with id, category, prompt fields.")
+              help=PROMPTS_HELP)
 @click.option("--max-k", type=click.IntRange(min=1), default=8, show_default=True,
               help="Simulate every k up to this (the oracle's draft length).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
