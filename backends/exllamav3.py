@@ -200,19 +200,10 @@ class ExllamaV3Session(ModelSession):
         self.eog_ids = loaded.eog_ids
         self._n_past = 0
 
-    @property
-    def n_past(self) -> int:
-        return self._n_past
-
-    def eval(self, tokens: Sequence[int], rows: Rows) -> np.ndarray:
+    def _forward(self, tokens: Sequence[int], rows: Rows) -> np.ndarray:
         import torch
         from exllamav3.util import cuda_sync_active
 
-        n_tokens = len(tokens)
-        if n_tokens == 0:
-            return np.empty((0, self.n_vocab), dtype=np.float32)
-        if self._n_past + n_tokens > self.n_ctx:
-            raise ValueError(f"context full: {self._n_past} cached + {n_tokens} new > n_ctx {self.n_ctx}")
         model = self._loaded.model
         input_ids = torch.tensor([list(tokens)], dtype=torch.long)
         params = {"attn_mode": "flash_attn", "cache": self._loaded.cache,
@@ -225,7 +216,6 @@ class ExllamaV3Session(ModelSession):
             if rows is Rows.LAST:
                 params["last_tokens_only"] = 1
             logits = model.forward(input_ids, params)[0, :, :self.n_vocab].float().cpu().numpy()
-        self._n_past += n_tokens
         return logits
 
     def truncate(self, n_keep: int) -> None:

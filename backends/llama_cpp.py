@@ -74,16 +74,8 @@ class LlamaCppSession(ModelSession):
         self._context.close()
         self._model.close()
 
-    @property
-    def n_past(self) -> int:
-        return self._n_past
-
-    def eval(self, tokens: Sequence[int], rows: Rows) -> np.ndarray:
+    def _forward(self, tokens: Sequence[int], rows: Rows) -> np.ndarray:
         n_tokens = len(tokens)
-        if n_tokens == 0:
-            return np.empty((0, self.n_vocab), dtype=np.float32)
-        if self._n_past + n_tokens > self.n_ctx:
-            raise ValueError(f"context full: {self._n_past} cached + {n_tokens} new > n_ctx {self.n_ctx}")
         batch = self._batch
         batch.n_tokens = n_tokens
         first_output = {Rows.NONE: n_tokens, Rows.LAST: n_tokens - 1, Rows.ALL: 0}[rows]
@@ -96,7 +88,6 @@ class LlamaCppSession(ModelSession):
         code = llama_cpp.llama_decode(self._ctx, batch)
         if code != 0:
             raise RuntimeError(f"llama_decode returned {code} at position {self._n_past}")
-        self._n_past += n_tokens
         n_rows = n_tokens - first_output
         if n_rows == 0:
             return np.empty((0, self.n_vocab), dtype=np.float32)

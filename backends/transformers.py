@@ -128,16 +128,8 @@ class TransformersSession(ModelSession):
         cache.activate_past_recording()
         return cache
 
-    @property
-    def n_past(self) -> int:
-        return self._n_past
-
-    def eval(self, tokens: Sequence[int], rows: Rows) -> np.ndarray:
+    def _forward(self, tokens: Sequence[int], rows: Rows) -> np.ndarray:
         n_tokens = len(tokens)
-        if n_tokens == 0:
-            return np.empty((0, self.n_vocab), dtype=np.float32)
-        if self._n_past + n_tokens > self.n_ctx:
-            raise ValueError(f"context full: {self._n_past} cached + {n_tokens} new > n_ctx {self.n_ctx}")
         input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self._device)
         positions = torch.arange(self._n_past, self._n_past + n_tokens, device=self._device).unsqueeze(0)
         with torch.inference_mode():
@@ -151,7 +143,6 @@ class TransformersSession(ModelSession):
                 output = self._model(input_ids=input_ids, position_ids=positions, cache=self._cache,
                                      use_cache=True, logits_to_keep=keep)
                 logits = output.logits[0].float().cpu().numpy()
-        self._n_past += n_tokens
         return logits
 
     def truncate(self, n_keep: int) -> None:

@@ -115,18 +115,30 @@ class ModelSession(abc.ABC):
     n_vocab: int
     n_ctx: int
     eog_ids: frozenset[int]
+    _n_past: int = 0  # tokens in the cache; eval advances it, a backend's truncate lowers it
 
     @property
-    @abc.abstractmethod
     def n_past(self) -> int:
         """Tokens currently held in the cache."""
+        return self._n_past
 
-    @abc.abstractmethod
     def eval(self, tokens: Sequence[int], rows: Rows) -> np.ndarray:
         """Append tokens to the cache and return logits, shape (rows, n_vocab).
 
         The array may be a view into the runtime's buffer, valid until the next call.
         """
+        if len(tokens) == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        if self._n_past + len(tokens) > self.n_ctx:
+            raise ValueError(f"context full: {self._n_past} cached + {len(tokens)} new > n_ctx {self.n_ctx}")
+        logits = self._forward(tokens, rows)
+        self._n_past += len(tokens)
+        return logits
+
+    @abc.abstractmethod
+    def _forward(self, tokens: Sequence[int], rows: Rows) -> np.ndarray:
+        """Run tokens at positions n_past, n_past + 1, ... with the cache; return the rows
+        asked for. Called by eval, which checks the context and advances n_past."""
 
     @abc.abstractmethod
     def truncate(self, n_keep: int) -> None:

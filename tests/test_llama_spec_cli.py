@@ -155,3 +155,22 @@ def test_flags_follow_the_build(native_runtime):
 def test_an_executable_that_is_not_there_is_unavailable(tmp_path):
     with pytest.raises(RuntimeUnavailable, match=f"{TOOL} not found"):
         open_runtime("llama-spec-cli", RuntimeOptions(executable=tmp_path / "nothing"))
+
+
+def test_preloaded_log_flush_keeps_the_statistics_of_every_run(tmp_path):
+    """Without scripts/llama_log_flush.c the tool loses its final statistics in most runs on a
+    busy machine (its logger thread is never joined); preloaded, it loses none."""
+    import os
+    import subprocess
+
+    from crossrt.backends.llama_spec_cli import LOG_FLUSH_SHIM, REPO_TOOL
+
+    models = TINY_PAIR.parent.parent / "tiny"
+    command = [str(REPO_TOOL), "-m", str(models / "target.f32.gguf"), "-md", str(models / "drafter.f32.gguf"),
+               "--spec-type", "draft-simple", "--spec-draft-n-max", "4", "-n", "16", "-t", "1", "-tb", "1",
+               "-td", "1", "--temp", "0", "-lv", "5", "-p", "def add(a, b):"]
+    environment = {**os.environ, "LD_PRELOAD": str(LOG_FLUSH_SHIM)}
+    for _ in range(10):
+        done = subprocess.run(command, capture_output=True, env=environment, stdin=subprocess.DEVNULL)
+        assert done.returncode == 0
+        assert parse_log(done.stderr) is not None
