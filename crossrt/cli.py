@@ -11,6 +11,7 @@ import click
 from crossrt.cli_common import PROMPTS_HELP, USER_ERRORS, GpuSplit, resolve_pair
 from crossrt.cli_analysis import analyze, simulate_command
 from crossrt.cli_compare import diff, parity
+from crossrt.cli_report import report
 from crossrt.cli_reproduce import reproduce
 from crossrt.driver import RunRequest, run_pair
 from crossrt.loop import SCHEDULE, SCHEDULES
@@ -145,3 +146,4 @@ main.add_command(diff)
 main.add_command(reproduce)
 main.add_command(analyze)
 main.add_command(simulate_command)
+main.add_command(report)

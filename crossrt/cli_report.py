@@ -1,0 +1,56 @@
+"""`crossrt report`: run records in one HTML page with charts, or in Markdown tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+import click
+
+from crossrt import analysis
+from crossrt.cli_analysis import Increasing
+from crossrt.cli_common import USER_ERRORS
+from crossrt.report import build_report, load_runs, to_html, to_markdown
+
+# The output format follows the file name, so `-o report.md` cannot silently be HTML.
+FORMATS = {".html": to_html, ".htm": to_html, ".md": to_markdown, ".markdown": to_markdown}
+
+
+def _writer(path: Path):
+    writer = FORMATS.get(path.suffix.lower())
+    if writer is None:
+        raise click.UsageError(f"{path}: name the output .html or .md (the format follows the suffix)")
+    return writer
+
+
+@click.command()
+@click.argument("records", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
+@click.option("-o", "--out", type=click.Path(path_type=Path, dir_okay=False),
+              help="Report to write: .html (charts and tables, one self-contained file) or .md (tables).")
+@click.option("--markdown", "markdown_out", type=click.Path(path_type=Path, dir_okay=False),
+              help="Also write the Markdown tables here (with -o report.html, say).")
+@click.option("--title", default="crossrt report", show_default=True)
+@click.option("--entropy-buckets", type=Increasing(), default=",".join(f"{e:g}" for e in analysis.ENTROPY_BUCKETS),
+              show_default=True, help="Edges of the target-entropy buckets, in nats.")
+def report(records: Sequence[Path], out: Optional[Path], markdown_out: Optional[Path], title: str,
+           entropy_buckets) -> None:
+    """One report over any number of run records (runtimes, modes, schedules, k, pairs): the
+    runs, tau per category, acceptance per draft position, acceptance by target entropy (runs
+    with --trace), speedup, and the i.i.d. model's fit (docs/report.md).
+
+    \b
+      crossrt report runs/*.json -o report.html
+      crossrt report runs/*.json -o report.html --markdown report.md
+    """
+    outputs = [(path, writer) for path, writer in ((out, out and _writer(out)),
+                                                   (markdown_out, markdown_out and to_markdown)) if path]
+    if not outputs:
+        raise click.UsageError("give -o report.html (or .md) and/or --markdown report.md")
+    try:
+        built = build_report(load_runs(records), entropy_buckets, title)
+    except USER_ERRORS as error:
+        raise click.ClickException(str(error)) from None
+    for path, writer in outputs:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(writer(built), encoding="utf-8")
+        click.echo(f"report: {path}")

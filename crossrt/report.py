@@ -1,0 +1,319 @@
+"""`crossrt report`: any number of run records in one file, HTML with inline SVG charts or
+Markdown with the same tables (docs/report.md).
+
+The report is built once as sections of plain text, tables and charts (build_report), then
+rendered (to_html, to_markdown), so both formats hold the same numbers. Every number
+comes from the record's summary or from crossrt/analysis.py, formatted as `crossrt show` and
+`crossrt analyze` print it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from html import escape
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from crossrt import analysis
+from crossrt.parity import run_label
+from crossrt.schema import RecordError, RunRecord, load_record
+from crossrt.svg import Bars, Points, bar_chart, palette_color, xy_chart
+from crossrt.trace import PromptTrace
+
+ALL = "ALL"
+
+
+@dataclass(frozen=True, eq=False)
+class ReportRun:
+    label: str  # unique within the report: names the run in tables, charts and legends
+    path: str  # the record's path as given
+    record: RunRecord
+    trace: Mapping[str, PromptTrace]  # by prompt id; empty without one
+    trace_problem: Optional[str]  # why the trace the record names could not be read
+    color: str  # the run's colour in every chart
+
+
+@dataclass(frozen=True)
+class Table:
+    header: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    keys: int  # leading label columns; the others hold numbers (right-aligned)
+
+
+@dataclass(frozen=True)
+class Section:
+    id: str
+    title: str
+    intro: str
+    chart: Optional[str]  # inline SVG, drawn in HTML only: the tables hold every plotted number
+    tables: tuple[Table, ...]
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Report:
+    title: str
+    sections: tuple[Section, ...]
+
+
+def _fixed(value: Optional[float], digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _signed(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:+.2f}"
+
+
+def run_labels(records: Sequence[RunRecord], paths: Sequence[str]) -> list[str]:
+    """runtime/mode schedule k=K, with the pair where the records hold several, and the
+    record path where two runs would still share a label."""
+    several_pairs = len({record.pair.name for record in records}) > 1
+    bases = [f"{run_label(record)} {record.params.schedule} k={record.params.k}"
+             + (f" {record.pair.name}" if several_pairs else "") for record in records]
+    return [base if bases.count(base) == 1 else f"{base} ({path})" for base, path in zip(bases, paths, strict=True)]
+
+
+def load_runs(paths: Sequence[Path]) -> list[ReportRun]:
+    """The records at paths with their traces. A trace that cannot be read is reported in the
+    report, not raised: the record's other sections still stand."""
+    resolved = [Path(path).resolve() for path in paths]
+    for index, path in enumerate(resolved):
+        if path in resolved[:index]:
+            raise RecordError(f"{paths[index]} is given twice")
+    records = [load_record(path) for path in paths]
+    labels = run_labels(records, [str(path) for path in paths])
+    runs = []
+    for index, (path, record, label) in enumerate(zip(paths, records, labels, strict=True)):
+        try:
+            trace, problem = analysis.load_trace(path, record), None
+        except RecordError as error:
+            trace, problem = {}, str(error)
+        runs.append(ReportRun(label, str(path), record, trace, problem, palette_color(index)))
+    return runs
+
+
+def _categories(runs: Sequence[ReportRun]) -> list[Optional[str]]:
+    """Every category of any run, sorted, then None for all prompts."""
+    return [*sorted({c for run in runs for c in run.record.categories()}), None]
+
+
+def _name(category: Optional[str]) -> str:
+    return ALL if category is None else category
+
+
+def _by_category_bars(runs: Sequence[ReportRun], field: str) -> list[Bars]:
+    """One series per run: the summary field per category (None where the run lacks it)."""
+    categories = _categories(runs)
+    return [Bars(run.label, tuple(getattr(run.record.summary(c), field)
+                                  if c is None or c in run.record.categories() else None
+                                  for c in categories), run.color) for run in runs]
+
+
+def _run_notes(run: ReportRun) -> list[str]:
+    notes = [f"{run.label}: {note}" for note in run.record.notes]
+    if not any(r.ok for r in run.record.results):
+        notes.append(f"{run.label}: no prompt finished, so the run has no numbers, bars or points")
+    for result in run.record.results:
+        if not result.ok:
+            notes.append(f"{run.label}: prompt {result.prompt_id} ({result.category}) failed: {result.error}")
+    differing = [r.prompt_id for r in run.record.results if r.ok and not r.lossless]
+    if differing:
+        notes.append(f"{run.label}: output differs from the plain greedy baseline: {', '.join(differing)}")
+    return notes
+
+
+def runs_section(runs: Sequence[ReportRun]) -> Section:
+    rows = []
+    for run in runs:
+        record, summary = run.record, run.record.summary()
+        runtime = record.runtime
+        traced = (f"{len(run.trace)} prompts" if run.trace else "unreadable" if run.trace_problem else "none")
+        threads = f", threads {runtime.threads}" if runtime.threads else ""
+        rows.append((run.label, f"{runtime.name} {runtime.version} ({runtime.device}{threads})",
+                     record.params.mode, record.params.schedule, record.pair.name, run.path, traced,
+                     str(record.params.k), str(record.params.max_new_tokens), str(summary.prompts),
+                     str(summary.failed)))
+    table = Table(("run", "runtime", "mode", "schedule", "pair", "record", "trace", "k", "new tokens", "prompts",
+                   "failed"), tuple(rows), 7)
+    notes = tuple(note for run in runs for note in _run_notes(run))
+    return Section("runs", "Runs", f"{len(runs)} run record(s). The run label names each run in the tables "
+                   "and charts below.", None, (table,), notes)
+
+
+def tau_section(runs: Sequence[ReportRun]) -> Section:
+    groups = [_name(c) for c in _categories(runs)]
+    chart = bar_chart("tau per category", groups, _by_category_bars(runs, "tau"), "tau (tokens per step)")
+    rows = []
+    for run in runs:
+        for category in [*run.record.categories(), None]:
+            s = run.record.summary(category)
+            rows.append((run.label, _name(category), str(s.prompts), str(s.failed),
+                         f"{s.lossless}/{s.prompts - s.failed}", str(s.steps), _fixed(s.tau), _fixed(s.alpha, 3),
+                         _fixed(s.tokens_per_s, 1), _fixed(s.baseline_tokens_per_s, 1), _fixed(s.speedup)))
+    table = Table(("run", "category", "prompts", "failed", "lossless", "steps", "tau", "alpha", "tok/s",
+                   "base tok/s", "speedup"), tuple(rows), 2)
+    return Section("tau", "Tau per category",
+                   "tau = 1 + accepted / steps: tokens per verification step, bonus token included. "
+                   "alpha = accepted / drafted. Both are ratios of sums over the finished prompts; lossless "
+                   "counts finished prompts whose output equals the plain greedy baseline, token for token.",
+                   chart, (table,), ())
+
+
+def position_section(runs: Sequence[ReportRun]) -> Section:
+    k_max = max(run.record.params.k for run in runs)
+    series, rows, notes = [], [], []
+    for run in runs:
+        positions = analysis.position_acceptance(run.record)
+        series.append(Points(run.label, tuple((p.position + 1, p.rate) for p in positions if p.rate is not None),
+                             run.color))
+        cells = [f"{_fixed(p.rate, 3)} ({p.reached})" for p in positions]
+        rows.append((run.label, str(run.record.params.k), *cells, *[""] * (k_max - len(cells))))
+        if any(r.ok and r.counters.step_drafted is None for r in run.record.results):
+            notes.append(f"{run.label}: no per-step draft lengths; a position counts as reached when the one before "
+                         "it was accepted, which overcounts drafts cut short")
+    chart = xy_chart("acceptance per draft position", series, "draft position", "P(accept i | reached i)",
+                     x_ticks=range(1, k_max + 1), y_max=1.0)
+    table = Table(("run", "k", *[f"pos {i}" for i in range(1, k_max + 1)]), tuple(rows), 1)
+    return Section("positions", "Acceptance per draft position",
+                   "P(accept i | reached i): of the steps whose draft reached position i (every draft token "
+                   "before it accepted), the share that accepted the token there. Cells: rate (steps reaching "
+                   "the position).", chart, (table,), tuple(notes))
+
+
+def entropy_section(runs: Sequence[ReportRun], edges: Sequence[float] = analysis.ENTROPY_BUCKETS) -> Section:
+    traced = [run for run in runs if run.trace]
+    buckets = {run.label: analysis.entropy_acceptance(run.record, run.trace, edges) for run in traced}
+    used = [i for i in range(len(edges) - 1) if any(b[i].tokens for b in buckets.values())]
+    names = [f"[{edges[i]:g}, {edges[i + 1]:g})" for i in used]
+    rows = [(run.label, names[j], f"{b.branching_low:.4g}-{b.branching_high:.4g}", str(b.tokens), str(b.accepted),
+             _fixed(b.rate, 3), f"{b.mean_entropy:.3g}")
+            for run in traced for j, b in enumerate(buckets[run.label][i] for i in used)]
+    table = Table(("run", "entropy (nats)", "exp(entropy)", "reached", "accepted", "P(accept)", "mean entropy"),
+                  tuple(rows), 3)
+    chart = None
+    if used:
+        chart = bar_chart("acceptance by target entropy", names,
+                          [Bars(run.label, tuple(buckets[run.label][i].rate for i in used), run.color)
+                           for run in traced], "P(accept | reached)", y_max=1.0)
+    notes = [f"{run.label}: {run.trace_problem}" for run in runs if run.trace_problem]
+    untraced = [run.label for run in runs if not run.trace and not run.trace_problem]
+    if untraced:
+        notes.append(f"no trace (run with --trace): {', '.join(untraced)}")
+    return Section("entropy", "Acceptance by target entropy",
+                   "Reached draft positions of the traced prompts, bucketed by the target's entropy there "
+                   "(nats; exp(entropy) is the effective number of choices), and the share accepted. Empty "
+                   "buckets are left out.", chart, (table,) if rows else (), tuple(notes))
+
+
+def speedup_section(runs: Sequence[ReportRun]) -> Section:
+    groups = [_name(c) for c in _categories(runs)]
+    chart = bar_chart("speedup over plain greedy", groups, _by_category_bars(runs, "speedup"), "speedup",
+                      reference=(1.0, "plain greedy"))
+    rows = [(run.label, _name(c), _fixed(s.tokens_per_s, 1), _fixed(s.baseline_tokens_per_s, 1), _fixed(s.speedup))
+            for run in runs for c in [*run.record.categories(), None] for s in [run.record.summary(c)]]
+    table = Table(("run", "category", "tok/s", "base tok/s", "speedup"), tuple(rows), 2)
+    return Section("speedup", "Speedup",
+                   "tokens/s = emitted tokens / decode time of the speculative run; base tokens/s is plain "
+                   "greedy decoding on the same runtime; speedup is their ratio (sums over finished prompts). "
+                   "Timings depend on the machine and its load.", chart, (table,), ())
+
+
+def iid_section(runs: Sequence[ReportRun]) -> Section:
+    series, rows = [], []
+    for run in runs:
+        fits = analysis.iid_fit(run.record)
+        for name, field, hollow in (("a = P(acc|reached), own lengths", "predicted_tau_reached", False),
+                                    ("a = alpha", "predicted_tau", True)):
+            shown = [f for f in fits if f.measured_tau is not None and getattr(f, field) is not None]
+            series.append(Points(f"{run.label}: {name}", tuple((f.measured_tau, getattr(f, field)) for f in shown),
+                                 run.color, connect=False, hollow=hollow,
+                                 labels=tuple(_name(f.category) for f in shown)))
+        rows += [(run.label, _name(f.category), str(f.k), _fixed(f.measured_tau), _fixed(f.alpha, 3),
+                  _fixed(f.predicted_tau), _signed(f.error), _fixed(f.accept_rate, 3),
+                  _fixed(f.predicted_tau_reached), _signed(f.error_reached)) for f in fits]
+    chart = xy_chart("i.i.d. model: predicted against measured tau", series, "measured tau", "predicted tau",
+                     diagonal=True)
+    table = Table(("run", "category", "k", "tau", "alpha", "iid tau a=alpha", "error", "P(acc|reached)",
+                   "iid tau a=P, own lengths", "error"), tuple(rows), 2)
+    return Section("iid", "i.i.d. fit per category",
+                   "The i.i.d. model E(a, k) = (1 - a^(k+1)) / (1 - a) with a = alpha, as usually applied, "
+                   "and with a = P(acc|reached) and each step's own draft length. Errors are predicted minus "
+                   "measured; points on the dashed line are predicted exactly. One point per run and category.",
+                   chart, (table,), ())
+
+
+def build_report(runs: Sequence[ReportRun], edges: Sequence[float] = analysis.ENTROPY_BUCKETS,
+                 title: str = "crossrt report") -> Report:
+    if not runs:
+        raise RecordError("no run records to report on")
+    return Report(title, (runs_section(runs), tau_section(runs), position_section(runs),
+                          entropy_section(runs, edges), speedup_section(runs), iid_section(runs)))
+
+
+STYLE = """
+body { font-family: sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em; color: #222; }
+table { border-collapse: collapse; margin: 1em 0; font-size: 14px; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #f3f3f3; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+figure { margin: 1em 0; }
+section { margin-bottom: 2.5em; }
+"""
+
+
+def _html_table(table: Table) -> str:
+    head = "".join(f"<th>{escape(cell)}</th>" for cell in table.header)
+    cells = ("<td>{}</td>",) * table.keys + ('<td class="num">{}</td>',) * (len(table.header) - table.keys)
+    body = "".join("<tr>" + "".join(form.format(escape(cell)) for form, cell in zip(cells, row, strict=True))
+                   + "</tr>\n" for row in table.rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>\n{body}</tbody></table>"
+
+
+def to_html(report: Report) -> str:
+    """One self-contained page: no scripts, no external resources. It is also well-formed
+    XML, so any XML parser can read the numbers back."""
+    parts = ["<!DOCTYPE html>", '<html xmlns="http://www.w3.org/1999/xhtml" lang="en"><head><meta charset="utf-8"/>',
+             f"<title>{escape(report.title)}</title><style>{STYLE}</style></head><body>",
+             f"<h1>{escape(report.title)}</h1>"]
+    for section in report.sections:
+        parts.append(f'<section id="{section.id}"><h2>{escape(section.title)}</h2><p>{escape(section.intro)}</p>')
+        if section.chart:
+            parts.append(f"<figure>{section.chart}</figure>")
+        parts += [_html_table(table) for table in section.tables]
+        if section.notes:
+            parts.append("<ul>" + "".join(f"<li>{escape(note)}</li>" for note in section.notes) + "</ul>")
+        parts.append("</section>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+# Characters that can start Markdown or HTML markup anywhere in a line; a backslash makes
+# each literal (CommonMark allows it before any ASCII punctuation), `|` included for tables.
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]<>|&~])")
+
+
+def markdown_text(text: str) -> str:
+    """Plain text as Markdown on one line: record text may hold markup or line breaks."""
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", " ".join(text.split()))
+
+
+def _markdown_table(table: Table) -> str:
+    lines = ["| " + " | ".join(markdown_text(cell) for cell in table.header) + " |",
+             "|" + "|".join("---" if i < table.keys else "---:" for i in range(len(table.header))) + "|"]
+    lines += ["| " + " | ".join(markdown_text(cell) for cell in row) + " |" for row in table.rows]
+    return "\n".join(lines)
+
+
+def to_markdown(report: Report) -> str:
+    """The same sections and tables as to_html, without charts: Markdown has no portable way to
+    embed SVG (GitHub drops data-URI images), and the tables hold every plotted number."""
+    blocks = [f"# {markdown_text(report.title)}",
+              "Charts are in the HTML form of this report (`crossrt report ... -o report.html`); every number "
+              "they plot is in these tables."]
+    for section in report.sections:
+        blocks += [f"## {markdown_text(section.title)}", markdown_text(section.intro)]
+        blocks += [_markdown_table(table) for table in section.tables]
+        if section.notes:
+            blocks.append("\n".join(f"- {markdown_text(note)}" for note in section.notes))
+    return "\n\n".join(blocks) + "\n"

@@ -1,0 +1,257 @@
+"""`crossrt report` over real tiny-pair runs in llama.cpp: HTML (parsed as XML) and Markdown
+hold the records' numbers, record text is escaped, bad input gives a message."""
+
+import json
+import re
+import shutil
+import xml.etree.ElementTree as ET
+
+import pytest
+from click.testing import CliRunner
+
+from crossrt import analysis
+from crossrt.cli_report import report
+from crossrt.driver import RunRequest, run_pair
+from crossrt.prompts import Prompt, load_prompts
+from crossrt.runtime import DraftRules, RuntimeOptions
+from crossrt.svg import Bars, bar_chart, nice_ticks
+
+XHTML = "{http://www.w3.org/1999/xhtml}"
+SVG = "{http://www.w3.org/2000/svg}"
+CHARTED = ("tau", "positions", "entropy", "speedup", "iid")
+HOSTILE_ID = '<script>alert("id")</script>&amp;'
+HOSTILE_CATEGORY = 'a<b>&"c"|d'
+
+
+def record(tiny_pair, out, k, prompts, trace=False, n_ctx=256, max_new_tokens=24):
+    request = RunRequest(tiny_pair, "llama-cpp", RuntimeOptions(n_ctx=n_ctx, threads=1), DraftRules(k),
+                         max_new_tokens, out, trace=trace)
+    return run_pair(request, prompts)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_pair, tmp_path_factory):
+    """k = 4 with traces and k = 2 without, over the built-in prompts."""
+    folder = tmp_path_factory.mktemp("report")
+    prompts = load_prompts("builtin")
+    k4 = record(tiny_pair, folder / "k4.json", 4, prompts, trace=True)
+    k2 = record(tiny_pair, folder / "k2.json", 2, prompts)
+    return [(folder / "k4.json", k4, "llama-cpp/driven crossrt k=4"),
+            (folder / "k2.json", k2, "llama-cpp/driven crossrt k=2")]
+
+
+def invoke(*args):
+    return CliRunner().invoke(report, [str(a) for a in args])
+
+
+def html_sections(path):
+    root = ET.parse(path).getroot()  # fails unless the page is well-formed
+    return root, {s.get("id"): s for s in root.iter(XHTML + "section")}
+
+
+def html_table(section):
+    """(header, rows) of a section's table, as text."""
+    table = section.find(f"{XHTML}table")
+    return ([th.text for th in table.iter(XHTML + "th")],
+            [[td.text or "" for td in tr.iter(XHTML + "td")] for tr in table.find(f"{XHTML}tbody")])
+
+
+def html_rows(section):
+    header, rows = html_table(section)
+    return [dict(zip(header, row, strict=True)) for row in rows]
+
+
+def markdown_table(text, title):
+    """(header, rows) of the first table after the `## title` heading, cells unescaped."""
+    lines = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0].splitlines()
+    table = [line for line in lines if line.startswith("|")]
+    cells = [[re.sub(r"\\(.)", r"\1", c.strip()) for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in table]
+    return cells[0], cells[2:]
+
+
+def markdown_rows(text, title):
+    header, rows = markdown_table(text, title)
+    return [dict(zip(header, row, strict=True)) for row in rows]
+
+
+def expected_summary(record, category):
+    s = record.summary(category)
+    return {"prompts": str(s.prompts), "failed": str(s.failed), "lossless": f"{s.lossless}/{s.prompts - s.failed}",
+            "steps": str(s.steps), "tau": f"{s.tau:.2f}", "alpha": f"{s.alpha:.3f}",
+            "tok/s": f"{s.tokens_per_s:.1f}", "base tok/s": f"{s.baseline_tokens_per_s:.1f}",
+            "speedup": f"{s.speedup:.2f}"}
+
+
+def check_summary_tables(rows_of, runs):
+    """The tau and speedup tables hold each record's summary per category and overall."""
+    tau = {(row["run"], row["category"]): row for row in rows_of("tau")}
+    speedup = {(row["run"], row["category"]): row for row in rows_of("speedup")}
+    expected_keys = set()
+    for _, record, label in runs:
+        for category in [*record.categories(), None]:
+            key = (label, category or "ALL")
+            expected_keys.add(key)
+            expected = expected_summary(record, category)
+            assert {name: tau[key][name] for name in expected} == expected
+            assert {name: speedup[key][name] for name in ("tok/s", "base tok/s", "speedup")} == \
+                {name: expected[name] for name in ("tok/s", "base tok/s", "speedup")}
+    assert set(tau) == set(speedup) == expected_keys
+
+
+def test_html_report_charts_and_tables_hold_the_records_numbers(runs, tmp_path):
+    out = tmp_path / "report.html"
+    result = invoke(runs[0][0], runs[1][0], "-o", out)
+    assert result.exit_code == 0, result.output
+    root, sections = html_sections(out)
+    assert list(sections) == ["runs", *CHARTED]
+    for name in CHARTED:
+        assert len(list(sections[name].iter(SVG + "svg"))) == 1, name
+    assert not list(sections["runs"].iter(SVG + "svg"))
+    # Self-contained: no scripts, nothing loaded from elsewhere.
+    assert not [e for e in root.iter() if e.tag.endswith("script") or e.get("src") or e.get("href")]
+
+    (k4_path, k4, k4_label), (k2_path, k2, k2_label) = runs
+    header = {row["run"]: row for row in html_rows(sections["runs"])}
+    assert header[k4_label]["record"] == str(k4_path) and header[k4_label]["trace"] == "10 prompts"
+    assert header[k2_label]["trace"] == "none" and header[k2_label]["k"] == "2"
+    check_summary_tables(lambda name: html_rows(sections[name]), runs)
+
+    # One bar per run and category, its tooltip holding the tau it is drawn for.
+    bars = [rect.find(SVG + "title").text for rect in sections["tau"].iter(SVG + "rect") if rect.get("class") == "bar"]
+    assert len(bars) == 2 * 4
+    assert f"{k4_label}, ALL: {k4.summary().tau:.4g}" in bars
+    # Position chart: one line per run, one point per draft position.
+    positions = sections["positions"]
+    assert len([e for e in positions.iter(SVG + "polyline")]) == 2
+    assert len([e for e in positions.iter(SVG + "circle")]) == 4 + 2
+    rates = {row["run"]: row for row in html_rows(positions)}
+    first = analysis.position_acceptance(k4)[0]
+    assert rates[k4_label]["pos 1"] == f"{first.rate:.3f} ({first.reached})" and rates[k2_label]["pos 3"] == ""
+
+    # Entropy: only the traced run, every reached draft position counted once; the other named.
+    entropy = sections["entropy"]
+    rows = html_rows(entropy)
+    assert {row["run"] for row in rows} == {k4_label}
+    overall = analysis.category_stats(k4)[-1]
+    assert sum(int(row["reached"]) for row in rows) == overall.reached
+    assert sum(int(row["accepted"]) for row in rows) == overall.accepted
+    legend = [t.text for t in entropy.iter(SVG + "text")]
+    assert k4_label in legend and k2_label not in legend
+    assert f"no trace (run with --trace): {k2_label}" in [li.text for li in entropy.iter(XHTML + "li")]
+
+    # i.i.d. fit: measured tau and both predictions per category; two point sets per run.
+    fits = {(cells[0], cells[1]): cells for cells in html_table(sections["iid"])[1]}
+    for fit in analysis.iid_fit(k2):
+        cells = fits[(k2_label, fit.category or "ALL")]
+        assert cells[3:7] == [f"{fit.measured_tau:.2f}", f"{fit.alpha:.3f}", f"{fit.predicted_tau:.2f}",
+                              f"{fit.error:+.2f}"]
+        assert cells[8] == f"{fit.predicted_tau_reached:.2f}"
+    points = [c.find(SVG + "title").text for c in sections["iid"].iter(SVG + "circle")]
+    assert len(points) == 2 * 2 * 4
+    overall = analysis.iid_fit(k2)[-1]
+    assert f"{k2_label}: a = alpha, ALL: ({overall.measured_tau:.4g}, {overall.predicted_tau:.4g})" in points
+
+
+def test_markdown_report_has_the_same_tables(runs, tmp_path):
+    html, markdown = tmp_path / "r.html", tmp_path / "r.md"
+    result = invoke(runs[0][0], runs[1][0], "-o", html, "--markdown", markdown)
+    assert result.exit_code == 0, result.output
+    text = markdown.read_text()
+    assert "<svg" not in text and "<svg" in html.read_text()
+    check_summary_tables(lambda name: markdown_rows(text, {"tau": "Tau per category", "speedup": "Speedup"}[name]),
+                         runs)
+    # Every table, iid fit and trace buckets included, cell for cell as in the HTML.
+    root, sections = html_sections(html)
+    titles = {s.get("id"): s.find(f"{XHTML}h2").text for s in root.iter(XHTML + "section")}
+    for name, section in sections.items():
+        assert markdown_table(text, titles[name]) == html_table(section), name
+    # -o picks the format from the suffix.
+    alone = tmp_path / "alone.md"
+    assert invoke(runs[0][0], runs[1][0], "-o", alone).exit_code == 0
+    assert alone.read_text() == text
+
+
+def test_failed_prompts_and_hostile_text_are_escaped(tiny_pair, tmp_path):
+    prompts = [Prompt(HOSTILE_ID, "prose", "word " * 200),  # too long for the context: fails
+               Prompt("fine", HOSTILE_CATEGORY, "def add(a, b):\n    return")]
+    path = tmp_path / "hostile.json"
+    hostile = record(tiny_pair, path, 3, prompts, n_ctx=64, max_new_tokens=8)
+    assert [r.ok for r in hostile.results] == [False, True]
+    out, md = tmp_path / "r.html", tmp_path / "r.md"
+    assert invoke(path, "-o", out, "--markdown", md).exit_code == 0
+    raw = out.read_text()
+    assert "<script" not in raw and "&lt;script&gt;" in raw
+    root, sections = html_sections(out)
+    assert not [e for e in root.iter() if e.tag.endswith("script")]
+    notes = [li.text for li in sections["runs"].iter(XHTML + "li")]
+    assert any(f"prompt {HOSTILE_ID} (prose) failed: " in note for note in notes)
+    # The category reads back exactly from the table and from the chart's group label.
+    assert HOSTILE_CATEGORY in [row["category"] for row in html_rows(sections["tau"])]
+    assert HOSTILE_CATEGORY in [t.text for t in sections["tau"].iter(SVG + "text")]
+    prose = {row["category"]: row for row in html_rows(sections["tau"])}["prose"]
+    assert (prose["failed"], prose["tau"], prose["speedup"]) == ("1", "-", "-")
+
+    text = md.read_text()
+    # Markdown escapes with a backslash: no `<` may stand unescaped.
+    assert not re.search(r"(?<!\\)<", text) and r"\<script\>" in text
+    rows = {row["category"]: row for row in markdown_rows(text, "Tau per category")}
+    assert rows[HOSTILE_CATEGORY]["tau"] == f"{hostile.summary(HOSTILE_CATEGORY).tau:.2f}"
+
+
+def test_runs_sharing_a_label_are_told_apart_and_a_missing_trace_is_reported(runs, tmp_path):
+    k4_path, _, label = runs[0]
+    copy = tmp_path / "copy.json"
+    shutil.copy(k4_path, copy)  # without its trace file
+    out = tmp_path / "r.html"
+    result = invoke(k4_path, copy, "-o", out)
+    assert result.exit_code == 0, result.output
+    _, sections = html_sections(out)
+    labels = [row["run"] for row in html_rows(sections["runs"])]
+    assert labels == [f"{label} ({k4_path})", f"{label} ({copy})"]
+    assert [row["trace"] for row in html_rows(sections["runs"])] == ["10 prompts", "unreadable"]
+    notes = [li.text for li in sections["entropy"].iter(XHTML + "li")]
+    assert any(note.startswith(f"{labels[1]}: ") and "missing" in note for note in notes)
+
+
+@pytest.mark.parametrize("setup, args, message", [
+    (None, ["missing.json", "-o", "r.html"], "no run record at"),
+    ("not json", ["bad.json", "-o", "r.html"], "is not JSON"),
+    ({"schema_version": 1}, ["bad.json", "-o", "r.html"], "does not follow schema"),
+    ({}, ["bad.json", "-o", "r.pdf"], "name the output .html or .md"),
+    ({}, ["bad.json"], "give -o report.html"),
+])
+def test_bad_input_gives_a_clear_error(tmp_path, monkeypatch, setup, args, message):
+    monkeypatch.chdir(tmp_path)
+    if setup is not None:
+        (tmp_path / "bad.json").write_text(setup if isinstance(setup, str) else json.dumps(setup))
+    result = invoke(*args)
+    assert result.exit_code in (1, 2) and message in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_a_record_given_twice_is_refused(runs, tmp_path):
+    result = invoke(runs[0][0], runs[0][0], "-o", tmp_path / "r.html")
+    assert result.exit_code == 1 and "is given twice" in result.output
+
+
+def test_nice_ticks_cover_the_range_in_round_steps():
+    assert nice_ticks(4.12) == (0, 1, 2, 3, 4, 5)
+    assert nice_ticks(1.0) == (0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    assert nice_ticks(0.58) == (0, 0.2, 0.4, 0.6)
+    assert nice_ticks(37) == (0, 10, 20, 30, 40)
+
+
+def test_bar_chart_skips_missing_values_and_turns_long_labels():
+    groups = ["x" * 60, "short", "c", "d", "e", "f"]
+    chart = ET.fromstring(bar_chart("t", groups, [Bars("a", (None, 1.0, 1, 1, 1, 1), "#000"),
+                                                  Bars("b", (3.0, 2.0, None, None, None, None), "#111")], "y"))
+    bars = [e for e in chart.iter(SVG + "rect") if e.get("class") == "bar"]
+    assert len(bars) == 7
+    assert [b.find(SVG + "title").text for b in bars[:3]] == ["b, " + "x" * 60 + ": 3", "a, short: 1", "b, short: 2"]
+    labels = [t for t in chart.iter(SVG + "text") if t.get("transform", "").startswith("rotate(-35")]
+    assert len(labels) == len(groups)
+    assert labels[0].find(SVG + "title").text == "x" * 60  # cut on the chart, whole in the tooltip
+    assert "".join(labels[0].itertext()) == "x" * 60 + "x" * 31 + "\u2026"
+    assert float(chart.get("viewBox").split()[0]) < 0  # widened leftwards for the turned labels
