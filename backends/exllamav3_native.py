@@ -30,6 +30,7 @@ from typing import Sequence
 from crossrt.backends.exllamav3 import (PINNED_VERSION, TextModel, build_model, check_options, load_with_cache,
                                         page_round, text_model)
 from crossrt.runtime import DraftRules, NativeGeneration, NativeSession, RuntimeFailure, RuntimeOptions
+from crossrt.schedules import check_fits
 from crossrt.schema import Counters, accepted_per_position
 
 SCHEDULE = "exllamav3"
@@ -117,11 +118,7 @@ class GeneratorSession(NativeSession):
         import exllamav3
         import torch
 
-        if not prompt_ids:
-            raise ValueError("empty prompt: nothing to condition on")
-        if len(prompt_ids) + max_new_tokens > self._n_ctx:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens does not fit "
-                             f"the context of {self._n_ctx} tokens")
+        check_fits(prompt_ids, max_new_tokens, self._n_ctx)
         drafting = {}
         if speculative:
             # Every switch that would change the window is given explicitly, at its off value.

@@ -38,6 +38,7 @@ import transformers
 
 from crossrt.backends.transformers import LoadedModel, synchronize, tokenize
 from crossrt.runtime import DraftRules, NativeGeneration, NativeSession, RuntimeFailure, RuntimeOptions
+from crossrt.schedules import check_fits
 from crossrt.schema import Counters, accepted_per_position
 
 SCHEDULE = "hf-assisted"
@@ -114,11 +115,7 @@ class AssistedSession(NativeSession):
         return time.perf_counter() - start
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, speculative: bool) -> NativeGeneration:
-        if not prompt_ids:
-            raise ValueError("empty prompt: nothing to condition on")
-        if len(prompt_ids) + max_new_tokens > self._n_ctx:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens does not fit "
-                             f"the context of {self._n_ctx} tokens")
+        check_fits(prompt_ids, max_new_tokens, self._n_ctx)
         target = self._target.model
         input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=target.device)
         prefill_s = self._prefill_s(input_ids, speculative)

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import click
 
-from crossrt.cli_common import PROMPTS_HELP, USER_ERRORS, GpuSplit, resolve_pair
+from crossrt.cli_common import PROMPTS_HELP, USER_ERRORS, device_options, resolve_pair
 from crossrt.cli_analysis import analyze, simulate_command
 from crossrt.cli_compare import diff, parity
 from crossrt.cli_report import report
@@ -66,12 +66,7 @@ def main() -> None:
               "schedule) in <out stem>.trace.npz beside the record, for `crossrt analyze`.")
 @click.option("--resume", is_flag=True, help="Continue the record at --out, skipping finished prompts.")
 @click.option("--overwrite", is_flag=True, help="Replace the record at --out.")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="CPU threads (ggml busy-waits: more threads than free cores is very slow).")
-@click.option("--n-ctx", type=click.IntRange(min=16), default=2048, show_default=True, help="Context size.")
-@click.option("--n-gpu-layers", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Layers to offload to GPU (llama.cpp); large values offload all.")
-@click.option("--gpu-split", type=GpuSplit(), help="Relative model share per GPU, e.g. 1,1 for two T4s.")
+@device_options
 @click.option("--f32-kv-cache", is_flag=True, help="F32 KV cache, for logit comparisons across runtimes.")
 @click.option("--flash-attn/--no-flash-attn", default=True, show_default=True,
               help="llama.cpp's flash attention (on, as its own tools run). Off, with --f32-kv-cache, "

@@ -51,6 +51,21 @@ def resolve_pair(pair: Optional[str], target: Optional[Path] = None, drafter: Op
     return load_pair(path)
 
 
+def device_options(command):
+    """--threads, --n-ctx, --n-gpu-layers and --gpu-split, as every command that runs models
+    takes them."""
+    for option in reversed([
+        click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="CPU threads (ggml busy-waits: more threads than free cores is very slow)."),
+        click.option("--n-ctx", type=click.IntRange(min=16), default=2048, show_default=True, help="Context size."),
+        click.option("--n-gpu-layers", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Layers to offload to GPU (llama.cpp); large values offload all."),
+        click.option("--gpu-split", type=GpuSplit(), help="Relative model share per GPU, e.g. 1,1 for two T4s."),
+    ]):
+        command = option(command)
+    return command
+
+
 class CommaChoice(click.ParamType):
     """A comma-separated list of names from a fixed set, e.g. `llama-cpp,transformers`."""
 

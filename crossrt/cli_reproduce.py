@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import click
 
 from crossrt.claims import Claim, ClaimError, Outcome, check_record, exit_code, load_claims, render
-from crossrt.cli_common import USER_ERRORS, GpuSplit, resolve_pair
+from crossrt.cli_common import USER_ERRORS, device_options, resolve_pair
 from crossrt.driver import RunRequest, run_pair
 from crossrt.loop import SCHEDULE
 from crossrt.pairs import ROLES, Pair, PairError
@@ -151,12 +151,7 @@ def reproduce_claim(claim: Claim, settings: Settings) -> Outcome:
               "otherwise they are shown as not comparable here, not failed.")
 @click.option("--strict", is_flag=True, help="Also fail when a claim, category or number could not be checked here.")
 @click.option("--resume", is_flag=True, help="Continue the records in --out-dir instead of replacing them.")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="CPU threads (ggml busy-waits: more threads than free cores is very slow).")
-@click.option("--n-ctx", type=click.IntRange(min=16), default=2048, show_default=True, help="Context size.")
-@click.option("--n-gpu-layers", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Layers to offload to GPU (llama.cpp); large values offload all.")
-@click.option("--gpu-split", type=GpuSplit(), help="Relative model share per GPU, e.g. 1,1 for two T4s.")
+@device_options
 def reproduce(claims_files: Sequence[Path], only, prompt_source, max_new_tokens, out_dir, hardware, strict, resume,
               threads, n_ctx, n_gpu_layers, gpu_split) -> None:
     """Check published speculative decoding numbers: run every claim this machine can (claims

@@ -54,18 +54,22 @@ class Generation:
     cut: int = 0  # tokens counted as accepted but dropped at the budget or after EOS
 
 
-def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, sessions: Sequence[ModelSession],
-                 overrun: int = 0) -> None:
-    """Refuse a prompt whose run could leave the context; overrun: positions a schedule may
-    use past prompt + max_new_tokens (a step that overshoots the budget)."""
+def check_fits(prompt_ids: Sequence[int], max_new_tokens: int, n_ctx: int, overrun: int = 0) -> None:
+    """Refuse a prompt whose run could leave a context of n_ctx; overrun: positions a schedule
+    may use past prompt + max_new_tokens (a step that overshoots the budget)."""
     if not prompt_ids:
         raise ValueError("empty prompt: nothing to condition on")
+    if len(prompt_ids) + max_new_tokens + overrun > n_ctx:
+        past = f" (+ {overrun} the schedule may run past them)" if overrun else ""
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens{past} does not fit "
+                         f"the context of {n_ctx} tokens")
+
+
+def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, sessions: Sequence[ModelSession],
+                 overrun: int = 0) -> None:
+    """check_fits for every session's context."""
     for session in sessions:
-        if len(prompt_ids) + max_new_tokens + overrun > session.n_ctx:
-            past = f" (+ {overrun} the schedule may run past them)" if overrun else ""
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens{past} does not fit "
-                f"the context of {session.n_ctx} tokens")
+        check_fits(prompt_ids, max_new_tokens, session.n_ctx, overrun)
 
 
 def top_probability(logits: np.ndarray) -> np.float32:
