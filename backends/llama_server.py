@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from crossrt.backends.llama_server_process import (Build, ServerError, ServerProcess, find_executable,
-                                                   probe)
+from crossrt.backends.llama_server_process import ServerError, ServerProcess, find_executable
+from crossrt.backends.llama_tools import Build, probe
 from crossrt.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                              RuntimeOptions, RuntimeUnavailable)
 from crossrt.schema import Counters, RuntimeInfo

@@ -1,4 +1,4 @@
-"""A llama-server child process: find the executable, read its version and flag names, start it
+"""A llama-server child process (found and read by crossrt.backends.llama_tools): start it
 on a free local port, wait until it is healthy, talk HTTP to it, stop it.
 
 The child never outlives crossrt: it runs in its own session (a terminal's Ctrl-C reaches only
@@ -14,23 +14,18 @@ import ctypes
 import http.client
 import json
 import os
-import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from crossrt.runtime import RuntimeFailure, RuntimeUnavailable
+from crossrt.backends.llama_tools import BUILD_BIN, find_tool, log_tail
+from crossrt.runtime import RuntimeFailure
 
-REPO = Path(__file__).resolve().parents[1]
-BUILT_EXECUTABLE = REPO / ".cache" / "llama-tools" / "build" / "bin" / "llama-server"
-VENDORED_COMMIT = "0c1e57098"  # what scripts/build_llama_tools builds (llama-cpp-python 0.3.36's tree)
+BUILT_EXECUTABLE = BUILD_BIN / "llama-server"
 HOST = "127.0.0.1"
 HEALTH_TIMEOUT_S = 120.0  # loading a large model from a cold disk takes a while
 REQUEST_TIMEOUT_S = 3600.0  # one long generation on a CPU; a dead server is noticed at once anyway
@@ -55,77 +50,8 @@ class ServerError(Exception):
 
 
 def find_executable(explicit: Optional[Path] = None) -> Optional[Path]:
-    """The executable to run: explicit if given, else the repository's build, else PATH."""
-    if explicit is not None:
-        return Path(explicit) if Path(explicit).is_file() and os.access(explicit, os.X_OK) else None
-    if BUILT_EXECUTABLE.is_file() and os.access(BUILT_EXECUTABLE, os.X_OK):
-        return BUILT_EXECUTABLE
-    found = shutil.which("llama-server")
-    return Path(found) if found else None
-
-
-def _has_flag(help_text: str, flag: str) -> bool:
-    return re.search(rf"(^|[\s,]){re.escape(flag)}([\s,=]|$)", help_text, re.M) is not None
-
-
-@dataclass(frozen=True)
-class Flags:
-    """Flag names of one build: the draft options were renamed (--draft-max -> --spec-draft-n-max,
-    ...), builds with the new names also need --spec-type to draft at all, and -fa took a value."""
-
-    n_max: str
-    n_min: str
-    p_min: str
-    spec_type: Optional[str]
-    no_ui: Optional[str]
-    cache_ram: Optional[str]
-    flash_attn_takes_value: bool
-
-    @classmethod
-    def from_help(cls, text: str) -> "Flags":
-        new = "--spec-draft-n-max" in text
-        if not new and "--draft-max" not in text:
-            raise RuntimeUnavailable("this llama-server has no draft-model flags "
-                                     "(neither --spec-draft-n-max nor --draft-max in --help)")
-        return cls(
-            n_max="--spec-draft-n-max" if new else "--draft-max",
-            n_min="--spec-draft-n-min" if new else "--draft-min",
-            p_min="--spec-draft-p-min" if new else "--draft-p-min",
-            spec_type="--spec-type" if _has_flag(text, "--spec-type") else None,
-            no_ui="--no-webui" if _has_flag(text, "--no-webui") else None,
-            cache_ram="--cache-ram" if _has_flag(text, "--cache-ram") else None,
-            flash_attn_takes_value=re.search(r"--flash-attn \[on\|off", text) is not None,
-        )
-
-
-@dataclass(frozen=True)
-class Build:
-    path: Path
-    version: str  # e.g. "0.5.0-dev"
-    commit: Optional[str]  # None when the build does not know it (a source tree without git)
-    flags: Flags
-
-
-@lru_cache(maxsize=8)
-def probe(path: Path) -> Build:
-    """Version, commit and flag names of the executable at path (`--version`, `--help`)."""
-    outputs = []
-    for flag in ("--version", "--help"):
-        try:
-            done = subprocess.run([str(path), flag], capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.TimeoutExpired) as error:
-            raise RuntimeUnavailable(f"cannot run {path} {flag}: {error}") from None
-        outputs.append(done.stdout + done.stderr)
-        if done.returncode != 0:
-            raise RuntimeUnavailable(f"{path} {flag} exited with {done.returncode}: {outputs[-1][-500:]}")
-    # New builds print "version: 0.5.0-dev (build 0, commit unknown)", old ones "version: 4567 (abcdef12)".
-    match = re.search(r"version: (\S+)(?: \((?:build \S+, )?(?:commit )?([0-9a-f]{7,40}|unknown)\))?", outputs[0])
-    if match is None:
-        raise RuntimeUnavailable(f"{path} --version printed no version: {outputs[0][-300:]!r}")
-    commit = match.group(2) if match.group(2) not in (None, "unknown") else None
-    if commit is None and path.resolve() == BUILT_EXECUTABLE.resolve():
-        commit = VENDORED_COMMIT  # built here from a source tree that carries no git metadata
-    return Build(path, match.group(1), commit, Flags.from_help(outputs[1]))
+    """The llama-server to run: explicit if given, else the repository's build, else PATH."""
+    return find_tool("llama-server", explicit)
 
 
 def free_port() -> int:
@@ -213,17 +139,8 @@ class ServerProcess:
     def pid(self) -> int:
         return self.process.pid
 
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            with open(self.log_path, "rb") as log:
-                log.seek(max(0, log.seek(0, os.SEEK_END) - 8192))
-                text = log.read().decode("utf-8", errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
     def log_tail_text(self) -> str:
-        return f"\n--- {self.log_path} (last lines) ---\n{self.log_tail()}"
+        return f"\n--- {self.log_path} (last lines) ---\n{log_tail(self.log_path, 15)}"
 
     def failure(self, what: str) -> RuntimeFailure:
         """A RuntimeFailure for a request that broke, saying whether the server is gone."""

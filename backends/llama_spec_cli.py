@@ -24,7 +24,6 @@ import ctypes
 import math
 import os
 import re
-import shutil
 import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,7 +34,8 @@ from crossrt.runtime import (DraftRules, NativeGeneration, NativeSession, Runtim
                              RuntimeOptions, RuntimeUnavailable)
 from crossrt.schedules import SPEC_SIMPLE, check_prompt
 from crossrt.schema import Counters, RuntimeInfo, accepted_per_position
-from crossrt.backends.llama_cpp import VENDORED_COMMIT, LlamaCppRuntime, llama_cpp
+from crossrt.backends.llama_cpp import LlamaCppRuntime, llama_cpp
+from crossrt.backends.llama_tools import BUILD_BIN, find_tool, log_tail, probe
 
 try:
     from llama_cpp import _internals
@@ -43,8 +43,7 @@ except ImportError:  # reported by check_available, with the fix
     _internals = None
 
 TOOL = "llama-speculative-simple"
-REPO = Path(__file__).resolve().parents[1]
-REPO_TOOL = REPO / ".cache" / "llama-tools" / "build" / "bin" / TOOL
+REPO_TOOL = BUILD_BIN / TOOL
 # The tool's logger thread is leaked at exit, so the log's tail (the statistics) is lost in a
 # quarter to most of the runs on a busy 2-core machine. scripts/build_llama_tools builds a small
 # library, preloaded into the tool, that drains the logger at exit (scripts/llama_log_flush.c:
@@ -55,45 +54,12 @@ ATTEMPTS = 6
 LOG_TAIL_LINES = 30
 CHECKPOINT_NOTICE = b"speculative decoding will use checkpoints"
 
-_VERSION = re.compile(r"version: (\S+) \(([^)]*)\)")
 _EVENT = re.compile(
     rb"draft candidate\s+(?P<rank>\d+), pos\s+(?P<pos>\d+):\s+(?P<token>\d+) \("
     rb"|accepted (?P<accepted>\d+)/(?P<drafted>\d+) draft tokens, the last target token is: \((?P<last>-?\d+)\)")
 _PHASE = re.compile(rb"(?P<name>encoded|decoded)\s+(?P<n>\d+) tokens in\s+(?P<s>[\d.]+) seconds, "
                     rb"speed:\s+(?P<speed>\S+) t/s")
 _STAT = re.compile(rb"(?P<name>n_predict|n_drafted|n_accept)\s+= (?P<value>\d+)")
-
-
-def default_executable() -> Optional[Path]:
-    """The tool scripts/build_llama_tools built in this repository, else the one on PATH."""
-    if REPO_TOOL.is_file():
-        return REPO_TOOL
-    found = shutil.which(TOOL)
-    return Path(found) if found else None
-
-
-@dataclass(frozen=True)
-class ToolFlags:
-    """How this build spells what crossrt passes: the draft flags were renamed
-    (--draft-max/--draft-min/--draft-p-min became --spec-draft-n-max/...), --spec-type became
-    required for a drafter model, and -fa took a value."""
-
-    n_max: str
-    n_min: str
-    p_min: str
-    spec_type: bool
-    flash_attn_takes_value: bool
-
-    @classmethod
-    def of_help(cls, text: str) -> "ToolFlags":
-        if "--spec-draft-n-max" in text:
-            names = ("--spec-draft-n-max", "--spec-draft-n-min", "--spec-draft-p-min")
-        elif "--draft-max" in text:
-            names = ("--draft-max", "--draft-min", "--draft-p-min")
-        else:
-            raise RuntimeUnavailable(f"{TOOL} --help lists no draft length flag: not a draft-model build")
-        takes_value = re.search(r"--flash-attn \[on\|off", text) is not None
-        return cls(*names, spec_type="--spec-type" in text, flash_attn_takes_value=takes_value)
 
 
 @dataclass(frozen=True)
@@ -187,11 +153,6 @@ class Vocab:
         self._model.close()
 
 
-def _tail(path: Path) -> str:
-    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines() if path.exists() else []
-    return "\n".join(lines[-LOG_TAIL_LINES:])
-
-
 class LlamaSpecCliSession(NativeSession):
     schedule = SPEC_SIMPLE
 
@@ -241,7 +202,8 @@ class LlamaSpecCliSession(NativeSession):
                 code = subprocess.run(command, stdout=out_file, stderr=log_file, stdin=subprocess.DEVNULL,
                                       env=environment).returncode
             if code != 0:
-                raise RuntimeFailure(f"{TOOL} exited with {code}; log {self._log}:\n{_tail(self._log)}")
+                raise RuntimeFailure(f"{TOOL} exited with {code}; log {self._log}:\n"
+                                     f"{log_tail(self._log, LOG_TAIL_LINES)}")
             log = self._log.read_bytes()
             if CHECKPOINT_NOTICE in log:
                 raise RuntimeFailure(f"{TOOL}: this target cannot drop part of a sequence, so the tool "
@@ -250,7 +212,8 @@ class LlamaSpecCliSession(NativeSession):
             run = parse_log(log)
             if run is not None:
                 return run
-        raise RuntimeFailure(f"{TOOL} printed no statistics in {ATTEMPTS} runs; log {self._log}:\n{_tail(self._log)}")
+        raise RuntimeFailure(f"{TOOL} printed no statistics in {ATTEMPTS} runs; log {self._log}:\n"
+                             f"{log_tail(self._log, LOG_TAIL_LINES)}")
 
     def _translate(self, run: ToolRun, prompt_ids: Sequence[int], max_new_tokens: int) -> NativeGeneration:
         vocab = self._vocab
@@ -299,42 +262,29 @@ class LlamaSpecCliRuntime(Runtime):
 
     def __init__(self, options: RuntimeOptions):
         super().__init__(options)
-        executable = options.executable or default_executable()
-        if executable is None or not (Path(executable).is_file() and os.access(executable, os.X_OK)):
-            raise RuntimeUnavailable(f"{TOOL} not found at {executable}, or not executable")
-        self.executable = Path(executable)
-        help_text = self._ask("--help")
-        self.flags = ToolFlags.of_help(help_text)
-        self._version = _VERSION.search(self._ask("--version"))
-        self._devices = self._ask("--list-devices")
-
-    def _ask(self, flag: str) -> str:
-        done = subprocess.run([str(self.executable), flag], capture_output=True, stdin=subprocess.DEVNULL)
-        return (done.stdout + done.stderr).decode("utf-8", errors="replace")
+        executable = find_tool(TOOL, options.executable)
+        if executable is None:
+            where = options.executable or f"{REPO_TOOL} or on PATH"
+            raise RuntimeUnavailable(f"{TOOL} not found at {where}, or not executable")
+        self.executable = executable
+        self.build = probe(executable)
+        self.flags = self.build.flags
+        devices = subprocess.run([str(executable), "--list-devices"], capture_output=True, stdin=subprocess.DEVNULL)
+        self._devices = (devices.stdout + devices.stderr).decode("utf-8", errors="replace")
 
     @classmethod
     def check_available(cls) -> None:
         LlamaCppRuntime.check_available()  # tokenization and the baseline run in-process
-        if default_executable() is None:
+        if find_tool(TOOL) is None:
             raise RuntimeUnavailable(f"{TOOL} not found: run scripts/build_llama_tools, or pass "
                                      "--llama-spec with the path of one")
-
-    def _build(self) -> Optional[str]:
-        """The llama.cpp commit: from --version, else the vendored commit when the tool is this
-        repository's build (scripts/build_llama_tools builds llama-cpp-python's vendored tree,
-        which has no git metadata, so the tool says "commit unknown")."""
-        if self._version:
-            commit = self._version[2].split()[-1]
-            if re.fullmatch(r"[0-9a-f]{7,40}", commit):
-                return commit
-        return VENDORED_COMMIT if self.executable.resolve() == REPO_TOOL.resolve() else None
 
     def info(self) -> RuntimeInfo:
         has_gpu = "(none)" not in self._devices
         return RuntimeInfo(
             name=self.name,
-            version=self._version[1] if self._version else "unknown",
-            build=self._build(),
+            version=self.build.version,
+            build=self.build.commit,
             device="gpu" if has_gpu and self.options.n_gpu_layers > 0 else "cpu",
             threads=self.options.threads,
             gpu_split=self.options.gpu_split,
@@ -354,7 +304,7 @@ class LlamaSpecCliRuntime(Runtime):
                    "-t", threads, "-tb", threads, "-td", threads,
                    "-ngl", str(options.n_gpu_layers), "-ngld", str(options.n_gpu_layers), "-lv", "5"]
         if flags.spec_type:
-            command += ["--spec-type", "draft-simple"]
+            command += [flags.spec_type, "draft-simple"]
         if flags.flash_attn_takes_value:
             command += ["-fa", "on" if options.flash_attn else "off"]
         elif options.flash_attn:
@@ -379,7 +329,7 @@ class LlamaSpecCliRuntime(Runtime):
             "baseline: plain greedy in-process through llama-cpp-python at the same llama.cpp commit "
             "and options, timed with crossrt's Python loop (the tool has no plain mode)",
         ]
-        if self._build() is None:
+        if self.build.commit is None:
             notes.append(f"{self.executable} does not say its commit: the baseline's commit may differ")
         return LlamaSpecCliSession(self.command(target, drafter, rules), baseline_runtime, Path(target),
                                    rules, Path(work_dir), tuple(notes))

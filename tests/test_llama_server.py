@@ -275,7 +275,8 @@ def test_cli_native_run_writes_a_lossless_record(tmp_path):
 
 
 def test_flag_names_follow_the_build():
-    from crossrt.backends.llama_server_process import Flags, probe, BUILT_EXECUTABLE
+    from crossrt.backends.llama_server_process import BUILT_EXECUTABLE
+    from crossrt.backends.llama_tools import Flags, probe
 
     if BUILT_EXECUTABLE.is_file():
         new = probe(BUILT_EXECUTABLE).flags

@@ -10,7 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt import loop
-from crossrt.backends.llama_spec_cli import TOOL, ToolFlags, parse_log
+from crossrt.backends.llama_spec_cli import TOOL, parse_log
+from crossrt.backends.llama_tools import Flags
 from crossrt.cli import main
 from crossrt.driver import run_prompt_native
 from crossrt.prompts import Prompt, load_prompts
@@ -142,14 +143,14 @@ def test_a_missing_statistics_tail_is_no_run(open_session):
 
 def test_flags_follow_the_build(native_runtime):
     new = native_runtime.flags  # read from this build's --help
-    assert (new.n_max, new.spec_type, new.flash_attn_takes_value) == ("--spec-draft-n-max", True, True)
+    assert (new.n_max, new.spec_type, new.flash_attn_takes_value) == ("--spec-draft-n-max", "--spec-type", True)
     # Help lines of a 2025 build, before the renames.
-    old = ToolFlags.of_help("--draft-max, --draft, --draft-n N   number of tokens to draft (default: 16)\n"
-                            "--draft-min, --draft-n-min N  minimum number of draft tokens (default: 0)\n"
-                            "--draft-p-min P   minimum speculative decoding probability (default: 0.8)\n"
-                            "-fa,   --flash-attn   enable Flash Attention (default: disabled)\n")
+    old = Flags.from_help("--draft-max, --draft, --draft-n N   number of tokens to draft (default: 16)\n"
+                          "--draft-min, --draft-n-min N  minimum number of draft tokens (default: 0)\n"
+                          "--draft-p-min P   minimum speculative decoding probability (default: 0.8)\n"
+                          "-fa,   --flash-attn   enable Flash Attention (default: disabled)\n")
     assert (old.n_max, old.n_min, old.p_min, old.spec_type, old.flash_attn_takes_value) == \
-        ("--draft-max", "--draft-min", "--draft-p-min", False, False)
+        ("--draft-max", "--draft-min", "--draft-p-min", None, False)
 
 
 def test_an_executable_that_is_not_there_is_unavailable(tmp_path):

@@ -1,0 +1,115 @@
+"""llama.cpp's own tools (llama-server, llama-speculative-simple): where they are, which build
+they are, and how that build spells the flags crossrt passes.
+
+Both native llama.cpp runtimes use this one reading of a tool, so a build is found, named and
+adapted to the same way whichever tool runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+from crossrt.backends.llama_cpp import VENDORED_COMMIT
+from crossrt.runtime import RuntimeUnavailable
+
+# Where scripts/build_llama_tools puts the tools it builds from the pinned binding's tree.
+BUILD_BIN = Path(__file__).resolve().parents[1] / ".cache" / "llama-tools" / "build" / "bin"
+
+
+def _executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def find_tool(name: str, explicit: Optional[Path] = None) -> Optional[Path]:
+    """The tool to run: explicit if given (None when it is not an executable file), else the
+    repository's build, else the one on PATH."""
+    if explicit is not None:
+        return Path(explicit) if _executable(Path(explicit)) else None
+    if _executable(BUILD_BIN / name):
+        return BUILD_BIN / name
+    found = shutil.which(name)
+    return Path(found) if found else None
+
+
+def _has_flag(help_text: str, flag: str) -> bool:
+    return re.search(rf"(^|[\s,]){re.escape(flag)}([\s,=]|$)", help_text, re.M) is not None
+
+
+@dataclass(frozen=True)
+class Flags:
+    """Flag names of one build: the draft options were renamed (--draft-max -> --spec-draft-n-max,
+    ...), builds with the new names also need --spec-type to draft at all, and -fa took a value.
+    Options an older build lacks are None."""
+
+    n_max: str
+    n_min: str
+    p_min: str
+    spec_type: Optional[str]
+    no_ui: Optional[str]
+    cache_ram: Optional[str]
+    flash_attn_takes_value: bool
+
+    @classmethod
+    def from_help(cls, text: str) -> "Flags":
+        new = "--spec-draft-n-max" in text
+        if not new and "--draft-max" not in text:
+            raise RuntimeUnavailable("this llama.cpp tool has no draft-model flags "
+                                     "(neither --spec-draft-n-max nor --draft-max in --help)")
+        return cls(
+            n_max="--spec-draft-n-max" if new else "--draft-max",
+            n_min="--spec-draft-n-min" if new else "--draft-min",
+            p_min="--spec-draft-p-min" if new else "--draft-p-min",
+            spec_type="--spec-type" if _has_flag(text, "--spec-type") else None,
+            no_ui="--no-webui" if _has_flag(text, "--no-webui") else None,
+            cache_ram="--cache-ram" if _has_flag(text, "--cache-ram") else None,
+            flash_attn_takes_value=re.search(r"--flash-attn \[on\|off", text) is not None,
+        )
+
+
+@dataclass(frozen=True)
+class Build:
+    path: Path
+    version: str  # e.g. "0.5.0-dev"
+    commit: Optional[str]  # None when the build does not know it (a source tree without git)
+    flags: Flags
+
+
+@lru_cache(maxsize=8)
+def probe(path: Path) -> Build:
+    """Version, commit and flag names of the tool at path (`--version`, `--help`)."""
+    outputs = []
+    for flag in ("--version", "--help"):
+        try:
+            done = subprocess.run([str(path), flag], capture_output=True, text=True, timeout=60,
+                                  stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            raise RuntimeUnavailable(f"cannot run {path} {flag}: {error}") from None
+        outputs.append(done.stdout + done.stderr)
+        if done.returncode != 0:
+            raise RuntimeUnavailable(f"{path} {flag} exited with {done.returncode}: {outputs[-1][-500:]}")
+    # New builds print "version: 0.5.0-dev (build 0, commit unknown)", old ones "version: 4567 (abcdef12)".
+    match = re.search(r"version: (\S+)(?: \((?:build \S+, )?(?:commit )?([0-9a-f]{7,40}|unknown)\))?", outputs[0])
+    if match is None:
+        raise RuntimeUnavailable(f"{path} --version printed no version: {outputs[0][-300:]!r}")
+    commit = match.group(2) if match.group(2) not in (None, "unknown") else None
+    if commit is None and path.resolve().parent == BUILD_BIN.resolve():
+        commit = VENDORED_COMMIT  # built here from a source tree that carries no git metadata
+    return Build(path, match.group(1), commit, Flags.from_help(outputs[1]))
+
+
+def log_tail(path: Path, lines: int) -> str:
+    """The last lines of a tool's log (read from its end: debug logs grow large)."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - 16384))
+            text = log.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
