@@ -19,6 +19,10 @@ File:line references are to the exllamav3 1.6.5 wheel; docs/exllamav3.md lists t
   (model/model.py:422). Rows.NONE runs model.prefill, which stops after the last layer with a
   KV cache (model/model.py:368) and never computes logits; Rows.LAST sets last_tokens_only,
   which narrows the state before the head (model/model_ls.py:369).
+- Chunk size: model.load prepares attention for one chunk of max_chunk_size tokens on the
+  attached cache and asserts that it fits (model/model_ls.py:104-115, modules/attn.py:109), so
+  it is min(2048, capacity); evaluations longer than a chunk run chunk by chunk, as the
+  Generator splits prefill (generator.py:47, 297; job.py:1416).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -39,17 +44,35 @@ from crossrt.schema import RuntimeInfo
 
 PINNED_VERSION = "1.6.5"
 PAGE_SIZE = 256  # exllamav3/constants.py:2; a Cache holds a multiple of it (cache/cache.py:117)
+MAX_CHUNK_SIZE = 2048  # the default of model.load and Generator (model/model.py:483, generator.py:47)
+DEFAULT_CUDA_HOME = "/usr/local/cuda"  # torch's last guess for CUDA_HOME on Linux (cpp_extension._find_cuda_home)
+GIB = 1024**3  # use_per_device is in GiB (model/model.py:662)
+# safetensors dtypes exllamav3 loads narrower: FP32 weights become FP16 (loader/safetensors.py:842-843)
+LOADED_ITEMSIZE = {"F64": 2, "F32": 2}
 INSTALL_HINT = (f"on a machine with an NVIDIA GPU, pip install 'crossrt[exl3]' (exllamav3=={PINNED_VERSION}) "
                 "with a CUDA build of torch>=2.6, nvcc and ninja for its JIT-compiled extension; "
                 "scripts/gpu_check runs it there (docs/exllamav3.md)")
 
 
-def _nvcc() -> Optional[str]:
-    """The nvcc torch's extension build would run, looked up as exllamav3 does
-    (util/cuda_flags.py:18-30)."""
+def cuda_home() -> Optional[str]:
+    """torch's CUDA_HOME, found as torch.utils.cpp_extension does without importing it (that
+    import prints a warning on machines without a GPU): CUDA_HOME or CUDA_PATH, else the folder
+    above nvcc on PATH, else /usr/local/cuda when it exists."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        return home
+    on_path = shutil.which("nvcc")
+    if on_path:
+        return os.path.dirname(os.path.dirname(on_path))
+    return DEFAULT_CUDA_HOME if os.path.exists(DEFAULT_CUDA_HOME) else None
+
+
+def nvcc_path() -> Optional[str]:
+    """The nvcc exllamav3's extension build runs: its find_nvcc given torch's CUDA_HOME
+    (ext.py:92-93, util/cuda_flags.py:18-30)."""
     if os.environ.get("PYTORCH_NVCC"):
         return os.environ["PYTORCH_NVCC"]
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+    for home in (cuda_home(), os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
         if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
             return os.path.join(home, "bin", "nvcc")
     return shutil.which("nvcc")
@@ -71,8 +94,9 @@ def missing_requirements() -> list[str]:
         problems.append("exllamav3 is not installed")
     elif importlib.util.find_spec("exllamav3_ext") is None:
         # No prebuilt extension: the first import compiles one (ext.py) with nvcc and ninja.
-        if _nvcc() is None:
-            problems.append("no nvcc (PATH or CUDA_HOME) to compile exllamav3's extension")
+        if nvcc_path() is None:
+            problems.append(f"no nvcc (PYTORCH_NVCC, CUDA_HOME, CUDA_PATH, PATH or {DEFAULT_CUDA_HOME}/bin) "
+                            "to compile exllamav3's extension")
         if shutil.which("ninja") is None:
             problems.append("no ninja on PATH to run exllamav3's extension build")
     return problems
@@ -82,16 +106,72 @@ def page_round(tokens: int) -> int:
     return -(-tokens // PAGE_SIZE) * PAGE_SIZE
 
 
-def use_per_device(shares: Sequence[float], totals_gib: Sequence[float]) -> list[float]:
-    """--gpu-split shares as exllamav3's use_per_device, GiB per GPU (model/model.py:662 multiplies
-    by 1024**3): the GPU with the largest share may use all its memory, the others the same
-    fraction scaled by their share; 0 leaves a GPU out. exllamav3 fills the GPUs in order up to
-    these caps (model/model_ls.py _load_autosplit), so the caps bound each GPU's part of the model
-    rather than set it in proportion as llama.cpp's tensor_split does."""
+def chunk_size(capacity: int) -> int:
+    return min(MAX_CHUNK_SIZE, capacity)
+
+
+def chunk_plan(n_tokens: int, chunk: int, rows: Rows) -> list[tuple[int, int, Rows]]:
+    """(start, end, rows) per forward pass of at most chunk tokens: logits only where the caller
+    reads them (every chunk for Rows.ALL, the last one for Rows.LAST)."""
+    bounds = [(start, min(start + chunk, n_tokens)) for start in range(0, n_tokens, chunk)]
+    if rows is Rows.ALL:
+        return [(start, end, Rows.ALL) for start, end in bounds]
+    plan = [(start, end, Rows.NONE) for start, end in bounds]
+    if rows is Rows.LAST:
+        plan[-1] = (*bounds[-1], Rows.LAST)
+    return plan
+
+
+def loaded_tensor_bytes(folder: Path) -> dict[str, int]:
+    """Bytes per tensor of a folder's *.safetensors as exllamav3 holds them, from the headers alone."""
+    sizes = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with path.open("rb") as file:
+            header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = entry["data_offsets"]
+            if entry["dtype"] in LOADED_ITEMSIZE:
+                sizes[name] = LOADED_ITEMSIZE[entry["dtype"]] * math.prod(entry["shape"])
+            else:
+                sizes[name] = end - begin
+    return sizes
+
+
+def module_bytes(tensor_bytes: dict[str, int], keys: Sequence[str]) -> int:
+    """Bytes of the first of keys (a module's key, then its alternatives, e.g. a tied head's
+    embedding) that names any tensor: the tensor itself or those under "key."."""
+    for key in keys:
+        found = [size for name, size in tensor_bytes.items() if name == key or name.startswith(key + ".")]
+        if found:
+            return sum(found)
+    return 0
+
+
+def use_per_device(model_gib: float, shares: Sequence[float], totals_gib: Sequence[float]) -> list[float]:
+    """--gpu-split shares as exllamav3's use_per_device for one model of model_gib (weights and
+    cache). exllamav3 fills GPUs in order and moves on only when one is full (model/model_ls.py
+    _load_autosplit, util/memory.py:60-80), so a GPU's share of the model is what it may take: the
+    shares of model_gib, rounded up to 1 MiB, on every GPU but the last one with a share, which is
+    left uncapped (its whole memory) to take what the estimate and layer boundaries leave. 0 leaves
+    a GPU out."""
     if len(shares) > len(totals_gib):
         raise ValueError(f"--gpu-split gives {len(shares)} shares but torch sees {len(totals_gib)} GPU(s)")
-    top = max(shares)
-    return [round(total * share / top, 3) for share, total in zip(shares, totals_gib)]
+    last = max(i for i, share in enumerate(shares) if share > 0)
+    limits = []
+    for i, (share, total) in enumerate(zip(shares, totals_gib)):
+        if i == last:
+            limits.append(round(total, 3))
+        else:
+            limits.append(min(round(total, 3), math.ceil(model_gib * share / sum(shares) * 1024) / 1024))
+    return limits
+
+
+def gpu_memory_gib() -> list[float]:
+    import torch
+
+    return [torch.cuda.get_device_properties(i).total_memory / GIB for i in range(torch.cuda.device_count())]
 
 
 def _json(path: Path) -> dict:
@@ -139,29 +219,61 @@ def check_options(options: RuntimeOptions) -> None:
                          "it has no F32 KV cache; leave --f32-kv-cache off")
 
 
+@dataclass(frozen=True)
+class Placement:
+    """What one model's load asked of exllamav3 under --gpu-split: its estimated size (weights as
+    loaded plus its cache) and use_per_device, GiB per GPU; both None without a split (exllamav3's
+    own placement)."""
+
+    model: str
+    size_gib: Optional[float]
+    use_per_device: Optional[tuple[float, ...]]
+
+    def describe(self) -> str:
+        limits = "/".join(f"{gib:.3f}" for gib in self.use_per_device)
+        return f"{self.model} ({self.size_gib:.3f} GiB) use_per_device {limits} GiB"
+
+
+def model_size_gib(model, cache) -> float:
+    """Weights of the modules exllamav3 places on GPUs (unquantized embeddings stay in system
+    memory, modules/embedding.py:99-103) plus the cache's K/V (cache/fp16.py:92)."""
+    tensor_bytes = loaded_tensor_bytes(Path(model.config.directory))
+    weights = 0
+    for module in model.modules:
+        if module.caps.get("prefer_cpu"):
+            continue
+        alternatives = getattr(module, "alt_key", None) or []
+        weights += module_bytes(tensor_bytes, [module.key, *([alternatives] if isinstance(alternatives, str)
+                                                             else alternatives)])
+    kv = sum(int(layer.storage_size()) for layer in cache.layers.values())
+    return (weights + kv) / GIB
+
+
 def load_with_cache(model, capacity: int, options: RuntimeOptions, max_history: int = 0, draft_model=None):
-    """Load model's weights with a Cache of capacity tokens, created first so that loading
-    allocates it (cache/cache.py:144-146), then warm it up before any Generator uses the cache
-    (model/model.py:232), so Triton compilation does not land in the first prompt's timings."""
+    """(cache, Placement): model's weights loaded with a Cache of capacity tokens, created first
+    so that loading allocates it (cache/cache.py:144-146), for chunks of chunk_size(capacity) (the
+    load prepares attention for one chunk on this cache, model/model_ls.py:104-115), then warmed
+    up before any Generator uses the cache (model/model.py:232), so Triton compilation does not
+    land in the first prompt's timings."""
     import exllamav3
-    import torch
 
     cache = exllamav3.Cache(model, max_num_tokens=capacity, max_history=max_history)
-    split = {}
+    chunk = chunk_size(capacity)
+    placement, split = Placement(Path(model.config.directory).name, None, None), {}
     if options.gpu_split:
-        totals = [torch.cuda.get_device_properties(i).total_memory / 1024**3 for i in range(torch.cuda.device_count())]
-        split = {"use_per_device": use_per_device(options.gpu_split, totals)}
+        size_gib = model_size_gib(model, cache)
+        limits = use_per_device(size_gib, options.gpu_split, gpu_memory_gib())
+        placement, split = Placement(placement.model, size_gib, tuple(limits)), {"use_per_device": limits}
     try:
         # Without a split, exllamav3 spreads the model over every visible GPU keeping 0.5 GiB
         # free on each (model/model.py:642-652).
-        model.load(draft_model=draft_model, **split)
-        failures = model.warmup(cache=cache, max_chunk_size=min(2048, capacity), max_batch_size=1,
-                                long_context=False)
+        model.load(draft_model=draft_model, max_chunk_size=chunk, **split)
+        failures = model.warmup(cache=cache, max_chunk_size=chunk, max_batch_size=1, long_context=False)
     except (AssertionError, RuntimeError, ValueError) as error:
         raise ValueError(f"exllamav3 could not load {model.config.directory}: {error}") from None
     if failures:
         raise ValueError(f"exllamav3 cannot run {model.config.directory}: warmup passes failed: {failures}")
-    return cache
+    return cache, placement
 
 
 @dataclass(frozen=True)
@@ -195,6 +307,7 @@ class ExllamaV3Session(ModelSession):
     def __init__(self, loaded: TextModel, n_ctx: int, capacity: int):
         self._loaded = loaded
         self._capacity = capacity
+        self._chunk = chunk_size(capacity)
         self.n_ctx = n_ctx
         self.n_vocab = loaded.vocab_size
         self.eog_ids = loaded.eog_ids
@@ -206,17 +319,20 @@ class ExllamaV3Session(ModelSession):
 
         model = self._loaded.model
         input_ids = torch.tensor([list(tokens)], dtype=torch.long)
-        params = {"attn_mode": "flash_attn", "cache": self._loaded.cache,
-                  "batch_shape": (1, self._capacity), "past_len": self._n_past}
-        if rows is Rows.NONE:
-            model.prefill(input_ids, params)
-            cuda_sync_active()  # nothing is read back to wait for it, and the loop times prefills
-            logits = np.empty((0, self.n_vocab), dtype=np.float32)
-        else:
-            if rows is Rows.LAST:
+        pieces = []
+        for start, end, piece_rows in chunk_plan(len(tokens), self._chunk, rows):
+            params = {"attn_mode": "flash_attn", "cache": self._loaded.cache,
+                      "batch_shape": (1, self._capacity), "past_len": self._n_past + start}
+            if piece_rows is Rows.NONE:
+                model.prefill(input_ids[:, start:end], params)
+                continue
+            if piece_rows is Rows.LAST:
                 params["last_tokens_only"] = 1
-            logits = model.forward(input_ids, params)[0, :, :self.n_vocab].float().cpu().numpy()
-        return logits
+            pieces.append(model.forward(input_ids[:, start:end], params)[0, :, :self.n_vocab].float().cpu().numpy())
+        if not pieces:
+            cuda_sync_active()  # nothing is read back to wait for it, and the loop times prefills
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def truncate(self, n_keep: int) -> None:
         self._n_past = max(0, min(n_keep, self._n_past))
@@ -242,6 +358,10 @@ class ExllamaV3Runtime(Runtime):
     model_format = "exl3"
     modes = ("driven", "native")
 
+    def __init__(self, options: RuntimeOptions):
+        super().__init__(options)
+        self._placements: list[Placement] = []
+
     @classmethod
     def check_available(cls) -> None:
         problems = missing_requirements()
@@ -260,24 +380,31 @@ class ExllamaV3Runtime(Runtime):
             raise ValueError(f"{config.architecture} has recurrent layers whose state the driven loop cannot "
                              "roll back: use --mode native")
         capacity = page_round(self.options.n_ctx)
-        cache = load_with_cache(model, capacity, self.options)
+        cache, placement = load_with_cache(model, capacity, self.options)
+        self._placements.append(placement)
         return ExllamaV3Session(text_model(config, model, cache), self.options.n_ctx, capacity)
 
     def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path):
         """exllamav3's Generator drafting as rules.spec_type says (a drafter model, a DFlash block
-        drafter, the target's MTP head); it writes no files, so work_dir stays unused."""
+        drafter, an MTP head); it writes no files, so work_dir stays unused."""
         from crossrt.backends.exllamav3_native import open_generator_session
 
-        return open_generator_session(Path(target), Path(drafter), rules, self.options)
+        session = open_generator_session(Path(target), Path(drafter), rules, self.options)
+        self._placements.extend(session.placements)
+        return session
 
     def info(self) -> RuntimeInfo:
         import torch
 
         gpus = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        build = f"torch {torch.__version__}, CUDA {torch.version.cuda}, {' + '.join(gpus)}"
+        if self.options.gpu_split and self._placements:
+            # The shares become per-model memory limits: record the ones the loads used.
+            build += "; " + "; ".join(placement.describe() for placement in self._placements)
         return RuntimeInfo(
             name=self.name,
             version=importlib.metadata.version("exllamav3"),
-            build=f"torch {torch.__version__}, CUDA {torch.version.cuda}, {' + '.join(gpus)}",
+            build=build,
             device="gpu",
             threads=None,  # exllamav3 computes on GPUs only
             gpu_split=self.options.gpu_split,

@@ -19,7 +19,11 @@ dynamic drafting off. exllamav3's schedule, from generator/generator.py and job.
   (generator.py:2001-2005); the final result holds accepted_draft_tokens and
   rejected_draft_tokens (job.py:942-946), new_tokens with the stop token (job.py:814, 934).
 A new Generator serves each generation (a Generator owns its cache, generator.py:244): no prompt
-cache carries over from one generation to the next.
+cache carries over from one generation to the next. It prefills in chunks of the size the
+models were loaded for (chunk_size, backends/exllamav3.py).
+On a target with recurrent layers, a draft token that matches at a recurrent checkpoint
+boundary ends the round and counts as rejected (generator.py:1955-1961, 1997-1998); such
+records say so in their notes.
 """
 
 from __future__ import annotations
@@ -27,15 +31,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from crossrt.backends.exllamav3 import (PINNED_VERSION, TextModel, build_model, check_options, load_with_cache,
-                                        page_round, text_model)
+from crossrt.backends.exllamav3 import (PINNED_VERSION, Placement, TextModel, build_model, check_options,
+                                        chunk_size, load_with_cache, page_round, text_model)
 from crossrt.runtime import DraftRules, NativeGeneration, NativeSession, RuntimeFailure, RuntimeOptions
 from crossrt.schedules import check_fits
 from crossrt.schema import Counters, accepted_per_position
 
 SCHEDULE = "exllamav3"
 # crossrt spec types (crossrt/runtime.py SPEC_TYPES) that exllamav3 drafts with a drafter model
-SPEC_TYPES = ("draft", "dflash", "dflash2", "mtp")
+SPEC_TYPES = ("draft", "dflash", "dflash2", "mtp", "dspark")
+# Drafters that are a component of the target's own checkpoint: the drafter folder is the target's.
+TARGET_COMPONENT_SPEC_TYPES = ("mtp", "dspark")
 NOTES = (
     "counts from exllamav3's job.draft_stats, one (new_tokens, window, accepted) per verification round "
     "(generator.py:2001): steps = rounds, drafted = sum of windows, accepted = sum of accepted, checked "
@@ -47,6 +53,18 @@ NOTES = (
     "prefill_s, decode_s: the job's time_prefill (prompt[:-1] through target and drafter) and "
     "time_generate (every round), job.py:923-924",
 )
+RECURRENT_NOTE = (
+    "the target has recurrent layers: exllamav3 stops accepting at a recurrent checkpoint boundary (a page "
+    "boundary at least recurrent_checkpoint_interval={interval} tokens past the last checkpoint, job.py:1776-1801) "
+    "and counts a draft token that matches there as rejected (generator.py:1955-1961, 1997-1998), so a round "
+    "there accepts less than crossrt's schedule would; the output is unaffected"
+)
+DEFAULT_RECURRENT_CHECKPOINT_INTERVAL = 2048  # generator.py:415, unless the model's caps set one
+DSPARK_NOTE = (
+    "spec_type dspark: the DSpark drafter's confidence head caps each round's window whatever "
+    "dynamic_draft_tokens says (generator.py:1356-1362, architecture/deepseek_v4_mtp.py:204): step_drafted is "
+    "each round's window, and rounds where no position clears it draft nothing (their tokens are unverified)"
+)
 
 
 def check_rules(rules: DraftRules) -> None:
@@ -57,10 +75,15 @@ def check_rules(rules: DraftRules) -> None:
             "leave --draft-n-min and --draft-p-min unset")
 
 
-def drafting_kind(caps: dict, architecture: str) -> str:
+def drafting_kind(caps: dict, architecture: str, target_component: bool = False) -> str:
     """The spec type a drafter model gives the Generator, which picks its drafting from the
-    drafter's caps (generator.py:425-426)."""
+    drafter's caps (generator.py:425-426, 799-804). A DFlash-drafting component of the target's
+    own checkpoint is DeepSeek-V4's DSpark block drafter (architecture/deepseek_v4_mtp.py:20-28, 212);
+    an MTP drafter may be the target's component or a folder of its own (Gemma4 assistants,
+    architecture/gemma4_assistant.py:271)."""
     if caps.get("dflash_draft"):
+        if target_component:
+            return "dspark"
         return "dflash2" if architecture == "DFlash2DraftModel" else "dflash"
     if caps.get("mtp_draft"):
         return "mtp"
@@ -103,13 +126,23 @@ def counters_from_rounds(rounds: Sequence[tuple[int, int, int]], accepted_total:
 class GeneratorSession(NativeSession):
     schedule = SCHEDULE
 
-    def __init__(self, target: TextModel, drafter, drafter_cache, rules: DraftRules, options: RuntimeOptions):
+    def __init__(self, target: TextModel, drafter, drafter_cache, rules: DraftRules, options: RuntimeOptions,
+                 capacity: int, placements: tuple[Placement, ...]):
         self._target = target
         self._drafter = drafter
         self._drafter_cache = drafter_cache
         self._k = rules.k
         self._n_ctx = options.n_ctx
-        self.notes = NOTES + (f"spec_type {rules.spec_type}; greedy through ArgmaxSampler, dynamic_draft_tokens off",)
+        self._chunk = chunk_size(capacity)
+        self.placements = placements
+        notes = NOTES + (f"spec_type {rules.spec_type}; greedy through ArgmaxSampler, dynamic_draft_tokens off",)
+        if target.model.caps.get("recurrent_states"):
+            interval = target.model.caps.get("default_recurrent_checkpoint_interval",
+                                             DEFAULT_RECURRENT_CHECKPOINT_INTERVAL)
+            notes += (RECURRENT_NOTE.format(interval=interval),)
+        if rules.spec_type == "dspark":
+            notes += (DSPARK_NOTE,)
+        self.notes = notes
 
     def tokenize(self, text: str) -> list[int]:
         return self._target.tokenize(text)
@@ -126,7 +159,8 @@ class GeneratorSession(NativeSession):
                             record_draft_stats=True, dynamic_draft_tokens=False, ngram_match_min=0,
                             hybrid_draft_tokens=0, draft_max_rows=0, sparse_draft_head=0)
         target = self._target
-        generator = exllamav3.Generator(target.model, target.cache, target.tokenizer, max_batch_size=1, **drafting)
+        generator = exllamav3.Generator(target.model, target.cache, target.tokenizer, max_batch_size=1,
+                                        max_chunk_size=self._chunk, **drafting)
         job = exllamav3.Job(input_ids=torch.tensor([list(prompt_ids)], dtype=torch.long),
                             max_new_tokens=max_new_tokens, sampler=exllamav3.ArgmaxSampler(),
                             stop_conditions=sorted(target.eog_ids))
@@ -174,19 +208,20 @@ def open_generator_session(target_path: Path, drafter_path: Path, rules: DraftRu
     if spec_type not in SPEC_TYPES:
         # n-gram drafting (Generator ngram_match_min: a suffix automaton over the job's own
         # context, generator.py:1391, job.py:1899) needs no drafter and a minimum match length
-        # crossrt has no setting for; EAGLE3 and DSpark drafters exllamav3 does not have.
+        # crossrt has no setting for; EAGLE3 drafters exllamav3 does not have.
         raise ValueError(f"exllamav3 runs spec types {', '.join(SPEC_TYPES)} through crossrt, not {spec_type!r}")
     target_config, target_model = build_model(target_path)
-    if spec_type == "mtp":
-        # The MTP head is the "mtp" component of the target's own folder and config
-        # (model_init.py:245-246, 284-287).
-        if drafter_path.resolve() != target_path.resolve():
-            raise ValueError(f"spec_type mtp drafts with the target's own MTP head: name the target's folder "
-                             f"as the drafter too (got {drafter_path})")
+    # A drafter named by the target's own folder is the checkpoint's "mtp" component, sharing the
+    # target's config, as exllamav3's model_init does (model_init.py:216, 245-246, 284-287).
+    target_component = spec_type in TARGET_COMPONENT_SPEC_TYPES and drafter_path.resolve() == target_path.resolve()
+    if target_component:
         drafter_config, drafter = build_model(drafter_path, component="mtp", config=target_config)
+    elif spec_type == "dspark":
+        raise ValueError(f"spec_type dspark drafts with the DSpark block of the target's own checkpoint: name the "
+                         f"target's folder as the drafter too (got {drafter_path})")
     else:
         drafter_config, drafter = build_model(drafter_path)
-    kind = drafting_kind(drafter.caps, drafter_config.architecture)
+    kind = drafting_kind(drafter.caps, drafter_config.architecture, target_component)
     if kind != spec_type:
         raise ValueError(f"spec_type {spec_type} but {drafter_path} is a {drafter_config.architecture} "
                          f"({kind} drafting)")
@@ -200,7 +235,8 @@ def open_generator_session(target_path: Path, drafter_path: Path, rules: DraftRu
         history = 0
     # Room for the prompt, the budget and one window past it (job.py:1287-1292).
     capacity = page_round(options.n_ctx + rules.k + 1)
-    drafter_cache = load_with_cache(drafter, capacity, options, history)
-    target_cache = load_with_cache(target_model, capacity, options, history, draft_model=drafter)
+    drafter_cache, drafter_placement = load_with_cache(drafter, capacity, options, history)
+    target_cache, target_placement = load_with_cache(target_model, capacity, options, history, draft_model=drafter)
     target = text_model(target_config, target_model, target_cache)
-    return GeneratorSession(target, drafter, drafter_cache, rules, options)
+    return GeneratorSession(target, drafter, drafter_cache, rules, options, capacity,
+                            (target_placement, drafter_placement))

@@ -36,7 +36,7 @@ from crossrt.backends.llama_server_process import ServerError, ServerProcess, fi
 from crossrt.backends.llama_tools import Build, probe
 from crossrt.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                              RuntimeOptions, RuntimeUnavailable)
-from crossrt.schema import Counters, RuntimeInfo
+from crossrt.schema import Counters, RuntimeInfo, UnfitCounts
 
 SCHEDULE = "llama-server"
 # /metrics prints counters through a C++ stream with 6 significant digits: restart the server
@@ -98,9 +98,12 @@ def _padded(counts: tuple[int, ...], width: int) -> tuple[int, ...]:
     return counts[:width] + (0,) * (width - len(counts))
 
 
-def speculative_counters(emitted: int, stop_reason: str, timings: dict, delta: Totals, k: int) -> Counters:
-    """crossrt's counters for one speculative request (module docstring: where each comes from).
-    RuntimeFailure when the server's numbers do not fit its schedule as crossrt reads it."""
+def speculative_counters(emitted: int, stop_reason: str, timings: dict, delta: Totals,
+                         k: int) -> tuple[Counters, Optional[UnfitCounts]]:
+    """crossrt's counters for one speculative request (module docstring: where each comes from),
+    and, when the server's numbers do not fit its schedule as crossrt reads it, what did not
+    fit: the counters then keep the server's steps, drafted and accepted, and take unverified
+    from the identity (cut 0, or 1 after an EOS in the last draft position); the prompt is kept."""
     drafted = int(timings.get("draft_n", 0))
     accepted = int(timings.get("draft_n_accepted", 0))
     steps = delta.drafts
@@ -118,12 +121,22 @@ def speculative_counters(emitted: int, stop_reason: str, timings: dict, delta: T
     per_pos = delta.accepted_per_pos
     if any(per_pos[k:]):
         problems.append(f"acceptance at draft positions beyond k={k}: {list(per_pos)}")
+    unfit = None
     if problems:
-        raise RuntimeFailure("llama-server's counts do not fit its schedule as crossrt reads it: "
-                             + "; ".join(problems))
+        raw = {"emitted": emitted, "timings.draft_n": drafted, "timings.draft_n_accepted": accepted,
+               "metrics.drafts": delta.drafts, "metrics.draft_tokens": delta.draft_tokens,
+               "metrics.accepted": delta.accepted, "metrics.decodes": delta.decodes,
+               "metrics.predicted": delta.predicted,
+               **{f"metrics.accepted_per_pos.{i}": n for i, n in enumerate(per_pos)}}
+        cut = 1 if stop_reason == "eos" and steps + accepted >= emitted else 0
+        unverified = emitted + cut - steps - accepted
+        unfit = UnfitCounts(tuple(problems), raw, "steps from /metrics drafts; drafted and accepted from "
+                            f"timings; cut {cut} by the stop; unverified = emitted + cut - steps - accepted")
+        if sum(per_pos) != accepted or any(per_pos[k:]):
+            per_pos = None  # the per-position totals do not match what is kept
     return Counters(steps=steps, drafted=drafted, accepted=accepted, emitted=emitted,
-                    accepted_per_pos=_padded(per_pos, k), step_drafted=None, step_accepted=None,
-                    unverified=unverified, cut=cut)
+                    accepted_per_pos=_padded(per_pos, k) if per_pos is not None else None,
+                    step_drafted=None, step_accepted=None, unverified=unverified, cut=cut), unfit
 
 
 @dataclass(frozen=True)
@@ -232,13 +245,13 @@ class LlamaServerSession(NativeSession):
         self._check_greedy(server, response.get("generation_settings", {}))
         stop_reason = self._stop_reason(server, response.get("stop_type"), len(tokens), max_new_tokens)
         timings = response["timings"]
-        counters = None
+        counters, unfit = None, None
         if speculative:
-            counters = speculative_counters(len(tokens), stop_reason, timings, self._totals.minus(before),
-                                            self.rules.k)
+            counters, unfit = speculative_counters(len(tokens), stop_reason, timings, self._totals.minus(before),
+                                                   self.rules.k)
         # prompt_ms runs to the first token (target and drafter prompt passes); predicted_ms after it.
         return NativeGeneration(tokens, stop_reason, counters, timings["prompt_ms"] / 1000,
-                                timings["predicted_ms"] / 1000)
+                                timings["predicted_ms"] / 1000, unfit)
 
     @staticmethod
     def _check_greedy(server: ServerProcess, settings: dict) -> None:
@@ -312,6 +325,8 @@ class LlamaServerRuntime(Runtime):
             args += ["-ctk", "f32", "-ctv", "f32"]
         if options.gpu_split:
             args += ["-ts", ",".join(f"{share:g}" for share in options.gpu_split)]
+        if flags.swa_full:  # the in-process runtime's cache shape; the prompt is then one decode
+            args.append(flags.swa_full)
         if flags.no_ui:
             args.append(flags.no_ui)
         if flags.cache_ram:

@@ -305,6 +305,8 @@ class LlamaSpecCliRuntime(Runtime):
                    "-ngl", str(options.n_gpu_layers), "-ngld", str(options.n_gpu_layers), "-lv", "5"]
         if flags.spec_type:
             command += [flags.spec_type, "draft-simple"]
+        if flags.swa_full:  # the in-process runtime's cache shape (backends/llama_tools.py, Flags)
+            command.append(flags.swa_full)
         if flags.flash_attn_takes_value:
             command += ["-fa", "on" if options.flash_attn else "off"]
         elif options.flash_attn:

@@ -55,6 +55,11 @@ class Flags:
     no_ui: Optional[str]
     cache_ram: Optional[str]
     flash_attn_takes_value: bool
+    # --swa-full: a full-size cache for sliding-window layers, as llama_context_default_params()
+    # (swa_full = true) gives the in-process runtime. Without it the tools keep a window-sized
+    # cache, and llama-server then splits every prompt into up to three decodes to checkpoint it
+    # (tools/server/server-context.cpp, checkpoint_offsets {4 + n_ubatch, 4}).
+    swa_full: Optional[str] = None
 
     @classmethod
     def from_help(cls, text: str) -> "Flags":
@@ -70,6 +75,7 @@ class Flags:
             no_ui="--no-webui" if _has_flag(text, "--no-webui") else None,
             cache_ram="--cache-ram" if _has_flag(text, "--cache-ram") else None,
             flash_attn_takes_value=re.search(r"--flash-attn \[on\|off", text) is not None,
+            swa_full="--swa-full" if _has_flag(text, "--swa-full") else None,
         )
 
 

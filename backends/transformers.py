@@ -2,9 +2,12 @@
 HF's own assisted generation as the native mode (backends/transformers_native.py).
 
 Models load in float32 (so the KV cache is F32 too) from a transformers folder, or from a
-.gguf file through transformers' GGUF loader, which dequantizes to float. A session keeps one
-DynamicCache and evaluates tokens at explicit positions after it, so crossrt's loop sees the
-same contract as on llama.cpp.
+.gguf file through transformers' GGUF loader, which dequantizes to float. That takes ~30 s
+for a 270M-parameter model (the tokenizer alone ~half of it), so the dequantized model and its
+tokenizer are cached as a transformers folder, keyed by the GGUF's sha256 and the transformers
+version, in crossrt's cache folder ($CROSSRT_CACHE, else ~/.cache/crossrt): later loads take
+a few seconds. A session keeps one DynamicCache and evaluates tokens at explicit positions
+after it, so crossrt's loop sees the same contract as on llama.cpp.
 
 This module is crossrt.backends.transformers: `import transformers` below still means the
 installed package, because imports are absolute.
@@ -13,13 +16,19 @@ installed package, because imports are absolute.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
+import os
+import shutil
+import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from crossrt.pairs import cache_dir, sha256_of
 from crossrt.runtime import DraftRules, ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
 from crossrt.schema import RuntimeInfo
 
@@ -67,8 +76,10 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
+    cached = None
     if path.suffix == ".gguf":
-        source, extra = path.parent, {"gguf_file": path.name}
+        cached = dequantized_folder(path)
+        source, extra = (cached, {}) if cached.is_dir() else (path.parent, {"gguf_file": path.name})
     elif (path / "config.json").is_file():
         source, extra = path, {}
     else:
@@ -87,7 +98,10 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, local_files_only=True, **extra)
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **extra)
     except LOAD_ERRORS as error:
-        raise ValueError(f"transformers could not load {path}: {error}") from None
+        via = f" from its cached conversion {cached} (delete it to convert again)" if source == cached else ""
+        raise ValueError(f"transformers could not load {path}{via}: {error}") from None
+    if extra:
+        save_dequantized(model, tokenizer, cached)
     model.to(device_of(options)).eval()
     shipped = model.generation_config
     eog = _ids(shipped.eos_token_id) | _ids(model.config.get_text_config().eos_token_id)
@@ -95,6 +109,42 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
         bos_token_id=shipped.bos_token_id, eos_token_id=sorted(eog) or None,
         pad_token_id=shipped.pad_token_id if shipped.pad_token_id is not None else min(eog, default=None))
     return LoadedModel(model, tokenizer, frozenset(eog))
+
+
+def dequantized_folder(path: Path) -> Path:
+    """Where the GGUF file path, dequantized by this transformers version, is cached as a
+    transformers folder: keyed by the file's content, so a changed file is converted again."""
+    return cache_dir() / "hf-from-gguf" / f"transformers-{transformers.__version__}" / sha256_of(path)
+
+
+def save_dequantized(model, tokenizer, folder: Path) -> None:
+    """Cache a model and tokenizer loaded from a GGUF file as the transformers folder folder.
+
+    save_pretrained refuses models loaded from GGUF, so the weights go to safetensors directly
+    (save_model stores tied weights once) and the config loses its GGUF quantization_config,
+    which would send the next load back to the GGUF file. The folder is written under a
+    temporary name and renamed into place, so an interrupted write is never read as a cache.
+    A cache that cannot be written only costs converting again next time.
+    """
+    from safetensors.torch import save_model
+
+    temporary = None
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        temporary = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+        config = copy.deepcopy(model.config)
+        del config.quantization_config
+        config.save_pretrained(temporary)
+        model.generation_config.save_pretrained(temporary)
+        save_model(model, str(temporary / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(temporary)
+        os.rename(temporary, folder)
+    except OSError as error:
+        if not folder.is_dir():  # another process renaming its copy first is no failure
+            warnings.warn(f"could not cache the dequantized model in {folder}: {error}", stacklevel=2)
+    finally:
+        if temporary is not None and temporary.exists():
+            shutil.rmtree(temporary, ignore_errors=True)
 
 
 def synchronize(device: "torch.device") -> None:
@@ -163,7 +213,8 @@ class TransformersSession(ModelSession):
 
 class TransformersRuntime(Runtime):
     name = "transformers"
-    model_format = "hf"
+    # A transformers folder when the pair names one, else the GGUF file, dequantized on load.
+    model_format = ("hf", "gguf")
     modes = ("driven", "native")
 
     @classmethod

@@ -274,7 +274,8 @@ def check_record(claim: Claim, record: RunRecord, hardware: Optional[str]) -> tu
             continue
         measured = getattr(summary, expected.metric)
         if measured is None:
-            checks.append(Check(expected, NOT_RUN, why=f"the run gives no {expected.metric}"))
+            source = f"its source ({record.imported.format})" if record.imported else "the run"
+            checks.append(Check(expected, NOT_RUN, why=f"{source} gives no {expected.metric}"))
         elif expected.metric in HARDWARE_BOUND and not same_hardware(claim.hardware, hardware):
             here = hardware or "not declared (--hardware)"
             checks.append(Check(expected, NOT_COMPARABLE, measured,
@@ -294,6 +295,7 @@ class Outcome:
     skipped: tuple[str, ...] = ()
     error: Optional[str] = None
     record: Optional[Path] = None
+    measured: bool = False  # checked against a given record (reproduce --measured), not run
 
     @property
     def missed(self) -> bool:
@@ -337,7 +339,8 @@ def render(outcomes: list[Outcome]) -> str:
         if claim.note:
             lines.append(f"  note: {claim.note}")
         if outcome.record is not None:
-            lines.append(f"  ran on {claim.crossrt_runtime}, record: {outcome.record}")
+            how = "checked against the given record" if outcome.measured else f"ran on {claim.crossrt_runtime}"
+            lines.append(f"  {how}, record: {outcome.record}")
         for check in outcome.checks:
             expected = check.expectation
             if check.verdict == MISS:

@@ -11,14 +11,17 @@ import click
 from crossrt.cli_common import PROMPTS_HELP, USER_ERRORS, device_options, resolve_pair
 from crossrt.cli_analysis import analyze, simulate_command
 from crossrt.cli_compare import diff, parity
+from crossrt.cli_drafter import drafter
+from crossrt.cli_import import import_command
 from crossrt.cli_report import report
 from crossrt.cli_reproduce import reproduce
 from crossrt.driver import RunRequest, run_pair
+from crossrt.importer import import_summary
 from crossrt.loop import SCHEDULE, SCHEDULES
 from crossrt.prompts import load_prompts
 from crossrt.runtime import SPEC_TYPES, DraftRules, RuntimeOptions, availability, runtime_names
 from crossrt.schema import RecordError, load_record
-from crossrt.tables import format_table, summary_rows
+from crossrt.tables import format_table, record_notes, summary_rows
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="crossrt")
@@ -104,6 +107,8 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft
     except USER_ERRORS as error:
         raise click.ClickException(str(error)) from None
     click.echo(format_table(summary_rows([record])))
+    for line in record_notes([record]):
+        click.echo(line, err=True)
     failed = [r for r in record.results if not r.ok]
     for result in failed:
         click.echo(f"failed: {result.prompt_id}: {result.error}", err=True)
@@ -114,12 +119,18 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft
 @click.argument("records", nargs=-1, required=True, type=click.Path(path_type=Path))
 def show(records: Sequence[Path]) -> None:
     """Summary table of run records: per category and overall, tau (tokens per step, bonus
-    included), alpha (accepted/drafted), steps, lossless prompts, tokens/s and speedup."""
+    included), alpha (accepted/drafted), steps, lossless prompts, tokens/s and speedup.
+    Imported records (`crossrt import`) follow the table with what their source lacks."""
     try:
         loaded = [load_record(path) for path in records]
     except RecordError as error:
         raise click.ClickException(str(error)) from None
     click.echo(format_table(summary_rows(loaded)))
+    for path, record in zip(records, loaded):
+        if record.imported:
+            click.echo(f"{path}: {import_summary(record)}")
+    for line in record_notes(loaded):
+        click.echo(line)
 
 
 @main.command()
@@ -142,3 +153,5 @@ main.add_command(reproduce)
 main.add_command(analyze)
 main.add_command(simulate_command)
 main.add_command(report)
+main.add_command(drafter)
+main.add_command(import_command)

@@ -58,7 +58,7 @@ def render_record(path: Path, record: RunRecord, trace: dict, entropy_edges: Seq
     params = record.params
     traced = f"trace {record.trace} ({len(trace)} prompts)" if trace else "no trace (run with --trace)"
     blocks = [f"{path}: {record.pair.name} on {record.runtime.name}, {params.mode} {params.schedule}, "
-              f"k={params.k}, {params.max_new_tokens} new tokens; {traced}"]
+              f"k={params.k}, {params.max_new_tokens or 'unknown'} new tokens; {traced}"]  # unknown: imported
     fits = {fit.category: fit for fit in analysis.iid_fit(record)}
     rows = [["category", "prompts", "steps", "tau", "alpha", "P(acc|reached)", "iid tau a=alpha", "error",
              "iid tau a=P, own lengths", "error"]]

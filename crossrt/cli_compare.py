@@ -8,14 +8,17 @@ from typing import Sequence
 
 import click
 
-from crossrt.cli_common import PROMPTS_HELP, USER_ERRORS, CommaChoice, resolve_pair
-from crossrt.diff import diff_records, render_diff
+from crossrt.cli_common import PROMPTS_HELP, USER_ERRORS, CommaChoice, device_options, resolve_pair
+from crossrt.diagnosis import explain_record
+from crossrt.diff import diff_records, render_diff, render_record_splits
 from crossrt.parity import compare_against, compare_all, labelled
 from crossrt.parity_report import ParityReport, logit_checks, render_junit, render_markdown, render_text
 from crossrt.parity_run import Matrix, run_matrix, score_records
+from crossrt.rescore import open_scorer
 from crossrt.prompts import load_prompts
 from crossrt.runtime import DraftRules, RuntimeOptions, runtime_names
 from crossrt.schema import load_record
+from crossrt.tolerance import tolerance_for
 
 
 @click.command()
@@ -40,13 +43,19 @@ from crossrt.schema import load_record
               help="Saved record(s) to compare the new runs with (same runtime, mode and k); repeatable.")
 @click.option("--counter-tolerance", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Allowed relative difference of counters between runs with the same schedule.")
-@click.option("--logit-tolerance", type=click.FloatRange(min=0), default=1e-3, show_default=True,
-              help="Allowed max absolute logit difference along common outputs.")
+@click.option("--logit-tolerance", type=click.FloatRange(min=0),
+              help="Allowed max absolute logit difference along common outputs. Default: chosen by what is "
+              "compared (F32 weights and cache 1e-4; float weights with an F16 cache 1e-2; quantized weights: "
+              "KL divergence and same-top-1 bounds instead; docs/parity.md).")
+@click.option("--strict", is_flag=True, help="Fail on every divergence, also those explained as numerics "
+              "(a near-tie a verification batch or another runtime breaks the other way).")
 @click.option("--no-logits", is_flag=True, help="Skip re-scoring outputs to compare logits.")
 @click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), help="Write a JUnit XML report.")
 @click.option("--markdown", type=click.Path(path_type=Path, dir_okay=False), help="Write a markdown summary.")
+@device_options
 def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max_new_tokens, out_dir, f32_kv_cache,
-           flash_attn, baselines, counter_tolerance, logit_tolerance, no_logits, junit, markdown) -> None:
+           flash_attn, baselines, counter_tolerance, logit_tolerance, strict, no_logits, junit, markdown,
+           threads, n_ctx, n_gpu_layers, gpu_split) -> None:
     """Check that runs agree: same token ids over the full length, counters equal between runs
     with the same schedule, each run lossless, logits close along common outputs.
 
@@ -62,15 +71,22 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
         if records:
             runs = labelled([load_record(path) for path in records], [path.name for path in records])
         else:
-            options = RuntimeOptions(threads=1, f32_kv_cache=f32_kv_cache, flash_attn=flash_attn)
+            options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, gpu_split=gpu_split,
+                                     f32_kv_cache=f32_kv_cache, flash_attn=flash_attn)
             matrix = Matrix(resolve_pair(pair), runtimes, modes, options, DraftRules(k), max_new_tokens, out_dir)
             records_run, not_run, skipped = run_matrix(matrix, load_prompts(prompt_source),
                                                        on_run=lambda label: click.echo(f"running {label}", err=True))
             runs = labelled(records_run, [""] * len(records_run))
-        comparisons = compare_all(runs, counter_tolerance)
+        comparisons = compare_all(runs, counter_tolerance, logit_tolerance, strict)
         if baselines:
             comparisons += compare_against(runs, [load_record(path) for path in baselines], counter_tolerance)
-        checks = () if no_logits else logit_checks(comparisons, score_records(runs), logit_tolerance)
+        by_label = dict(runs)
+
+        def tolerance(label_a: str, label_b: str):
+            return tolerance_for(by_label[label_a], by_label[label_b], logit_tolerance)
+
+        scored = [run for run in runs if not run[1].imported]  # imported: no outputs to re-score
+        checks = () if no_logits else logit_checks(comparisons, score_records(scored), tolerance)
     except USER_ERRORS as error:
         raise click.ClickException(str(error)) from None
     report = ParityReport(tuple(comparisons), checks, tuple(not_run))
@@ -87,19 +103,36 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
 
 
 @click.command()
-@click.argument("record_a", type=click.Path(path_type=Path, dir_okay=False))
-@click.argument("record_b", type=click.Path(path_type=Path, dir_okay=False))
-def diff(record_a: Path, record_b: Path) -> None:
-    """Where two runs of the same pair part, and why.
+@click.argument("records", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
+def diff(records: tuple[Path, ...]) -> None:
+    """Where runs part, and why: one record's lossless failures, or two runs of the same pair.
 
-    For each prompt whose outputs differ: the first diverging token, the text before it, both
-    runtimes' top-5 tokens with probabilities (each target re-scores the common prefix on its
-    own runtime), and a verdict: near-tie (numerics) or disagreement (a real difference). The
-    threshold scales with the noise measured between the two runtimes on common tokens.
+    \b
+    crossrt diff RUN.json          each prompt whose speculative output left the run's own
+                                   greedy baseline: the position, both tokens decoded with the
+                                   margin and pass shape the run saw, and the cause
+    crossrt diff A.json B.json     per prompt: tokenization first, then each run against its
+                                   own baseline, then where the two baselines part
+
+    Verdicts name the cause: tokenization or template, batch-shape numerics inside a runtime
+    (a verification batch and a one-token decode swap a near-tie), near-tie (cross-runtime
+    numerics, against the noise measured between the two runtimes on common tokens), or
+    disagreement (a real difference: weights, conventions).
     """
+    if len(records) > 2:
+        raise click.UsageError("give one record (its lossless failures) or two (where they part)")
     try:
-        (label_a, a), (label_b, b) = labelled([load_record(record_a), load_record(record_b)],
-                                              [record_a.name, record_b.name])
+        runs = labelled([load_record(path) for path in records], [path.name for path in records])
+        imported = [label for label, record in runs if record.imported]
+        if imported:
+            raise ValueError(f"{', '.join(imported)}: imported from another runtime's statistics, no token ids: "
+                             "nothing to diff")
+        if len(runs) == 1:
+            (label, record), = runs
+            splits = explain_record(label, record.results, open_scorer(record).detokenize)
+            click.echo(render_record_splits(label, splits, sum(r.ok for r in record.results)))
+            return
+        (label_a, a), (label_b, b) = runs
         if a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
             raise ValueError("the two runs used different vocabularies: their token ids cannot be compared")
         report = diff_records(label_a, a, label_b, b)

@@ -20,6 +20,7 @@ from crossrt.loop import SCHEDULE
 from crossrt.pairs import ROLES, Pair, PairError
 from crossrt.prompts import Prompt, PromptError, load_prompts, relabel, source_relative_to
 from crossrt.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, availability, runtime_class
+from crossrt.schema import load_record
 
 @dataclass(frozen=True)
 class Settings:
@@ -134,6 +135,13 @@ def reproduce_claim(claim: Claim, settings: Settings) -> Outcome:
     return Outcome(claim, check_record(claim, record, settings.hardware), record=request.out)
 
 
+def _measured(item: str) -> tuple[str, Path]:
+    claim_id, separator, path = item.partition("=")
+    if not separator or not claim_id or not path:
+        raise ClaimError(f"--measured {item!r}: give CLAIM=RECORD, e.g. community-vllm=runs/imported/vllm.log.json")
+    return claim_id, Path(path)
+
+
 @click.command()
 @click.argument("claims_files", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--claim", "only", multiple=True, help="Only the claim with this id; repeatable.")
@@ -151,9 +159,12 @@ def reproduce_claim(claim: Claim, settings: Settings) -> Outcome:
               "otherwise they are shown as not comparable here, not failed.")
 @click.option("--strict", is_flag=True, help="Also fail when a claim, category or number could not be checked here.")
 @click.option("--resume", is_flag=True, help="Continue the records in --out-dir instead of replacing them.")
+@click.option("--measured", multiple=True, metavar="CLAIM=RECORD",
+              help="Check the claim with this id against RECORD instead of running it: a record of the claimed "
+              "runtime imported from its own statistics (crossrt import), say; repeatable.")
 @device_options
 def reproduce(claims_files: Sequence[Path], only, prompt_source, max_new_tokens, out_dir, hardware, strict, resume,
-              threads, n_ctx, n_gpu_layers, gpu_split) -> None:
+              measured, threads, n_ctx, n_gpu_layers, gpu_split) -> None:
     """Check published speculative decoding numbers: run every claim this machine can (claims
     format: docs/claims.md) and print claimed against measured, with tolerances.
 
@@ -172,12 +183,15 @@ def reproduce(claims_files: Sequence[Path], only, prompt_source, max_new_tokens,
         repeated = sorted({i for i in ids if ids.count(i) > 1})
         if repeated:
             raise ClaimError(f"claim id(s) {', '.join(repeated)} appear in more than one claims file")
-        unknown = [name for name in only if name not in ids]
+        given = dict(_measured(item) for item in measured)
+        unknown = [name for name in (*only, *given) if name not in ids]
         if unknown:
             raise ClaimError(f"no claim {', '.join(map(repr, unknown))} (claims: {', '.join(ids)})")
         options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, gpu_split=gpu_split)
         settings = Settings(options, max_new_tokens, prompt_source, out_dir, hardware, resume)
-        outcomes = [reproduce_claim(claim, settings) for claim in claims if not only or claim.id in only]
+        outcomes = [Outcome(claim, check_record(claim, load_record(given[claim.id]), hardware),
+                            record=given[claim.id], measured=True) if claim.id in given
+                    else reproduce_claim(claim, settings) for claim in claims if not only or claim.id in only]
     except USER_ERRORS as error:
         raise click.ClickException(str(error)) from None
     click.echo(render(outcomes))

@@ -1,14 +1,17 @@
 """Where and why two runs part: `crossrt diff a.json b.json`.
 
-At the first diverging output token of each prompt, both targets re-score the common prefix
-on their own runtime; the report shows each runtime's top-5 tokens with probabilities, the
-decoded text around the divergence, and a verdict:
-- near-tie (numerics): the two runtimes swapped two candidates whose logit gap is within
-  what the runtimes' disagreement on the common prefix can shift it;
-- disagreement: the gap is beyond that noise, a real difference (weights, conventions,
-  tokenization) worth investigating.
-The noise is measured, not assumed: for every common row (agreeing prompts and the prefixes
-before divergences), how far the gap between that row's top-2 tokens moves from one runtime to
+Per prompt, in order (crossrt/diagnosis.py names each kind):
+- prompt ids that differ: a tokenization or template split, before any generation;
+- each run against its own greedy baseline: a speculative output that leaves it is explained
+  with the margins the run recorded (batch-shape numerics inside that runtime); when the two
+  baselines agree, that is the whole story;
+- otherwise the first token where the two runs' baselines (or, without baselines, outputs)
+  part: each run's token as its own pass saw it, both targets' re-scored top-5 at the common
+  prefix, and a verdict: near-tie (cross-runtime numerics), when the two runtimes swapped two
+  candidates whose logit gap is within what their disagreement on the common prefix can shift
+  it, or disagreement, beyond that noise (weights, conventions) and worth investigating.
+The noise is measured, not assumed: for every common row (prompt positions, agreeing prompts
+and the prefixes before divergences), how far the gap between that row's top-2 tokens moves from one runtime to
 the other; the 90th percentile of those shifts is the noise (the max would let one outlier
 excuse everything). F32 runtimes shift gaps by ~1e-5, quantized ones by tenths of a logit.
 When the noise is a sizeable share of the typical top-2 margin itself, the two runs do not
@@ -19,11 +22,12 @@ then a disagreement, however its own flip compares.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
-from crossrt.parity import first_divergence
+from crossrt.diagnosis import (CROSS_NUMERICS, DISAGREEMENT, Side, Split, first_divergence, flip as recorded_flip,
+                               lossless_split, side, tokenization_split)
 from crossrt.rescore import open_scorer, score
 from crossrt.schema import PromptResult, RunRecord
 
@@ -55,11 +59,15 @@ class RuntimeView:
 @dataclass(frozen=True)
 class Divergence:
     prompt_id: str
-    index: int  # position in the outputs where the runs part
+    index: int  # position in the compared sequences where the runs part
     context: str  # decoded text of the last common tokens
-    views: tuple[RuntimeView, ...]  # empty when one run simply stopped earlier
+    views: tuple[RuntimeView, ...]  # re-scored candidates; empty when not re-scored
     flip: Optional[float]  # A's gap for its token over B's, plus B's gap for its over A's
     note: str = ""
+    compared: str = "outputs"  # "outputs", or "baselines" when the runs' own greedy outputs part
+    sides: tuple[Side, ...] = ()  # each run's token as its own pass saw it (driven runs)
+    within: tuple[Split, ...] = ()  # a run's speculative output leaving its own baseline
+    tokenization: Optional[Split] = None  # prompt ids that differ before generation
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -100,34 +108,69 @@ class DiffReport:
         return self.noise is not None and self.noise > BROAD_DISAGREEMENT * self.median_margin
 
     def verdict(self, divergence: Divergence) -> str:
+        if divergence.tokenization is not None:
+            return f"{divergence.tokenization.kind}: {divergence.tokenization.detail}"
+        if divergence.within and divergence.compared == "outputs":
+            split = divergence.within[0]
+            return (f"{split.kind} inside {split.sides[0].label.rsplit(' ', 1)[0]}: its speculative output left its "
+                    f"own greedy baseline at token {split.index}, and the two runtimes' baselines agree; {split.detail}")
         if divergence.flip is None:
             return "stop: one run ends here"
         if self.noise is None:
             return "unknown: no common prefix to measure the runtimes' noise on"
         if self.broadly_different:
-            return (f"disagreement: the runs do not compute the same function (gap shifts of {self.noise:.3g} "
+            return (f"{DISAGREEMENT}: the runs do not compute the same function (gap shifts of {self.noise:.3g} "
                     f"on common tokens against a typical margin of {self.median_margin:.3g})")
         threshold = NEAR_TIE_FACTOR * max(self.noise, GAP_NOISE_FLOOR)
         if divergence.flip <= threshold:
-            return f"near-tie (numerics): flip {divergence.flip:.3g} <= {threshold:.3g}"
-        return f"disagreement (a real difference to investigate): flip {divergence.flip:.3g} > {threshold:.3g}"
+            return f"near-tie ({CROSS_NUMERICS}): flip {divergence.flip:.3g} <= {threshold:.3g}"
+        return f"{DISAGREEMENT} (a real difference to investigate): flip {divergence.flip:.3g} > {threshold:.3g}"
 
 
-def _divergence(label_a, label_b, result_a: PromptResult, result_b: PromptResult, index: int, scorers):
-    """The divergence at index, and the gap shifts measured on its common prefix."""
-    common = list(result_a.output_ids[:index])
+def _score_with_prompt(scorer, prompt_ids: Sequence[int], ids: Sequence[int]) -> np.ndarray:
+    """Rows predicting prompt_ids[1:] and then ids: the prompt's own rows are common to both runs
+    too, so the noise is measured even where the runs part at their first token."""
+    return score(scorer, prompt_ids[:1], list(prompt_ids[1:]) + list(ids))
+
+
+def _sequences(result_a: PromptResult, result_b: PromptResult) -> tuple[str, Sequence[int], Sequence[int]]:
+    """Which sequences explain the runs' split: their baselines when each run's own greedy
+    output is there to compare and those part, else the speculative outputs."""
+    if result_a.baseline_ids and result_b.baseline_ids and \
+            first_divergence(result_a.baseline_ids, result_b.baseline_ids) is not None:
+        return "baselines", result_a.baseline_ids, result_b.baseline_ids
+    return "outputs", result_a.output_ids, result_b.output_ids
+
+
+def _divergence(label_a, label_b, result_a: PromptResult, result_b: PromptResult, scorers):
+    """The divergence of two runs of one prompt, and the gap shifts measured on its common prefix."""
     scorer_a, scorer_b = scorers
+    within = tuple(split for label, result, scorer in ((label_a, result_a, scorer_a), (label_b, result_b, scorer_b))
+                   for split in [lossless_split(label, result, scorer.detokenize)] if split is not None)
+    compared, ids_a, ids_b = _sequences(result_a, result_b)
+    index = first_divergence(ids_a, ids_b)
+    common = list(ids_a[:index])
     context = scorer_a.detokenize(common[-12:])
-    if index >= min(len(result_a.output_ids), len(result_b.output_ids)):
+    if compared == "outputs" and within:
+        return Divergence(result_a.prompt_id, index, context, (), None, compared=compared, within=within), None
+    if index >= min(len(ids_a), len(ids_b)):
         note = f"stop reasons: {result_a.stop_reason} vs {result_b.stop_reason}"
-        return Divergence(result_a.prompt_id, index, context, (), None, note), (np.zeros(0), np.zeros(0))
-    token_a, token_b = result_a.output_ids[index], result_b.output_ids[index]
-    rows_a = score(scorer_a, result_a.prompt_ids, common + [token_a])
-    rows_b = score(scorer_b, result_b.prompt_ids, common + [token_b])
-    row_a, row_b = rows_a[index], rows_b[index]
-    flip = float((row_a[token_a] - row_a[token_b]) + (row_b[token_b] - row_b[token_a]))
+        return Divergence(result_a.prompt_id, index, context, (), None, note, compared, within=within), None
+    views_of = {"baselines": (result_a.baseline_view, result_b.baseline_view),
+                "outputs": (result_a.output_view, result_b.output_view)}[compared]
+    sides = (side(label_a, ids_a, views_of[0], index, scorer_a.detokenize),
+             side(label_b, ids_b, views_of[1], index, scorer_b.detokenize))
+    token_a, token_b = ids_a[index], ids_b[index]
+    rows_a = _score_with_prompt(scorer_a, result_a.prompt_ids, common + [token_a])
+    rows_b = _score_with_prompt(scorer_b, result_b.prompt_ids, common + [token_b])
+    row_a, row_b = rows_a[-1], rows_b[-1]
+    rescored_flip = float((row_a[token_a] - row_a[token_b]) + (row_b[token_b] - row_b[token_a]))
+    # The runs' own passes decide; a re-score (one prompt-sized pass) stands in where they recorded none.
+    flip = recorded_flip(*sides)
     views = (_view(label_a, row_a, token_a, scorer_a.detokenize), _view(label_b, row_b, token_b, scorer_b.detokenize))
-    return Divergence(result_a.prompt_id, index, context, views, flip), gap_shifts(rows_a[:index], rows_b[:index])
+    return (Divergence(result_a.prompt_id, index, context, views, rescored_flip if flip is None else flip,
+                       compared=compared, sides=sides, within=within),
+            gap_shifts(rows_a[:-1], rows_b[:-1]))
 
 
 def diff_records(label_a: str, a: RunRecord, label_b: str, b: RunRecord) -> DiffReport:
@@ -137,17 +180,23 @@ def diff_records(label_a: str, a: RunRecord, label_b: str, b: RunRecord) -> Diff
     scorers = (open_scorer(a), open_scorer(b))
     divergences, agreeing, measured = [], [], []
     for result_a, result_b in both:
-        index = first_divergence(result_a.output_ids, result_b.output_ids)
-        if index is None:
+        tokenization = tokenization_split(result_a.prompt_id, (label_a, label_b),
+                                          (result_a.prompt_ids, result_b.prompt_ids), scorers[0].detokenize)
+        if tokenization is not None:
+            divergences.append(Divergence(result_a.prompt_id, tokenization.index, "", (), None,
+                                          tokenization=tokenization))
+            continue
+        if first_divergence(result_a.output_ids, result_b.output_ids) is None:
             agreeing.append(result_a.prompt_id)
             # Agreeing prompts measure the noise too: score both outputs in full.
-            rows_a = score(scorers[0], result_a.prompt_ids, result_a.output_ids)
-            rows_b = score(scorers[1], result_b.prompt_ids, result_b.output_ids)
+            rows_a = _score_with_prompt(scorers[0], result_a.prompt_ids, result_a.output_ids)
+            rows_b = _score_with_prompt(scorers[1], result_b.prompt_ids, result_b.output_ids)
             measured.append(gap_shifts(rows_a, rows_b))
             continue
-        divergence, prefix = _divergence(label_a, label_b, result_a, result_b, index, scorers)
+        divergence, prefix = _divergence(label_a, label_b, result_a, result_b, scorers)
         divergences.append(divergence)
-        measured.append(prefix)
+        if prefix is not None:
+            measured.append(prefix)
     margins = np.concatenate([m for m, _ in measured]) if measured else np.zeros(0)
     shifts = np.concatenate([s for _, s in measured]) if measured else np.zeros(0)
     if not len(shifts):
@@ -163,12 +212,28 @@ def render_diff(report: DiffReport) -> str:
                           f"{report.max_shift:.3g}) between the runs on common tokens; median top-2 margin "
                           f"{report.median_margin:.3g}" if report.noise is not None else "not measured (no common tokens)")]
     for divergence in report.divergences:
-        lines += ["", f"{divergence.prompt_id}: part at output token {divergence.index}",
-                  f"  text before: {divergence.context!r}"]
+        where = "prompt position" if divergence.tokenization else \
+            {"outputs": "output token", "baselines": "baseline token"}[divergence.compared]
+        lines += ["", f"{divergence.prompt_id}: part at {where} {divergence.index}"]
+        if divergence.context:
+            lines.append(f"  text before: {divergence.context!r}")
+        for split in divergence.within:
+            lines += [f"  {s.describe()}" for s in split.sides]
+        for recorded in divergence.sides:
+            lines.append(f"  {recorded.describe()}")
         for view in divergence.views:
             candidates = ", ".join(f"{c.text!r} {c.probability:.3f} ({c.logit:.3f})" for c in view.top)
-            lines.append(f"  {view.label} chose {view.chosen}; top-2 margin {view.margin:.3g}; top-5: {candidates}")
+            lines.append(f"  re-scored in one pass on {view.label}: top-2 margin {view.margin:.3g}; top-5: {candidates}")
         if divergence.note:
             lines.append(f"  {divergence.note}")
         lines.append(f"  verdict: {report.verdict(divergence)}")
+    return "\n".join(lines)
+
+
+def render_record_splits(label: str, splits: Sequence[Split], finished: int) -> str:
+    """`crossrt diff RUN.json`: one record's lossless failures and tokenization splits."""
+    lines = [f"{label}: {finished - len(splits)} of {finished} finished prompts lossless with their own "
+             f"tokenization, {len(splits)} split"]
+    for split in splits:
+        lines += [""] + split.render()
     return "\n".join(lines)

@@ -1,7 +1,7 @@
-"""Runs a pair over prompts on one runtime: baseline, speculative run, a record written
-after every prompt (so an interrupted run keeps what finished), and resume. With
-RunRequest.trace, driven runs also keep per-token traces beside the record (crossrt/trace.py),
-written with it after every prompt.
+"""Runs a pair over prompts on one runtime: baseline, speculative run, every finished prompt
+kept on disk at once (crossrt/run_writer.py: so an interrupted run keeps what finished), and
+resume. With RunRequest.trace, driven runs also keep per-token traces beside the record
+(crossrt/trace.py), kept with it after every prompt.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ from typing import Callable, Mapping, Optional, Sequence
 from crossrt import loop
 from crossrt.pairs import ROLES, Pair, pair_info
 from crossrt.prompts import Prompt
+from crossrt.schedules import SERVER
 from crossrt.runtime import (DraftRules, ModelSession, NativeSession, Runtime, RuntimeOptions,
                              RuntimeUnavailable, open_runtime)
+from crossrt.run_writer import RunWriter
 from crossrt.schema import (Counters, PromptResult, RecordError, RunParams, RunRecord, Timings,
-                            accepted_per_position, load_record, save_record)
-from crossrt.trace import PromptTrace, TraceRecorder, read_traces, save_traces, trace_path
+                            accepted_per_position, load_record)
+from crossrt.trace import PromptTrace, TraceRecorder, read_traces, trace_path
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ def run_prompt(target: ModelSession, drafter: ModelSession, prompt: Prompt, rule
     prompt_ids: tuple[int, ...] = ()
     try:
         prompt_ids, own_ids = _prompt_ids(target.tokenize, prompt, shared_ids)
-        baseline = loop.greedy_generate(target, prompt_ids, max_new_tokens)
+        baseline = loop.greedy_generate(target, prompt_ids, max_new_tokens, whole_prompt=schedule == SERVER)
         speculative = loop.speculative_generate(target, drafter, prompt_ids, rules, max_new_tokens, schedule, trace)
     except (ValueError, RuntimeError) as error:
         return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
@@ -78,10 +80,11 @@ def run_prompt(target: ModelSession, drafter: ModelSession, prompt: Prompt, rule
     )
     timings = Timings(speculative.prefill_s, speculative.decode_s, baseline.prefill_s, baseline.decode_s)
     return PromptResult(prompt.id, prompt.category, "ok", None, prompt_ids, speculative.output_ids,
-                        baseline.output_ids, speculative.stop_reason, counters, timings, own_ids)
+                        baseline.output_ids, speculative.stop_reason, counters, timings, own_ids,
+                        output_view=speculative.view, baseline_view=baseline.view)
 
 
-def run_prompt_native(session: NativeSession, prompt: Prompt, max_new_tokens: int,
+def run_prompt_native(session: NativeSession, prompt: Prompt, max_new_tokens: int, k: int,
                       shared_ids: Optional[Sequence[int]] = None) -> PromptResult:
     """The runtime's own plain and speculative generation of one prompt. A prompt that cannot
     run becomes a failed result; a runtime that breaks (RuntimeFailure) ends the run."""
@@ -92,9 +95,15 @@ def run_prompt_native(session: NativeSession, prompt: Prompt, max_new_tokens: in
         speculative = session.generate(prompt_ids, max_new_tokens, speculative=True)
     except ValueError as error:
         return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
+    problems = speculative.counters.identity_violations(k)
+    if problems:  # kept as a failed prompt with the runtime's own numbers; the run goes on
+        raw = speculative.unfit_counts.raw if speculative.unfit_counts else {}
+        return PromptResult.failed(prompt.id, prompt.category, "the runtime's counts break crossrt's identities: "
+                                   + "; ".join(problems) + (f" (raw: {raw})" if raw else ""), prompt_ids)
     timings = Timings(speculative.prefill_s, speculative.decode_s, baseline.prefill_s, baseline.decode_s)
     return PromptResult(prompt.id, prompt.category, "ok", None, prompt_ids, speculative.output_ids,
-                        baseline.output_ids, speculative.stop_reason, speculative.counters, timings, own_ids)
+                        baseline.output_ids, speculative.stop_reason, speculative.counters, timings, own_ids,
+                        unfit_counts=speculative.unfit_counts)
 
 
 def _starting_record(request: RunRequest, fresh: RunRecord) -> RunRecord:
@@ -104,6 +113,8 @@ def _starting_record(request: RunRequest, fresh: RunRecord) -> RunRecord:
     if not request.resume:
         raise RecordError(f"{request.out} exists: pass --resume to continue it or --overwrite to replace it")
     previous = load_record(request.out)
+    if previous.imported:
+        raise RecordError(f"cannot resume {request.out}: it was imported (crossrt import), not run")
     for name, before, now in (("runtime", previous.runtime, fresh.runtime),
                               ("parameters", previous.params, fresh.params),
                               ("target", previous.pair.target.sha256, fresh.pair.target.sha256),
@@ -142,7 +153,8 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
         work_dir = request.out.with_name(request.out.stem + ".logs")
         session = runtime.open_native(paths["target"], paths["drafter"], request.rules, work_dir)
         stack.callback(session.close)
-        return (lambda prompt, _: run_prompt_native(session, prompt, request.max_new_tokens, shared(prompt))), session
+        return (lambda prompt, _: run_prompt_native(session, prompt, request.max_new_tokens, request.rules.k,
+                                                   shared(prompt))), session
     request.rules.require_drafter_model("crossrt's driven loop")
     target, drafter = runtime.load(paths["target"]), runtime.load(paths["drafter"])
     return (lambda prompt, trace: run_prompt(target, drafter, prompt, request.rules, request.max_new_tokens,
@@ -154,10 +166,10 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
     """Run every prompt not already finished in the record at request.out.
 
     on_prompt(prompt, result) is called once per prompt, with None for a prompt skipped
-    because the resumed record already holds it. The record is saved after every prompt,
-    so what finished survives an error or Ctrl-C in the middle of the run; with request.trace,
-    the trace file is saved just before it (a resumed run without request.trace keeps the
-    traces it has and traces no new prompt).
+    because the resumed record already holds it. Every finished prompt is kept on disk at
+    once (appended to the record's journal), so what finished survives an error, Ctrl-C or a
+    kill in the middle of the run; with request.trace, its trace is kept just before it (a
+    resumed run without request.trace keeps the traces it has and traces no new prompt).
     """
     runtime = open_runtime(request.runtime, request.options)
     info = pair_info(request.pair, runtime.model_format)
@@ -172,19 +184,18 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
         traces = _starting_traces(request, record)
         if request.trace:
             record = dataclasses.replace(record, trace=trace_path(request.out).name)
-            save_traces(traces, trace_path(request.out))
         done = {r.prompt_id for r in record.results}
-        save_record(record, request.out)
-        for prompt in prompts:
-            result = None
-            if prompt.id not in done:
-                recorder = TraceRecorder() if request.trace else None
-                result = run_one(prompt, recorder)
-                if recorder is not None and result.ok:
-                    traces[prompt.id] = recorder.finish()
-                    save_traces(traces, trace_path(request.out))
-                record = record.with_result(result)
-                save_record(record, request.out)
-            if on_prompt is not None:
-                on_prompt(prompt, result)
+        resumed = request.out.exists() and not request.overwrite  # _starting_record refused anything else
+        writer = RunWriter(record, request.out, traces if request.trace else None, continues=resumed)
+        try:
+            for prompt in prompts:
+                result = None
+                if prompt.id not in done:
+                    recorder = TraceRecorder() if request.trace else None
+                    result = run_one(prompt, recorder)
+                    writer.add(result, recorder.finish() if recorder is not None and result.ok else None)
+                if on_prompt is not None:
+                    on_prompt(prompt, result)
+        finally:  # fold the journals in, after an error or Ctrl-C too: the record is whole on disk
+            record = writer.close()
     return record

@@ -16,7 +16,8 @@ Pure logic over the ModelSession contract, identical whatever the runtime. The s
 Given a TraceRecorder, the crossrt and hf-assisted schedules also record the run's per-token
 trace from the rows they compute anyway (crossrt/trace.py).
 The baseline prefills the same prompt[:-1] and decodes one token at a time, so both runs do
-the same prefill and their decode timings compare like for like.
+the same prefill and their decode timings compare like for like; under the "llama-server"
+schedule it takes its first token from a pass over the whole prompt, as llama-server does.
 
 The other schedules mirror llama.cpp's own tools ("llama-spec-simple", "llama-server"), with
 its drafting rules (n_min, p_min): crossrt/schedules.py.
@@ -28,7 +29,7 @@ import time
 from typing import Optional, Sequence
 
 from crossrt.runtime import DraftRules, ModelSession, Rows
-from crossrt.schedules import LLAMA_SCHEDULES, Generation, check_prompt
+from crossrt.schedules import LLAMA_SCHEDULES, Generation, ViewRecorder, check_prompt, top_two
 from crossrt.trace import TraceRecorder
 
 SCHEDULE = "crossrt"
@@ -39,23 +40,34 @@ SCHEDULES = (SCHEDULE, HF_SCHEDULE, *LLAMA_SCHEDULES)
 TRACED_SCHEDULES = (SCHEDULE, HF_SCHEDULE)  # the schedules that can record a trace (crossrt/trace.py)
 
 
-def greedy_generate(target: ModelSession, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
-    """Plain greedy decoding, one token per target pass: the reference output."""
+def greedy_generate(target: ModelSession, prompt_ids: Sequence[int], max_new_tokens: int,
+                    whole_prompt: bool = False) -> Generation:
+    """Plain greedy decoding, one token per target pass: the reference output. whole_prompt:
+    the first token comes from a pass over the whole prompt, as llama-server decodes (its
+    "llama-server" schedule's baseline), instead of prompt[:-1] then a one-token decode."""
     check_prompt(prompt_ids, max_new_tokens, [target])
     start = time.perf_counter()
     target.truncate(0)
-    target.eval(prompt_ids[:-1], Rows.NONE)
-    prefilled = time.perf_counter()
+    views = ViewRecorder()
     output: list[int] = []
-    last = prompt_ids[-1]
-    stop_reason = "max_new_tokens"
-    while len(output) < max_new_tokens:
-        last = int(target.eval((last,), Rows.LAST)[0].argmax())
+    if whole_prompt:
+        choice, second, margin = top_two(target.eval(prompt_ids, Rows.LAST))
+        views.add(second, margin, 1, len(prompt_ids))
+        output.append(int(choice[0]))
+    else:
+        target.eval(prompt_ids[:-1], Rows.NONE)
+    prefilled = time.perf_counter()
+    last = output[-1] if output else prompt_ids[-1]
+    stop_reason = "eos" if output and last in target.eog_ids else "max_new_tokens"
+    while len(output) < max_new_tokens and stop_reason != "eos":
+        choice, second, margin = top_two(target.eval((last,), Rows.LAST))
+        views.add(second, margin, 1, 1)
+        last = int(choice[0])
         output.append(last)
         if last in target.eog_ids:
             stop_reason = "eos"
-            break
-    return Generation(tuple(output), stop_reason, prefilled - start, time.perf_counter() - prefilled)
+    return Generation(tuple(output), stop_reason, prefilled - start, time.perf_counter() - prefilled,
+                      view=views.view(len(output)))
 
 
 def speculative_generate(target: ModelSession, drafter: ModelSession, prompt_ids: Sequence[int],
@@ -85,6 +97,7 @@ def speculative_generate(target: ModelSession, drafter: ModelSession, prompt_ids
     prefilled = time.perf_counter()
 
     eog = target.eog_ids
+    views = ViewRecorder()
     step_drafted: list[int] = []
     step_accepted: list[int] = []
     n_emitted = 0
@@ -106,12 +119,13 @@ def speculative_generate(target: ModelSession, drafter: ModelSession, prompt_ids
             n_draft = len(draft)
 
         rows = target.eval([context[-1]] + draft, Rows.ALL)
-        choices = rows.argmax(axis=1)
+        choices, second, margins = top_two(rows)
         n_accepted = 0
         while n_accepted < n_draft and draft[n_accepted] == choices[n_accepted] \
                 and draft[n_accepted] not in eog:
             n_accepted += 1
         kept = draft[:n_accepted] + [int(choices[n_accepted])]
+        views.add(second, margins, len(kept), n_draft + 1)
         if trace is not None:
             trace.verified(rows[:n_accepted + 1], n_draft, n_accepted)
 
@@ -134,4 +148,5 @@ def speculative_generate(target: ModelSession, drafter: ModelSession, prompt_ids
         decode_s=time.perf_counter() - prefilled,
         step_drafted=tuple(step_drafted),
         step_accepted=tuple(step_accepted),
+        view=views.view(n_emitted),
     )

@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from crossrt.diagnosis import (BATCH_SHAPE, Twins, explained_split, first_divergence, flip, lossless_split, no_text,
+                               side, twins_of)
 from crossrt.schema import PromptResult, RunRecord
+from crossrt.tolerance import tolerance_for
 
 OWN_BASELINE = "its baseline"  # run_b of a run's lossless check against its own greedy baseline
 COMPARED_COUNTERS = ("steps", "drafted", "accepted", "emitted", "unverified", "cut")
@@ -27,15 +30,6 @@ def labelled(records: Sequence[RunRecord], sources: Sequence[str]) -> list[tuple
     names = [run_label(record) for record in records]
     return [(name if names.count(name) == 1 else f"{name} ({source})", record)
             for name, record, source in zip(names, records, sources, strict=True)]
-
-
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
-    """Index of the first position where a and b differ, the shorter length when one is a
-    strict prefix of the other, None when they are equal."""
-    for index in range(min(len(a), len(b))):
-        if a[index] != b[index]:
-            return index
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 @dataclass(frozen=True)
@@ -56,6 +50,8 @@ class PromptParity:
     divergence: Optional[int]  # index in output_ids where the runs part, None if equal
     counter_gaps: tuple[CounterGap, ...]
     counters_compared: bool
+    # Divergences explained as numerics (a near-tie swap), which do not fail parity unless strict.
+    explained: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -76,8 +72,32 @@ def _same_counting(a: RunRecord, b: RunRecord) -> bool:
     return all(getattr(a.params, key) == getattr(b.params, key) for key in keys)
 
 
+def explain_divergence(result_a: PromptResult, result_b: PromptResult, labels: tuple[str, str],
+                       near_tie_flip: float) -> Optional[str]:
+    """Why two runs' outputs part, when the runs' own pass views show it is numerics: each run
+    either lossless or off its own baseline at a batch-shape near-tie, and their baselines equal
+    or parting at a near-tie whose recorded flip is within near_tie_flip. None otherwise."""
+    splits = [(label, lossless_split(label, result, no_text)) for label, result in zip(labels, (result_a, result_b))]
+    if any(split is not None and split.kind != BATCH_SHAPE for _, split in splits):
+        return None
+    inside = [f"{label} left its own baseline at token {split.index} (batch-shape near-tie)"
+              for label, split in splits if split is not None]
+    at = first_divergence(result_a.baseline_ids, result_b.baseline_ids)
+    if at is None:
+        return "; ".join(inside) + "; the baselines agree"
+    if at >= min(len(result_a.baseline_ids), len(result_b.baseline_ids)):
+        return None
+    sides = [side(label, result.baseline_ids, result.baseline_view, at, no_text)
+             for label, result in zip(labels, (result_a, result_b))]
+    shift = flip(*sides)
+    if shift is None or shift > near_tie_flip:
+        return None
+    return "; ".join(inside + [f"baselines part at token {at} at a near-tie (flip {shift:.3g} <= {near_tie_flip:g})"])
+
+
 def compare_prompt(a: RunRecord, b: RunRecord, result_a: PromptResult, result_b: PromptResult,
-                   counter_tolerance: float, labels: tuple[str, str]) -> PromptParity:
+                   counter_tolerance: float, labels: tuple[str, str], near_tie_flip: float = 0.0,
+                   strict: bool = False) -> PromptParity:
     problems = [f"{label} failed: {result.error}"
                 for label, result in zip(labels, (result_a, result_b), strict=True) if not result.ok]
     if problems:
@@ -86,19 +106,31 @@ def compare_prompt(a: RunRecord, b: RunRecord, result_a: PromptResult, result_b:
         at = first_divergence(result_a.prompt_ids, result_b.prompt_ids)
         problems.append(f"prompt token ids differ at position {at}")
     divergence = first_divergence(result_a.output_ids, result_b.output_ids)
+    explained = []
     if divergence is not None:
-        problems.append(f"outputs part at token {divergence} (lengths {len(result_a.output_ids)} "
-                        f"and {len(result_b.output_ids)})")
-    compared = _same_counting(a, b)
-    gaps = _counter_gaps(result_a, result_b, counter_tolerance) if compared else ()
+        parted = f"outputs part at token {divergence} (lengths {len(result_a.output_ids)} and {len(result_b.output_ids)})"
+        reason = None if problems else explain_divergence(result_a, result_b, labels, near_tie_flip)
+        if reason is None or strict:
+            problems.append(parted + (f": {reason}" if reason else ""))
+        else:
+            explained.append(f"{parted}: {reason}")
+    # Counters of runs whose outputs part by numerics count different tokens: not compared.
+    compared = _same_counting(a, b) and (divergence is None or not explained)
+    gaps = _counter_gaps(result_a, result_b, counter_tolerance) if compared and divergence is None else ()
     problems.extend(f"{gap.name}: {gap.a} vs {gap.b}" for gap in gaps)
-    return PromptParity(result_a.prompt_id, *labels, tuple(problems), divergence, gaps, compared)
+    return PromptParity(result_a.prompt_id, *labels, tuple(problems), divergence, gaps, compared, tuple(explained))
 
 
 def compare_records(a: RunRecord, b: RunRecord, counter_tolerance: float = 0.0,
-                    labels: Optional[tuple[str, str]] = None) -> list[PromptParity]:
-    """Every prompt of either record, compared; a prompt only one record holds is a problem."""
+                    labels: Optional[tuple[str, str]] = None, logit_tolerance: Optional[float] = None,
+                    strict: bool = False) -> list[PromptParity]:
+    """Every prompt of either record, compared; a prompt only one record holds is a problem.
+    Outputs that part at a near-tie (crossrt/tolerance.py sets how near for the two runs) are
+    explained, not failed, unless strict."""
     labels = labels or (run_label(a), run_label(b))
+    if a.imported or b.imported:
+        return [compare_aggregates(a, b, counter_tolerance, labels)]
+    near_tie_flip = tolerance_for(a, b, logit_tolerance).near_tie_flip
     if a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
         raise ValueError(f"{labels[0]} and {labels[1]} ran pairs with different vocabularies: "
                          "their token ids cannot be compared")
@@ -110,34 +142,78 @@ def compare_records(a: RunRecord, b: RunRecord, counter_tolerance: float = 0.0,
             comparisons.append(PromptParity(result_a.prompt_id, *labels, (f"missing from {labels[1]}",),
                                             None, (), False))
         else:
-            comparisons.append(compare_prompt(a, b, result_a, result_b, counter_tolerance, labels))
+            comparisons.append(compare_prompt(a, b, result_a, result_b, counter_tolerance, labels, near_tie_flip,
+                                              strict))
     comparisons.extend(PromptParity(prompt_id, *labels, (f"missing from {labels[0]}",), None, (), False)
                        for prompt_id in results_b)
     return comparisons
 
 
-def lossless_checks(label: str, record: RunRecord) -> list[PromptParity]:
-    """Each finished prompt of one run against its own plain greedy baseline."""
+def _gives(record: RunRecord, counter: str) -> bool:
+    return record.imported is None or counter in record.imported.given
+
+
+def compare_aggregates(a: RunRecord, b: RunRecord, counter_tolerance: float, labels: tuple[str, str]) -> PromptParity:
+    """Runs of which one or both are imported (crossrt import): no token ids to compare, so
+    the counters both give, summed over each run's finished prompts, when both count the same
+    way (k, schedule, draft rules, budget: an import that does not state them is not compared)."""
+    if a.pair.target and b.pair.target and a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
+        raise ValueError(f"{labels[0]} and {labels[1]} ran pairs with different vocabularies")
+    notes = [f"{label}: imported from {record.imported.format}: no token ids, outputs not compared"
+             for label, record in zip(labels, (a, b)) if record.imported]
+    names = [name for name in COMPARED_COUNTERS if _gives(a, name) and _gives(b, name)]
+    sums = [{name: sum(getattr(r.counters, name) for r in record.results if r.ok) for name in names}
+            for record in (a, b)]
+    compared = _same_counting(a, b)
+    gaps = tuple(CounterGap(name, sums[0][name], sums[1][name]) for name in names if compared
+                 and abs(sums[0][name] - sums[1][name]) > counter_tolerance * max(sums[0][name], sums[1][name]))
+    if not compared:
+        notes.append("counters not compared: the runs count differently, or an import does not state how "
+                     "(k, schedule, draft_n_min, draft_p_min, max_new_tokens)")
+    else:
+        notes.append(f"counters compared on sums over all prompts: {', '.join(names)}"
+                     + ("" if a.pair.target and b.pair.target else "; an imported run names no pair files"))
+    prompt_id = next(record.results[0].prompt_id for record in (a, b) if record.imported)
+    return PromptParity(prompt_id, *labels, tuple(f"{gap.name}: {gap.a} vs {gap.b}" for gap in gaps), None, gaps,
+                        compared, tuple(notes))
+
+
+def lossless_checks(label: str, record: RunRecord, strict: bool = False, twins: Optional[Twins] = None) -> list[PromptParity]:
+    """Each finished prompt of one run against its own plain greedy baseline. A departure at a
+    batch-shape near-tie (crossrt/diagnosis.py), seen in this run's pass views or in a driven
+    twin's (twins), is explained, not failed, unless strict."""
+    if record.imported:
+        return [PromptParity(r.prompt_id, label, OWN_BASELINE, (), None, (), False,
+                             (f"imported from {record.imported.format}: no token ids, no lossless check",))
+                for r in record.results]
     checks = []
     for result in record.results:
-        problems = []
-        if result.ok and not result.lossless:
-            at = first_divergence(result.output_ids, result.baseline_ids)
-            problems.append(f"not lossless: speculative output leaves the greedy baseline at token {at}")
+        problems, explained = [], []
+        split = explained_split(label, result, no_text, twins or {})
+        if split is not None:
+            line = f"not lossless: speculative output leaves the greedy baseline at token {split.index}: " \
+                   f"{split.kind}: {split.detail}"
+            (explained if split.kind == BATCH_SHAPE and not strict else problems).append(line)
+        if result.unfit_counts is not None:
+            explained.append("counts did not fit the runtime's schedule: " + "; ".join(result.unfit_counts.problems)
+                             + f"; {result.unfit_counts.derived}")
         if result.own_prompt_ids is not None:
             at = first_divergence(result.own_prompt_ids, result.prompt_ids)
             problems.append(f"tokenizes the prompt text differently from the shared ids, from position {at}")
         checks.append(PromptParity(result.prompt_id, label, OWN_BASELINE, tuple(problems),
-                                   None, (), False))
+                                   None, (), False, tuple(explained)))
     return checks
 
 
-def compare_all(runs: Sequence[tuple[str, RunRecord]], counter_tolerance: float = 0.0) -> list[PromptParity]:
+def compare_all(runs: Sequence[tuple[str, RunRecord]], counter_tolerance: float = 0.0,
+                logit_tolerance: Optional[float] = None, strict: bool = False) -> list[PromptParity]:
     """Every (label, record) run against its own baseline, then every pair of runs, every prompt."""
-    checks = [check for label, record in runs for check in lossless_checks(label, record)]
+    twins = twins_of([(label, record.results) for label, record in runs])
+    checks = [check for label, record in runs for check in lossless_checks(label, record, strict, twins)]
     return checks + [comparison
                      for i, (label_a, a) in enumerate(runs) for label_b, b in runs[i + 1:]
-                     for comparison in compare_records(a, b, counter_tolerance, (label_a, label_b))]
+                     for comparison in compare_records(a, b, counter_tolerance, (label_a, label_b), logit_tolerance,
+                                                       strict)]
 
 
 def compare_against(runs: Sequence[tuple[str, RunRecord]], baselines: Sequence[RunRecord],

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from crossrt.parity import OWN_BASELINE, PromptParity
 from crossrt.rescore import LogitAgreement, agreement
+from crossrt.tolerance import Tolerance
 
 
 @dataclass(frozen=True)
@@ -18,11 +19,15 @@ class LogitCheck:
     run_a: str
     run_b: str
     agreement: LogitAgreement
-    tolerance: float
+    tolerance: Tolerance
+
+    @property
+    def problems(self) -> list[str]:
+        return self.tolerance.problems(self.agreement)
 
     @property
     def ok(self) -> bool:
-        return self.agreement.max_abs_diff <= self.tolerance
+        return not self.problems
 
 
 @dataclass(frozen=True)
@@ -45,10 +50,15 @@ class ParityReport:
     def failures(self) -> list[str]:
         lines = [f"{c.run_a} vs {c.run_b}, {c.prompt_id}: {'; '.join(c.problems)}"
                  for c in self.comparisons if not c.ok]
-        lines += [f"{c.run_a} vs {c.run_b}, {c.prompt_id}: logits differ by up to "
-                  f"{c.agreement.max_abs_diff:.3g} (tolerance {c.tolerance:g})" for c in self.logit_checks if not c.ok]
+        lines += [f"{c.run_a} vs {c.run_b}, {c.prompt_id}: logits: {'; '.join(c.problems)} "
+                  f"(tolerance for {c.tolerance.reason})" for c in self.logit_checks if not c.ok]
         lines += [f"{n.run}: not run: {n.reason}" for n in self.not_run]
         return lines
+
+
+def explained(report: ParityReport) -> list[str]:
+    """Divergences explained as numerics, and counts that did not fit: reported, not failed."""
+    return [f"{c.run_a} vs {c.run_b}, {c.prompt_id}: {line}" for c in report.comparisons for line in c.explained]
 
 
 def _pairs(report: ParityReport) -> list[tuple[str, str]]:
@@ -65,13 +75,22 @@ def render_text(report: ParityReport) -> str:
     lines = []
     for run_a, run_b in _pairs(report):
         group = [c for c in report.comparisons if (c.run_a, c.run_b) == (run_a, run_b)]
-        lines.append(f"{run_a} vs {run_b}: {sum(c.ok for c in group)}/{len(group)} prompts agree; {_counting(group)}")
+        notes = sum(1 for c in group if c.ok and c.explained)
+        lines.append(f"{run_a} vs {run_b}: {sum(c.ok for c in group)}/{len(group)} prompts agree"
+                     + (f" ({notes} with a NOTE below)" if notes else "") + f"; {_counting(group)}")
     checks = report.logit_checks
     if checks:
         worst = max(checks, key=lambda c: c.agreement.max_abs_diff)
         lines.append(f"logits along common outputs: {sum(c.ok for c in checks)}/{len(checks)} within tolerance; "
                      f"worst {worst.agreement.max_abs_diff:.3g} ({worst.run_a} vs {worst.run_b}, {worst.prompt_id}), "
                      f"top-1 agreement {min(c.agreement.top1_agreement for c in checks):.3f} at worst")
+        for tolerance in sorted({c.tolerance for c in checks}, key=lambda t: t.reason):
+            group = [c.agreement for c in checks if c.tolerance == tolerance]
+            lines.append(f"  {len(group)} checks against {tolerance.describe()}: mean KL "
+                         f"{max(g.kl_mean for g in group):.3g}, p99 KL {max(g.kl_p99 for g in group):.3g}, "
+                         f"max KL {max(g.kl_max for g in group):.3g}, RMS dp {max(g.rms_delta_p for g in group):.3g} "
+                         "(worst prompt each)")
+    lines += [f"NOTE {line}" for line in explained(report)]
     lines += [f"FAIL {line}" for line in report.failures()]
     lines.append("parity: OK" if report.ok else "parity: FAILED")
     return "\n".join(lines)
@@ -85,10 +104,15 @@ def render_markdown(report: ParityReport) -> str:
         parted = ", ".join(f"{c.prompt_id}@{c.divergence}" for c in group if c.divergence is not None) or "none"
         lines.append(f"| {run_a} | {run_b} | {sum(c.ok for c in group)}/{len(group)} | {parted} | {_counting(group)} |")
     if report.logit_checks:
-        lines += ["", "| run A | run B | prompt | max abs logit diff | top-1 agreement | top-5 overlap |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "| run A | run B | prompt | max abs logit diff | same top-1 | top-5 overlap | KL mean | "
+                  "KL median | KL p99 | KL max | RMS dp | tolerance |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {c.run_a} | {c.run_b} | {c.prompt_id} | {c.agreement.max_abs_diff:.3g} | "
-                  f"{c.agreement.top1_agreement:.3f} | {c.agreement.top5_overlap:.3f} |" for c in report.logit_checks]
+                  f"{c.agreement.top1_agreement:.3f} | {c.agreement.top5_overlap:.3f} | {c.agreement.kl_mean:.3g} | "
+                  f"{c.agreement.kl_median:.3g} | {c.agreement.kl_p99:.3g} | {c.agreement.kl_max:.3g} | "
+                  f"{c.agreement.rms_delta_p:.3g} | {c.tolerance.describe()} |" for c in report.logit_checks]
+    notes = explained(report)
+    if notes:
+        lines += ["", "### Explained (numerics, not failures)", ""] + [f"- {line}" for line in notes]
     failures = report.failures()
     if failures:
         lines += ["", "### Failures", ""] + [f"- {line}" for line in failures]
@@ -98,8 +122,7 @@ def render_markdown(report: ParityReport) -> str:
 def render_junit(report: ParityReport) -> str:
     suite = ElementTree.Element("testsuite", name="crossrt-parity")
     cases = [(f"{c.run_a} vs {c.run_b}", c.prompt_id, c.ok, "; ".join(c.problems)) for c in report.comparisons]
-    cases += [(f"logits {c.run_a} vs {c.run_b}", c.prompt_id, c.ok,
-               f"max abs logit diff {c.agreement.max_abs_diff:.3g} > tolerance {c.tolerance:g}")
+    cases += [(f"logits {c.run_a} vs {c.run_b}", c.prompt_id, c.ok, "; ".join(c.problems))
               for c in report.logit_checks]
     cases += [(n.run, "run", False, f"not run: {n.reason}") for n in report.not_run]
     for classname, name, ok, message in cases:
@@ -112,9 +135,10 @@ def render_junit(report: ParityReport) -> str:
 
 
 def logit_checks(comparisons: Sequence[PromptParity], scored: dict[tuple[str, str], np.ndarray],
-                 tolerance: float) -> tuple[LogitCheck, ...]:
+                 tolerance: Callable[[str, str], Tolerance]) -> tuple[LogitCheck, ...]:
     """LogitChecks for the comparisons whose both runs were scored: scored maps
-    (run label, prompt id) -> logits rows along that run's output."""
+    (run label, prompt id) -> logits rows along that run's output; tolerance(run_a, run_b)
+    gives the bounds for that pair of runs (crossrt/tolerance.py)."""
     checks = []
     for comparison in comparisons:
         a, b = scored.get((comparison.run_a, comparison.prompt_id)), scored.get((comparison.run_b, comparison.prompt_id))
@@ -122,5 +146,5 @@ def logit_checks(comparisons: Sequence[PromptParity], scored: dict[tuple[str, st
             continue
         common = comparison.divergence if comparison.divergence is not None else min(len(a), len(b))
         checks.append(LogitCheck(comparison.prompt_id, comparison.run_a, comparison.run_b,
-                                 agreement(a[:common], b[:common]), tolerance))
+                                 agreement(a[:common], b[:common]), tolerance(comparison.run_a, comparison.run_b)))
     return tuple(checks)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from crossrt import analysis
+from crossrt.importer import import_summary
 from crossrt.parity import run_label
 from crossrt.schema import RecordError, RunRecord, load_record
 from crossrt.svg import Bars, Points, bar_chart, palette_color, xy_chart
@@ -112,12 +113,14 @@ def _by_category_bars(runs: Sequence[ReportRun], field: str) -> list[Bars]:
 
 def _run_notes(run: ReportRun) -> list[str]:
     notes = [f"{run.label}: {note}" for note in run.record.notes]
+    if run.record.imported:
+        notes.append(f"{run.label}: {import_summary(run.record)}")
     if not any(r.ok for r in run.record.results):
         notes.append(f"{run.label}: no prompt finished, so the run has no numbers, bars or points")
     for result in run.record.results:
         if not result.ok:
             notes.append(f"{run.label}: prompt {result.prompt_id} ({result.category}) failed: {result.error}")
-    differing = [r.prompt_id for r in run.record.results if r.ok and not r.lossless]
+    differing = [r.prompt_id for r in run.record.results if r.lossless is False]  # None: not checked
     if differing:
         notes.append(f"{run.label}: output differs from the plain greedy baseline: {', '.join(differing)}")
     return notes
@@ -130,9 +133,11 @@ def runs_section(runs: Sequence[ReportRun]) -> Section:
         runtime = record.runtime
         traced = (f"{len(run.trace)} prompts" if run.trace else "unreadable" if run.trace_problem else "none")
         threads = f", threads {runtime.threads}" if runtime.threads else ""
-        rows.append((run.label, f"{runtime.name} {runtime.version} ({runtime.device}{threads})",
+        where = f"imported from {record.imported.format}" if record.imported else f"{runtime.device}{threads}"
+        budget = record.params.max_new_tokens
+        rows.append((run.label, f"{runtime.name} {runtime.version} ({where})",
                      record.params.mode, record.params.schedule, record.pair.name, run.path, traced,
-                     str(record.params.k), str(record.params.max_new_tokens), str(summary.prompts),
+                     str(record.params.k), "-" if budget is None else str(budget), str(summary.prompts),
                      str(summary.failed)))
     table = Table(("run", "runtime", "mode", "schedule", "pair", "record", "trace", "k", "new tokens", "prompts",
                    "failed"), tuple(rows), 7)
@@ -148,8 +153,9 @@ def tau_section(runs: Sequence[ReportRun]) -> Section:
     for run in runs:
         for category in [*run.record.categories(), None]:
             s = run.record.summary(category)
+            lossless = "-" if run.record.imported else f"{s.lossless}/{s.prompts - s.failed}"  # no token ids
             rows.append((run.label, _name(category), str(s.prompts), str(s.failed),
-                         f"{s.lossless}/{s.prompts - s.failed}", str(s.steps), _fixed(s.tau), _fixed(s.alpha, 3),
+                         lossless, str(s.steps), _fixed(s.tau), _fixed(s.alpha, 3),
                          _fixed(s.tokens_per_s, 1), _fixed(s.baseline_tokens_per_s, 1), _fixed(s.speedup)))
     table = Table(("run", "category", "prompts", "failed", "lossless", "steps", "tau", "alpha", "tok/s",
                    "base tok/s", "speedup"), tuple(rows), 2)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -48,20 +48,35 @@ def score(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence
 
 @dataclass(frozen=True)
 class LogitAgreement:
-    """How closely two runtimes' logits agree over the same positions."""
+    """How closely two runtimes' logits agree over the same positions: the absolute logit
+    differences, and the statistics llama.cpp's `llama-perplexity --kl-divergence` prints when
+    two builds or quantizations are compared (tools/perplexity/perplexity.cpp): KL divergence
+    of B's token distribution from A's (A the reference), and the change of the probability of
+    the emitted token (Δp = p_B - p_A)."""
 
     positions: int
     max_abs_diff: float
     mean_abs_diff: float
-    top1_agreement: float  # share of positions with the same argmax
+    top1_agreement: float  # share of positions with the same argmax ("Same top p")
     top5_overlap: float  # mean share of the top-5 tokens both runtimes rank in their top 5
+    kl_mean: float = 0.0
+    kl_median: float = 0.0
+    kl_p99: float = 0.0
+    kl_max: float = 0.0
+    rms_delta_p: float = 0.0
 
 
 def top_k(rows: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-rows, axis=-1, kind="stable")[..., :k]
 
 
-def agreement(a: np.ndarray, b: np.ndarray) -> LogitAgreement:
+def log_softmax(rows: np.ndarray) -> np.ndarray:
+    shifted = rows - rows.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def agreement(a: np.ndarray, b: np.ndarray, tokens: Optional[Sequence[int]] = None) -> LogitAgreement:
+    """tokens: the token emitted at each position (for Δp); default A's top-1."""
     if a.shape != b.shape:
         raise ValueError(f"logit shapes differ: {a.shape} vs {b.shape} (different vocabulary sizes?)")
     if len(a) == 0:
@@ -69,5 +84,12 @@ def agreement(a: np.ndarray, b: np.ndarray) -> LogitAgreement:
     difference = np.abs(a - b)
     top_a, top_b = top_k(a, 5), top_k(b, 5)
     overlap = np.mean([len(set(x) & set(y)) / 5 for x, y in zip(top_a, top_b, strict=True)])
+    log_a, log_b = log_softmax(a), log_softmax(b)
+    kl = np.maximum((np.exp(log_a) * (log_a - log_b)).sum(axis=-1), 0.0)  # rounding can dip below 0
+    emitted = np.asarray(tokens if tokens is not None else top_a[:, 0])
+    rows = np.arange(len(a))
+    delta_p = np.exp(log_b[rows, emitted]) - np.exp(log_a[rows, emitted])
     return LogitAgreement(len(a), float(difference.max()), float(difference.mean()),
-                          float(np.mean(top_a[:, 0] == top_b[:, 0])), float(overlap))
+                          float(np.mean(top_a[:, 0] == top_b[:, 0])), float(overlap),
+                          float(kl.mean()), float(np.median(kl)), float(np.percentile(kl, 99)), float(kl.max()),
+                          float(np.sqrt(np.mean(delta_p ** 2))))

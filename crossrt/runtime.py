@@ -15,11 +15,11 @@ import importlib
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import ClassVar, Optional, Sequence
+from typing import ClassVar, Optional, Sequence, Union
 
 import numpy as np
 
-from crossrt.schema import Counters, RuntimeInfo
+from crossrt.schema import Counters, RuntimeInfo, UnfitCounts
 
 RUNTIMES: dict[str, str] = {
     "llama-cpp": "crossrt.backends.llama_cpp:LlamaCppRuntime",
@@ -163,6 +163,7 @@ class NativeGeneration:
     counters: Optional[Counters]  # None for a plain (baseline) generation
     prefill_s: float
     decode_s: float
+    unfit_counts: Optional[UnfitCounts] = None  # the runtime's numbers, where they did not fit
 
 
 class NativeSession(abc.ABC):
@@ -188,7 +189,8 @@ class NativeSession(abc.ABC):
 
 class Runtime(abc.ABC):
     name: ClassVar[str]
-    model_format: ClassVar[str]  # which file of a pair manifest this runtime loads
+    # Which file of a pair manifest this runtime loads: a format, or formats in order of preference.
+    model_format: ClassVar[Union[str, tuple[str, ...]]]
     modes: ClassVar[tuple[str, ...]] = ("driven",)  # "driven" needs load(), "native" open_native()
     scored_by: ClassVar[Optional[str]] = None  # a native-only runtime's in-process sibling, for logits
 

@@ -6,7 +6,9 @@ Convention: tau counts the bonus token (tau = 1 + accepted / steps, which is emi
 crossrt's own schedule), as community "tokens per step" figures do. docs/schema.md documents each field.
 
 Records are validated against data/run-record.schema.json on write and on read, and the
-derived blocks written for readers (jq, spreadsheets) must match a recomputation on read.
+derived blocks written for readers (jq, spreadsheets) must match a recomputation on read. A run
+in progress appends each finished prompt to a journal beside its record (crossrt/journal.py),
+validated alone; load_record folds it in (docs/design.md, "Records on disk").
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import jsonschema
+
+from crossrt.journal import journal_path, read_with_journal
 
 SCHEMA_VERSION = 1
 SCHEMA_RESOURCE = "run-record.schema.json"
@@ -57,21 +61,24 @@ class ModelInfo:
 @dataclass(frozen=True)
 class PairInfo:
     name: str
-    target: ModelInfo
-    drafter: ModelInfo
+    # None only in an imported record whose source names no model files crossrt can digest
+    target: Optional[ModelInfo]
+    drafter: Optional[ModelInfo]
 
 
 @dataclass(frozen=True)
 class RunParams:
+    # greedy, max_new_tokens, n_ctx, draft_n_min, draft_p_min: None only in an imported record
+    # whose source does not say them (crossrt/importer.py)
     k: int
-    greedy: bool
-    max_new_tokens: int
+    greedy: Optional[bool]
+    max_new_tokens: Optional[int]
     mode: str
     spec_type: str
     schedule: str
-    n_ctx: int
-    draft_n_min: int
-    draft_p_min: float
+    n_ctx: Optional[int]
+    draft_n_min: Optional[int]
+    draft_p_min: Optional[float]
 
 
 @dataclass(frozen=True)
@@ -151,6 +158,30 @@ def accepted_per_position(step_accepted: typing.Sequence[int], k: int) -> tuple[
 
 
 @dataclass(frozen=True)
+class PassView:
+    """How the target pass that produced each emitted token saw it, recorded during a driven
+    run so a split is explained with the logits the run had, not a later re-score.
+    margins[i]: top-1 minus top-2 logit of the row that chose output token i; runner_up[i]: the
+    top-2 token; pass_tokens[i]: tokens in that pass (1: a one-token decode; 1 + draft: a
+    verification batch; the prompt length: the prompt pass)."""
+
+    margins: tuple[float, ...]
+    runner_up: tuple[int, ...]
+    pass_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class UnfitCounts:
+    """A native runtime's numbers that did not fit its schedule as crossrt reads it. The prompt
+    is kept: its counters take the runtime's steps, drafted and accepted as reported, with
+    unverified/cut from the counter identity (derived says how), and raw keeps what it said."""
+
+    problems: tuple[str, ...]
+    raw: dict[str, int]
+    derived: str
+
+
+@dataclass(frozen=True)
 class PromptResult:
     prompt_id: str
     category: str
@@ -165,6 +196,9 @@ class PromptResult:
     # The runtime's own tokenization of the prompt text, kept only where it differs from
     # prompt_ids (ids shared by every runtime of a comparison): a tokenizer mismatch.
     own_prompt_ids: Optional[tuple[int, ...]] = None
+    output_view: Optional[PassView] = None  # driven runs: the speculative run's passes
+    baseline_view: Optional[PassView] = None  # driven runs: the baseline's one-token decodes
+    unfit_counts: Optional[UnfitCounts] = None  # native runs whose numbers did not fit
 
     @property
     def ok(self) -> bool:
@@ -173,15 +207,16 @@ class PromptResult:
     @property
     def lossless(self) -> Optional[bool]:
         # Full-length token-id comparison: a shorter output is a difference, never a prefix match.
-        return list(self.output_ids) == list(self.baseline_ids) if self.ok else None
+        # An imported result holds no token ids (every run emits at least one): nothing to check.
+        return list(self.output_ids) == list(self.baseline_ids) if self.ok and self.output_ids else None
 
     @property
     def tokens_per_s(self) -> Optional[float]:
-        return _ratio(self.counters.emitted, self.timings.decode_s) if self.ok else None
+        return _ratio(self.counters.emitted, self.timings.decode_s) if self.ok and self.timings else None
 
     @property
     def baseline_tokens_per_s(self) -> Optional[float]:
-        return _ratio(len(self.baseline_ids), self.timings.baseline_decode_s) if self.ok else None
+        return _ratio(len(self.baseline_ids), self.timings.baseline_decode_s) if self.ok and self.timings else None
 
     @classmethod
     def failed(cls, prompt_id: str, category: str, error: str, prompt_ids=()) -> "PromptResult":
@@ -210,8 +245,8 @@ class Summary:
         done = [r for r in results if r.ok]
         total = Counters(*(sum(getattr(r.counters, name) for r in done)
                            for name in ("steps", "drafted", "accepted", "emitted")), None, None, None)
-        decode_s = sum(r.timings.decode_s for r in done)
-        baseline_s = sum(r.timings.baseline_decode_s for r in done)
+        decode_s = sum(r.timings.decode_s for r in done if r.timings)  # imported results have none
+        baseline_s = sum(r.timings.baseline_decode_s for r in done if r.timings)
         tps = _ratio(total.emitted, decode_s)
         baseline_tps = _ratio(sum(len(r.baseline_ids) for r in done), baseline_s)
         return cls(
@@ -221,6 +256,17 @@ class Summary:
             tau=total.tau, alpha=total.alpha, tokens_per_s=tps, baseline_tokens_per_s=baseline_tps,
             speedup=_ratio(tps, baseline_tps) if tps is not None and baseline_tps else None,
         )
+
+
+@dataclass(frozen=True)
+class ImportInfo:
+    """Marks a record crossrt did not run: one aggregate result whose counters come from another
+    runtime's own log or /metrics text (`crossrt import`, docs/import.md)."""
+
+    format: str  # the source format, e.g. "vllm-log"
+    source: str  # what was read: the file, or "BEFORE -> AFTER" for the delta of two scrapes
+    given: tuple[str, ...]  # the counters the source gives; the others follow crossrt's identities
+    missing: tuple[str, ...]  # what the source does not give, in words
 
 
 @dataclass(frozen=True)
@@ -234,10 +280,21 @@ class RunRecord:
     # The per-token trace file beside the record (crossrt/trace.py), relative to the record's
     # folder; None when no prompt was traced.
     trace: Optional[str] = None
+    # Set when crossrt did not run this: counters read from another runtime's text (crossrt import).
+    imported: Optional[ImportInfo] = None
 
     def with_result(self, result: PromptResult) -> "RunRecord":
-        kept = tuple(r for r in self.results if r.prompt_id != result.prompt_id)
-        return dataclasses.replace(self, results=kept + (result,))
+        return self.with_results((result,))
+
+    def with_results(self, results: Iterable[PromptResult]) -> "RunRecord":
+        """As with_result for each of results in turn (a result replaces the one with its
+        prompt id, and goes last), in one pass: O(n + m), where a loop of with_result is O(n * m)."""
+        latest: dict[str, PromptResult] = {}
+        for result in results:
+            latest.pop(result.prompt_id, None)
+            latest[result.prompt_id] = result
+        kept = tuple(r for r in self.results if r.prompt_id not in latest)
+        return dataclasses.replace(self, results=kept + tuple(latest.values()))
 
     def categories(self) -> list[str]:
         return sorted({r.category for r in self.results})
@@ -271,6 +328,12 @@ def record_to_json(record: RunRecord) -> dict[str, Any]:
     }
     if record.trace is None:
         del data["trace"]  # optional: an untraced record reads as before traces existed
+    if record.imported is None:
+        del data["imported"]  # optional: a record crossrt ran reads as before imports existed
+    for result_data in data["results"]:  # optional too: absent reads as None
+        for name in ("output_view", "baseline_view", "unfit_counts"):
+            if result_data[name] is None:
+                del result_data[name]
     return json.loads(json.dumps(data))  # plain JSON types: tuples become lists
 
 
@@ -337,27 +400,64 @@ def check_counters(record: RunRecord) -> None:
                 raise RecordError(f"result {result.prompt_id}: " + "; ".join(problems))
 
 
-def save_record(record: RunRecord, path: Path) -> None:
-    """Validate, then write atomically, so an interrupted run never leaves half a file."""
+def save_record(record: RunRecord, path: Path) -> bytes:
+    """Validate, then write atomically, so an interrupted run never leaves half a file.
+    Returns the bytes written (a journal started beside them names their digest)."""
     check_counters(record)
     data = record_to_json(record)
     validate_json(data)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(data, indent=1) + "\n")
+    written = (json.dumps(data, indent=1) + "\n").encode()
+    temporary.write_bytes(written)
     os.replace(temporary, path)
+    return written
+
+
+def result_entry(record: RunRecord, result: PromptResult) -> str:
+    """result as one journal line of record, validated alone: the schema as it applies to a
+    record holding just this result (record's runtime, pair and params; constant work
+    whatever record holds), and the counter identities."""
+    alone = dataclasses.replace(record, results=(result,))
+    check_counters(alone)
+    data = record_to_json(alone)
+    validate_json(data)
+    return json.dumps(data["results"][0], separators=(",", ":"))
+
+
+def _result_from_entry(line: str, record_data: dict[str, Any], record: RunRecord, where: str) -> PromptResult:
+    """A journal line checked as result_entry wrote it: schema, counter identities, derived."""
+    try:
+        entry = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise RecordError(f"{where} is not JSON: {error}") from None
+    try:
+        validate_json({**record_data, "results": [entry]})
+        result = _decode(PromptResult, entry)
+        check_counters(dataclasses.replace(record, results=(result,)))
+        _check_derived(entry["derived"], _derived_of_result(result), f"result {result.prompt_id}")
+    except RecordError as error:
+        raise RecordError(f"{where}: {error}") from None
+    return result
 
 
 def load_record(path: Path) -> RunRecord:
+    """The record at path, validated whole, with the prompts its journal holds (a run in
+    progress, or one killed) folded in, each validated alone; a torn last line is left out."""
     path = Path(path)
     if not path.is_file():
         raise RecordError(f"no run record at {path}")
+    text, entries = read_with_journal(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(text)
     except json.JSONDecodeError as error:
         raise RecordError(f"{path} is not JSON: {error}") from None
     try:
-        return record_from_json(data)
+        record = record_from_json(data)
     except RecordError as error:
         raise RecordError(f"{path}: {error}") from None
+    where = journal_path(path)
+    # Line 1 of a journal is its header, so entries start at line 2.
+    return record.with_results(_result_from_entry(line, data, record, f"{where} line {number}")
+                               for number, line in enumerate(entries, start=2))

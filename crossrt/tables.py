@@ -16,8 +16,9 @@ def _number(value: Optional[float], digits: int = 2) -> str:
 
 def _summary_cells(record: RunRecord, category: str, summary: Summary) -> list[str]:
     done = summary.prompts - summary.failed
+    lossless = "-" if record.imported else f"{summary.lossless}/{done}"  # imported: no token ids
     return [record.runtime.name, record.params.mode, record.params.schedule, str(record.params.k), category, str(summary.prompts),
-            str(summary.failed), f"{summary.lossless}/{done}", str(summary.steps), _number(summary.tau),
+            str(summary.failed), lossless, str(summary.steps), _number(summary.tau),
             _number(summary.alpha, 3), _number(summary.tokens_per_s, 1),
             _number(summary.baseline_tokens_per_s, 1), _number(summary.speedup)]
 
@@ -30,6 +31,19 @@ def summary_rows(records: Sequence[RunRecord]) -> list[list[str]]:
             rows.append(_summary_cells(record, category, record.summary(category)))
         rows.append(_summary_cells(record, "ALL", record.summary()))
     return rows
+
+
+def record_notes(records: Sequence[RunRecord]) -> list[str]:
+    """Lines to print under a summary table: prompts whose runtime counts did not fit its
+    schedule (kept, with the runtime's raw numbers in the record)."""
+    lines = []
+    for record in records:
+        for result in record.results:
+            if result.unfit_counts is not None:
+                lines.append(f"note: {record.runtime.name}/{record.params.mode} {result.prompt_id}: counts did not fit "
+                             f"the runtime's schedule ({'; '.join(result.unfit_counts.problems)}); "
+                             f"{result.unfit_counts.derived}")
+    return lines
 
 
 def format_table(rows: Sequence[Sequence[str]]) -> str:

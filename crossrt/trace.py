@@ -16,11 +16,17 @@ The statistics come from rows the loop already computed, as it computes them; no
 stored per vocabulary entry. With tracing off the loop does no extra work.
 
 On disk: one `<record stem>.trace.npz` per record, all traced prompts concatenated, written
-atomically before the record after every prompt. The record names it in its `trace` field.
+atomically when a run starts and when it ends; in between, each prompt's trace is appended to
+the journal `<record stem>.trace.npz.journal` (crossrt/journal.py) before the record's own
+journal gets the prompt, and read_traces folds it in. The record names the file in its `trace`
+field.
 """
 
 from __future__ import annotations
 
+import base64
+import io
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +34,18 @@ from typing import Mapping, Optional
 
 import numpy as np
 
+from crossrt.journal import journal_path, read_with_journal
 from crossrt.schema import RecordError, RunRecord, load_record
 
 TRACE_FORMAT = 1
 TOKEN_FIELDS = ("target_entropy", "target_p1", "target_margin", "drafter_p1")
+# A journal entry's arrays, as the trace holds them; written as raw little-endian bytes in
+# base64: exact, and a third larger than raw.
+ENTRY_DTYPES = {"step_drafted": np.int32, "step_accepted": np.int32, **{name: np.float32 for name in TOKEN_FIELDS}}
+
+
+def _little_endian(dtype) -> np.dtype:
+    return np.dtype(dtype).newbyteorder("<")
 
 
 @dataclass(frozen=True, eq=False)
@@ -137,8 +151,9 @@ def trace_path(record_path: Path) -> Path:
     return record_path.with_name(record_path.stem + ".trace.npz")
 
 
-def save_traces(traces: Mapping[str, PromptTrace], path: Path) -> None:
-    """Write every prompt's trace to one file, atomically (temporary file, then os.replace)."""
+def save_traces(traces: Mapping[str, PromptTrace], path: Path) -> bytes:
+    """Write every prompt's trace to one file, atomically (temporary file, then os.replace).
+    Returns the bytes written (a journal started beside them names their digest)."""
     ids = list(traces)
     items = [traces[i] for i in ids]
 
@@ -154,18 +169,42 @@ def save_traces(traces: Mapping[str, PromptTrace], path: Path) -> None:
         "step_accepted": joined("step_accepted", np.int32),
         **{name: joined(name, np.float32) for name in TOKEN_FIELDS},
     }
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    written = buffer.getvalue()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as handle:
-        np.savez(handle, **arrays)
+    temporary.write_bytes(written)
     os.replace(temporary, path)
+    return written
+
+
+def trace_entry(prompt_id: str, trace: PromptTrace) -> str:
+    """One prompt's trace as a journal line of its trace file."""
+    arrays = {name: np.ascontiguousarray(getattr(trace, name), _little_endian(dtype)).tobytes()
+              for name, dtype in ENTRY_DTYPES.items()}
+    encoded = {name: base64.b64encode(raw).decode() for name, raw in arrays.items()}
+    return json.dumps({"prompt_id": prompt_id, **encoded}, separators=(",", ":"))
+
+
+def _trace_from_entry(line: str, where: str) -> tuple[str, PromptTrace]:
+    try:
+        entry = json.loads(line)
+        raw = {name: base64.b64decode(entry[name], validate=True) for name in ENTRY_DTYPES}
+        arrays = {name: np.frombuffer(raw[name], _little_endian(dtype)).astype(dtype)
+                  for name, dtype in ENTRY_DTYPES.items()}
+        return str(entry["prompt_id"]), PromptTrace(**arrays)
+    except (ValueError, KeyError, TypeError) as error:  # RecordError (lengths) is a ValueError too
+        raise RecordError(f"{where}: not a trace entry ({error})") from None
 
 
 def read_traces(path: Path) -> dict[str, PromptTrace]:
-    """Every prompt's trace in a trace file, by prompt id (not checked against any record)."""
+    """Every prompt's trace in a trace file and its journal, by prompt id (not checked against
+    any record)."""
     try:
-        with np.load(path, allow_pickle=False) as data:
+        written, entries = read_with_journal(path)
+        with np.load(io.BytesIO(written), allow_pickle=False) as data:
             arrays = {name: data[name] for name in data.files}
     except (OSError, ValueError) as error:
         raise RecordError(f"{path}: not a trace file ({error})") from None
@@ -179,6 +218,9 @@ def read_traces(path: Path) -> dict[str, PromptTrace]:
         tokens = slice(token_ends[index] - arrays["n_tokens"][index], token_ends[index])
         traces[str(prompt_id)] = PromptTrace(arrays["step_drafted"][steps], arrays["step_accepted"][steps],
                                              *(arrays[name][tokens] for name in TOKEN_FIELDS))
+    # Line 1 of a journal is its header, so entries start at line 2.
+    traces.update(_trace_from_entry(line, f"{journal_path(path)} line {number}")
+                  for number, line in enumerate(entries, start=2))
     return traces
 
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from crossrt.pairs import load_pair
+from crossrt.pairs import PairError, load_pair
 from crossrt.runtime import RuntimeOptions, open_runtime
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_PAIR = REPO / "models" / "pairs" / "tiny.toml"
+REAL_PAIR = REPO / "models" / "pairs" / "gemma3-270m.toml"
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +31,16 @@ def tiny_sessions(tiny_pair, llama_runtime):
     """(target, drafter) llama.cpp sessions of the tiny F32 pair."""
     return (llama_runtime.load(tiny_pair.path("target", "gguf")),
             llama_runtime.load(tiny_pair.path("drafter", "gguf")))
+
+
+@pytest.fixture(scope="session")
+def real_pair():
+    """Gemma 3 270M Q4_K_M and its 17-block layer-skip drafter, GGUF files that scripts/setup
+    fetches and writes into .cache/models (git-ignored)."""
+    pair = load_pair(REAL_PAIR)
+    try:
+        for role in ("target", "drafter"):
+            pair.path(role, "gguf")
+    except PairError as error:
+        pytest.fail(f"{error}; run scripts/setup to fetch the real model", pytrace=False)
+    return pair

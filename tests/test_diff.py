@@ -56,7 +56,7 @@ def test_diff_command_prints_candidates_and_verdicts(random_records):
     result = run("diff", *random_records)
     assert result.exit_code == 0
     assert "2 prompts agree, 4 part" in result.output
-    assert result.output.count("verdict: near-tie (numerics)") == 4
+    assert result.output.count("verdict: near-tie (cross-runtime numerics)") == 4
     assert "top-5:" in result.output and "text before:" in result.output
 
 

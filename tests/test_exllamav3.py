@@ -1,9 +1,10 @@
 """The exllamav3 runtime. Without CUDA (this project's CI and developer machines): it is listed as
 unusable with the reason and the fix, `crossrt run` says so without a traceback, exllamav3 is
-never imported, and the pure parts (count translation, GPU split, BOS rule, refused settings)
+never imported, and the pure parts (count translation, BOS rule, refused settings)
 run. With a CUDA GPU and exllamav3 (scripts/gpu_check), the `gpu` tests run the tiny pair:
 driven mode lossless and equal to llama.cpp on the same FP16 weights, the native Generator's
-counts against their identities and the driven loop."""
+counts against their identities and the driven loop. What exllamav3 1.6.5's source says of the
+calls crossrt makes is checked without a GPU in tests/test_exllamav3_source.py."""
 
 import json
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt import loop
-from crossrt.backends.exllamav3 import adds_bos, missing_requirements, page_round, use_per_device
+from crossrt.backends.exllamav3 import adds_bos, chunk_size, missing_requirements, page_round
 from crossrt.backends.exllamav3_native import check_rules, counters_from_rounds, drafting_kind
 from crossrt.cli import main
 from crossrt.prompts import load_prompts
@@ -116,14 +117,6 @@ def test_counts_that_do_not_add_up_stop_the_run(rounds, accepted, rejected, emit
         counters_from_rounds(rounds, accepted, rejected, emitted, k=4)
 
 
-def test_gpu_split_shares_become_memory_caps():
-    assert use_per_device((1, 1), (14.6, 14.6)) == [14.6, 14.6]
-    assert use_per_device((1, 3), (24.0, 24.0)) == [8.0, 24.0]
-    assert use_per_device((2, 0), (80.0, 80.0)) == [80.0, 0.0]
-    with pytest.raises(ValueError, match="3 shares but torch sees 2"):
-        use_per_device((1, 1, 1), (16.0, 16.0))
-
-
 def test_bos_follows_the_models_own_tokenizer(tmp_path):
     assert adds_bos(HF["target"])  # the tiny tokenizer's template puts <|bos|> first
     template = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>"}}, {"Sequence": {"id": "A"}}]}
@@ -145,6 +138,8 @@ def test_drafting_kind_and_cache_pages():
     assert drafting_kind({"dflash_draft": True}, "DFlash2DraftModel") == "dflash2"
     assert drafting_kind({"dflash_draft": True}, "DFlashDraftModel") == "dflash"
     assert drafting_kind({"mtp_draft": True}, "Qwen3_5ForCausalLM") == "mtp"
+    assert drafting_kind({"mtp_draft": True}, "Gemma4AssistantForCausalLM") == "mtp"
+    assert drafting_kind({"dflash_draft": True}, "DeepseekV4ForCausalLM", target_component=True) == "dspark"
     assert (page_round(1), page_round(256), page_round(2048 + 5)) == (256, 256, 2304)
 
 
@@ -231,6 +226,25 @@ def test_rows_and_truncate_follow_the_contract(exl_sessions):
     np.testing.assert_allclose(target.eval(ids[-1:], Rows.LAST), every[-1:], atol=5e-2)
     with pytest.raises(ValueError, match="context full"):
         target.eval([5] * 512, Rows.LAST)
+
+
+@pytest.mark.gpu
+@needs_exllamav3
+def test_chunked_evaluation_equals_one_pass(exl_sessions):
+    """Chunks continue at the right positions: a prompt in chunks of 4 gives one pass's logits."""
+    target, _ = exl_sessions
+    ids = target.tokenize(PROMPTS[0].text)
+    target.truncate(0)
+    whole = target.eval(ids, Rows.ALL).copy()
+    target.truncate(0)
+    target._chunk = 4
+    try:
+        chunked = target.eval(ids, Rows.ALL)
+    finally:
+        target._chunk = chunk_size(target._capacity)
+    assert len(ids) > 8
+    np.testing.assert_allclose(chunked, whole, atol=5e-2)
+    assert (chunked.argmax(axis=1) == whole.argmax(axis=1)).all()
 
 
 @pytest.mark.gpu

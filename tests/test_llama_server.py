@@ -289,16 +289,21 @@ def test_flag_names_follow_the_build():
         Flags.from_help("-m, --model FNAME\n")
 
 
-def test_counts_that_do_not_fit_the_schedule_are_refused():
+def test_counts_that_do_not_fit_the_schedule_are_kept_with_the_raw_numbers():
     from crossrt.backends.llama_server import Totals, speculative_counters
 
     delta = Totals(drafts=3, draft_tokens=12, accepted=6, accepted_per_pos=(3, 2, 1, 0), decodes=5, predicted=12)
     timings = {"draft_n": 12, "draft_n_accepted": 6}
-    assert speculative_counters(11, "max_new_tokens", timings, delta, 4).unverified == 2
-    with pytest.raises(RuntimeFailure, match="cut 1"):
-        speculative_counters(10, "max_new_tokens", timings, delta, 4)  # a cut without an EOS
-    with pytest.raises(RuntimeFailure, match="timings 12/5"):
-        speculative_counters(11, "max_new_tokens", {**timings, "draft_n_accepted": 5}, delta, 4)
+    counters, unfit = speculative_counters(11, "max_new_tokens", timings, delta, 4)
+    assert (counters.unverified, counters.cut, unfit) == (2, 0, None)
+    # One decode more than the schedule explains (as a prompt split into two batches gives).
+    counters, unfit = speculative_counters(10, "max_new_tokens", timings, delta, 4)
+    assert "cut 1" in unfit.problems[0] and unfit.raw["metrics.decodes"] == 5
+    assert (counters.steps, counters.accepted, counters.unverified, counters.cut) == (3, 6, 1, 0)
+    assert counters.identity_violations(4) == []
+    counters, unfit = speculative_counters(11, "max_new_tokens", {**timings, "draft_n_accepted": 5}, delta, 4)
+    assert "timings 12/5" in unfit.problems[0] and counters.accepted == 5
+    assert counters.accepted_per_pos is None and counters.identity_violations(4) == []
 
 
 def test_native_spec_types_pass_through_and_driven_mode_refuses_them(tmp_path):

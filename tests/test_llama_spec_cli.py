@@ -72,7 +72,7 @@ def test_native_tool_agrees_with_the_driven_schedule(open_session, tiny_sessions
     session = open_session(rules)
     for prompt in PROMPTS:
         for max_new in (32, 64):
-            result = run_prompt_native(session, prompt, max_new)
+            result = run_prompt_native(session, prompt, max_new, rules.k)
             assert result.ok and result.lossless, result.error
             assert_same_as_driven(result, tiny_sessions, rules, max_new)
             assert result.counters.cut > 0  # the tool overshot -n: n_predict = emitted + cut
@@ -85,7 +85,7 @@ def test_native_tool_agrees_at_eos(open_session, tiny_sessions, k):
     rules = DraftRules(k, 0)
     session = open_session(rules)
     for text in ("b.", ",", "is c"):
-        result = run_prompt_native(session, Prompt(text, "eos", text), 24)
+        result = run_prompt_native(session, Prompt(text, "eos", text), 24, k)
         assert result.lossless and result.stop_reason == "eos"
         assert_same_as_driven(result, tiny_sessions, rules, 24)
 

@@ -73,7 +73,7 @@ def test_logits_catch_a_difference_that_tokens_hide(records):
     """F16 weights give the same greedy tokens on the tiny pair, but logits ~1e-2 away."""
     strict = parity(records["f32"], records["f16"])
     assert strict.exit_code == 1
-    assert "4/4 prompts agree" in strict.output and "logits differ by up to" in strict.output
+    assert "4/4 prompts agree" in strict.output and "logits: max abs logit diff 0.0" in strict.output
     assert parity(records["f32"], records["f16"], "--logit-tolerance", "0.05").exit_code == 0
     assert parity(records["f32"], records["f16"], "--no-logits").exit_code == 0
 

@@ -65,4 +65,4 @@ def test_default_numerics_differ_in_logits_not_tokens(tmp_path):
                     "--max-new-tokens", 16, "--out-dir", tmp_path, "--logit-tolerance", "1e-4")
     assert result.exit_code == 1
     assert "10/10 prompts agree; counters compared" in result.output
-    assert "logits differ by up to" in result.output
+    assert "logits: max abs logit diff" in result.output and "(tolerance for --logit-tolerance)" in result.output

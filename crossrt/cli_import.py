@@ -1,0 +1,83 @@
+"""`crossrt import`: another runtime's speculative decoding statistics as a run record."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from crossrt.cli_common import USER_ERRORS, resolve_pair
+from crossrt.import_logs import ReadOptions
+from crossrt.importer import AGGREGATE, FORMATS, ImportRequest, import_record, import_summary
+from crossrt.runtime import SPEC_TYPES
+from crossrt.schema import save_record
+from crossrt.tables import format_table, summary_rows
+
+
+@click.command("import")
+@click.argument("file", type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--from", "source", type=click.Choice(list(FORMATS)), required=True,
+              help="The text's format (below).")
+@click.option("--before", type=click.Path(path_type=Path, dir_okay=False),
+              help="vllm-metrics, llama-server-metrics: an earlier scrape of the same endpoint; the record holds "
+              "FILE minus BEFORE (scrape before and after a benchmark).")
+@click.option("--out", type=click.Path(path_type=Path, dir_okay=False),
+              help="Record to write. Default: runs/imported/<FILE name>.json")
+@click.option("--overwrite", is_flag=True, help="Replace the record at --out.")
+@click.option("--k", type=click.IntRange(min=1),
+              help="Draft tokens per step, where the text does not show it (vLLM and llama.cpp print one rate "
+              "per position when they print rates). SGLang: its --speculative-num-draft-tokens minus 1 (that "
+              "count includes the root token).")
+@click.option("--decode-log-interval", type=click.IntRange(min=1), default=40, show_default=True,
+              help="sglang-log: the server's --decode-log-interval, decode passes per logged window.")
+@click.option("--pair", help="Pair manifest (path, or name under models/pairs) of the files the runtime ran, to "
+              "record their digests; the files must be here. Without it the record names no files.")
+@click.option("--pair-name", help="Name of the pair in the record when --pair is not given.")
+@click.option("--category", default=AGGREGATE, show_default=True,
+              help="Category of the one aggregate result, e.g. code when every prompt was code.")
+@click.option("--spec-type", type=click.Choice(SPEC_TYPES), help="The drafting method, in crossrt's names.")
+@click.option("--greedy/--sampled", default=None, help="Whether the run decoded greedily (texts do not say it).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), help="Token budget per request, if known.")
+@click.option("--n-ctx", type=click.IntRange(min=1), help="Context size, if known.")
+@click.option("--draft-n-min", type=click.IntRange(min=0), help="llama.cpp's --spec-draft-n-min, if known.")
+@click.option("--draft-p-min", type=click.FloatRange(0, 1), help="llama.cpp's --spec-draft-p-min, if known.")
+def import_command(file: Path, source: str, before: Optional[Path], out: Optional[Path], overwrite: bool,
+                   k: Optional[int], decode_log_interval: int, pair: Optional[str], pair_name: Optional[str],
+                   category: str, spec_type: Optional[str], greedy: Optional[bool], max_new_tokens: Optional[int],
+                   n_ctx: Optional[int], draft_n_min: Optional[int], draft_p_min: Optional[float]) -> None:
+    """Read a runtime's own speculative decoding statistics into a run record that `show`,
+    `report`, `parity` and `reproduce` read beside crossrt's runs. Its one aggregate result
+    holds counters only: no token ids (no lossless check), no per-prompt split, no timings;
+    the record says what its source gives (docs/import.md).
+
+    \b
+    vllm-log              vLLM V1 log: every 'SpecDecoding metrics:' line, summed
+    vllm-metrics          vLLM /metrics (vllm:spec_decode_*, all engines), or the counters
+                          vLLM's examples/offline_inference/spec_decode.py prints
+    sglang-log            SGLang server log: 'Decode batch ... accept len' windows
+    llama-server-metrics  llama-server --metrics /metrics (llamacpp:spec_decode_*)
+    llama-server-log      llama-server log: each request's 'draft acceptance' line
+
+    \b
+    crossrt import server.log --from vllm-log
+    crossrt import after.prom --before before.prom --from vllm-metrics
+    crossrt show runs/imported/server.log.json runs/tiny-llama-cpp-k4.json
+
+    Counts are recovered from a log's rounded rates only where exactly one count fits
+    them; otherwise the command says so and names the counter endpoint to read instead.
+    """
+    try:
+        request = ImportRequest(file, source, before, ReadOptions(k, decode_log_interval),
+                                resolve_pair(pair) if pair else None, pair_name, category, spec_type, greedy,
+                                max_new_tokens, n_ctx, draft_n_min, draft_p_min)
+        record = import_record(request)
+        out = out or Path("runs") / "imported" / f"{file.name}.json"
+        if out.exists() and not overwrite:
+            raise click.UsageError(f"{out} exists: pass --overwrite to replace it, or --out")
+        save_record(record, out)
+    except USER_ERRORS as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(format_table(summary_rows([record])))
+    click.echo(import_summary(record))
+    click.echo(f"record: {out}")

@@ -1,0 +1,75 @@
+"""Append-only journals beside files too large to rewrite often (run records, trace files).
+
+A journal `<base file name>.journal` holds one entry per line, each written with one append,
+and belongs to one version of its base file: its first line names the sha256 of that version's
+bytes. A reader folds a journal into its base only when the digest matches, so a journal left
+beside a base rewritten since (a run that ended and folded it, a resumed or overwritten run that
+started anew) is ignored, whatever moment a crash or kill chose. A last line without its newline
+was torn by a crash and is ignored too.
+
+Entries are flushed to the operating system as they are written (a killed process loses none),
+not fsync'd to the disk, as the record files themselves are not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+HEADER = "crossrt-journal 1 sha256="
+
+
+def journal_path(base: Path) -> Path:
+    base = Path(base)
+    return base.with_name(base.name + ".journal")
+
+
+def _header(base_bytes: bytes) -> bytes:
+    return f"{HEADER}{hashlib.sha256(base_bytes).hexdigest()}\n".encode()
+
+
+class Journal:
+    """The open journal of one base file version: started empty, appended to, then discarded
+    once its entries are in the base."""
+
+    def __init__(self, base: Path, base_bytes: bytes):
+        """Start an empty journal for the base whose bytes on disk are base_bytes, atomically
+        replacing any journal already there."""
+        self.path = journal_path(base)
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        temporary.write_bytes(_header(base_bytes))
+        os.replace(temporary, self.path)
+        self._file = open(self.path, "ab")
+
+    def append(self, entry: str) -> None:
+        """Add one entry (a line of text without newlines) and hand it to the OS at once."""
+        self._file.write(entry.encode() + b"\n")
+        self._file.flush()
+
+    def discard(self) -> None:
+        """Close and remove the journal: its entries are now in the base."""
+        self._file.close()
+        self.path.unlink(missing_ok=True)
+
+
+def remove_journal(base: Path) -> None:
+    journal_path(base).unlink(missing_ok=True)
+
+
+def read_with_journal(base: Path) -> tuple[bytes, list[str]]:
+    """The base file's bytes and the complete entries of its journal ([] when it has none).
+
+    The journal is read before the base: a writer rewrites the base before it discards or
+    replaces the journal, so whichever versions this sees, the entries either belong to the
+    base read or are already in it (and the digest then differs)."""
+    try:
+        journal = journal_path(base).read_bytes()
+    except FileNotFoundError:
+        journal = b""
+    base_bytes = Path(base).read_bytes()
+    header = _header(base_bytes)
+    if not journal.startswith(header):
+        return base_bytes, []
+    complete = journal[len(header):].split(b"\n")[:-1]  # the last piece is b"" or a torn line
+    return base_bytes, [line.decode(errors="replace") for line in complete]

@@ -1,0 +1,116 @@
+"""Layer-skip drafters: a GGUF model cut to its first N blocks, drafting for the full model.
+
+The cut model keeps the target's embeddings, output head and tokenizer byte for byte, so its
+token ids mean what the target's mean, and its first N blocks compute what the target's
+first N compute: it is the target skipping its last blocks (self-speculative decoding with
+no training). Tensors are copied as raw bytes, so quantized types stay as they are.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from crossrt.pairs import PairError, gguf_metadata
+
+BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")
+
+
+class LayerSkipError(ValueError):
+    """An input, block count or output problem, with a message meant for the user."""
+
+
+@dataclass(frozen=True)
+class LayerSkip:
+    """What a cut wrote: blocks kept of the source's, tensors kept and dropped, bytes written."""
+
+    source: Path
+    output: Path
+    blocks: int
+    source_blocks: int
+    tensors_kept: int
+    tensors_dropped: int
+    size: int
+
+
+def _check(source: Path, output: Path, blocks: int, overwrite: bool) -> tuple[str, int]:
+    """The source's architecture and block count, once every argument is checked: from the
+    metadata alone, so a wrong argument is reported before the slow full read of the file."""
+    if not source.is_file():
+        raise LayerSkipError(f"{source}: no such GGUF file")
+    try:
+        metadata = gguf_metadata(source)
+    except PairError as error:
+        raise LayerSkipError(f"{error} (damaged or truncated?)") from None
+    arch = metadata.get("general.architecture")
+    total = metadata.get(f"{arch}.block_count")
+    if not isinstance(total, int):
+        raise LayerSkipError(f"{source} has no {arch}.block_count: not a block-layered model crossrt can cut")
+    if not 1 <= blocks < total:
+        raise LayerSkipError(f"cannot keep {blocks} blocks: {source} has {total}; keep 1 to {total - 1}")
+    if output.resolve() == source.resolve():
+        raise LayerSkipError(f"{output} is the input file; write the drafter to another path")
+    if output.exists() and not overwrite:
+        raise LayerSkipError(f"{output} exists; pass --overwrite to replace it")
+    if not output.parent.is_dir():
+        raise LayerSkipError(f"cannot write {output}: folder {output.parent} does not exist")
+    return str(arch), total
+
+
+def layer_skip(source: Path, output: Path, blocks: int, overwrite: bool = False) -> LayerSkip:
+    """Write output: source with blocks blk.N.. dropped and <arch>.block_count set to N.
+
+    Every other metadata field and tensor is copied unchanged. Per-layer arrays under the
+    architecture's keys (one value per block, as some architectures store head counts) are
+    cut to N values too. The file is written beside output and renamed into place, so an
+    interrupted write never leaves a partial model at output.
+    """
+    import gguf  # numpy-only, but not needed by most commands
+
+    source, output = Path(source), Path(output)
+    arch, total = _check(source, output, blocks, overwrite)
+    count_key = f"{arch}.block_count"
+    try:
+        reader = gguf.GGUFReader(source)
+    except (ValueError, OSError, IndexError, KeyError) as error:
+        # A file cut short fails on whichever tensor runs past its end.
+        raise LayerSkipError(f"{source} is not a readable GGUF file (damaged or truncated?): {error}") from None
+    kept = [t for t in reader.tensors
+            if not ((match := BLOCK_TENSOR.match(t.name)) and int(match.group(1)) >= blocks)]
+    temporary = output.with_name(f".{output.name}.{os.getpid()}.tmp")
+    try:
+        writer = gguf.GGUFWriter(temporary, arch, endianess=reader.endianess)
+        for field in reader.fields.values():
+            # The writer adds the architecture itself; GGUF.* are the reader's view of the header.
+            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+                continue
+            if field.name == gguf.Keys.General.ALIGNMENT:
+                writer.add_custom_alignment(int(field.contents()))
+                continue
+            value_type = field.types[0]
+            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+            value = field.contents()
+            if field.name == count_key:
+                value = blocks
+            elif sub_type is not None and field.name.startswith(f"{arch}.") and len(value) == total:
+                value = value[:blocks]
+            writer.add_key_value(field.name, value, value_type, sub_type=sub_type)
+        for tensor in kept:
+            writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes,
+                                   tensor.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for tensor in kept:
+            writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
+        writer.close()
+        os.replace(temporary, output)
+    except OSError as error:
+        raise LayerSkipError(f"cannot write {output}: {error.strerror or error}") from None
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return LayerSkip(source, output, blocks, total, len(kept), len(reader.tensors) - len(kept),
+                     output.stat().st_size)

@@ -1,0 +1,60 @@
+"""A run's files as it goes: the record (and its traces) written whole when the run starts and
+when it ends, and each finished prompt appended to journals beside them in between, so saving
+the 10,000th prompt costs what saving the 10th does (docs/design.md, "Records on disk").
+
+Readers never see less than what finished: load_record and read_traces fold the journals in.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Optional
+
+from crossrt.journal import Journal, remove_journal
+from crossrt.schema import PromptResult, RunRecord, result_entry, save_record
+from crossrt.trace import PromptTrace, save_traces, trace_entry, trace_path
+
+
+class RunWriter:
+    """Writes one run: start, add() per finished prompt, close() (also after an error, so the
+    record is whole on disk whenever the process lives to do it)."""
+
+    def __init__(self, record: RunRecord, path: Path, traces: Optional[Mapping[str, PromptTrace]] = None,
+                 continues: bool = False):
+        """Save record (validated whole) at path and, for a traced run (traces given, those the
+        run continues), the traces beside it; then start an empty journal beside each.
+        continues: record holds what is on disk at path, journals folded in (a resumed run);
+        otherwise journals there are removed first, so none can join what this run writes."""
+        self._record, self._path = record, Path(path)
+        if not continues:
+            remove_journal(self._path)
+            remove_journal(trace_path(self._path))
+        self._results: list[PromptResult] = []
+        self._traces = dict(traces) if traces is not None else None
+        self._trace_journal = None
+        if self._traces is not None:  # traces first, here as in add(): no result on disk lacks its trace
+            trace_file = trace_path(self._path)
+            self._trace_journal = Journal(trace_file, save_traces(self._traces, trace_file))
+        self._journal = Journal(self._path, save_record(record, self._path))
+
+    def add(self, result: PromptResult, trace: Optional[PromptTrace] = None) -> None:
+        """Keep a finished prompt: validated alone, then appended to the journals, its trace
+        first. Constant work, whatever the run holds already."""
+        line = result_entry(self._record, result)
+        if trace is not None:
+            self._traces[result.prompt_id] = trace
+            self._trace_journal.append(trace_entry(result.prompt_id, trace))
+        # Kept before the append: close() after an interrupted append still folds it in.
+        self._results.append(result)
+        self._journal.append(line)
+
+    def close(self) -> RunRecord:
+        """Fold the journals in: traces and record rewritten whole (the record validated
+        whole), then the journals removed. Returns the record."""
+        if self._trace_journal is not None:
+            save_traces(self._traces, trace_path(self._path))
+            self._trace_journal.discard()
+        record = self._record.with_results(self._results)
+        save_record(record, self._path)
+        self._journal.discard()
+        return record

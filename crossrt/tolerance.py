@@ -1,0 +1,78 @@
+"""How closely two runs' logits must agree, by what is compared.
+
+One fixed logit tolerance cannot serve every comparison: F32 weights with an F32 KV cache agree
+to ~1e-5 across llama.cpp and transformers, an F16 KV cache (llama.cpp's default) moves logits
+by ~1e-3, and a quantized GGUF differs by whole logits between llama.cpp (which also quantizes
+activations for its quantized matmuls) and transformers (which dequantizes the weights to F32).
+So the class of the comparison picks the test, as llama.cpp's own tools do: a max absolute
+difference for float weights, and for quantized weights the KL-divergence statistics
+`llama-perplexity --kl-divergence` prints. Each bound is a few times what was measured
+(docs/parity.md, docs/real-models.md); `--logit-tolerance` overrides the max difference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from crossrt.rescore import LogitAgreement
+from crossrt.schema import RunRecord
+
+F32_TYPES = ("F32", "float32", "torch.float32")
+FLOAT_TYPES = F32_TYPES + ("F16", "BF16", "float16", "bfloat16", "torch.float16", "torch.bfloat16")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Bounds a LogitAgreement must meet; None: not checked."""
+
+    reason: str
+    max_abs_diff: Optional[float] = None
+    kl_mean: Optional[float] = None
+    kl_p99: Optional[float] = None
+    top1: Optional[float] = None  # least share of positions with the same argmax
+    near_tie_flip: float = 1e-3  # a divergence whose recorded flip is within this is numerics
+
+    def problems(self, measured: LogitAgreement) -> list[str]:
+        found = []
+        if self.max_abs_diff is not None and measured.max_abs_diff > self.max_abs_diff:
+            found.append(f"max abs logit diff {measured.max_abs_diff:.3g} > {self.max_abs_diff:g}")
+        if self.kl_mean is not None and measured.kl_mean > self.kl_mean:
+            found.append(f"mean KL divergence {measured.kl_mean:.3g} > {self.kl_mean:g}")
+        if self.kl_p99 is not None and measured.kl_p99 > self.kl_p99:
+            found.append(f"p99 KL divergence {measured.kl_p99:.3g} > {self.kl_p99:g}")
+        if self.top1 is not None and measured.top1_agreement < self.top1:
+            found.append(f"same top-1 {measured.top1_agreement:.3f} < {self.top1:g}")
+        return found
+
+    def describe(self) -> str:
+        bounds = [f"{name} {'>=' if name == 'same top-1' else '<='} {value:g}" for name, value in (
+            ("max abs diff", self.max_abs_diff), ("mean KL", self.kl_mean), ("p99 KL", self.kl_p99),
+            ("same top-1", self.top1)) if value is not None]
+        return f"{', '.join(bounds)} ({self.reason})"
+
+
+# Measured: tiny pair F32, F32 KV, flash attention off: max 1.9e-5 (docs/parity.md).
+F32_EXACT = Tolerance("F32 weights, F32 KV cache, flash attention off", max_abs_diff=1e-4, near_tie_flip=1e-3)
+# Measured: tiny pair F32 weights with llama.cpp's default F16 KV cache and flash attention: 3.5e-3.
+F16_CACHE = Tolerance("float weights with an F16 KV cache or flash attention", max_abs_diff=1e-2,
+                      near_tie_flip=5e-2)
+# Measured on Gemma 3 270M Q4_K_M, llama.cpp against transformers' dequantized weights
+# (docs/real-models.md): mean KL ~1e-2, p99 ~1e-1, same top-1 ~0.97; gap shifts p90 ~0.3.
+QUANTIZED = Tolerance("quantized weights: llama.cpp quantizes activations too, transformers dequantizes",
+                      kl_mean=0.05, kl_p99=0.5, top1=0.9, near_tie_flip=1.0)
+
+
+def _exact_numerics(record: RunRecord) -> bool:
+    return record.runtime.kv_cache == "f32" and record.runtime.flash_attn is not True
+
+
+def tolerance_for(a: RunRecord, b: RunRecord, override: Optional[float] = None) -> Tolerance:
+    """The tolerance for comparing the logits of runs a and b (module docstring)."""
+    if override is not None:
+        return Tolerance("--logit-tolerance", max_abs_diff=override, near_tie_flip=max(override, 1e-3))
+    if any(r.pair.target.quantization not in FLOAT_TYPES for r in (a, b)):
+        return QUANTIZED
+    if all(_exact_numerics(r) and r.pair.target.quantization in F32_TYPES for r in (a, b)):
+        return F32_EXACT
+    return F16_CACHE

@@ -1,0 +1,119 @@
+"""`crossrt drafter layer-skip` on the real model (Gemma 3 270M Q4_K_M, 18 blocks, fetched by
+scripts/setup): the cut keeps the metadata, vocabulary and quantized tensors byte for byte,
+loads in llama.cpp with 17 layers and drafts for the target; bad arguments and damaged inputs
+get one-line errors before any work."""
+
+import re
+import shutil
+from collections import Counter
+
+import llama_cpp
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from gguf import GGUFReader
+
+from crossrt import loop
+from crossrt.cli import main
+from crossrt.pairs import gguf_metadata, pair_from_paths, pair_info
+from crossrt.runtime import DraftRules, Rows
+
+from conftest import REPO
+
+BLOCKS = 17
+TINY = REPO / "models" / "tiny" / "target.f32.gguf"  # 4 blocks
+
+
+def layer_skip(*args):
+    return CliRunner().invoke(main, ["drafter", "layer-skip", *map(str, args)])
+
+
+@pytest.fixture(scope="module")
+def target(real_pair):
+    return real_pair.path("target", "gguf")
+
+
+@pytest.fixture(scope="module")
+def cut(target, tmp_path_factory):
+    output = tmp_path_factory.mktemp("layer-skip") / "blocks17.gguf"
+    result = layer_skip(target, output, "--blocks", BLOCKS)
+    assert result.exit_code == 0, result.output
+    assert result.output == f"wrote {output}: 17 of 18 blocks, 223 tensors (13 dropped), 249.1 MB\n"
+    return output
+
+
+def test_metadata_is_copied_with_the_new_block_count(target, cut):
+    theirs, ours = gguf_metadata(target), gguf_metadata(cut)
+    assert (theirs.pop("gemma3.block_count"), ours.pop("gemma3.block_count")) == (18, BLOCKS)
+    assert ours == theirs  # tokenizer, special ids, file type and every other field
+    info = pair_info(pair_from_paths(target, cut), "gguf")  # the check every run makes
+    assert info.target.vocab_fingerprint == info.drafter.vocab_fingerprint
+    assert info.drafter.n_vocab == 262144 and info.drafter.quantization == "Q4_K_M"
+
+
+def test_tensors_keep_their_types_and_bytes(target, cut):
+    ours = GGUFReader(cut).tensors  # gguf's own reader, not crossrt's
+    blocks = {int(match.group(1)) for t in ours if (match := re.match(r"blk\.(\d+)\.", t.name))}
+    assert blocks == set(range(BLOCKS)) and len(ours) == 2 + 13 * BLOCKS  # + token_embd, output_norm
+    # The target's types, less its last block's 13 tensors (6 F32, 4 Q5_0, Q4_K, Q8_0, Q6_K).
+    assert Counter(t.tensor_type.name for t in ours) == {"F32": 103, "Q5_0": 77, "Q4_K": 26, "Q8_0": 9, "Q6_K": 8}
+    # The target stores blk.17 last, so the cut's tensor data is the start of the target's.
+    start = min(t.data_offset for t in ours)
+    data, theirs = np.memmap(cut, mode="r")[start:], np.memmap(target, mode="r")
+    offset = bytes(theirs[:start + 65536]).find(bytes(data[:4096]))
+    assert offset > 0 and np.array_equal(theirs[offset:offset + len(data)], data)
+
+
+def test_cut_loads_in_llama_cpp_and_drafts_for_the_target(real_pair, cut, llama_runtime):
+    target = llama_runtime.load(real_pair.path("target", "gguf"))
+    drafter = llama_runtime.load(cut)
+    assert llama_cpp.llama_model_n_layer(drafter._model.model) == BLOCKS
+    assert drafter.n_vocab == target.n_vocab == 262144
+    ids = target.tokenize("The capital of France is")
+    assert drafter.tokenize("The capital of France is") == ids == [2, 818, 5279, 529, 7001, 563]
+    # A different model (logits move by several units) that still knows the answer.
+    assert np.abs(target.eval(ids, Rows.LAST).copy() - drafter.eval(ids, Rows.LAST)).max() > 1
+    drafter.truncate(0)
+    assert drafter.detokenize(loop.greedy_generate(drafter, ids, 4).output_ids).startswith(" Paris")
+    code = target.tokenize("def fibonacci(n):\n")
+    generation = loop.speculative_generate(target, drafter, code, DraftRules(7), 16)
+    assert len(generation.output_ids) == 16 and sum(generation.step_accepted) > 0
+
+
+@pytest.mark.parametrize("blocks, message", [(18, "cannot keep 18 blocks: .* has 18; keep 1 to 17"),
+                                             (0, "0 is not in the range x>=1")])
+def test_blocks_out_of_range_are_refused(target, tmp_path, blocks, message):
+    result = layer_skip(target, tmp_path / "out.gguf", "--blocks", blocks)
+    assert result.exit_code in (1, 2) and "Traceback" not in result.output
+    assert re.search(message, result.output), result.output
+    assert not list(tmp_path.iterdir())
+
+
+def test_missing_and_damaged_inputs_are_refused(target, tmp_path):
+    header_only = tmp_path / "header-only.gguf"
+    with target.open("rb") as source:
+        header_only.write_bytes(source.read(1 << 20))  # cut inside the 262,144-token vocabulary
+    no_data = tmp_path / "no-data.gguf"
+    no_data.write_bytes(TINY.read_bytes()[:-4096])  # header intact, tensors cut short
+    for source, message in [(tmp_path / "missing.gguf", "no such GGUF file"),
+                            (header_only, "runs past the end of the file (damaged or truncated?)"),
+                            (no_data, "is not a readable GGUF file (damaged or truncated?)")]:
+        result = layer_skip(source, tmp_path / "out.gguf", "--blocks", 2)
+        assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+        assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_outputs_that_cannot_be_written_are_refused(tmp_path):
+    source = tmp_path / "tiny.gguf"
+    shutil.copy(TINY, source)
+    existing = tmp_path / "existing.gguf"
+    existing.write_bytes(b"keep me")
+    for output, message in [(tmp_path / "no" / "such" / "folder.gguf", "folder .* does not exist"),
+                            (source, "is the input file"), (existing, "exists; pass --overwrite")]:
+        result = layer_skip(source, output, "--blocks", 2)
+        assert result.exit_code == 1 and re.search(message, result.output), result.output
+    assert existing.read_bytes() == b"keep me"
+    result = layer_skip(source, existing, "--blocks", 2, "--overwrite")
+    assert result.exit_code == 0 and gguf_metadata(existing)["llama.block_count"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing.gguf", "tiny.gguf"]  # no temporary left

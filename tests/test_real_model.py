@@ -1,0 +1,118 @@
+"""The real public model (Gemma 3 270M Q4_K_M, fetched by scripts/setup, with its layer-skip
+drafter) through the llama.cpp runtimes, and a diagnosis that names the cause of each split:
+a batch-shape near-tie inside llama.cpp, a tokenization split (a run of spaces), a swapped
+model. One thread, a few prompts, short outputs."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from crossrt.cli import main
+from crossrt.diagnosis import BATCH_SHAPE, explain_record
+from crossrt.pairs import load_pair
+from crossrt.schema import load_record
+
+from conftest import REPO
+
+PAIR = REPO / "models" / "pairs" / "gemma3-270m.toml"
+# Found on this model at k = 7: llama.cpp's 8-token verification batch and its one-token decode
+# swap 'Apple' and 'Mango' at output token 2 of the first prompt (crossrt's schedule), and two
+# candidates at token 9 of the second (crossrt's and llama-server's schedules).
+PROMPTS = [{"id": "fruits", "category": "structured", "prompt": "Here is a list of five fruits:\n1."},
+           {"id": "science", "category": "prose", "prompt": "Photosynthesis is the process by which plants"}]
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def real_pair():
+    pair = load_pair(PAIR)
+    for role in ("target", "drafter"):
+        path = pair.path(role, "gguf")  # PairError naming the file when scripts/setup has not fetched it
+        assert path.stat().st_size > 100_000_000
+    return pair
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "real.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def driven(real_pair, prompts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("driven") / "driven.json"
+    result = run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--out", out)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_a_lossless_failure_is_explained_as_batch_shape_numerics(driven):
+    record = load_record(driven)
+    splits = explain_record("llama-cpp/driven", record.results, lambda ids: "")
+    assert [(s.prompt_id, s.kind, s.index) for s in splits] == [("fruits", BATCH_SHAPE, 2), ("science", BATCH_SHAPE, 9)]
+    speculative, baseline = splits[0].sides
+    # Each pass's choice is the other's runner-up, both within a logit: a near-tie.
+    assert (speculative.runner_up, baseline.runner_up) == (baseline.token, speculative.token)
+    assert 0 < speculative.margin < 1 and 0 < baseline.margin < 1
+    assert (speculative.pass_tokens, baseline.pass_tokens) == (8, 1)  # k = 7 verification batch
+
+    report = run("diff", driven)
+    assert report.exit_code == 0
+    assert "fruits: batch-shape numerics at token 2" in report.output
+    assert "'Mango'" in report.output and "'Apple'" in report.output and "in a one-token decode" in report.output
+
+
+def test_parity_explains_the_near_tie_and_strict_fails_it(driven):
+    explained = run("parity", driven, "--no-logits")
+    assert explained.exit_code == 0, explained.output
+    assert "NOTE llama-cpp/driven vs its baseline, fruits: not lossless" in explained.output
+    assert "batch-shape numerics" in explained.output
+    strict = run("parity", driven, "--no-logits", "--strict")
+    assert strict.exit_code == 1 and "FAIL llama-cpp/driven vs its baseline, fruits" in strict.output
+
+
+def test_llama_server_finishes_every_prompt_and_its_splits_are_explained_by_its_driven_twin(
+        real_pair, prompts, driven, tmp_path):
+    """llama-server on a sliding-window model: with its prompt in one decode (--swa-full, as the
+    in-process cache), its counts fit its schedule; the driven llama-server schedule emits the
+    same ids and counts, and its pass views explain the native run's lossless failures."""
+    native, twin = tmp_path / "native.json", tmp_path / "twin.json"
+    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--runtime", "llama-server",
+               "--mode", "native", "--out", native).exit_code == 0
+    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--schedule", "llama-server",
+               "--out", twin).exit_code == 0
+    record = load_record(native)
+    assert all(r.ok and r.unfit_counts is None and r.counters.identity_violations(7) == [] for r in record.results)
+    report = run("parity", native, twin, "--no-logits")
+    assert report.exit_code == 0, report.output
+    assert "llama-server/native vs llama-cpp/driven: 2/2 prompts agree; counters compared" in report.output
+    assert "NOTE llama-server/native vs its baseline, science: not lossless" in report.output
+    assert "seen in llama-cpp/driven, which emitted the same tokens with pass views" in report.output
+
+
+def test_llama_spec_cli_equals_its_driven_schedule_on_the_real_model(real_pair, prompts, tmp_path):
+    native, twin = tmp_path / "native.json", tmp_path / "twin.json"
+    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--runtime", "llama-spec-cli",
+               "--mode", "native", "--out", native).exit_code == 0
+    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--schedule",
+               "llama-spec-simple", "--out", twin).exit_code == 0
+    report = run("parity", native, twin, "--no-logits")
+    assert report.exit_code == 0, report.output
+    assert "llama-spec-cli/native vs llama-cpp/driven: 2/2 prompts agree; counters compared" in report.output
+
+
+def test_a_swapped_model_is_a_disagreement(real_pair, prompts, driven, tmp_path):
+    """The 15-block cut standing in as the target: the same vocabulary, another function."""
+    swapped = tmp_path / "swapped.json"
+    cut = REPO / ".cache" / "models" / "gemma3-270m-q4_k_m-blocks15.gguf"
+    assert run("run", "--target", cut, "--drafter", real_pair.path("drafter", "gguf"), "--prompts", prompts,
+               "--max-new-tokens", 16, "--out", swapped).exit_code == 0
+    report = run("diff", driven, swapped)
+    assert report.exit_code == 0
+    assert "part at baseline token" in report.output
+    assert "verdict: disagreement" in report.output and "near-tie" not in report.output

@@ -1,0 +1,90 @@
+"""The transformers runtime on GGUF files: it loads a pair's GGUF file when the pair names no
+transformers folder, and caches the dequantized model by the file's sha256, so the real model
+(Gemma 3 270M Q4_K_M, from scripts/setup) loads in seconds the second time, with the same
+logits. Runs in a fresh cache folder ($CROSSRT_CACHE), 1 thread."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from crossrt.backends.transformers import dequantized_folder
+from crossrt.cli import main
+from crossrt.pairs import Pair, PairError, pair_from_paths
+from crossrt.runtime import RuntimeOptions, Rows, open_runtime
+from crossrt.schema import load_record
+
+from conftest import REPO
+
+TEXT = "The capital of France is"
+PROMPTS = [("code", "code", "def fibonacci(n):\n"), ("prose", "prose", "Once upon a time, in a small village,")]
+TINY = REPO / "models" / "tiny"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("crossrt-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CROSSRT_CACHE", str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def hf_runtime():
+    return open_runtime("transformers", RuntimeOptions(n_ctx=512, threads=1))
+
+
+def test_pairs_give_a_runtime_its_first_format_filled_in(tiny_pair):
+    preferred = ("hf", "gguf")
+    assert tiny_pair.path("target", preferred) == tiny_pair.path("target", "hf")
+    gguf_only = pair_from_paths(TINY / "target.f32.gguf", TINY / "drafter.f32.gguf")
+    assert gguf_only.path("drafter", preferred) == (TINY / "drafter.f32.gguf").resolve()
+    left_empty = Pair("p", {"target": {"hf": "", "gguf": str(TINY / "target.f32.gguf")}})
+    assert left_empty.path("target", preferred) == TINY / "target.f32.gguf"
+    with pytest.raises(PairError, match="the target's hf path is left empty"):
+        Pair("p", {"target": {"hf": ""}}).path("target", preferred)
+    with pytest.raises(PairError, match="names no exl3 or hf file for the drafter"):
+        gguf_only.path("drafter", ("exl3", "hf"))
+
+
+def test_real_model_loads_from_its_dequantized_cache(real_pair, cache, hf_runtime):
+    path = real_pair.path("target", "gguf")
+    folder = dequantized_folder(path)
+    assert folder.parent.parent == cache / "hf-from-gguf" and not folder.exists()
+    start = time.perf_counter()
+    first = hf_runtime.load(path)
+    first_s = time.perf_counter() - start
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temporary folder left
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                        "tokenizer.json", "tokenizer_config.json"]
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    start = time.perf_counter()
+    second = hf_runtime.load(path)
+    second_s = time.perf_counter() - start
+    assert second_s < min(15.0, first_s / 3), (first_s, second_s)
+    ids = first.tokenize(TEXT)
+    assert second.tokenize(TEXT) == ids == [2, 818, 5279, 529, 7001, 563]
+    assert first.eog_ids == second.eog_ids == frozenset({1}) and second.n_vocab == 262144
+    np.testing.assert_array_equal(first.eval(ids, Rows.ALL), second.eval(ids, Rows.ALL))
+
+
+def test_cli_runs_real_gguf_files_on_transformers(real_pair, cache, tmp_path):
+    """The target drafts for itself: its conversion is cached by the test above, and a second
+    real model would add ~40 s of GGUF conversion for no other check."""
+    target = real_pair.path("target", "gguf")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "category": c, "prompt": p}) + "\n" for i, c, p in PROMPTS))
+    result = CliRunner().invoke(main, [str(a) for a in (
+        "run", "--runtime", "transformers", "--target", target, "--drafter", target, "--k", 7,
+        "--max-new-tokens", 8, "--prompts", prompts, "--out", tmp_path / "run.json")])
+    assert result.exit_code == 0, result.output
+    record = load_record(tmp_path / "run.json")
+    assert record.runtime.name == "transformers"
+    assert (record.pair.target.format, record.pair.drafter.format) == ("gguf", "gguf")
+    assert record.pair.target.quantization == "Q4_K_M" and record.pair.target.n_vocab == 262144
+    assert [r.prompt_id for r in record.results] == ["code", "prose"]
+    assert all(r.ok and r.lossless and len(r.output_ids) == 8 for r in record.results)
+    assert sum(r.counters.accepted for r in record.results) > 0
+    assert [p.name for p in (cache / "hf-from-gguf").glob("*/*")] == [record.pair.target.sha256]  # converted once
