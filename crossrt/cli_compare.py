@@ -31,7 +31,7 @@ from crossrt.tolerance import tolerance_for
               help="Comma-separated modes; a runtime runs the modes it has (others are skipped, not failed).")
 @click.option("--prompts", "prompt_source", default="builtin", show_default=True,
               help=PROMPTS_HELP)
-@click.option("--k", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--k", type=click.IntRange(min=1), help="Draft length. Default: the pair's [defaults] k, else 4.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("runs/parity"),
               show_default=True, help="Where the matrix's run records go.")
@@ -73,7 +73,9 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
         else:
             options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, gpu_split=gpu_split,
                                      f32_kv_cache=f32_kv_cache, flash_attn=flash_attn)
-            matrix = Matrix(resolve_pair(pair), runtimes, modes, options, DraftRules(k), max_new_tokens, out_dir)
+            resolved = resolve_pair(pair)
+            rules = DraftRules(k or int(resolved.defaults.get("k", 4)))
+            matrix = Matrix(resolved, runtimes, modes, options, rules, max_new_tokens, out_dir)
             records_run, not_run, skipped = run_matrix(matrix, load_prompts(prompt_source),
                                                        on_run=lambda label: click.echo(f"running {label}", err=True))
             runs = labelled(records_run, [""] * len(records_run))

@@ -14,6 +14,7 @@ runs yet another batch shape:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -169,6 +170,13 @@ def twins_of(runs: Sequence[tuple[str, Sequence[PromptResult]]]) -> Twins:
 
 def _twin_key(result: PromptResult) -> tuple:
     return result.prompt_id, result.prompt_ids, result.output_ids, result.baseline_ids
+
+
+def with_twin_views(results: Sequence[PromptResult], twins: Twins) -> tuple[PromptResult, ...]:
+    """results, each without pass views given its driven twin's (same prompt and ids)."""
+    return tuple(dataclasses.replace(r, output_view=twins[_twin_key(r)][1].output_view,
+                                     baseline_view=twins[_twin_key(r)][1].baseline_view)
+                 if r.ok and r.output_view is None and _twin_key(r) in twins else r for r in results)
 
 
 def explained_split(label: str, result: PromptResult, detokenize: Detokenize, twins: Twins) -> Optional[Split]:

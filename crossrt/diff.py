@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from crossrt.diagnosis import (CROSS_NUMERICS, DISAGREEMENT, Side, Split, first_divergence, flip as recorded_flip,
-                               lossless_split, side, tokenization_split)
+                               lossless_split, own_tokenization, side, tokenization_split)
 from crossrt.rescore import open_scorer, score
 from crossrt.schema import PromptResult, RunRecord
 
@@ -181,7 +181,9 @@ def diff_records(label_a: str, a: RunRecord, label_b: str, b: RunRecord) -> Diff
     divergences, agreeing, measured = [], [], []
     for result_a, result_b in both:
         tokenization = tokenization_split(result_a.prompt_id, (label_a, label_b),
-                                          (result_a.prompt_ids, result_b.prompt_ids), scorers[0].detokenize)
+                                          (result_a.prompt_ids, result_b.prompt_ids), scorers[0].detokenize) \
+            or own_tokenization(label_a, result_a, scorers[0].detokenize) \
+            or own_tokenization(label_b, result_b, scorers[1].detokenize)
         if tokenization is not None:
             divergences.append(Divergence(result_a.prompt_id, tokenization.index, "", (), None,
                                           tokenization=tokenization))
@@ -218,9 +220,13 @@ def render_diff(report: DiffReport) -> str:
         if divergence.context:
             lines.append(f"  text before: {divergence.context!r}")
         for split in divergence.within:
-            lines += [f"  {s.describe()}" for s in split.sides]
+            owner = split.sides[0].label.rsplit(" ", 1)[0] if split.sides else "a run"
+            lines.append(f"  {owner} left its own baseline at token {split.index}: {split.kind}")
+            lines += [f"    {s.describe()}" for s in split.sides]
+        if divergence.sides:
+            lines.append(f"  the {divergence.compared} part at token {divergence.index}:")
         for recorded in divergence.sides:
-            lines.append(f"  {recorded.describe()}")
+            lines.append(f"    {recorded.describe()}")
         for view in divergence.views:
             candidates = ", ".join(f"{c.text!r} {c.probability:.3f} ({c.logit:.3f})" for c in view.top)
             lines.append(f"  re-scored in one pass on {view.label}: top-2 margin {view.margin:.3g}; top-5: {candidates}")

@@ -8,11 +8,12 @@ two runtimes with different schedules legitimately count differently (docs/schem
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from crossrt.diagnosis import (BATCH_SHAPE, Twins, explained_split, first_divergence, flip, lossless_split, no_text,
-                               side, twins_of)
+                               side, twins_of, with_twin_views)
 from crossrt.schema import PromptResult, RunRecord
 from crossrt.tolerance import tolerance_for
 
@@ -210,8 +211,10 @@ def compare_all(runs: Sequence[tuple[str, RunRecord]], counter_tolerance: float 
     """Every (label, record) run against its own baseline, then every pair of runs, every prompt."""
     twins = twins_of([(label, record.results) for label, record in runs])
     checks = [check for label, record in runs for check in lossless_checks(label, record, strict, twins)]
+    # Native runs are explained across runtimes through their driven twins' pass views too.
+    viewed = [(label, dataclasses.replace(record, results=with_twin_views(record.results, twins))) for label, record in runs]
     return checks + [comparison
-                     for i, (label_a, a) in enumerate(runs) for label_b, b in runs[i + 1:]
+                     for i, (label_a, a) in enumerate(viewed) for label_b, b in viewed[i + 1:]
                      for comparison in compare_records(a, b, counter_tolerance, (label_a, label_b), logit_tolerance,
                                                        strict)]
 

@@ -116,3 +116,23 @@ def test_a_swapped_model_is_a_disagreement(real_pair, prompts, driven, tmp_path)
     assert report.exit_code == 0
     assert "part at baseline token" in report.output
     assert "verdict: disagreement" in report.output and "near-tie" not in report.output
+
+
+def test_llama_cpp_and_transformers_agree_in_distribution_and_a_run_of_spaces_splits_tokenization(
+        real_pair, tmp_path):
+    """transformers loads the same Q4_K_M GGUF dequantized: logits differ by whole logits where
+    llama.cpp quantizes activations, so parity checks KL divergence, and passes on it; a run of
+    40 spaces is tokenized differently by the two (a tokenization split, named as such)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "capital", "category": "prose", "prompt": "The capital of France is"}) + "\n"
+                       + json.dumps({"id": "spaces", "category": "structured", "prompt": "x =" + " " * 40 + "1"}) + "\n")
+    report = run("parity", "--pair", PAIR, "--runtimes", "llama-cpp,transformers", "--modes", "driven",
+                 "--prompts", prompts, "--k", 4, "--max-new-tokens", 6, "--out-dir", tmp_path)
+    assert "2/2 within tolerance" in report.output, report.output
+    assert "quantized weights: llama.cpp quantizes activations too" in report.output
+    assert "FAIL transformers/driven vs its baseline, spaces: tokenizes the prompt text differently" in report.output
+    assert report.exit_code == 1 and report.output.count("FAIL ") == 1
+    diff = run("diff", tmp_path / "gemma3-270m-llama-cpp-driven-k4.json",
+               tmp_path / "gemma3-270m-transformers-driven-k4.json")
+    assert "spaces: part at prompt position 3" in diff.output
+    assert "verdict: tokenization or template: prompt ids differ from position 3 before generation" in diff.output

@@ -23,7 +23,7 @@ from crossrt.prompts import load_prompts
 from crossrt.run_writer import RunWriter
 from crossrt.runtime import DraftRules
 from crossrt.schema import RecordError, RunParams, RunRecord, load_record, save_record
-from crossrt.trace import TraceRecorder, load_trace, read_traces, save_traces, trace_entry, trace_path
+from crossrt.trace import TraceRecorder, load_trace, read_traces, trace_entry, trace_path
 
 from conftest import REPO, TINY_PAIR
 
