@@ -232,7 +232,7 @@ class LlamaServerSession(NativeSession):
         request = {"prompt": list(prompt_ids), "n_predict": max_new_tokens, "cache_prompt": False,
                    "return_tokens": True, "stream": False, **GREEDY}
         try:
-            response = server.call_json("POST", "/completion", request)
+            response = server.call_json("POST", "/completion", request, work_tokens=len(prompt_ids) + max_new_tokens)
         except ServerError as error:
             if 400 <= error.status < 500:
                 if speculative:  # whatever it counted must not land on the next prompt

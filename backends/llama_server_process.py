@@ -18,17 +18,25 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from crossrt.backends.llama_tools import BUILD_BIN, find_tool, log_tail
+from crossrt.journal import storage_error
 from crossrt.runtime import RuntimeFailure
 
 BUILT_EXECUTABLE = BUILD_BIN / "llama-server"
 HOST = "127.0.0.1"
 HEALTH_TIMEOUT_S = 120.0  # loading a large model from a cold disk takes a while
-REQUEST_TIMEOUT_S = 3600.0  # one long generation on a CPU; a dead server is noticed at once anyway
+# A request may take REQUEST_BASE_S plus REQUEST_S_PER_TOKEN per token of its work (a slow CPU
+# runs a large model at well under a token a second); a dead server is noticed at once anyway,
+# and a hung one (stopped, deadlocked) by its silence to /health probes while the request waits.
+REQUEST_BASE_S = 60.0
+REQUEST_S_PER_TOKEN = 2.0
+HEALTH_PROBE_S = 5.0  # between probes, and each probe's own timeout
+HEALTH_MISSES = 3  # probes in a row without an answer: the server is hung
 STOP_TIMEOUT_S = 10.0
 PORT_ATTEMPTS = 3
 PR_SET_PDEATHSIG = 1
@@ -97,8 +105,11 @@ class ServerProcess:
     @classmethod
     def _start_once(cls, executable: Path, args: Sequence[str], log_path: Path, port: int,
                     health_timeout_s: float) -> "ServerProcess":
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_file = open(log_path, "w")
+        try:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_file = open(log_path, "w")
+        except OSError as error:
+            raise storage_error(log_path, error) from None
         argv = [str(executable), *args, "--host", HOST, "--port", str(port)]
         log_file.write("$ " + " ".join(argv) + "\n")
         log_file.flush()
@@ -147,12 +158,20 @@ class ServerProcess:
         try:
             code = self.process.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
-            state = "still running"
+            state = "stopped by a signal" if self._stopped() else "still running"
         else:
             state = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         return RuntimeFailure(f"llama-server (pid {self.pid}, {state}): {what}{self.log_tail_text()}")
 
-    def _request(self, method: str, path: str, body: Any = None, timeout: float = REQUEST_TIMEOUT_S):
+    def _stopped(self) -> bool:
+        """The process is stopped (SIGSTOP, SIGTSTP), as /proc tells where there is one."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
+
+    def _request(self, method: str, path: str, body: Any = None, timeout: float = REQUEST_BASE_S):
         connection = http.client.HTTPConnection(HOST, self.port, timeout=timeout)
         try:
             payload = None if body is None else json.dumps(body)
@@ -163,11 +182,46 @@ class ServerProcess:
         finally:
             connection.close()
 
-    def call(self, method: str, path: str, body: Any = None) -> bytes:
+    def _watched_request(self, method: str, path: str, body: Any, timeout: float):
+        """_request in a worker thread while this one probes /health (answered by the server's
+        HTTP threads while a slot generates): a server that stops answering is a RuntimeFailure
+        after HEALTH_MISSES probes, not a wait of the whole timeout."""
+        outcome: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                outcome["answer"] = self._request(method, path, body, timeout)
+            except BaseException as error:  # handed to the caller's thread
+                outcome["error"] = error
+
+        worker = threading.Thread(target=work, name=f"llama-server {method} {path}", daemon=True)
+        worker.start()
+        misses = 0
+        while True:
+            worker.join(HEALTH_PROBE_S)
+            if not worker.is_alive():
+                break
+            try:
+                status, _ = self._request("GET", "/health", timeout=HEALTH_PROBE_S)
+            except (OSError, http.client.HTTPException):
+                status = None
+            misses = 0 if status == 200 else misses + 1
+            if misses >= HEALTH_MISSES:
+                raise self.failure(f"{method} {path}: no answer to {misses} /health probes in a row "
+                                   f"({HEALTH_PROBE_S:g} s each): the server is hung")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["answer"]
+
+    def call(self, method: str, path: str, body: Any = None, work_tokens: int = 0) -> bytes:
         """The body of a successful request; ServerError for an error status, RuntimeFailure
-        when the server cannot be reached (it died, or never answered)."""
+        when the server cannot be reached (it died, hung, or did not answer within the time
+        work_tokens tokens of work may take)."""
+        timeout = REQUEST_BASE_S + REQUEST_S_PER_TOKEN * work_tokens
         try:
-            status, data = self._request(method, path, body)
+            status, data = self._watched_request(method, path, body, timeout)
+        except TimeoutError:
+            raise self.failure(f"{method} {path}: no answer within {timeout:g} s") from None
         except (OSError, http.client.HTTPException) as error:
             raise self.failure(f"{method} {path} failed: {error!r}") from None
         if status != 200:
@@ -178,8 +232,8 @@ class ServerProcess:
             raise ServerError(status, message)
         return data
 
-    def call_json(self, method: str, path: str, body: Any = None) -> Any:
-        data = self.call(method, path, body)
+    def call_json(self, method: str, path: str, body: Any = None, work_tokens: int = 0) -> Any:
+        data = self.call(method, path, body, work_tokens)
         try:
             return json.loads(data)
         except ValueError:
@@ -188,6 +242,7 @@ class ServerProcess:
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
+            self.process.send_signal(signal.SIGCONT)  # a stopped server acts on SIGTERM only once continued
             try:
                 self.process.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -20,7 +21,7 @@ from crossrt.importer import import_summary
 from crossrt.loop import SCHEDULE, SCHEDULES
 from crossrt.prompts import load_prompts
 from crossrt.runtime import SPEC_TYPES, DraftRules, RuntimeOptions, availability, runtime_names
-from crossrt.schema import RecordError, load_record
+from crossrt.schema import load_record
 from crossrt.tables import format_table, record_notes, summary_rows
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -98,6 +99,13 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft
         rules = DraftRules(k, draft_n_min, draft_p_min, spec_type or str(resolved.defaults.get("spec_type", "draft")))
         request = RunRequest(resolved, runtime_name, options, rules, max_new_tokens, out, mode, schedule,
                              resume, overwrite, trace=trace)
+        # llama.cpp's runtimes and schedules drop drafts shorter than n_min, and a draft is at most
+        # max_new_tokens - 1 long: with n_min at k (its default), a large k drafts nothing.
+        llama_rules = runtime_name.startswith("llama") if mode == "native" else schedule != SCHEDULE
+        if llama_rules and rules.n_min >= max_new_tokens:
+            click.echo(f"warning: --k {k}: llama.cpp drops drafts shorter than draft-n-min {rules.n_min}, and no "
+                       f"draft fits in --max-new-tokens {max_new_tokens}: nothing will be drafted; lower --k or "
+                       "--draft-n-min", err=True)
         with click.progressbar(length=len(prompts), label=f"{runtime_name} k={k}", file=sys.stderr,
                                item_show_func=lambda text: text) as bar:
             def advance(prompt, result):
@@ -106,13 +114,32 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft
             record = run_pair(request, prompts, on_prompt=advance)
     except USER_ERRORS as error:
         raise click.ClickException(str(error)) from None
+    except KeyboardInterrupt:
+        if out is None:  # interrupted before a record was named: nothing to resume
+            raise click.Abort() from None
+        click.echo(f"\ninterrupted: the finished prompts are kept in {out}; continue with:\n"
+                   f"  {resume_command(out)}", err=True)
+        sys.exit(130)  # the shell's code for a run ended by SIGINT
     click.echo(format_table(summary_rows([record])))
     for line in record_notes([record]):
         click.echo(line, err=True)
+    if gpu_split and record.runtime.device == "cpu":
+        click.echo(f"warning: --gpu-split {','.join(f'{share:g}' for share in gpu_split)} had no effect: the run "
+                   "used no GPU (none found here, or --n-gpu-layers 0)", err=True)
     failed = [r for r in record.results if not r.ok]
     for result in failed:
         click.echo(f"failed: {result.prompt_id}: {result.error}", err=True)
     click.echo(f"record: {out}")
+    if record.results and len(failed) == len(record.results):
+        raise click.ClickException(f"all {len(failed)} prompts failed (first: {failed[0].error})")
+
+
+def resume_command(out: Path) -> str:
+    """The command line of this run, made to continue the record at out."""
+    args = [arg for arg in sys.argv[1:] if arg not in ("--resume", "--overwrite")]
+    if not any(arg == "--out" or arg.startswith("--out=") for arg in args):
+        args += ["--out", str(out)]
+    return shlex.join(["crossrt", *args, "--resume"])
 
 
 @main.command()
@@ -123,7 +150,7 @@ def show(records: Sequence[Path]) -> None:
     Imported records (`crossrt import`) follow the table with what their source lacks."""
     try:
         loaded = [load_record(path) for path in records]
-    except RecordError as error:
+    except USER_ERRORS as error:
         raise click.ClickException(str(error)) from None
     click.echo(format_table(summary_rows(loaded)))
     for path, record in zip(records, loaded):

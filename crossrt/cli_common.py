@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 
 import click
 
+from crossrt.journal import StorageError
 from crossrt.pairs import Pair, PairError, load_pair, pair_from_paths
 from crossrt.prompts import BUILTIN_SUITES, PromptError
 from crossrt.runtime import RuntimeFailure, RuntimeUnavailable
@@ -17,8 +18,8 @@ PROMPTS_HELP = (f"A built-in suite ({', '.join(BUILTIN_SUITES)}) or a file: "
                 "PATH or jsonl:PATH (id, category, prompt fields), specbench:PATH, mtbench:PATH "
                 "(question.jsonl, first turn), humaneval:PATH.")
 REPO_PAIRS = Path(__file__).resolve().parent.parent / "models" / "pairs"
-USER_ERRORS = (PairError, PromptError, RecordError, RuntimeUnavailable, RuntimeFailure, FileNotFoundError,
-               ValueError)
+USER_ERRORS = (PairError, PromptError, RecordError, RuntimeUnavailable, RuntimeFailure, StorageError,
+               FileNotFoundError, ValueError)
 
 
 class GpuSplit(click.ParamType):

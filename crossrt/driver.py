@@ -13,14 +13,15 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from crossrt import loop
+from crossrt.journal import storage_error
 from crossrt.pairs import ROLES, Pair, pair_info
 from crossrt.prompts import Prompt
 from crossrt.schedules import SERVER
 from crossrt.runtime import (DraftRules, ModelSession, NativeSession, Runtime, RuntimeOptions,
                              RuntimeUnavailable, open_runtime)
-from crossrt.run_writer import RunWriter
-from crossrt.schema import (Counters, PromptResult, RecordError, RunParams, RunRecord, Timings,
-                            accepted_per_position, load_record)
+from crossrt.resume import check_prompts, prompt_sha256, starting_record
+from crossrt.run_writer import RunWriter, record_lock
+from crossrt.schema import Counters, PromptResult, RunParams, RunRecord, Timings, accepted_per_position
 from crossrt.trace import PromptTrace, TraceRecorder, read_traces, trace_path
 
 
@@ -106,26 +107,6 @@ def run_prompt_native(session: NativeSession, prompt: Prompt, max_new_tokens: in
                         unfit_counts=speculative.unfit_counts)
 
 
-def _starting_record(request: RunRequest, fresh: RunRecord) -> RunRecord:
-    """The record to continue: the fresh one, or with --resume the matching one on disk."""
-    if not request.out.exists() or request.overwrite:
-        return fresh
-    if not request.resume:
-        raise RecordError(f"{request.out} exists: pass --resume to continue it or --overwrite to replace it")
-    previous = load_record(request.out)
-    if previous.imported:
-        raise RecordError(f"cannot resume {request.out}: it was imported (crossrt import), not run")
-    for name, before, now in (("runtime", previous.runtime, fresh.runtime),
-                              ("parameters", previous.params, fresh.params),
-                              ("target", previous.pair.target.sha256, fresh.pair.target.sha256),
-                              ("drafter", previous.pair.drafter.sha256, fresh.pair.drafter.sha256)):
-        if before != now:
-            raise RecordError(f"cannot resume {request.out}: its {name} differ ({before} vs {now})")
-    # Failed prompts are tried again; finished ones are kept.
-    return RunRecord(previous.runtime, previous.pair, previous.params,
-                     tuple(r for r in previous.results if r.ok), notes=previous.notes, trace=previous.trace)
-
-
 def _starting_traces(request: RunRequest, record: RunRecord) -> dict[str, PromptTrace]:
     """The traces a traced run continues: those of the record's finished prompts, if any."""
     path = request.out.parent / record.trace if record.trace else None
@@ -137,7 +118,7 @@ def _starting_traces(request: RunRequest, record: RunRecord) -> dict[str, Prompt
 
 def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.ExitStack):
     """A function running one prompt (and filling a trace recorder) in the requested mode,
-    and the native session when the mode is native."""
+    the native session when the mode is native, and the runtime's tokenizer."""
     if request.mode not in runtime.modes:
         raise RuntimeUnavailable(f"runtime {runtime.name!r} has no {request.mode} mode "
                                  f"(it has: {', '.join(runtime.modes)})")
@@ -151,14 +132,18 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
 
     if request.mode == "native":
         work_dir = request.out.with_name(request.out.stem + ".logs")
+        try:  # here, so a runtime's own logs meet a read-only or full disk as the record does
+            work_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise storage_error(work_dir, error) from None
         session = runtime.open_native(paths["target"], paths["drafter"], request.rules, work_dir)
         stack.callback(session.close)
         return (lambda prompt, _: run_prompt_native(session, prompt, request.max_new_tokens, request.rules.k,
-                                                   shared(prompt))), session
+                                                   shared(prompt))), session, session.tokenize
     request.rules.require_drafter_model("crossrt's driven loop")
     target, drafter = runtime.load(paths["target"]), runtime.load(paths["drafter"])
     return (lambda prompt, trace: run_prompt(target, drafter, prompt, request.rules, request.max_new_tokens,
-                                             request.schedule, shared(prompt), trace)), None
+                                             request.schedule, shared(prompt), trace)), None, target.tokenize
 
 
 def run_pair(request: RunRequest, prompts: Sequence[Prompt],
@@ -171,28 +156,30 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
     kill in the middle of the run; with request.trace, its trace is kept just before it (a
     resumed run without request.trace keeps the traces it has and traces no new prompt).
     """
-    runtime = open_runtime(request.runtime, request.options)
-    info = pair_info(request.pair, runtime.model_format)
     with contextlib.ExitStack() as stack:
-        run_one, native = _prompt_runner(runtime, request, stack)
+        stack.enter_context(record_lock(request.out))  # first: a second writer is refused before any loading
+        runtime = open_runtime(request.runtime, request.options)
+        info = pair_info(request.pair, runtime.model_format)
+        run_one, native, tokenize = _prompt_runner(runtime, request, stack)
         params = RunParams(k=request.rules.k, greedy=True, max_new_tokens=request.max_new_tokens,
                            mode=request.mode, spec_type=request.rules.spec_type,
                            schedule=native.schedule if native else request.schedule, n_ctx=request.options.n_ctx,
                            draft_n_min=request.rules.n_min, draft_p_min=request.rules.p_min)
         fresh = RunRecord(runtime.info(), info, params, notes=native.notes if native else ())
-        record = _starting_record(request, fresh)
+        record = check_prompts(request.out, starting_record(request.out, fresh, request.resume, request.overwrite),
+                               prompts, tokenize)
         traces = _starting_traces(request, record)
         if request.trace:
             record = dataclasses.replace(record, trace=trace_path(request.out).name)
         done = {r.prompt_id for r in record.results}
-        resumed = request.out.exists() and not request.overwrite  # _starting_record refused anything else
+        resumed = request.out.exists() and not request.overwrite  # starting_record refused anything else
         writer = RunWriter(record, request.out, traces if request.trace else None, continues=resumed)
         try:
             for prompt in prompts:
                 result = None
                 if prompt.id not in done:
                     recorder = TraceRecorder() if request.trace else None
-                    result = run_one(prompt, recorder)
+                    result = dataclasses.replace(run_one(prompt, recorder), prompt_sha256=prompt_sha256(prompt))
                     writer.add(result, recorder.finish() if recorder is not None and result.ok else None)
                 if on_prompt is not None:
                     on_prompt(prompt, result)

@@ -13,11 +13,51 @@ not fsync'd to the disk, as the record files themselves are not.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from pathlib import Path
 
 HEADER = "crossrt-journal 1 sha256="
+# What to do about the errors a run's files meet most, by errno.
+ADVICE = {
+    errno.ENOSPC: "free space on that disk or pass --out on another one",
+    errno.EDQUOT: "free space within your quota or pass --out elsewhere",
+    errno.EROFS: "the location is read-only: pass --out somewhere writable",
+    errno.EACCES: "check the folder's permissions or pass --out somewhere writable",
+    errno.EPERM: "check the folder's permissions or pass --out somewhere writable",
+    errno.ENOENT: "its folder is missing: create it or pass --out elsewhere",
+    errno.ENOTDIR: "a part of its folder path is a file: pass --out elsewhere",
+    errno.EEXIST: "a file is in the way of that folder: move it or pass --out elsewhere",
+}
+
+
+class StorageError(Exception):
+    """A file of a run that could not be written or read (disk full, read-only, permissions),
+    said in one line naming the file and what to do."""
+
+
+def storage_error(path: Path, error: OSError, doing: str = "write") -> StorageError:
+    advice = ADVICE.get(error.errno, "check the disk and the path")
+    return StorageError(f"cannot {doing} {path}: {error.strerror or error}; {advice}")
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write data to path through a temporary file of this process, then os.replace: readers
+    and other writers never see half a file, and a failed write (a full disk) leaves no
+    temporary behind. Raises StorageError."""
+    path = Path(path)
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            temporary.write_bytes(data)
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+    except OSError as error:
+        raise storage_error(path, error) from None
 
 
 def journal_path(base: Path) -> Path:
@@ -37,15 +77,20 @@ class Journal:
         """Start an empty journal for the base whose bytes on disk are base_bytes, atomically
         replacing any journal already there."""
         self.path = journal_path(base)
-        temporary = self.path.with_name(self.path.name + ".tmp")
-        temporary.write_bytes(_header(base_bytes))
-        os.replace(temporary, self.path)
-        self._file = open(self.path, "ab")
+        write_atomically(self.path, _header(base_bytes))
+        try:
+            self._file = open(self.path, "ab")
+        except OSError as error:
+            raise storage_error(self.path, error) from None
 
     def append(self, entry: str) -> None:
-        """Add one entry (a line of text without newlines) and hand it to the OS at once."""
-        self._file.write(entry.encode() + b"\n")
-        self._file.flush()
+        """Add one entry (a line of text without newlines) and hand it to the OS at once. On
+        a full disk a torn last line may stay behind: readers leave it out."""
+        try:
+            self._file.write(entry.encode() + b"\n")
+            self._file.flush()
+        except OSError as error:
+            raise storage_error(self.path, error) from None
 
     def discard(self) -> None:
         """Close and remove the journal: its entries are now in the base."""
@@ -67,7 +112,12 @@ def read_with_journal(base: Path) -> tuple[bytes, list[str]]:
         journal = journal_path(base).read_bytes()
     except FileNotFoundError:
         journal = b""
-    base_bytes = Path(base).read_bytes()
+    except OSError as error:
+        raise storage_error(journal_path(base), error, "read") from None
+    try:
+        base_bytes = Path(base).read_bytes()
+    except OSError as error:
+        raise storage_error(Path(base), error, "read") from None
     header = _header(base_bytes)
     if not journal.startswith(header):
         return base_bytes, []

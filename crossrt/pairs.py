@@ -149,7 +149,8 @@ def gguf_metadata(path: Path) -> dict[str, object]:
                 metadata[key], offset = _gguf_value(data, offset + 4, value_type, order)
             return metadata
     except (OSError, ValueError, struct.error) as error:  # UnicodeDecodeError is a ValueError
-        raise PairError(f"{path} is not a readable GGUF file: {error}") from None
+        raise PairError(f"{path} is not a readable GGUF file ({error}): it is damaged or truncated; "
+                        "copy or convert it again") from None
 
 
 def _gguf_string(data, offset: int, order: str) -> tuple[str, int]:

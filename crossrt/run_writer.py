@@ -3,16 +3,71 @@ when it ends, and each finished prompt appended to journals beside them in betwe
 the 10,000th prompt costs what saving the 10th does (docs/design.md, "Records on disk").
 
 Readers never see less than what finished: load_record and read_traces fold the journals in.
+One process writes a record at a time: record_lock() holds an OS lock beside it for the run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
-from crossrt.journal import Journal, remove_journal
+from crossrt.journal import Journal, StorageError, remove_journal, storage_error
 from crossrt.schema import PromptResult, RunRecord, result_entry, save_record
 from crossrt.trace import PromptTrace, save_traces, trace_entry, trace_path
+
+
+class RecordBusy(StorageError):
+    """Another process is writing the record."""
+
+
+def lock_path(record: Path) -> Path:
+    record = Path(record)
+    return record.with_name(record.name + ".lock")
+
+
+@contextlib.contextmanager
+def record_lock(record: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `<record>.lock` (which names the holder's pid) while the
+    block runs; RecordBusy at once if another process holds it. The kernel drops the lock when
+    its holder dies, so a killed run never leaves the record locked."""
+    path = lock_path(record)
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(path, "a+")
+        except OSError as error:
+            raise storage_error(path, error) from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            raise RecordBusy(f"{record} is being written by another crossrt (pid {holder}); "
+                             "wait for it to end or pass another --out") from None
+        # The holder before us may have removed the file between our open and our lock: a lock
+        # on that unlinked file excludes no one, so take the lock on the file now there.
+        try:
+            same = os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        handle.close()
+    try:
+        try:
+            handle.truncate(0)
+            handle.write(f"{os.getpid()}\n")
+            handle.flush()
+        except OSError as error:
+            raise storage_error(path, error) from None
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # before the lock goes, so no one locks a file about to vanish
+        handle.close()
 
 
 class RunWriter:

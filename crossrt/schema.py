@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import typing
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -26,7 +25,7 @@ from typing import Any, Iterable, Optional
 
 import jsonschema
 
-from crossrt.journal import journal_path, read_with_journal
+from crossrt.journal import journal_path, read_with_journal, write_atomically
 
 SCHEMA_VERSION = 1
 SCHEMA_RESOURCE = "run-record.schema.json"
@@ -199,6 +198,8 @@ class PromptResult:
     output_view: Optional[PassView] = None  # driven runs: the speculative run's passes
     baseline_view: Optional[PassView] = None  # driven runs: the baseline's one-token decodes
     unfit_counts: Optional[UnfitCounts] = None  # native runs whose numbers did not fit
+    # sha256 of the prompt's text, so a resumed run can tell a different prompt under the same id
+    prompt_sha256: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -331,7 +332,7 @@ def record_to_json(record: RunRecord) -> dict[str, Any]:
     if record.imported is None:
         del data["imported"]  # optional: a record crossrt ran reads as before imports existed
     for result_data in data["results"]:  # optional too: absent reads as None
-        for name in ("output_view", "baseline_view", "unfit_counts"):
+        for name in ("output_view", "baseline_view", "unfit_counts", "prompt_sha256"):
             if result_data[name] is None:
                 del result_data[name]
     return json.loads(json.dumps(data))  # plain JSON types: tuples become lists
@@ -382,8 +383,17 @@ def validate_json(data: Any) -> None:
 
 
 def record_from_json(data: Any) -> RunRecord:
+    version = data.get("schema_version") if isinstance(data, dict) else None
+    if isinstance(version, int) and version > SCHEMA_VERSION:  # first: the schema would only call it invalid
+        raise RecordError(f"written by a newer crossrt (schema {version}; this one reads {SCHEMA_VERSION}): "
+                          "upgrade crossrt to read it")
     validate_json(data)
     record = _decode(RunRecord, data)
+    seen: set[str] = set()
+    for result in record.results:
+        if result.prompt_id in seen:  # a record holds one result per prompt; readers key on the id
+            raise RecordError(f"prompt_id {result.prompt_id!r} appears twice in results")
+        seen.add(result.prompt_id)
     check_counters(record)
     for result_data, result in zip(data["results"], record.results, strict=True):
         _check_derived(result_data["derived"], _derived_of_result(result), f"result {result.prompt_id}")
@@ -406,12 +416,8 @@ def save_record(record: RunRecord, path: Path) -> bytes:
     check_counters(record)
     data = record_to_json(record)
     validate_json(data)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
     written = (json.dumps(data, indent=1) + "\n").encode()
-    temporary.write_bytes(written)
-    os.replace(temporary, path)
+    write_atomically(Path(path), written)
     return written
 
 
@@ -451,8 +457,8 @@ def load_record(path: Path) -> RunRecord:
     text, entries = read_with_journal(path)
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise RecordError(f"{path} is not JSON: {error}") from None
+    except ValueError as error:  # not JSON, or not UTF-8 (a damaged file)
+        raise RecordError(f"{path} is not JSON: {error} (a damaged record: run it again with --overwrite)") from None
     try:
         record = record_from_json(data)
     except RecordError as error:

@@ -27,14 +27,14 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
 import numpy as np
 
-from crossrt.journal import journal_path, read_with_journal
+from crossrt.journal import StorageError, journal_path, read_with_journal, write_atomically
 from crossrt.schema import RecordError, RunRecord, load_record
 
 TRACE_FORMAT = 1
@@ -172,11 +172,7 @@ def save_traces(traces: Mapping[str, PromptTrace], path: Path) -> bytes:
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     written = buffer.getvalue()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_bytes(written)
-    os.replace(temporary, path)
+    write_atomically(Path(path), written)
     return written
 
 
@@ -204,10 +200,14 @@ def read_traces(path: Path) -> dict[str, PromptTrace]:
     any record)."""
     try:
         written, entries = read_with_journal(path)
+    except StorageError as error:  # a RecordError, as every trace problem: a report shows it and goes on
+        raise RecordError(str(error)) from None
+    try:
         with np.load(io.BytesIO(written), allow_pickle=False) as data:
             arrays = {name: data[name] for name in data.files}
-    except (OSError, ValueError) as error:
-        raise RecordError(f"{path}: not a trace file ({error})") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:  # a truncated or damaged file
+        raise RecordError(f"{path}: not a trace file ({error}); run the record again with --trace "
+                          "--overwrite") from None
     if int(arrays.get("format", -1)) != TRACE_FORMAT:
         raise RecordError(f"{path}: trace format {arrays.get('format')} is not {TRACE_FORMAT}")
     step_ends = np.cumsum(arrays["n_steps"])

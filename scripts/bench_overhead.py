@@ -8,11 +8,24 @@ one thread, interleaves repetitions of: the native tool; the driven loop with ll
 context (outputs up to n_batch); the driven loop mirroring native's target context
 (n_outputs_max = 1 + k). Prints medians of decode tokens/s, the counters of each, and the
 Python overhead per step of the driven loop: the decode time spent outside llama_decode.
+
+    .venv/bin/python scripts/bench_overhead.py --pair gemma3-270m[,gemma3-270m-blocks15]
+        [--prompts models/real/prompts.jsonl] [--k 7] [--tokens 64] [--reps 5]
+
+With --pair, a real pair instead (models/pairs/NAME.toml): the driven loop under the
+llama-spec-simple schedule against llama-speculative-simple run as the llama-spec-cli runtime
+runs it (its flags, minus debug logging for the timed runs), on each prompt, interleaved. The
+counts (steps, drafted, accepted, emitted, cut, per-step lengths, output ids) are checked equal
+once per prompt against a debug-logged native run, and (n_predict, n_drafted, n_accept) at every
+timed repetition. Then the Python overhead per step (time outside llama_decode), and top_two
+(argmax + runner-up + margin) and ViewRecorder timed on real verification rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import statistics
 import subprocess
@@ -20,9 +33,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from crossrt import loop
 from crossrt.backends import llama_cpp as backend
-from crossrt.runtime import DraftRules, RuntimeOptions, open_runtime
+from crossrt.pairs import load_pair
+from crossrt.runtime import DraftRules, Rows, RuntimeOptions, open_runtime
+from crossrt.schedules import SPEC_SIMPLE, ViewRecorder, top_two
 from crossrt.tinypair import build_pair
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,10 +114,21 @@ def run_driven(sessions, prompt_ids, k: int, tokens: int, schedule: str = loop.S
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=None, help="default 4; 7 (the pair's) with --pair")
+    parser.add_argument("--tokens", type=int, default=None, help="default 128; 64 with --pair")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--pair", help="comma-separated pair names (models/pairs) or manifests: a real pair")
+    parser.add_argument("--prompts", type=Path, default=REPO / "models" / "real" / "prompts.jsonl")
+    parser.add_argument("--n-prompts", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    if args.pair:
+        args.k = 7 if args.k is None else args.k
+        args.tokens = 64 if args.tokens is None else args.tokens
+        real_main(args)
+        return
+    args.k = 4 if args.k is None else args.k
+    args.tokens = 128 if args.tokens is None else args.tokens
     target_path, drafter_path = ensure_inputs()
     runtime = open_runtime("llama-cpp", RuntimeOptions(n_ctx=2048, threads=1))
     drafter = runtime.load(drafter_path)
@@ -143,6 +171,203 @@ def main() -> None:
     print(f"python overhead of the {overhead_variant} run (time outside llama_decode): "
           f"{outside_s / overhead['steps'] * 1e6:.0f} us per step, "
           f"{100 * outside_s / overhead['total_s']:.2f}% of the run ({overhead['steps']} steps)")
+
+
+# ---- a real pair ----------------------------------------------------------------------------
+
+def _median_range(values) -> str:
+    values = list(values)
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def _time_us(function, repeat: int) -> float:
+    """Median wall time of function() in microseconds."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+class NativeTool:
+    """llama-speculative-simple with the llama-spec-cli runtime's flags; debug logging off for
+    the timed runs (the open_native session, with it on, checks the counts step by step)."""
+
+    def __init__(self, options: RuntimeOptions, target: Path, drafter: Path, rules: DraftRules, work: Path):
+        from crossrt.backends import llama_spec_cli as cli
+
+        self.cli = cli
+        self.runtime = cli.LlamaSpecCliRuntime(options)
+        command = self.runtime.command(target, drafter, rules)
+        at = command.index("-lv")
+        self.command = command[:at] + command[at + 2:]
+        self.session = self.runtime.open_native(target, drafter, rules, work / "checked")
+        self.prompt_file = work / "prompt.txt"
+        self.log = work / "native.log"
+        self.env = dict(os.environ)
+        if cli.LOG_FLUSH_SHIM.is_file():
+            self.env["LD_PRELOAD"] = " ".join(filter(None, [str(cli.LOG_FLUSH_SHIM), os.environ.get("LD_PRELOAD")]))
+
+    def timed(self, text: str, tokens: int):
+        self.prompt_file.write_bytes(text.encode("utf-8") + b"\n")  # -f drops one trailing newline
+        command = self.command + ["-n", str(tokens), "-f", str(self.prompt_file)]
+        for _ in range(self.cli.ATTEMPTS):
+            with self.log.open("wb") as handle:
+                subprocess.run(command, stdout=subprocess.DEVNULL, stderr=handle, stdin=subprocess.DEVNULL,
+                               env=self.env, check=True)
+            run = self.cli.parse_log(self.log.read_bytes())
+            if run is not None:
+                return run
+        raise RuntimeError(f"llama-speculative-simple printed no statistics; see {self.log}")
+
+
+def driven_counts(generation) -> dict:
+    return {"steps": len(generation.step_accepted), "drafted": sum(generation.step_drafted),
+            "accepted": sum(generation.step_accepted), "emitted": len(generation.output_ids),
+            "cut": generation.cut, "step_drafted": tuple(generation.step_drafted),
+            "step_accepted": tuple(generation.step_accepted), "output_ids": tuple(generation.output_ids)}
+
+
+def real_pair(name: str, args, prompts: list[dict]) -> None:
+    manifest = Path(name) if name.endswith(".toml") else REPO / "models" / "pairs" / f"{name}.toml"
+    pair = load_pair(manifest)
+    target_path, drafter_path = pair.path("target", "gguf"), pair.path("drafter", "gguf")
+    rules = DraftRules(args.k)
+    options = RuntimeOptions(n_ctx=2048, threads=args.threads)
+    work = REPO / ".cache" / "bench-real" / pair.name
+    work.mkdir(parents=True, exist_ok=True)
+    native = NativeTool(options, target_path, drafter_path, rules, work)
+    runtime = open_runtime("llama-cpp", options)
+    # native's target context: outputs capped at 1 + n_max; its drafter context the default
+    target = runtime.load(target_path, n_outputs_max=1 + args.k)
+    drafter = runtime.load(drafter_path)
+
+    def driven(ids):
+        return loop.speculative_generate(target, drafter, ids, rules, args.tokens, SPEC_SIMPLE)
+
+    print(f"\n== pair {pair.name}: {target_path.name} + {drafter_path.name}, n_vocab {target.n_vocab}, "
+          f"k={args.k}, {args.tokens} tokens, {args.threads} thread(s), {args.reps} interleaved reps, "
+          f"{len(prompts)} prompts; uptime at start: {os.getloadavg()}", flush=True)
+    # Once per prompt: the debug-logged native run, step by step, against the driven run.
+    ids_of = {}
+    expected = {}
+    for prompt in prompts:
+        ids = native.session.tokenize(prompt["prompt"])
+        ids_of[prompt["id"]] = ids
+        checked = native.session.generate(ids, args.tokens, True)
+        c = checked.counters
+        native_counts = {"steps": c.steps, "drafted": c.drafted, "accepted": c.accepted, "emitted": c.emitted,
+                         "cut": c.cut, "step_drafted": tuple(c.step_drafted),
+                         "step_accepted": tuple(c.step_accepted), "output_ids": tuple(checked.output_ids)}
+        mine = driven_counts(driven(ids))  # also the warm-up
+        if mine != native_counts:
+            diff = {key: (mine[key], native_counts[key]) for key in mine if mine[key] != native_counts[key]}
+            raise SystemExit(f"{pair.name} / {prompt['id']}: driven and native counts differ: {diff}")
+        expected[prompt["id"]] = (c.emitted + c.cut, c.drafted, c.accepted, c.steps)
+        print(f"  {prompt['id']}: counts equal (steps {c.steps}, drafted {c.drafted}, accepted {c.accepted}, "
+              f"emitted {c.emitted}, cut {c.cut}; per-step lengths and output ids too)", flush=True)
+    native.session.close()
+
+    # Interleaved repetitions: per rep, each prompt native then driven (order alternating by rep).
+    runs = {"native": [], "driven": []}  # per rep: [(tokens, decode_s)] per prompt
+    for rep in range(args.reps):
+        rep_runs = {"native": [], "driven": []}
+        for prompt in prompts:
+            ids = ids_of[prompt["id"]]
+            order = ("native", "driven") if rep % 2 == 0 else ("driven", "native")
+            for side in order:
+                if side == "native":
+                    run = native.timed(prompt["prompt"], args.tokens)
+                    counts = (run.n_predict, run.n_drafted, run.n_accept, run.n_predict - run.n_accept)
+                    rep_runs["native"].append((run.n_predict, run.decode_s))
+                else:
+                    generation = driven(ids)
+                    mine = driven_counts(generation)
+                    counts = (mine["emitted"] + mine["cut"], mine["drafted"], mine["accepted"], mine["steps"])
+                    rep_runs["driven"].append((counts[0], generation.decode_s))
+                if counts != expected[prompt["id"]]:
+                    raise SystemExit(f"{pair.name} / {prompt['id']} rep {rep + 1}: {side} counts {counts} "
+                                     f"!= {expected[prompt['id']]} (n_predict, drafted, accepted, steps)")
+        for side in runs:
+            runs[side].append(rep_runs[side])
+        print(f"  rep {rep + 1}/{args.reps} done, load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
+
+    def rate(rep_list, index=None):
+        chosen = rep_list if index is None else [rep_list[index]]
+        return sum(t for t, _ in chosen) / sum(s for _, s in chosen)
+
+    print(f"  decode tokens/s, median (min-max) over {args.reps} reps; counts equal at every rep")
+    print(f"  {'prompt':10} {'native':>22} {'driven':>22} {'driven/native':>24}")
+    for index, prompt in enumerate(prompts + [{"id": "all"}]):
+        pick = None if prompt["id"] == "all" else index
+        nat = [rate(rep, pick) for rep in runs["native"]]
+        drv = [rate(rep, pick) for rep in runs["driven"]]
+        ratios = [d / n for d, n in zip(drv, nat)]  # same rep, so the same machine load
+        print(f"  {prompt['id']:10} {_median_range(nat):>22} {_median_range(drv):>22} "
+              f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
+    nat_all = statistics.median(rate(rep) for rep in runs["native"])
+    drv_all = statistics.median(rate(rep) for rep in runs["driven"])
+    print(f"  all prompts: ratio of medians {drv_all / nat_all:.3f}")
+
+    # Python overhead: time outside llama_decode during the driven runs (prefill included).
+    outside = steps = total = decode = 0.0
+    for prompt in prompts:
+        with DecodeTimer() as timer:
+            generation = driven(ids_of[prompt["id"]])
+        total += generation.prefill_s + generation.decode_s
+        decode += generation.decode_s
+        outside += generation.prefill_s + generation.decode_s - timer.inside_s
+        steps += len(generation.step_accepted)
+    step_s = decode / steps
+    print(f"  python overhead (time outside llama_decode, {int(steps)} steps over the prompts): "
+          f"{outside / steps * 1e6:.0f} us per step, {100 * outside / total:.2f}% of the run; "
+          f"a step takes {step_s * 1e3:.1f} ms")
+
+    # top_two and ViewRecorder on real verification rows (1 + k rows of the target's logits).
+    prompt_ids = ids_of[prompts[0]["id"]]
+    generation = driven(prompt_ids)
+    context = list(prompt_ids) + list(generation.output_ids)
+    target.truncate(0)
+    target.eval(context[:len(prompt_ids) - 1], Rows.NONE)
+    rows = target.eval(context[len(prompt_ids) - 1:len(prompt_ids) + args.k], Rows.ALL)  # a view, as in the loop
+    assert rows.shape == (1 + args.k, target.n_vocab) and rows.dtype == np.float32, rows.shape
+    kept = 1 + sum(generation.step_accepted) / len(generation.step_accepted)
+    repeat = 300
+    costs = {
+        "top_two (the loop's argmax + runner-up + margin)": _time_us(lambda: top_two(rows), repeat),
+        "argmax alone (what choosing needs)": _time_us(lambda: rows.argmax(axis=1), repeat),
+    }
+    best, second, margins = top_two(rows)
+    n_kept = int(round(kept))
+
+    def record():
+        recorder = ViewRecorder()
+        recorder.add(second, margins, n_kept, 1 + args.k)
+
+    costs[f"ViewRecorder.add ({n_kept} tokens)"] = _time_us(record, repeat)
+    costs["logits read (llama_get_logits + NumPy view)"] = _time_us(
+        lambda: np.ctypeslib.as_array(backend.llama_cpp.llama_get_logits(target._ctx), shape=rows.shape), repeat)
+    margin_us = (costs["top_two (the loop's argmax + runner-up + margin)"]
+                 - costs["argmax alone (what choosing needs)"] + costs[f"ViewRecorder.add ({n_kept} tokens)"])
+    print(f"  per step, on real ({1 + args.k}, {target.n_vocab}) float32 rows (median of {repeat}):")
+    for what, us in costs.items():
+        print(f"    {what:52} {us:8.0f} us  {100 * us * 1e-6 / step_s:5.2f}% of a step")
+    print(f"    {'margin recording (top_two - argmax + ViewRecorder)':52} {margin_us:8.0f} us  "
+          f"{100 * margin_us * 1e-6 / step_s:5.2f}% of a step")
+    target.close()
+    drafter.close()
+
+
+def real_main(args) -> None:
+    prompts = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()][:args.n_prompts]
+    started = time.perf_counter()
+    print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}; "
+          f"llama-cpp-python {backend.llama_cpp.__version__}")
+    for name in args.pair.split(","):
+        real_pair(name.strip(), args, prompts)
+    print(f"\nuptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}; "
+          f"bench wall time {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

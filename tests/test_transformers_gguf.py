@@ -4,7 +4,7 @@ transformers folder, and caches the dequantized model by the file's sha256, so t
 logits. Runs in a fresh cache folder ($CROSSRT_CACHE), 1 thread."""
 
 import json
-import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -53,17 +53,17 @@ def test_real_model_loads_from_its_dequantized_cache(real_pair, cache, hf_runtim
     path = real_pair.path("target", "gguf")
     folder = dequantized_folder(path)
     assert folder.parent.parent == cache / "hf-from-gguf" and not folder.exists()
-    start = time.perf_counter()
     first = hf_runtime.load(path)
-    first_s = time.perf_counter() - start
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temporary folder left
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
                                                         "tokenizer.json", "tokenizer_config.json"]
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
-    start = time.perf_counter()
+    written = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
     second = hf_runtime.load(path)
-    second_s = time.perf_counter() - start
-    assert second_s < min(15.0, first_s / 3), (first_s, second_s)
+    # Read from the conversion, not from the GGUF again (timings: docs/real-models.md), which
+    # is left as it was.
+    assert Path(second._model.name_or_path) == folder and Path(first._model.name_or_path) == path.parent
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == written
     ids = first.tokenize(TEXT)
     assert second.tokenize(TEXT) == ids == [2, 818, 5279, 529, 7001, 563]
     assert first.eog_ids == second.eog_ids == frozenset({1}) and second.n_vocab == 262144
