@@ -34,8 +34,8 @@ from typing import Optional, Sequence
 
 from crossrt.backends.llama_server_process import ServerError, ServerProcess, find_executable
 from crossrt.backends.llama_tools import Build, probe
-from crossrt.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
-                             RuntimeOptions, RuntimeUnavailable)
+from crossrt.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeOptions,
+                             RuntimeUnavailable)
 from crossrt.schema import Counters, RuntimeInfo, UnfitCounts
 
 SCHEDULE = "llama-server"

@@ -21,7 +21,7 @@ from crossrt.importer import import_summary
 from crossrt.loop import SCHEDULE, SCHEDULES
 from crossrt.prompts import load_prompts
 from crossrt.runtime import SPEC_TYPES, DraftRules, RuntimeOptions, availability, runtime_names
-from crossrt.schema import load_record
+from crossrt.record_json import load_record
 from crossrt.tables import format_table, record_notes, summary_rows
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -17,7 +17,8 @@ from crossrt.cli_common import PROMPTS_HELP, USER_ERRORS, resolve_pair
 from crossrt.pairs import ROLES, pair_info
 from crossrt.prompts import load_prompts
 from crossrt.runtime import RuntimeOptions, open_runtime, runtime_names
-from crossrt.schema import RunRecord, load_record
+from crossrt.schema import RunRecord
+from crossrt.record_json import load_record
 from crossrt.simulate import (Oracle, Policy, Simulation, build_oracle, compare_with_record, measure_costs,
                               simulate, simulate_suite)
 from crossrt.tables import format_table

@@ -17,7 +17,7 @@ from crossrt.parity_run import Matrix, run_matrix, score_records
 from crossrt.rescore import open_scorer
 from crossrt.prompts import load_prompts
 from crossrt.runtime import DraftRules, RuntimeOptions, runtime_names
-from crossrt.schema import load_record
+from crossrt.record_json import load_record
 from crossrt.tolerance import tolerance_for
 
 

@@ -11,7 +11,7 @@ from crossrt.cli_common import USER_ERRORS, resolve_pair
 from crossrt.import_logs import ReadOptions
 from crossrt.importer import AGGREGATE, FORMATS, ImportRequest, import_record, import_summary
 from crossrt.runtime import SPEC_TYPES
-from crossrt.schema import save_record
+from crossrt.record_json import save_record
 from crossrt.tables import format_table, summary_rows
 
 

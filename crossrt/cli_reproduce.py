@@ -20,7 +20,7 @@ from crossrt.loop import SCHEDULE
 from crossrt.pairs import ROLES, Pair, PairError
 from crossrt.prompts import Prompt, PromptError, load_prompts, relabel, source_relative_to
 from crossrt.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, availability, runtime_class
-from crossrt.schema import load_record
+from crossrt.record_json import load_record
 
 @dataclass(frozen=True)
 class Settings:

@@ -18,7 +18,8 @@ from typing import Mapping, Optional, Sequence
 from crossrt import analysis
 from crossrt.importer import import_summary
 from crossrt.parity import run_label
-from crossrt.schema import RecordError, RunRecord, load_record
+from crossrt.schema import RecordError, RunRecord
+from crossrt.record_json import load_record
 from crossrt.svg import Bars, Points, bar_chart, palette_color, xy_chart
 from crossrt.trace import PromptTrace
 

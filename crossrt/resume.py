@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from crossrt.prompts import Prompt
-from crossrt.schema import RecordError, RunRecord, load_record
+from crossrt.schema import RecordError, RunRecord
+from crossrt.record_json import load_record
 
 
 def prompt_sha256(prompt: Prompt) -> str:

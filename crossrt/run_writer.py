@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Iterator, Mapping, Optional
 
 from crossrt.journal import Journal, StorageError, remove_journal, storage_error
-from crossrt.schema import PromptResult, RunRecord, result_entry, save_record
+from crossrt.schema import PromptResult, RunRecord
+from crossrt.record_json import result_entry, save_record
 from crossrt.trace import PromptTrace, save_traces, trace_entry, trace_path
 
 

@@ -35,7 +35,8 @@ from typing import Mapping, Optional
 import numpy as np
 
 from crossrt.journal import StorageError, journal_path, read_with_journal, write_atomically
-from crossrt.schema import RecordError, RunRecord, load_record
+from crossrt.schema import RecordError, RunRecord
+from crossrt.record_json import load_record
 
 TRACE_FORMAT = 1
 TOKEN_FIELDS = ("target_entropy", "target_p1", "target_margin", "drafter_p1")

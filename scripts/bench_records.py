@@ -33,7 +33,8 @@ from crossrt.pairs import load_pair, pair_info
 from crossrt.prompts import load_prompts
 from crossrt.run_writer import RunWriter
 from crossrt.runtime import DraftRules, RuntimeOptions, open_runtime
-from crossrt.schema import RunParams, RunRecord, save_record
+from crossrt.schema import RunParams, RunRecord
+from crossrt.record_json import save_record
 from crossrt.trace import TraceRecorder, save_traces, trace_path
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from crossrt.claims import ClaimError, Tolerance, load_claims
 from crossrt.cli_reproduce import reproduce
-from crossrt.schema import load_record
+from crossrt.record_json import load_record
 
 from conftest import REPO, TINY_PAIR
 

@@ -21,7 +21,7 @@ from crossrt.cli import main
 from crossrt.prompts import load_prompts
 from crossrt.runtime import (DraftRules, RuntimeFailure, RuntimeOptions, RuntimeUnavailable, Rows, availability,
                              open_runtime, runtime_class)
-from crossrt.schema import load_record
+from crossrt.record_json import load_record
 
 from conftest import REPO
 

@@ -18,7 +18,8 @@ from crossrt.importer import ImportRequest, import_record
 from crossrt.pairs import load_pair
 from crossrt.prompts import load_prompts
 from crossrt.runtime import DraftRules, RuntimeOptions, availability
-from crossrt.schema import RecordError, load_record, record_from_json
+from crossrt.schema import RecordError
+from crossrt.record_json import load_record, record_from_json
 
 from conftest import TINY_PAIR
 

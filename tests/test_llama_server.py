@@ -19,7 +19,8 @@ from crossrt.pairs import load_pair
 from crossrt.prompts import load_prompts
 from crossrt.runtime import (DraftRules, NativeGeneration, RuntimeFailure, RuntimeOptions, RuntimeUnavailable,
                              availability, open_runtime)
-from crossrt.schema import accepted_per_position, load_record
+from crossrt.schema import accepted_per_position
+from crossrt.record_json import load_record
 
 from conftest import TINY_PAIR
 

@@ -17,7 +17,7 @@ from crossrt.driver import run_prompt_native
 from crossrt.prompts import Prompt, load_prompts
 from crossrt.runtime import DraftRules, RuntimeFailure, RuntimeOptions, RuntimeUnavailable, availability, open_runtime
 from crossrt.schedules import SPEC_SIMPLE
-from crossrt.schema import load_record
+from crossrt.record_json import load_record
 
 from conftest import TINY_PAIR
 

@@ -1,13 +1,12 @@
 """The parity matrix across two real runtimes: llama.cpp in-process and transformers, on the
 tiny pair in F32 with an F32 KV cache and flash attention off (the closest numerics)."""
 
-import json
 
 import pytest
 from click.testing import CliRunner
 
 from crossrt.cli import main
-from crossrt.schema import load_record
+from crossrt.record_json import load_record
 
 from conftest import REPO, TINY_PAIR
 

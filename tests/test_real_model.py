@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from crossrt.cli import main
 from crossrt.diagnosis import BATCH_SHAPE, explain_record
 from crossrt.pairs import load_pair
-from crossrt.schema import load_record
+from crossrt.record_json import load_record
 
 from conftest import REPO
 

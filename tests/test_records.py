@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from crossrt import schema
+from crossrt import record_json
 from crossrt.cli import main
 from crossrt.driver import run_prompt
 from crossrt.journal import Journal, journal_path
@@ -22,7 +22,8 @@ from crossrt.pairs import pair_info
 from crossrt.prompts import load_prompts
 from crossrt.run_writer import RunWriter
 from crossrt.runtime import DraftRules
-from crossrt.schema import RecordError, RunParams, RunRecord, load_record, save_record
+from crossrt.schema import RecordError, RunParams, RunRecord
+from crossrt.record_json import load_record, save_record
 from crossrt.trace import TraceRecorder, load_trace, read_traces, trace_entry, trace_path
 
 from conftest import REPO, TINY_PAIR
@@ -80,7 +81,7 @@ def test_readers_see_a_run_in_progress_and_the_end_folds_the_journals(header, fi
 def test_a_torn_last_line_is_ignored_and_a_broken_one_is_not(header, finished, tmp_path):
     out = tmp_path / "run.json"
     started(header, finished, out, 2)
-    entry = schema.result_entry(header, finished[2][0])
+    entry = record_json.result_entry(header, finished[2][0])
     with journal_path(out).open("ab") as journal:
         journal.write(entry[:len(entry) // 2].encode())  # killed in the middle of an append
     assert [r.prompt_id for r in load_record(out).results] == [p.id for p in PROMPTS[:2]]
@@ -104,7 +105,7 @@ def test_an_entry_is_checked_alone_and_its_errors_name_the_line(header, finished
     with pytest.raises(RecordError, match="emitted 0 != steps"):
         writer.add(broken)
     assert journal_path(out).stat().st_size == size  # refused before anything was written
-    entry = json.loads(schema.result_entry(header, result))
+    entry = json.loads(record_json.result_entry(header, result))
     entry["status"] = "done"
     with journal_path(out).open("a") as journal:
         journal.write(json.dumps(entry) + "\n")
@@ -145,10 +146,10 @@ def test_saving_a_prompt_is_constant_work(header, finished, tmp_path, monkeypatc
     """Each prompt serializes and validates itself only, whatever the record holds, and
     appends one line: the record and the trace file stay as the run started them."""
     serialized, validated = [], []
-    to_json, validate = schema.record_to_json, schema.validate_json
-    monkeypatch.setattr(schema, "record_to_json", lambda record: serialized.append(len(record.results))
+    to_json, validate = record_json.record_to_json, record_json.validate_json
+    monkeypatch.setattr(record_json, "record_to_json", lambda record: serialized.append(len(record.results))
                         or to_json(record))
-    monkeypatch.setattr(schema, "validate_json", lambda data: validated.append(len(data["results"]))
+    monkeypatch.setattr(record_json, "validate_json", lambda data: validated.append(len(data["results"]))
                         or validate(data))
     out = tmp_path / "run.json"
     many = [dataclasses.replace(finished[i % len(finished)][0], prompt_id=f"p{i}") for i in range(40)]

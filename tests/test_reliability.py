@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from crossrt.run_writer import lock_path
-from crossrt.schema import load_record
+from crossrt.record_json import load_record
 
 from conftest import REPO, TINY_PAIR
 

@@ -10,8 +10,8 @@ from crossrt.driver import run_prompt
 from crossrt.pairs import pair_info
 from crossrt.prompts import load_prompts
 from crossrt.runtime import DraftRules
-from crossrt.schema import (RecordError, RunParams, RunRecord, load_record, record_from_json,
-                            record_to_json, save_record)
+from crossrt.schema import RecordError, RunParams, RunRecord
+from crossrt.record_json import load_record, record_from_json, record_to_json, save_record
 
 
 @pytest.fixture(scope="module")

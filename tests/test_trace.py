@@ -10,7 +10,8 @@ from crossrt import loop
 from crossrt.driver import RunRequest, run_pair
 from crossrt.prompts import load_prompts
 from crossrt.runtime import DraftRules, Rows, RuntimeOptions
-from crossrt.schema import RecordError, load_record
+from crossrt.schema import RecordError
+from crossrt.record_json import load_record
 from crossrt.trace import TraceRecorder, load_trace, read_traces, row_stats, save_traces, trace_path
 
 PROMPTS = load_prompts("builtin")[:3]

@@ -14,7 +14,7 @@ from crossrt import loop
 from crossrt.cli import main
 from crossrt.prompts import load_prompts
 from crossrt.runtime import DraftRules, RuntimeOptions, Rows, open_runtime
-from crossrt.schema import load_record
+from crossrt.record_json import load_record
 
 from conftest import REPO, TINY_PAIR
 

@@ -14,7 +14,7 @@ from crossrt.backends.transformers import dequantized_folder
 from crossrt.cli import main
 from crossrt.pairs import Pair, PairError, pair_from_paths
 from crossrt.runtime import RuntimeOptions, Rows, open_runtime
-from crossrt.schema import load_record
+from crossrt.record_json import load_record
 
 from conftest import REPO
 
