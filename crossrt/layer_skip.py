@@ -43,7 +43,7 @@ def _check(source: Path, output: Path, blocks: int, overwrite: bool) -> tuple[st
     try:
         metadata = gguf_metadata(source)
     except PairError as error:
-        raise LayerSkipError(f"{error} (damaged or truncated?)") from None
+        raise LayerSkipError(str(error)) from None  # it says the file is damaged and what to do
     arch = metadata.get("general.architecture")
     total = metadata.get(f"{arch}.block_count")
     if not isinstance(total, int):

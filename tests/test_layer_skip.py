@@ -96,7 +96,7 @@ def test_missing_and_damaged_inputs_are_refused(target, tmp_path):
     no_data = tmp_path / "no-data.gguf"
     no_data.write_bytes(TINY.read_bytes()[:-4096])  # header intact, tensors cut short
     for source, message in [(tmp_path / "missing.gguf", "no such GGUF file"),
-                            (header_only, "runs past the end of the file (damaged or truncated?)"),
+                            (header_only, "runs past the end of the file): it is damaged or truncated"),
                             (no_data, "is not a readable GGUF file (damaged or truncated?)")]:
         result = layer_skip(source, tmp_path / "out.gguf", "--blocks", 2)
         assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
