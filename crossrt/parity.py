@@ -196,8 +196,7 @@ def lossless_checks(label: str, record: RunRecord, strict: bool = False, twins: 
                    f"{split.kind}: {split.detail}"
             (explained if split.kind == BATCH_SHAPE and not strict else problems).append(line)
         if result.unfit_counts is not None:
-            explained.append("counts did not fit the runtime's schedule: " + "; ".join(result.unfit_counts.problems)
-                             + f"; {result.unfit_counts.derived}")
+            explained.append(result.unfit_counts.describe())
         if result.own_prompt_ids is not None:
             at = first_divergence(result.own_prompt_ids, result.prompt_ids)
             problems.append(f"tokenizes the prompt text differently from the shared ids, from position {at}")

@@ -168,6 +168,9 @@ class UnfitCounts:
     raw: dict[str, int]
     derived: str
 
+    def describe(self) -> str:
+        return f"counts did not fit the runtime's schedule ({'; '.join(self.problems)}); {self.derived}"
+
 
 @dataclass(frozen=True)
 class PromptResult:

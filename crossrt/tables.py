@@ -40,9 +40,8 @@ def record_notes(records: Sequence[RunRecord]) -> list[str]:
     for record in records:
         for result in record.results:
             if result.unfit_counts is not None:
-                lines.append(f"note: {record.runtime.name}/{record.params.mode} {result.prompt_id}: counts did not fit "
-                             f"the runtime's schedule ({'; '.join(result.unfit_counts.problems)}); "
-                             f"{result.unfit_counts.derived}")
+                lines.append(f"note: {record.runtime.name}/{record.params.mode} {result.prompt_id}: "
+                             + result.unfit_counts.describe())
     return lines
 
 
