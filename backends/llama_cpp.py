@@ -9,6 +9,7 @@ is several percent of a step on small models (docs/performance.md).
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -17,15 +18,29 @@ import numpy as np
 from crossrt.runtime import ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
 from crossrt.schema import RuntimeInfo
 
+# Where scripts/build_llama_tools builds llama.cpp once, for this binding and the native tools.
+BUILD_BIN = Path(__file__).resolve().parents[1] / ".cache" / "llama-tools" / "build" / "bin"
+# scripts/setup installs llama-cpp-python without a llama.cpp of its own; it loads libllama from
+# LLAMA_CPP_LIB_PATH, read once at import, so the repository's build is named before the import.
+if "LLAMA_CPP_LIB_PATH" not in os.environ and (BUILD_BIN / "libllama.so").is_file():
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(BUILD_BIN)
+
+PINNED_VERSION = "0.3.36"
+VENDORED_COMMIT = "0c1e57098"  # from llama-cpp-python's CHANGELOG for 0.3.36
+
+_UNAVAILABLE = None  # why llama_cpp could not be imported, reported by check_available
 try:
     import llama_cpp
     from llama_cpp import _internals
     from llama_cpp._logger import set_verbose
-except ImportError:  # reported by check_available, with the fix
-    llama_cpp = None
-
-PINNED_VERSION = "0.3.36"
-VENDORED_COMMIT = "0c1e57098"  # from llama-cpp-python's CHANGELOG for 0.3.36
+except ImportError:
+    llama_cpp = _internals = None
+    _UNAVAILABLE = ("llama-cpp-python is not installed: run scripts/setup, or "
+                    f"pip install 'crossrt[llama]' (llama-cpp-python=={PINNED_VERSION})")
+except (OSError, RuntimeError) as error:  # its loader's FileNotFoundError / RuntimeError
+    llama_cpp = _internals = None
+    _UNAVAILABLE = (f"llama-cpp-python cannot load llama.cpp ({error}): run scripts/build_llama_tools, "
+                    "or set LLAMA_CPP_LIB_PATH to a directory holding libllama.so")
 
 
 class LlamaCppSession(ModelSession):
@@ -113,9 +128,7 @@ class LlamaCppRuntime(Runtime):
     @classmethod
     def check_available(cls) -> None:
         if llama_cpp is None:
-            raise RuntimeUnavailable(
-                "llama-cpp-python is not installed: run scripts/setup, or "
-                f"pip install 'crossrt[llama]' (llama-cpp-python=={PINNED_VERSION})")
+            raise RuntimeUnavailable(_UNAVAILABLE)
 
     def load(self, path: Path, n_outputs_max: int = 0) -> LlamaCppSession:
         """n_outputs_max > 0 caps the output rows per batch, as llama-speculative-simple does
@@ -139,5 +152,11 @@ class LlamaCppRuntime(Runtime):
             gpu_split=self.options.gpu_split,
             kv_cache="f32" if self.options.f32_kv_cache else "f16",
             flash_attn=self.options.flash_attn,
+            system_info=system_info(llama_cpp.llama_print_system_info().decode("utf-8", errors="replace")),
         )
 
+
+def system_info(printed: str) -> str:
+    """llama_print_system_info()'s text ("CPU : SSE3 = 1 | ... | REPACK = 1 | ") without the
+    trailing separator: one form for the binding's and the tools' (llama_tools.probe)."""
+    return printed.strip().removesuffix("|").rstrip()

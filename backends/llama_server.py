@@ -387,6 +387,7 @@ class LlamaServerRuntime(Runtime):
             gpu_split=self.options.gpu_split,
             kv_cache="f32" if self.options.f32_kv_cache else "f16",
             flash_attn=self.options.flash_attn,
+            system_info=self.build.system_info,
         )
 
     def _has_gpu(self) -> bool:

@@ -34,13 +34,9 @@ from crossrt.runtime import (DraftRules, NativeGeneration, NativeSession, Runtim
                              RuntimeOptions, RuntimeUnavailable)
 from crossrt.schedules import SPEC_SIMPLE, check_prompt
 from crossrt.schema import Counters, RuntimeInfo, accepted_per_position
-from crossrt.backends.llama_cpp import LlamaCppRuntime, llama_cpp
+# _internals: llama_cpp's module, None where llama_cpp did not import (reported by check_available)
+from crossrt.backends.llama_cpp import LlamaCppRuntime, _internals, llama_cpp
 from crossrt.backends.llama_tools import BUILD_BIN, find_tool, log_tail, probe
-
-try:
-    from llama_cpp import _internals
-except ImportError:  # reported by check_available, with the fix
-    _internals = None
 
 TOOL = "llama-speculative-simple"
 REPO_TOOL = BUILD_BIN / TOOL
@@ -290,6 +286,7 @@ class LlamaSpecCliRuntime(Runtime):
             gpu_split=self.options.gpu_split,
             kv_cache="f32" if self.options.f32_kv_cache else "f16",
             flash_attn=self.options.flash_attn,
+            system_info=self.build.system_info,
         )
 
     def command(self, target: Path, drafter: Path, rules: DraftRules) -> list[str]:

@@ -16,11 +16,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
-from crossrt.backends.llama_cpp import VENDORED_COMMIT
+from crossrt.backends.llama_cpp import BUILD_BIN, VENDORED_COMMIT, system_info
 from crossrt.runtime import RuntimeUnavailable
 
-# Where scripts/build_llama_tools puts the tools it builds from the pinned binding's tree.
-BUILD_BIN = Path(__file__).resolve().parents[1] / ".cache" / "llama-tools" / "build" / "bin"
+# Built by scripts/build_llama_tools from scripts/llama_system_info.c: preloaded into a tool, it
+# prints the tool's llama_print_system_info() and ends the run before any model loads.
+SYSTEM_INFO_SHIM = BUILD_BIN / "libcrossrt_system_info.so"
 
 
 def _executable(path: Path) -> bool:
@@ -85,11 +86,30 @@ class Build:
     version: str  # e.g. "0.5.0-dev"
     commit: Optional[str]  # None when the build does not know it (a source tree without git)
     flags: Flags
+    # llama_print_system_info() of the libraries the tool loads (backends, CPU features): what
+    # tells two builds' kernels apart. None when it cannot be read (no shim built, a static build).
+    system_info: Optional[str] = None
+
+
+def _system_info(path: Path) -> Optional[str]:
+    if not SYSTEM_INFO_SHIM.is_file():
+        return None
+    environment = dict(os.environ, LD_PRELOAD=" ".join(filter(None, [str(SYSTEM_INFO_SHIM),
+                                                                     os.environ.get("LD_PRELOAD")])))
+    # No model: a tool the shim cannot wrap then stops at loading it.
+    try:
+        done = subprocess.run([str(path), "-m", os.devnull],
+                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                              env=environment)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"^system_info: (.*)$", done.stdout, re.M)
+    return system_info(match.group(1)) if done.returncode == 0 and match else None
 
 
 @lru_cache(maxsize=8)
 def probe(path: Path) -> Build:
-    """Version, commit and flag names of the tool at path (`--version`, `--help`)."""
+    """Version, commit, flag names (`--version`, `--help`) and system info of the tool at path."""
     outputs = []
     for flag in ("--version", "--help"):
         try:
@@ -105,9 +125,12 @@ def probe(path: Path) -> Build:
     if match is None:
         raise RuntimeUnavailable(f"{path} --version printed no version: {outputs[0][-300:]!r}")
     commit = match.group(2) if match.group(2) not in (None, "unknown") else None
-    if commit is None and path.resolve().parent == BUILD_BIN.resolve():
-        commit = VENDORED_COMMIT  # built here from a source tree that carries no git metadata
-    return Build(path, match.group(1), commit, Flags.from_help(outputs[1]))
+    # Built here, a tool knows its commit from the sdist's git metadata (7 digits) where git runs;
+    # without git it does not. Either way it is the binding's commit, spelled as the binding's.
+    if (commit is None and path.resolve().parent == BUILD_BIN.resolve()) or \
+            (commit is not None and VENDORED_COMMIT.startswith(commit)):
+        commit = VENDORED_COMMIT
+    return Build(path, match.group(1), commit, Flags.from_help(outputs[1]), _system_info(path))
 
 
 def log_tail(path: Path, lines: int) -> str:

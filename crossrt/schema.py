@@ -34,6 +34,9 @@ class RuntimeInfo:
     gpu_split: Optional[tuple[float, ...]]
     kv_cache: str  # KV cache element type, e.g. "f16": it changes logits, so it is recorded
     flash_attn: Optional[bool] = None  # llama.cpp's flash attention kernels (None: not a choice)
+    # llama.cpp's llama_print_system_info() (backends, CPU features): the same commit can still
+    # run other kernels. None for other runtimes, and where a tool does not say it.
+    system_info: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,9 @@
 """The crossrt commands, run in-process on the tiny pair with real llama.cpp."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -104,3 +107,14 @@ def test_runtimes_lists_llama_cpp_as_usable():
     assert result.exit_code == 0
     assert any(line.split()[:2] == ["llama-cpp", "yes"] for line in result.output.splitlines())
     assert "llama-cpp" in invoke("runtimes", "--usable").output.split()
+
+
+def test_a_binding_without_a_library_says_how_to_get_one(tmp_path):
+    """scripts/setup installs llama-cpp-python without a llama.cpp of its own: pointed at a
+    directory with no libllama, llama-cpp is unavailable with the fix, not an import error."""
+    done = subprocess.run([sys.executable, "-c", "from crossrt.cli import main; main()", "runtimes"],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, LLAMA_CPP_LIB_PATH=str(tmp_path)))
+    line = next(line for line in done.stdout.splitlines() if line.split()[:1] == ["llama-cpp"])
+    assert done.returncode == 0 and line.split()[1] == "no", done.stdout + done.stderr
+    assert "cannot load llama.cpp" in line and "scripts/build_llama_tools" in line

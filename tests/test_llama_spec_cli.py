@@ -5,6 +5,7 @@ Needs the tool built by scripts/build_llama_tools (about 4 minutes); skipped wit
 """
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -151,6 +152,18 @@ def test_flags_follow_the_build(native_runtime):
                           "-fa,   --flash-attn   enable Flash Attention (default: disabled)\n")
     assert (old.n_max, old.n_min, old.p_min, old.spec_type, old.flash_attn_takes_value) == \
         ("--draft-max", "--draft-min", "--draft-p-min", None, False)
+
+
+def test_the_binding_and_both_tools_run_one_build(native_runtime):
+    """scripts/build_llama_tools compiles llama.cpp once: the binding loads the tools' libllama,
+    and all three report the same system info (backends, CPU features), read from each."""
+    from crossrt.backends.llama_cpp import BUILD_BIN, llama_cpp
+
+    assert Path(llama_cpp.llama_cpp._lib._name).resolve() == (BUILD_BIN / "libllama.so").resolve()
+    in_process = open_runtime("llama-cpp", OPTIONS).info().system_info
+    assert in_process.startswith("CPU : ") and not in_process.endswith("|")
+    assert native_runtime.info().system_info == in_process
+    assert open_runtime("llama-server", OPTIONS).info().system_info == in_process
 
 
 def test_an_executable_that_is_not_there_is_unavailable(tmp_path):
