@@ -3,7 +3,7 @@
 A claims file (TOML, docs/claims.md) holds `[[claim]]` tables: who reported what, on which
 runtime, pair, draft length and hardware, and per category the numbers they saw. This module
 reads claims and compares a run record with one; running what this machine can is
-`crossrt reproduce` (cli_reproduce.py).
+`crossrt reproduce` (crossrt/cli/reproduce.py).
 """
 
 from __future__ import annotations

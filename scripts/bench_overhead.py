@@ -40,7 +40,7 @@ from crossrt.backends import llama_cpp as backend
 from crossrt.pairs import load_pair
 from crossrt.runtime import DraftRules, Rows, RuntimeOptions, open_runtime
 from crossrt.schedules import SPEC_SIMPLE, ViewRecorder, top_two
-from crossrt.tinypair import build_pair
+from crossrt.builders.tinypair import build_pair
 
 REPO = Path(__file__).resolve().parent.parent
 PAIR_DIR = REPO / ".cache" / "bench-pair"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from crossrt.tinypair import PRESETS, build_pair  # noqa: E402
+from crossrt.builders.tinypair import PRESETS, build_pair  # noqa: E402
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from crossrt.tinytrain import build_trained_pair  # noqa: E402
+from crossrt.builders.tinytrain import build_trained_pair  # noqa: E402
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt import analysis
-from crossrt.cli_analysis import analyze
+from crossrt.cli.analysis import analyze
 from crossrt.driver import RunRequest, run_pair
 from crossrt.pairs import pair_from_paths
 from crossrt.prompts import load_prompts

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.claims import ClaimError, Tolerance, load_claims
-from crossrt.cli_reproduce import reproduce
+from crossrt.cli.reproduce import reproduce
 from crossrt.record_json import load_record
 
 from conftest import REPO, TINY_PAIR

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from crossrt.cli import main
 from crossrt.diff import DiffReport, Divergence, diff_records
 from crossrt.record_json import load_record
-from crossrt.tinypair import build_pair
+from crossrt.builders.tinypair import build_pair
 
 from conftest import REPO
 

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt import analysis
-from crossrt.cli_report import report
+from crossrt.cli.report import report
 from crossrt.driver import RunRequest, run_pair
 from crossrt.prompts import Prompt, load_prompts
 from crossrt.runtime import DraftRules, RuntimeOptions

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt import loop
-from crossrt.cli_analysis import simulate_command
+from crossrt.cli.analysis import simulate_command
 from crossrt.driver import RunRequest, run_pair
 from crossrt.prompts import load_prompts
 from crossrt.runtime import DraftRules, RuntimeOptions

@@ -7,9 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from crossrt import tinytrain
+from crossrt.builders import tinytrain
 from crossrt.driver import run_prompt
-from crossrt.model_files import LlamaShape
+from crossrt.builders.model_files import LlamaShape
 from crossrt.pairs import load_pair
 from crossrt.prompts import load_prompts
 from crossrt.runtime import DraftRules, RuntimeOptions, Rows, open_runtime

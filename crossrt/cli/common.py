@@ -17,7 +17,7 @@ from crossrt.schema import RecordError
 PROMPTS_HELP = (f"A built-in suite ({', '.join(BUILTIN_SUITES)}) or a file: "
                 "PATH or jsonl:PATH (id, category, prompt fields), specbench:PATH, mtbench:PATH "
                 "(question.jsonl, first turn), humaneval:PATH.")
-REPO_PAIRS = Path(__file__).resolve().parent.parent / "models" / "pairs"
+REPO_PAIRS = Path(__file__).resolve().parents[2] / "models" / "pairs"
 USER_ERRORS = (PairError, PromptError, RecordError, RuntimeUnavailable, RuntimeFailure, StorageError,
                FileNotFoundError, ValueError)
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import click
 
-from crossrt.cli_common import USER_ERRORS, resolve_pair
+from crossrt.cli.common import USER_ERRORS, resolve_pair
 from crossrt.import_logs import ReadOptions
 from crossrt.importer import AGGREGATE, FORMATS, ImportRequest, import_record, import_summary
 from crossrt.runtime import SPEC_TYPES

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from crossrt.model_files import (BOS, BOS_ID, CONTEXT_LENGTH, EOS, EOS_ID, RMS_EPS, ROPE_THETA,
+from crossrt.builders.model_files import (BOS, BOS_ID, CONTEXT_LENGTH, EOS, EOS_ID, RMS_EPS, ROPE_THETA,
                                  LlamaShape, train_tokenizer, write_gguf, write_hf)
 
 EOS_SOURCE = "."  # followed by EOS when the token before it has bit 0, so some outputs end
@@ -265,7 +265,7 @@ def write_readme(path: Path, preset: str, seed: int, pair: PairPreset,
     path.write_text(f"""# crossrt {preset} pair
 
 Built by `python scripts/build_tiny_pair.py --shape {preset} --seed {seed}`
-(`crossrt.tinypair.build_pair`) with Python {platform.python_version()}, {versions}.
+(`crossrt.builders.tinypair.build_pair`) with Python {platform.python_version()}, {versions}.
 Do not edit by hand. The tokenizer trains on the built-in prompts and this interpreter's
 textwrap.py, json/__init__.py and `this`: other versions may give other (equally good) files.
 
@@ -278,7 +278,7 @@ the HF folders hold the F32 weights (the GGUFs' q/k rows carry llama.cpp's rope 
 |---|---|---|---|---|---|---|---|
 {rows}
 
-Random weights plus a designed grammar (see `crossrt/tinypair.py`): the next token is
+Random weights plus a designed grammar (see `crossrt/builders/tinypair.py`): the next token is
 succ[bit(previous token), current token], so greedy top-2 margins are several logits, outputs
 depend on the previous position's KV entry, and the drafter's grammar differs from the
 target's at {pair.drafter_disagreement:.0%} of its pairs. EOS follows `{EOS_SOURCE}` after a
@@ -292,7 +292,7 @@ def build_pair(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> list
     """Build the `preset` pair from `seed` into `out_dir`; returns the files written."""
     pair, out = PRESETS[preset], Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(training_texts(Path(__file__).parent / "data" / "prompts" /
+    tok = train_tokenizer(training_texts(Path(__file__).parents[1] / "data" / "prompts" /
                                          "builtin.jsonl"), pair.vocab_size)
     both = grammars(tok, np.random.default_rng([seed, 0]), pair.drafter_disagreement)
     files, counts = [], {}

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import click
 
 from crossrt.claims import Claim, ClaimError, Outcome, check_record, exit_code, load_claims, render
-from crossrt.cli_common import USER_ERRORS, device_options, resolve_pair
+from crossrt.cli.common import USER_ERRORS, device_options, resolve_pair
 from crossrt.driver import RunRequest, run_pair
 from crossrt.loop import SCHEDULE
 from crossrt.pairs import ROLES, Pair, PairError

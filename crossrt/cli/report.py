@@ -8,8 +8,8 @@ from typing import Optional, Sequence
 import click
 
 from crossrt import analysis
-from crossrt.cli_analysis import Increasing
-from crossrt.cli_common import USER_ERRORS
+from crossrt.cli.analysis import Increasing
+from crossrt.cli.common import USER_ERRORS
 from crossrt.report import build_report, load_runs, to_html, to_markdown
 
 # The output format follows the file name, so `-o report.md` cannot silently be HTML.

@@ -2,7 +2,7 @@
 
     build_trained_pair(out_dir) -> list[pathlib.Path]   # the files written (models/trained)
 
-Unlike the designed tiny pair (crossrt/tinypair.py), these models learn real text, so their
+Unlike the designed tiny pair (crossrt/builders/tinypair.py), these models learn real text, so their
 greedy speculative decoding behaves like real models': code (indentation, keywords, repeated
 names) is more predictable than prose, and drafts of code are accepted more often. The corpus
 is what every CPython install carries: stdlib sources for code; the language reference's
@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 import numpy as np
 from tokenizers import Tokenizer
 
-from crossrt.model_files import (BOS_ID, EOS_ID, LlamaShape, hf_config, train_tokenizer,
+from crossrt.builders.model_files import (BOS_ID, EOS_ID, LlamaShape, hf_config, train_tokenizer,
                                  write_gguf, write_hf)
 
 CATEGORIES = ("code", "prose")
@@ -297,7 +297,7 @@ def write_readme(path: Path, texts: dict[str, list[tuple[str, str]]],
         f"{CONTEXT - 1}-token windows (after BOS) from uniform offsets in the rest, "
         f"{len(data['train']):,} tokens, so code and prose mix as in the corpus.", 92)
     built = textwrap.fill(
-        "Built by `python scripts/train_tiny_pair.py` (`crossrt.tinytrain.build_trained_pair`) "
+        "Built by `python scripts/train_tiny_pair.py` (`crossrt.builders.tinytrain.build_trained_pair`) "
         f"on one CPU thread with Python {platform.python_version()}, {versions}. Do not edit "
         "by hand; docs/trained-pair.md says what the pair is for and what speculative "
         "decoding measures on it.", 92)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from crossrt.layer_skip import LayerSkipError, layer_skip
+from crossrt.builders.layer_skip import LayerSkipError, layer_skip
 
 
 @click.group()

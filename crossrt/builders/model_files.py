@@ -5,7 +5,7 @@
 
 Weights are a dict of numpy arrays under HF llama names (rotate-half rope layout), so a model
 written both ways is the same model in llama.cpp and in transformers. Used by the designed tiny
-pair (crossrt/tinypair.py) and the trained pair (crossrt/tinytrain.py).
+pair (crossrt/builders/tinypair.py) and the trained pair (crossrt/builders/tinytrain.py).
 """
 from __future__ import annotations
 

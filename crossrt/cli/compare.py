@@ -8,7 +8,7 @@ from typing import Sequence
 
 import click
 
-from crossrt.cli_common import PROMPTS_HELP, USER_ERRORS, CommaChoice, device_options, resolve_pair
+from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, CommaChoice, device_options, resolve_pair
 from crossrt.diagnosis import explain_record
 from crossrt.diff import diff_records, render_diff, render_record_splits
 from crossrt.parity import compare_against, compare_all, labelled

@@ -9,13 +9,13 @@ from typing import Sequence
 
 import click
 
-from crossrt.cli_common import PROMPTS_HELP, USER_ERRORS, device_options, resolve_pair
-from crossrt.cli_analysis import analyze, simulate_command
-from crossrt.cli_compare import diff, parity
-from crossrt.cli_drafter import drafter
-from crossrt.cli_import import import_command
-from crossrt.cli_report import report
-from crossrt.cli_reproduce import reproduce
+from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, device_options, resolve_pair
+from crossrt.cli.analysis import analyze, simulate_command
+from crossrt.cli.compare import diff, parity
+from crossrt.cli.drafter import drafter
+from crossrt.cli.imports import import_command
+from crossrt.cli.report import report
+from crossrt.cli.reproduce import reproduce
 from crossrt.driver import RunRequest, run_pair
 from crossrt.importer import import_summary
 from crossrt.loop import SCHEDULE, SCHEDULES

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import click
 
 from crossrt import analysis
-from crossrt.cli_common import PROMPTS_HELP, USER_ERRORS, resolve_pair
+from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, resolve_pair
 from crossrt.pairs import ROLES, pair_info
 from crossrt.prompts import load_prompts
 from crossrt.runtime import RuntimeOptions, open_runtime, runtime_names
