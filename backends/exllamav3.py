@@ -39,6 +39,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from crossrt.errors import ModelError, SettingsError
 from crossrt.runtime import DraftRules, ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
 from crossrt.schema import RuntimeInfo
 
@@ -157,7 +158,7 @@ def use_per_device(model_gib: float, shares: Sequence[float], totals_gib: Sequen
     left uncapped (its whole memory) to take what the estimate and layer boundaries leave. 0 leaves
     a GPU out."""
     if len(shares) > len(totals_gib):
-        raise ValueError(f"--gpu-split gives {len(shares)} shares but torch sees {len(totals_gib)} GPU(s)")
+        raise SettingsError(f"--gpu-split gives {len(shares)} shares but torch sees {len(totals_gib)} GPU(s)")
     last = max(i for i, share in enumerate(shares) if share > 0)
     limits = []
     for i, (share, total) in enumerate(zip(shares, totals_gib)):
@@ -202,20 +203,20 @@ def build_model(path: Path, component: str = "text", config=None):
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path}: expected an EXL3 or HF model folder with config.json")
+        raise ModelError(f"{path}: expected an EXL3 or HF model folder with config.json")
     try:
         config = config or exllamav3.Config.from_directory(str(path))
         if component not in config.model_classes:
-            raise ValueError(f"{config.architecture} has no {component!r} component")
+            raise ModelError(f"{config.architecture} has no {component!r} component")
         return config, exllamav3.Model.from_config(config, component=component)
     except (AssertionError, KeyError, OSError, ValueError) as error:
-        raise ValueError(f"exllamav3 could not read {path}: {error}") from None
+        raise ModelError(f"exllamav3 could not read {path}: {error}") from None
 
 
 def check_options(options: RuntimeOptions) -> None:
     """Refuse what exllamav3 cannot do before anything is loaded."""
     if options.f32_kv_cache:
-        raise ValueError("exllamav3 keeps K/V in FP16 or quantized (cache/fp16.py, cache/quant.py): "
+        raise SettingsError("exllamav3 keeps K/V in FP16 or quantized (cache/fp16.py, cache/quant.py): "
                          "it has no F32 KV cache; leave --f32-kv-cache off")
 
 
@@ -270,9 +271,9 @@ def load_with_cache(model, capacity: int, options: RuntimeOptions, max_history: 
         model.load(draft_model=draft_model, max_chunk_size=chunk, **split)
         failures = model.warmup(cache=cache, max_chunk_size=chunk, max_batch_size=1, long_context=False)
     except (AssertionError, RuntimeError, ValueError) as error:
-        raise ValueError(f"exllamav3 could not load {model.config.directory}: {error}") from None
+        raise ModelError(f"exllamav3 could not load {model.config.directory}: {error}") from None
     if failures:
-        raise ValueError(f"exllamav3 cannot run {model.config.directory}: warmup passes failed: {failures}")
+        raise ModelError(f"exllamav3 cannot run {model.config.directory}: warmup passes failed: {failures}")
     return cache, placement
 
 
@@ -311,7 +312,6 @@ class ExllamaV3Session(ModelSession):
         self.n_ctx = n_ctx
         self.n_vocab = loaded.vocab_size
         self.eog_ids = loaded.eog_ids
-        self._n_past = 0
 
     def _forward(self, tokens: Sequence[int], rows: Rows) -> np.ndarray:
         import torch
@@ -334,8 +334,8 @@ class ExllamaV3Session(ModelSession):
             return np.empty((0, self.n_vocab), dtype=np.float32)
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
-    def truncate(self, n_keep: int) -> None:
-        self._n_past = max(0, min(n_keep, self._n_past))
+    def _drop(self, n_keep: int) -> None:
+        """Nothing to free: positions at and after past_len are overwritten by the next forward."""
 
     def tokenize(self, text: str) -> list[int]:
         return self._loaded.tokenize(text)
@@ -346,11 +346,10 @@ class ExllamaV3Session(ModelSession):
         # HF's byte-level decoding replaces a split multi-byte character.
         return self._loaded.tokenizer.decode(torch.tensor(list(ids), dtype=torch.long), decode_special_tokens=False)
 
-    def close(self) -> None:
-        """Free the weights and the cache's GPU memory; safe to call twice."""
-        if self._loaded is not None:
-            self._loaded.model.unload()
-            self._loaded = None
+    def _release(self) -> None:
+        """Free the weights and the cache's GPU memory."""
+        self._loaded.model.unload()
+        self._loaded = None
 
 
 class ExllamaV3Runtime(Runtime):
@@ -374,10 +373,10 @@ class ExllamaV3Runtime(Runtime):
         check_options(self.options)
         config, model = build_model(path)
         if model.caps.get("dflash_draft") or model.caps.get("mtp_draft"):
-            raise ValueError(f"{path} is a {config.architecture} drafter: it drafts only inside exllamav3's "
+            raise SettingsError(f"{path} is a {config.architecture} drafter: it drafts only inside exllamav3's "
                              "Generator (--mode native)")
         if model.caps.get("recurrent_states"):
-            raise ValueError(f"{config.architecture} has recurrent layers whose state the driven loop cannot "
+            raise SettingsError(f"{config.architecture} has recurrent layers whose state the driven loop cannot "
                              "roll back: use --mode native")
         capacity = page_round(self.options.n_ctx)
         cache, placement = load_with_cache(model, capacity, self.options)

@@ -31,11 +31,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from crossrt.errors import SettingsError
 from crossrt.backends.exllamav3 import (PINNED_VERSION, Placement, TextModel, build_model, check_options,
                                         chunk_size, load_with_cache, page_round, text_model)
 from crossrt.runtime import DraftRules, NativeGeneration, NativeSession, RuntimeFailure, RuntimeOptions
 from crossrt.schedules import check_fits
-from crossrt.schema import Counters, accepted_per_position
+from crossrt.schema import Counters, CountsDoNotAddUp
 
 SCHEDULE = "exllamav3"
 # crossrt spec types (crossrt/runtime.py SPEC_TYPES) that exllamav3 drafts with a drafter model
@@ -69,7 +70,7 @@ DSPARK_NOTE = (
 
 def check_rules(rules: DraftRules) -> None:
     if not rules.fixed:
-        raise ValueError(
+        raise SettingsError(
             f"exllamav3 drafts a fixed window of num_draft_tokens={rules.k} with dynamic drafting off: it has no "
             f"n_min or p_min drafting rules (got n_min={rules.n_min}, p_min={rules.p_min}); "
             "leave --draft-n-min and --draft-p-min unset")
@@ -113,10 +114,10 @@ def counters_from_rounds(rounds: Sequence[tuple[int, int, int]], accepted_total:
     if sum(step_drafted) != accepted_total + rejected_total:
         problems.append(f"rounds draft {sum(step_drafted)}, the job counts {accepted_total} accepted "
                         f"+ {rejected_total} rejected")
-    counters = Counters(steps=len(rounds), drafted=sum(step_drafted), accepted=sum(step_accepted), emitted=emitted,
-                        accepted_per_pos=accepted_per_position(step_accepted, k), step_drafted=step_drafted,
-                        step_accepted=step_accepted, unverified=unverified)
-    problems += counters.identity_violations(k)
+    try:
+        counters = Counters.from_steps(step_drafted, step_accepted, emitted, k, unverified)
+    except CountsDoNotAddUp as error:
+        problems += error.problems
     if problems:
         raise RuntimeFailure(f"exllamav3 (read at {PINNED_VERSION}): its draft statistics do not add up: "
                              + "; ".join(problems))
@@ -209,7 +210,7 @@ def open_generator_session(target_path: Path, drafter_path: Path, rules: DraftRu
         # n-gram drafting (Generator ngram_match_min: a suffix automaton over the job's own
         # context, generator.py:1391, job.py:1899) needs no drafter and a minimum match length
         # crossrt has no setting for; EAGLE3 drafters exllamav3 does not have.
-        raise ValueError(f"exllamav3 runs spec types {', '.join(SPEC_TYPES)} through crossrt, not {spec_type!r}")
+        raise SettingsError(f"exllamav3 runs spec types {', '.join(SPEC_TYPES)} through crossrt, not {spec_type!r}")
     target_config, target_model = build_model(target_path)
     # A drafter named by the target's own folder is the checkpoint's "mtp" component, sharing the
     # target's config, as exllamav3's model_init does (model_init.py:216, 245-246, 284-287).
@@ -217,16 +218,16 @@ def open_generator_session(target_path: Path, drafter_path: Path, rules: DraftRu
     if target_component:
         drafter_config, drafter = build_model(drafter_path, component="mtp", config=target_config)
     elif spec_type == "dspark":
-        raise ValueError(f"spec_type dspark drafts with the DSpark block of the target's own checkpoint: name the "
+        raise SettingsError(f"spec_type dspark drafts with the DSpark block of the target's own checkpoint: name the "
                          f"target's folder as the drafter too (got {drafter_path})")
     else:
         drafter_config, drafter = build_model(drafter_path)
     kind = drafting_kind(drafter.caps, drafter_config.architecture, target_component)
     if kind != spec_type:
-        raise ValueError(f"spec_type {spec_type} but {drafter_path} is a {drafter_config.architecture} "
+        raise SettingsError(f"spec_type {spec_type} but {drafter_path} is a {drafter_config.architecture} "
                          f"({kind} drafting)")
     if kind in ("dflash", "dflash2") and rules.k > drafter_config.block_size - 1:
-        raise ValueError(f"{drafter_config.architecture} drafts blocks of {drafter_config.block_size}: "
+        raise SettingsError(f"{drafter_config.architecture} drafts blocks of {drafter_config.block_size}: "
                          f"k is at most {drafter_config.block_size - 1}")
     if target_model.caps.get("recurrent_states") or drafter.caps.get("recurrent_states"):
         # A speculative pass over k tokens must be undoable (generator.py:378-389).

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from crossrt.errors import ModelError, PromptRefused
 from crossrt.runtime import ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
 from crossrt.schema import RuntimeInfo
 
@@ -44,7 +45,7 @@ except (OSError, RuntimeError) as error:  # its loader's FileNotFoundError / Run
 
 
 class LlamaCppSession(ModelSession):
-    def __init__(self, path: Path, options: RuntimeOptions, n_outputs_max: int = 0):
+    def __init__(self, path: Path, options: RuntimeOptions, n_outputs_max: int = 0, n_seq_max: int = 1):
         set_verbose(False)  # llama.cpp logs every graph reservation; keep errors only
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = options.n_gpu_layers
@@ -62,6 +63,11 @@ class LlamaCppSession(ModelSession):
         context_params.n_threads_batch = options.threads
         context_params.n_outputs_max = n_outputs_max
         context_params.n_outputs_max_per_seq = n_outputs_max
+        if n_seq_max > 1:
+            # Tree verification (crossrt/tree_loop.py): a token shared by several draft paths
+            # belongs to all their sequences at once, which needs one KV stream for them all.
+            context_params.n_seq_max = n_seq_max
+            context_params.kv_unified = True
         context_params.no_perf = True
         context_params.flash_attn_type = (
             llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attn
@@ -80,12 +86,9 @@ class LlamaCppSession(ModelSession):
         self.eog_ids = frozenset(t for t in range(self.n_vocab)
                                  if llama_cpp.llama_vocab_is_eog(self._model.vocab, t))
         self._add_bos = self._model.add_bos_token()
-        self._n_past = 0
 
-    def close(self) -> None:
-        if self._batch is not None:
-            llama_cpp.llama_batch_free(self._batch)
-            self._batch = None
+    def _release(self) -> None:
+        llama_cpp.llama_batch_free(self._batch)
         self._context.close()
         self._model.close()
 
@@ -102,17 +105,15 @@ class LlamaCppSession(ModelSession):
             batch.logits[i] = i >= first_output
         code = llama_cpp.llama_decode(self._ctx, batch)
         if code != 0:
-            raise RuntimeError(f"llama_decode returned {code} at position {self._n_past}")
+            raise PromptRefused(f"llama_decode returned {code} at position {self._n_past}")
         n_rows = n_tokens - first_output
         if n_rows == 0:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         pointer = llama_cpp.llama_get_logits(self._ctx)
         return np.ctypeslib.as_array(pointer, shape=(n_rows, self.n_vocab))
 
-    def truncate(self, n_keep: int) -> None:
-        if n_keep < self._n_past:
-            llama_cpp.llama_memory_seq_rm(self._memory, 0, n_keep, -1)
-            self._n_past = n_keep
+    def _drop(self, n_keep: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self._memory, 0, n_keep, -1)
 
     def tokenize(self, text: str) -> list[int]:
         return self._model.tokenize(text.encode("utf-8"), add_bos=self._add_bos, special=True)
@@ -139,7 +140,7 @@ class LlamaCppRuntime(Runtime):
         try:
             return LlamaCppSession(path, self.options, n_outputs_max)
         except ValueError as error:
-            raise ValueError(f"llama.cpp could not load {path}: {error}") from None
+            raise ModelError(f"llama.cpp could not load {path}: {error}") from None
 
     def info(self) -> RuntimeInfo:
         offloaded = self.options.n_gpu_layers > 0 and llama_cpp.llama_supports_gpu_offload()

@@ -6,37 +6,24 @@ the drafter (`--spec-type draft-simple`, n_max = k, n_min, p_min) and a plain on
 baseline, since this llama.cpp commit compiles out per-request speculative settings. Both
 have one slot, greedy sampling, no prompt cache, and the in-process runtime's batch sizes.
 
-Where the counters come from (llama.cpp tools/server/server-context.cpp):
-- drafted, accepted: the response's `timings.draft_n` / `draft_n_accepted` (absent when nothing
-  was drafted: 0). Acceptance is counted before the stop check, so a bonus token after an
-  accepted EOS counts.
-- steps, accepted_per_pos: deltas of /metrics `spec_decode_num_drafts_total` and
-  `spec_decode_num_accepted_tokens_per_pos_total`; the server adds a request's counts to these
-  totals when it releases the slot, just after sending the response, so crossrt waits until
-  `tokens_predicted_total` shows the request.
-- unverified: target decodes that are not steps (`n_decode_total` delta minus steps): the prompt
-  pass that yields the first token, and plain decodes where no draft was made (one token of
-  budget left), the draft was empty (p_min stopped it at once) or dropped (shorter than n_min). The prompt is one batch
-  (-b n_ctx), and the token that ends generation is sampled without a decode after it.
-- cut: what the identity emitted = steps + accepted + unverified - cut leaves; by the server's
-  algorithm it is 1 exactly when an EOS was accepted in the last draft position (the bonus
-  token after it is dropped) and 0 otherwise, which is checked.
+The counters: backends/llama_server_counts.py.
 """
 
 from __future__ import annotations
 
-import re
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from crossrt.backends.llama_server_counts import Totals, speculative_counters
 from crossrt.backends.llama_server_process import ServerError, ServerProcess, find_executable
 from crossrt.backends.llama_tools import Build, probe
+from crossrt.errors import PromptRefused, SettingsError
 from crossrt.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeOptions,
                              RuntimeUnavailable)
-from crossrt.schema import Counters, RuntimeInfo, UnfitCounts
+from crossrt.schema import RuntimeInfo
 
 SCHEDULE = "llama-server"
 # /metrics prints counters through a C++ stream with 6 significant digits: restart the server
@@ -47,96 +34,6 @@ METRICS_WAIT_S = 5.0
 # (numpy's argmax), then picks it.
 GREEDY = {"temperature": 0.0, "samplers": ["temperature"]}
 GREEDY_IF_REPORTED = {"dynatemp_range": 0.0, "mirostat": 0, "ignore_eos": False}
-METRIC = re.compile(r'^llamacpp:(\w+)(?:\{position="(\d+)"\})? (\S+)$', re.M)
-
-
-@dataclass(frozen=True)
-class Totals:
-    """The /metrics counters crossrt reads, as totals since the server started."""
-
-    drafts: int  # verification steps (non-empty drafts)
-    draft_tokens: int
-    accepted: int
-    accepted_per_pos: tuple[int, ...]
-    decodes: int  # target decode calls: prompt batches, steps and plain decodes
-    predicted: int  # tokens generated
-
-    @classmethod
-    def parse(cls, text: str) -> "Totals":
-        values: dict[str, float] = {}
-        per_pos: dict[int, float] = {}
-        for name, position, value in METRIC.findall(text):
-            if position:
-                per_pos[int(position)] = float(value)
-            else:
-                values[name] = float(value)
-        try:
-            return cls(drafts=int(values["spec_decode_num_drafts_total"]),
-                       draft_tokens=int(values["spec_decode_num_draft_tokens_total"]),
-                       accepted=int(values["spec_decode_num_accepted_tokens_total"]),
-                       accepted_per_pos=tuple(int(per_pos[i]) for i in sorted(per_pos)),
-                       decodes=int(values["n_decode_total"]),
-                       predicted=int(values["tokens_predicted_total"]))
-        except KeyError as missing:
-            raise ValueError(f"/metrics has no {missing.args[0]}") from None
-
-    def minus(self, before: "Totals") -> "Totals":
-        # Positions appear in /metrics only once some step has been verified.
-        width = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
-        now, then = _padded(self.accepted_per_pos, width), _padded(before.accepted_per_pos, width)
-        return Totals(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
-                      self.accepted - before.accepted, tuple(a - b for a, b in zip(now, then)),
-                      self.decodes - before.decodes, self.predicted - before.predicted)
-
-    @property
-    def largest(self) -> int:
-        return max(self.drafts, self.draft_tokens, self.accepted, self.decodes, self.predicted,
-                   *self.accepted_per_pos)
-
-
-def _padded(counts: tuple[int, ...], width: int) -> tuple[int, ...]:
-    return counts[:width] + (0,) * (width - len(counts))
-
-
-def speculative_counters(emitted: int, stop_reason: str, timings: dict, delta: Totals,
-                         k: int) -> tuple[Counters, Optional[UnfitCounts]]:
-    """crossrt's counters for one speculative request (module docstring: where each comes from),
-    and, when the server's numbers do not fit its schedule as crossrt reads it, what did not
-    fit: the counters then keep the server's steps, drafted and accepted, and take unverified
-    from the identity (cut 0, or 1 after an EOS in the last draft position); the prompt is kept."""
-    drafted = int(timings.get("draft_n", 0))
-    accepted = int(timings.get("draft_n_accepted", 0))
-    steps = delta.drafts
-    unverified = delta.decodes - steps
-    cut = steps + accepted + unverified - emitted
-    problems = []
-    if (delta.draft_tokens, delta.accepted) != (drafted, accepted):
-        problems.append(f"/metrics drafted/accepted {delta.draft_tokens}/{delta.accepted} != "
-                        f"timings {drafted}/{accepted}")
-    if unverified < 1:
-        problems.append(f"{delta.decodes} decodes for {steps} steps leave no prompt pass")
-    if not 0 <= cut <= (1 if stop_reason == "eos" else 0):
-        problems.append(f"cut {cut} (steps {steps} + accepted {accepted} + unverified {unverified} "
-                        f"- emitted {emitted}) with stop {stop_reason}")
-    per_pos = delta.accepted_per_pos
-    if any(per_pos[k:]):
-        problems.append(f"acceptance at draft positions beyond k={k}: {list(per_pos)}")
-    unfit = None
-    if problems:
-        raw = {"emitted": emitted, "timings.draft_n": drafted, "timings.draft_n_accepted": accepted,
-               "metrics.drafts": delta.drafts, "metrics.draft_tokens": delta.draft_tokens,
-               "metrics.accepted": delta.accepted, "metrics.decodes": delta.decodes,
-               "metrics.predicted": delta.predicted,
-               **{f"metrics.accepted_per_pos.{i}": n for i, n in enumerate(per_pos)}}
-        cut = 1 if stop_reason == "eos" and steps + accepted >= emitted else 0
-        unverified = emitted + cut - steps - accepted
-        unfit = UnfitCounts(tuple(problems), raw, "steps from /metrics drafts; drafted and accepted from "
-                            f"timings; cut {cut} by the stop; unverified = emitted + cut - steps - accepted")
-        if sum(per_pos) != accepted or any(per_pos[k:]):
-            per_pos = None  # the per-position totals do not match what is kept
-    return Counters(steps=steps, drafted=drafted, accepted=accepted, emitted=emitted,
-                    accepted_per_pos=_padded(per_pos, k) if per_pos is not None else None,
-                    step_drafted=None, step_accepted=None, unverified=unverified, cut=cut), unfit
 
 
 @dataclass(frozen=True)
@@ -160,6 +57,7 @@ class LlamaServerSession(NativeSession):
         self._speculative_launcher = speculative
         self._speculative: Optional[ServerProcess] = None
         self._baseline: Optional[ServerProcess] = None
+        self._template: Optional[tuple[str, ServerProcess]] = None  # (template text, its server)
         try:
             self._speculative = speculative.start()
             self._baseline = baseline.start()
@@ -217,11 +115,11 @@ class LlamaServerSession(NativeSession):
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, speculative: bool) -> NativeGeneration:
         if not prompt_ids:
-            raise ValueError("empty prompt: nothing to condition on")
+            raise PromptRefused("empty prompt: nothing to condition on")
         # The server stops a step short when its cache reaches n_ctx - 1 (process_token), so one
         # position stays spare, as the driven "llama-server" schedule requires too.
         if len(prompt_ids) + max_new_tokens + 1 > self.n_ctx:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens (+ 1 spare) "
+            raise PromptRefused(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens (+ 1 spare) "
                              f"does not fit the context of {self.n_ctx} tokens")
         if speculative and self._totals.largest >= PRECISION_LIMIT:
             self._speculative.stop()
@@ -237,7 +135,7 @@ class LlamaServerSession(NativeSession):
             if 400 <= error.status < 500:
                 if speculative:  # whatever it counted must not land on the next prompt
                     self._totals = self._read_totals()
-                raise ValueError(f"llama-server refused the prompt: {error}") from None
+                raise PromptRefused(f"llama-server refused the prompt: {error}") from None
             raise server.failure(f"/completion: {error}") from None
         tokens = tuple(int(t) for t in response["tokens"])
         if speculative:  # before anything can fail this prompt, so the next one starts from here
@@ -268,12 +166,35 @@ class LlamaServerSession(NativeSession):
         if stop_type == "limit" and n_tokens == max_new_tokens:
             return "max_new_tokens"
         if stop_type == "limit":
-            raise ValueError(f"llama-server stopped at its context limit after {n_tokens} of "
+            raise PromptRefused(f"llama-server stopped at its context limit after {n_tokens} of "
                              f"{max_new_tokens} tokens")
         raise server.failure(f"unexpected stop_type {stop_type!r} after {n_tokens} tokens")
 
+    def chat_template_ids(self, messages: list[dict], template: str, variables: dict) -> list[int]:
+        """llama-server's own rendering of a chat turn (/apply-template, its jinja engine, which
+        drops a leading BOS text when the model adds one) tokenized as /completion tokenizes a
+        prompt (add_special, parse_special): what its chat endpoint would feed. The template
+        comes from crossrt as a file, so a server of its own (no drafter) is started once."""
+        if self._template is None or self._template[0] != template:
+            if self._template is not None:
+                self._template[1].stop()
+            launcher = self._speculative_launcher
+            template_file = launcher.log_path.with_name("chat_template.jinja")
+            template_file.write_text(template, encoding="utf-8")
+            args = (*launcher.args[:2], "-c", "512", "-np", "1", "-t", "1", "--chat-template-file", str(template_file))
+            self._template = (template, ServerProcess.start(launcher.executable, args,
+                                                            launcher.log_path.with_name("llama-server-template.log")))
+        server = self._template[1]
+        request = {"messages": messages, "add_generation_prompt": True, "chat_template_kwargs": variables}
+        try:
+            prompt = server.call_json("POST", "/apply-template", request)["prompt"]
+            return list(server.call_json("POST", "/tokenize", {"content": prompt, "add_special": True,
+                                                              "parse_special": True})["tokens"])
+        except ServerError as error:
+            raise server.failure(f"/apply-template: {error}") from None
+
     def close(self) -> None:
-        for server in (self._speculative, self._baseline):
+        for server in (self._speculative, self._baseline, self._template[1] if self._template else None):
             if server is not None:
                 server.stop()
 
@@ -284,9 +205,18 @@ LLAMA_SPEC_TYPES = {"draft": "draft-simple", "mtp": "draft-mtp", "eagle3": "draf
                     "ngram-map-k4v": "ngram-map-k4v", "ngram-mod": "ngram-mod", "ngram-cache": "ngram-cache"}
 
 
+NGRAM_SIMPLE_SIZE_N = 12  # llama.cpp's default lookup length (common/common.h)
+
+
+def ngram_simple_size_n(k: int) -> int:
+    """ngram-simple's lookup length for drafts of at most k: its default, unless k is shorter
+    (a draft must be at least as long as the lookup)."""
+    return min(NGRAM_SIMPLE_SIZE_N, k)
+
+
 def llama_spec_type(spec_type: str) -> str:
     if spec_type not in LLAMA_SPEC_TYPES:
-        raise ValueError(f"llama.cpp has no spec type {spec_type!r}; it has: {', '.join(LLAMA_SPEC_TYPES)}")
+        raise SettingsError(f"llama.cpp has no spec type {spec_type!r}; it has: {', '.join(LLAMA_SPEC_TYPES)}")
     return LLAMA_SPEC_TYPES[spec_type]
 
 
@@ -343,7 +273,9 @@ class LlamaServerRuntime(Runtime):
             # Without it -md loads a drafter that never drafts.
             args += [flags.spec_type, llama_spec_type(rules.spec_type)]
         elif rules.spec_type != "draft":
-            raise ValueError(f"this llama-server build has no --spec-type: it cannot run spec type {rules.spec_type!r}")
+            raise SettingsError(f"this llama-server build has no --spec-type: it cannot run spec type {rules.spec_type!r}")
+        if rules.spec_type == "ngram-simple" and flags.ngram_simple_size_m and flags.ngram_simple_size_n:
+            args += [flags.ngram_simple_size_n, str(ngram_simple_size_n(rules.k)), flags.ngram_simple_size_m, str(rules.k)]
         if options.f32_kv_cache:
             args += ["-ctkd", "f32", "-ctvd", "f32"]
         return args
@@ -361,7 +293,11 @@ class LlamaServerRuntime(Runtime):
         return LlamaServerSession(speculative, baseline, rules, self._notes(rules))
 
     def _notes(self, rules: DraftRules) -> tuple[str, ...]:
-        return (
+        ngram = (f"ngram-simple: --spec-ngram-simple-size-m {rules.k} (drafts of at most k, where llama.cpp's default "
+                 f"is 48) and --spec-ngram-simple-size-n {ngram_simple_size_n(rules.k)} (its default 12, at most k: "
+                 "a draft is made only when it is at least that long)",) \
+            if rules.spec_type == "ngram-simple" and self.build.flags.ngram_simple_size_m else ()
+        return ngram + (
             f"llama-server {self.build.version} (commit {self.build.commit or 'unknown'}): its own draft-model "
             f"speculative decoding (--spec-type {llama_spec_type(rules.spec_type)}, n_max {rules.k}, n_min {rules.n_min}, "
             f"p_min {rules.p_min:g}), one slot, greedy (temperature 0, samplers [temperature]), no prompt cache; "

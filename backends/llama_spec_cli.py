@@ -25,18 +25,21 @@ import math
 import os
 import re
 import subprocess
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
+from crossrt.errors import ModelError, PromptRefused
 from crossrt import loop
 from crossrt.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                              RuntimeOptions, RuntimeUnavailable)
 from crossrt.schedules import SPEC_SIMPLE, check_prompt
-from crossrt.schema import Counters, RuntimeInfo, accepted_per_position
+from crossrt.schema import Counters, CountsDoNotAddUp, RuntimeInfo
 # _internals: llama_cpp's module, None where llama_cpp did not import (reported by check_available)
 from crossrt.backends.llama_cpp import LlamaCppRuntime, _internals, llama_cpp
 from crossrt.backends.llama_tools import BUILD_BIN, find_tool, log_tail, probe
+from crossrt.backends.llama_server_process import _LIBC, _die_with_parent
 
 TOOL = "llama-speculative-simple"
 REPO_TOOL = BUILD_BIN / TOOL
@@ -49,6 +52,14 @@ LOG_FLUSH_SHIM = REPO_TOOL.parent / "libcrossrt_log_flush.so"
 ATTEMPTS = 6
 LOG_TAIL_LINES = 30
 CHECKPOINT_NOTICE = b"speculative decoding will use checkpoints"
+# A stopped or deadlocked tool is noticed as llama-server is (llama_server_process.py): a run
+# may take TOOL_BASE_S plus TOOL_S_PER_TOKEN per token of its work (prompt and new tokens), and
+# a tool found stopped (SIGSTOP, SIGTSTP) at STOPPED_PROBES probes in a row, PROBE_S apart, is
+# hung; either is a RuntimeFailure (the run keeps its finished prompts).
+TOOL_BASE_S = 60.0
+TOOL_S_PER_TOKEN = 2.0
+PROBE_S = 5.0
+STOPPED_PROBES = 3
 
 _EVENT = re.compile(
     rb"draft candidate\s+(?P<rank>\d+), pos\s+(?P<pos>\d+):\s+(?P<token>\d+) \("
@@ -149,6 +160,15 @@ class Vocab:
         self._model.close()
 
 
+def _is_stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP, SIGTSTP), as /proc tells where there is one."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
+
+
 class LlamaSpecCliSession(NativeSession):
     schedule = SPEC_SIMPLE
 
@@ -163,7 +183,7 @@ class LlamaSpecCliSession(NativeSession):
         self._log = work_dir / f"{TOOL}.log"
         try:
             self._baseline = baseline_runtime.load(target)
-        except ValueError as error:
+        except ModelError as error:
             raise RuntimeFailure(str(error)) from None
         self._vocab = Vocab(target)
         self._texts: dict[tuple[int, ...], str] = {}
@@ -180,13 +200,13 @@ class LlamaSpecCliSession(NativeSession):
             return NativeGeneration(plain.output_ids, plain.stop_reason, None, plain.prefill_s, plain.decode_s)
         text = self._texts.get(tuple(prompt_ids))
         if text is None:
-            raise ValueError(f"{TOOL} takes prompt text: pass ids that this session's tokenize() made")
+            raise PromptRefused(f"{TOOL} takes prompt text: pass ids that this session's tokenize() made")
         # The tool's last step can run k tokens past the budget: keep that inside the context.
         check_prompt(prompt_ids, max_new_tokens, [self._baseline], overrun=self._rules.k)
-        run = self._run(text, max_new_tokens)
+        run = self._run(text, max_new_tokens, len(prompt_ids) + max_new_tokens)
         return self._translate(run, prompt_ids, max_new_tokens)
 
-    def _run(self, text: str, max_new_tokens: int) -> ToolRun:
+    def _run(self, text: str, max_new_tokens: int, work_tokens: int) -> ToolRun:
         # A file has no argument-length limit; -f drops one trailing newline, so add one.
         self._prompt.write_bytes(text.encode("utf-8") + b"\n")
         command = self._command + ["-n", str(max_new_tokens), "-f", str(self._prompt)]
@@ -195,8 +215,7 @@ class LlamaSpecCliSession(NativeSession):
             environment["LD_PRELOAD"] = " ".join(filter(None, [str(LOG_FLUSH_SHIM), os.environ.get("LD_PRELOAD")]))
         for _ in range(ATTEMPTS):
             with open(self._out, "wb") as out_file, open(self._log, "wb") as log_file:
-                code = subprocess.run(command, stdout=out_file, stderr=log_file, stdin=subprocess.DEVNULL,
-                                      env=environment).returncode
+                code = self._watched(command, out_file, log_file, environment, work_tokens)
             if code != 0:
                 raise RuntimeFailure(f"{TOOL} exited with {code}; log {self._log}:\n"
                                      f"{log_tail(self._log, LOG_TAIL_LINES)}")
@@ -211,14 +230,43 @@ class LlamaSpecCliSession(NativeSession):
         raise RuntimeFailure(f"{TOOL} printed no statistics in {ATTEMPTS} runs; log {self._log}:\n"
                              f"{log_tail(self._log, LOG_TAIL_LINES)}")
 
+    def _watched(self, command: list[str], out_file, log_file, environment: dict, work_tokens: int) -> int:
+        """Run the tool to its end and return its exit code; a RuntimeFailure when it runs past
+        the time its work may take or stays stopped. The kernel kills it if crossrt dies, and
+        crossrt kills it on any error here (Ctrl-C too)."""
+        timeout = TOOL_BASE_S + TOOL_S_PER_TOKEN * work_tokens
+        process = subprocess.Popen(command, stdout=out_file, stderr=log_file, stdin=subprocess.DEVNULL,
+                                   env=environment,
+                                   preexec_fn=_die_with_parent(os.getpid()) if _LIBC is not None else None)
+        deadline = time.monotonic() + timeout
+        stopped = 0
+        try:
+            while True:
+                try:
+                    return process.wait(timeout=max(0.0, min(PROBE_S, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    pass
+                stopped = stopped + 1 if _is_stopped(process.pid) else 0
+                if stopped >= STOPPED_PROBES:
+                    raise RuntimeFailure(f"{TOOL} (pid {process.pid}, stopped by a signal): still stopped at "
+                                         f"{stopped} probes in a row ({PROBE_S:g} s apart): the tool is hung; "
+                                         f"log {self._log}")
+                if time.monotonic() >= deadline:
+                    raise RuntimeFailure(f"{TOOL} (pid {process.pid}) did not end within {timeout:g} s "
+                                         f"({work_tokens} tokens of work): the tool is hung; log {self._log}")
+        finally:
+            if process.poll() is None:
+                process.kill()  # SIGKILL ends a stopped process too
+                process.wait()
+
     def _translate(self, run: ToolRun, prompt_ids: Sequence[int], max_new_tokens: int) -> NativeGeneration:
         vocab = self._vocab
         echo = b"\n\n" + vocab.printed(prompt_ids)
         printed = self._out.read_bytes()
         if run.n_prompt != len(prompt_ids):
-            raise ValueError(f"{TOOL} tokenized the prompt into {run.n_prompt} tokens, crossrt into {len(prompt_ids)}")
+            raise PromptRefused(f"{TOOL} tokenized the prompt into {run.n_prompt} tokens, crossrt into {len(prompt_ids)}")
         if not printed.startswith(echo):
-            raise ValueError(f"{TOOL} tokenized the prompt into other pieces than crossrt (same count)")
+            raise PromptRefused(f"{TOOL} tokenized the prompt into other pieces than crossrt (same count)")
         produced: list[int] = []
         for step in run.steps:
             produced += step_tokens(step, vocab.eog_ids)
@@ -235,11 +283,11 @@ class LlamaSpecCliSession(NativeSession):
         if problems:
             raise RuntimeFailure(f"{TOOL} run not understood: {'; '.join(problems)}; log {self._log}")
         output = tuple(produced[:max_new_tokens])
-        counters = Counters(
-            steps=len(run.steps), drafted=run.n_drafted, accepted=run.n_accept, emitted=len(output),
-            accepted_per_pos=accepted_per_position(step_accepted, self._rules.k),
-            step_drafted=step_drafted, step_accepted=step_accepted,
-            cut=run.n_predict - len(output))
+        try:  # the steps sum to the tool's n_drafted and n_accept, checked above
+            counters = Counters.from_steps(step_drafted, step_accepted, len(output), self._rules.k,
+                                           cut=run.n_predict - len(output))
+        except CountsDoNotAddUp as error:
+            raise RuntimeFailure(f"{TOOL} run not understood: {error}; log {self._log}") from None
         stop_reason = "eos" if output and output[-1] in vocab.eog_ids else "max_new_tokens"
         return NativeGeneration(output, stop_reason, counters, run.prefill_s, run.decode_s)
 

@@ -28,6 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
+from crossrt.errors import ModelError, SettingsError
 from crossrt.pairs import cache_dir, sha256_of
 from crossrt.runtime import DraftRules, ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
 from crossrt.schema import RuntimeInfo
@@ -83,9 +84,9 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
     elif (path / "config.json").is_file():
         source, extra = path, {}
     else:
-        raise ValueError(f"{path}: expected a transformers folder with config.json, or a .gguf file")
+        raise ModelError(f"{path}: expected a transformers folder with config.json, or a .gguf file")
     if options.gpu_split:
-        raise ValueError("the transformers runtime runs a model on one device; --gpu-split is not supported")
+        raise SettingsError("the transformers runtime runs a model on one device; --gpu-split is not supported")
     torch.set_num_threads(options.threads)
     # Progress bars and load reports would interleave with crossrt's own progress output.
     transformers.utils.logging.disable_progress_bar()
@@ -99,7 +100,7 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **extra)
     except LOAD_ERRORS as error:
         via = f" from its cached conversion {cached} (delete it to convert again)" if source == cached else ""
-        raise ValueError(f"transformers could not load {path}{via}: {error}") from None
+        raise ModelError(f"transformers could not load {path}{via}: {error}") from None
     if extra:
         save_dequantized(model, tokenizer, cached)
     model.to(device_of(options)).eval()
@@ -159,6 +160,13 @@ def tokenize(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
+def chat_template_ids(tokenizer, messages: list[dict], template: str, variables: dict) -> list[int]:
+    """transformers' own rendering and tokenization of a chat turn (apply_chat_template, which
+    tokenizes the rendering with add_special_tokens=False), for crossrt's template parity."""
+    return list(tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False, **variables))
+
+
 class TransformersSession(ModelSession):
     def __init__(self, loaded: LoadedModel, options: RuntimeOptions):
         self._model = loaded.model
@@ -169,7 +177,6 @@ class TransformersSession(ModelSession):
         self.n_vocab = int(self._model.get_output_embeddings().weight.shape[0])
         self.n_ctx = options.n_ctx
         self._cache = self._new_cache()
-        self._n_past = 0
 
     def _new_cache(self) -> "DynamicCache":
         cache = DynamicCache(config=self._model.config)
@@ -195,16 +202,24 @@ class TransformersSession(ModelSession):
                 logits = output.logits[0].float().cpu().numpy()
         return logits
 
-    def truncate(self, n_keep: int) -> None:
-        if n_keep <= 0:
+    def _drop(self, n_keep: int) -> None:
+        if n_keep == 0:
             self._cache = self._new_cache()
-            self._n_past = 0
-        elif n_keep < self._n_past:
+        else:
             self._cache.crop(n_keep - self._n_past)  # transformers 5 crops by a negative count
-            self._n_past = n_keep
+
+    def _release(self) -> None:
+        # The session holds the only references to its model and cache; on a GPU the caching
+        # allocator keeps freed blocks until asked to give them back.
+        self._model = self._cache = None
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def tokenize(self, text: str) -> list[int]:
         return tokenize(self._tokenizer, text)
+
+    def chat_template_ids(self, messages: list[dict], template: str, variables: dict) -> list[int]:
+        return chat_template_ids(self._tokenizer, messages, template, variables)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         # Byte-level tokenizers already replace a split multi-byte character when decoding.

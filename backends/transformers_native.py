@@ -36,10 +36,11 @@ from typing import Sequence
 import torch
 import transformers
 
+from crossrt.errors import SettingsError
 from crossrt.backends.transformers import LoadedModel, synchronize, tokenize
 from crossrt.runtime import DraftRules, NativeGeneration, NativeSession, RuntimeFailure, RuntimeOptions
 from crossrt.schedules import check_fits
-from crossrt.schema import Counters, accepted_per_position
+from crossrt.schema import Counters, CountsDoNotAddUp
 
 SCHEDULE = "hf-assisted"
 NOTES = (
@@ -53,7 +54,7 @@ NOTES = (
 def check_rules(rules: DraftRules) -> None:
     rules.require_drafter_model("HF assisted generation")
     if not rules.fixed:
-        raise ValueError(
+        raise SettingsError(
             f"HF assisted generation drafts a fixed num_assistant_tokens={rules.k}: it has no "
             f"n_min or p_min drafting rules (got n_min={rules.n_min}, p_min={rules.p_min}); "
             "leave --draft-n-min and --draft-p-min unset")
@@ -138,15 +139,10 @@ class AssistedSession(NativeSession):
             decode_s=max(generate_s - prefill_s, 0.0))
 
     def _counters(self, steps: list[tuple[int, int]], emitted: int) -> Counters:
-        step_drafted = tuple(d for d, _ in steps)
-        step_accepted = tuple(a for _, a in steps)
-        counters = Counters(steps=len(steps), drafted=sum(step_drafted), accepted=sum(step_accepted),
-                            emitted=emitted, accepted_per_pos=accepted_per_position(step_accepted, self._k),
-                            step_drafted=step_drafted, step_accepted=step_accepted)
-        problems = counters.identity_violations(self._k)
-        if problems:
+        try:
+            return Counters.from_steps([d for d, _ in steps], [a for _, a in steps], emitted, self._k)
+        except CountsDoNotAddUp as error:
             # The hook reads transformers internals; a version that moved them must stop the
             # run rather than write counts that mean something else.
             raise RuntimeFailure(f"transformers {transformers.__version__}: assisted generation's step counts "
-                                 "do not add up: " + "; ".join(problems))
-        return counters
+                                 f"do not add up: {error}") from None

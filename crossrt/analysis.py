@@ -26,12 +26,14 @@ the accepted draft tokens plus each step's first rejection.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from crossrt.prompts import content_type
 from crossrt.schema import PromptResult, RunRecord, accepted_per_position
 from crossrt.trace import PromptTrace, load_trace
 
@@ -62,6 +64,19 @@ def _reached(result: PromptResult, k: int) -> Optional[list[int]]:
     accepted = np.asarray(counters.step_accepted)
     return [int(np.sum((accepted >= i) & (drafted > i))) for i in range(k)]
 
+
+
+GROUPINGS = ("category", "content-type")
+
+
+def grouped(record: RunRecord, by: str = "category") -> RunRecord:
+    """The record with its results filed by their own category, or by crossrt's content type of
+    it (code, prose, structured, math, chat: prompts.CONTENT_TYPES maps benchmark categories such
+    as Spec-Bench's `coding` or SPEED-Bench's `rag`; a category it does not know stays itself)."""
+    if by == "category":
+        return record
+    return dataclasses.replace(record, results=tuple(
+        dataclasses.replace(r, category=content_type(r.category) or r.category) for r in record.results))
 
 @dataclass(frozen=True)
 class PositionAcceptance:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+from crossrt import metrics
+from crossrt.errors import CrossrtError
 from crossrt.loop import SCHEDULES
 from crossrt.runtime import SPEC_TYPES
 from crossrt.schema import RunRecord
@@ -25,20 +27,23 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-# Names as in a record's summary, so a claim reads like `crossrt show`.
-METRICS = ("tau", "alpha", "tokens_per_s", "baseline_tokens_per_s", "speedup")
-# Wall-clock numbers belong to the machine that measured them: on other hardware a difference
-# says nothing about the claim, so they are compared only when the hardware matches.
-HARDWARE_BOUND = ("tokens_per_s", "baseline_tokens_per_s", "speedup")
+# Names as in a record's summary, so a claim reads like `crossrt show`. Wall-clock numbers
+# (HARDWARE_BOUND) are compared only when the hardware matches: elsewhere a difference says
+# nothing about the claim.
+METRICS = metrics.NAMES
+HARDWARE_BOUND = metrics.HARDWARE_BOUND
 OVERALL = "all"  # the "category" of numbers over every prompt a claim runs
 MODES = ("driven", "native")
 REQUIRED = ("id", "source", "runtime", "k", "sampling", "hardware", "expect")
 OPTIONAL = ("crossrt_runtime", "mode", "schedule", "pair", "spec_type", "max_new_tokens", "prompts",
-            "tolerance", "note")
+            "template", "tolerance", "note")
+# How the claim's prompts were fed (crossrt/chat_template.py): "chat" through the model's chat
+# template, "raw" as text, "auto" (the default of `crossrt run`) chat prompts templated only.
+TEMPLATE_USES = ("auto", "chat", "raw")
 SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # it names the claim's record file
 
 
-class ClaimError(ValueError):
+class ClaimError(CrossrtError, ValueError):
     """A claims file that cannot be read, with the file and claim at fault."""
 
 
@@ -93,6 +98,7 @@ class Claim:
     max_new_tokens: Optional[int]
     # One suite for every category (filtered to the claimed ones), or (category, suite) pairs.
     prompts: Union[None, str, tuple[tuple[str, str], ...]]
+    template: str  # one of TEMPLATE_USES
     expectations: tuple[Expectation, ...]
     note: str
     origin: Path  # the claims file
@@ -100,6 +106,13 @@ class Claim:
     @property
     def categories(self) -> tuple[str, ...]:
         return _categories(self.expectations)
+
+    def describe_prompts(self) -> str:
+        if self.prompts is None:
+            return "reproduce's --prompts (the claim names none)"
+        if isinstance(self.prompts, str):
+            return self.prompts
+        return ", ".join(f"{category}: {source}" for category, source in self.prompts)
 
 
 def _categories(expectations: tuple[Expectation, ...]) -> tuple[str, ...]:
@@ -205,6 +218,9 @@ def parse_claim(entry: object, index: int, origin: Path) -> Claim:
     spec_type = _text(entry, "spec_type", where, required=False) or "draft"
     if spec_type not in SPEC_TYPES:
         raise ClaimError(f"{where}: spec_type must be one of {', '.join(SPEC_TYPES)}, got {spec_type!r}")
+    template = _text(entry, "template", where, required=False) or "auto"
+    if template not in TEMPLATE_USES:
+        raise ClaimError(f"{where}: template must be one of {', '.join(TEMPLATE_USES)}, got {template!r}")
     tolerance_table = entry.get("tolerance", {})
     if not isinstance(tolerance_table, dict) or set(tolerance_table) - set(METRICS):
         raise ClaimError(f"{where}: [tolerance] maps metrics ({', '.join(METRICS)}) to tolerances")
@@ -216,7 +232,8 @@ def parse_claim(entry: object, index: int, origin: Path) -> Claim:
         pair=_text(entry, "pair", where, required=False), k=k, sampling=_text(entry, "sampling", where),
         spec_type=spec_type,
         hardware=_text(entry, "hardware", where), max_new_tokens=_positive_int(entry, "max_new_tokens", where),
-        prompts=_prompts(entry.get("prompts"), _categories(expectations), where), expectations=expectations,
+        prompts=_prompts(entry.get("prompts"), _categories(expectations), where), template=template,
+        expectations=expectations,
         note=_text(entry, "note", where, required=False) or "", origin=origin)
 
 
@@ -316,10 +333,7 @@ def exit_code(outcomes: list[Outcome], strict: bool) -> int:
 
 
 def _measured(metric: str, value: Optional[float]) -> str:
-    if value is None:
-        return "-"
-    digits = {"alpha": 3, "tokens_per_s": 1, "baseline_tokens_per_s": 1}.get(metric, 2)
-    return f"{value:.{digits}f}"
+    return metrics.BY_NAME[metric].format(value)
 
 
 def render(outcomes: list[Outcome]) -> str:
@@ -336,6 +350,7 @@ def render(outcomes: list[Outcome]) -> str:
         claim = outcome.claim
         lines.append(f"{claim.id}: {claim.source}")
         lines.append(f"  claimed: {claim.runtime}, k={claim.k}, {claim.sampling}, on {claim.hardware}")
+        lines.append(f"  prompts: {claim.describe_prompts()}, template {claim.template}")
         if claim.note:
             lines.append(f"  note: {claim.note}")
         if outcome.record is not None:

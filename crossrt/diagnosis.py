@@ -5,6 +5,8 @@ the target pass that chose it (schema.PassView), for its speculative output and 
 greedy baseline. A split is then explained with those numbers, not with a later re-score that
 runs yet another batch shape:
 - tokenization or template: the prompt ids differ before anything is generated;
+- template: a runtime that renders chat templates itself renders a templated prompt to other ids
+  than crossrt's rendering (which every runtime ran);
 - batch-shape numerics: inside one runtime, the speculative output leaves its own baseline at a
   two-way near-tie (each pass's choice is the other's runner-up): the verification batch and the
   one-token decode round the same model differently;
@@ -21,6 +23,7 @@ from typing import Callable, Optional, Sequence
 from crossrt.schema import PassView, PromptResult
 
 TOKENIZATION = "tokenization or template"
+TEMPLATE = "template"  # a runtime's own chat-template rendering differs from crossrt's (chat_template.py)
 BATCH_SHAPE = "batch-shape numerics"
 INSIDE_DISAGREEMENT = "disagreement inside the runtime"
 CROSS_NUMERICS = "cross-runtime numerics"
@@ -130,6 +133,18 @@ def own_tokenization(label: str, result: PromptResult, detokenize: Detokenize) -
                               (result.own_prompt_ids, result.prompt_ids), detokenize)
 
 
+def template_split(label: str, result: PromptResult, detokenize: Detokenize) -> Optional[Split]:
+    """The runtime's own rendering of a templated prompt against crossrt's, which ran."""
+    if result.template_ids is None:
+        return None
+    at = first_divergence(result.template_ids, result.prompt_ids)
+    shown = [f"{who}: {list(seq[at:at + 4])}" + ("" if text is None else f" {text!r}")
+             for who, seq in ((f"{label}'s own rendering", result.template_ids), ("crossrt's", result.prompt_ids))
+             for text in [detokenize(seq[at:at + 4])]]
+    return Split(result.prompt_id, TEMPLATE, at, (), f"{label} renders the chat template itself to other ids, "
+                 f"from prompt position {at} (" + "; ".join(shown) + ")")
+
+
 def lossless_split(label: str, result: PromptResult, detokenize: Detokenize) -> Optional[Split]:
     """Why one run's speculative output left its own greedy baseline; None when it did not."""
     if not result.ok or result.lossless:
@@ -194,7 +209,8 @@ def explain_record(label: str, results: Sequence[PromptResult], detokenize: Deto
     """Every tokenization split and lossless failure of one record, each with its cause."""
     splits = []
     for result in results:
-        for split in (own_tokenization(label, result, detokenize), lossless_split(label, result, detokenize)):
+        for split in (own_tokenization(label, result, detokenize), template_split(label, result, detokenize),
+                      lossless_split(label, result, detokenize)):
             if split is not None:
                 splits.append(split)
     return splits

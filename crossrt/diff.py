@@ -1,7 +1,8 @@
 """Where and why two runs part: `crossrt diff a.json b.json`.
 
 Per prompt, in order (crossrt/diagnosis.py names each kind):
-- prompt ids that differ: a tokenization or template split, before any generation;
+- prompt ids that differ: a tokenization or template split, before any generation; a runtime
+  whose own chat-template rendering differs from crossrt's (which both ran): a template split;
 - each run against its own greedy baseline: a speculative output that leaves it is explained
   with the margins the run recorded (batch-shape numerics inside that runtime); when the two
   baselines agree, that is the whole story;
@@ -27,8 +28,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from crossrt.diagnosis import (CROSS_NUMERICS, DISAGREEMENT, Side, Split, first_divergence, flip as recorded_flip,
-                               lossless_split, own_tokenization, side, tokenization_split)
+                               lossless_split, own_tokenization, side, template_split, tokenization_split)
 from crossrt.rescore import open_scorer, score
+from crossrt.runtime import ModelSession
 from crossrt.schema import PromptResult, RunRecord
 
 NEAR_TIE_FACTOR = 3.0  # a flip within 3x the typical-high gap shift on common tokens is numerics
@@ -174,16 +176,22 @@ def _divergence(label_a, label_b, result_a: PromptResult, result_b: PromptResult
 
 
 def diff_records(label_a: str, a: RunRecord, label_b: str, b: RunRecord) -> DiffReport:
+    with open_scorer(a) as scorer_a, open_scorer(b) as scorer_b:
+        return _diff(label_a, a, label_b, b, (scorer_a, scorer_b))
+
+
+def _diff(label_a: str, a: RunRecord, label_b: str, b: RunRecord, scorers: tuple[ModelSession, ModelSession]) -> DiffReport:
     results_b = {r.prompt_id: r for r in b.results}
     both = [(r, results_b[r.prompt_id]) for r in a.results if r.ok and r.prompt_id in results_b
             and results_b[r.prompt_id].ok]
-    scorers = (open_scorer(a), open_scorer(b))
     divergences, agreeing, measured = [], [], []
     for result_a, result_b in both:
         tokenization = tokenization_split(result_a.prompt_id, (label_a, label_b),
                                           (result_a.prompt_ids, result_b.prompt_ids), scorers[0].detokenize) \
             or own_tokenization(label_a, result_a, scorers[0].detokenize) \
-            or own_tokenization(label_b, result_b, scorers[1].detokenize)
+            or own_tokenization(label_b, result_b, scorers[1].detokenize) \
+            or template_split(label_a, result_a, scorers[0].detokenize) \
+            or template_split(label_b, result_b, scorers[1].detokenize)
         if tokenization is not None:
             divergences.append(Divergence(result_a.prompt_id, tokenization.index, "", (), None,
                                           tokenization=tokenization))

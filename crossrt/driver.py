@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
+from crossrt.errors import PromptRefused, SettingsError
 from crossrt import loop
+from crossrt.chat_template import ChatRendering, with_template_ids
 from crossrt.journal import storage_error
 from crossrt.pairs import ROLES, Pair, pair_info
 from crossrt.prompts import Prompt
@@ -21,7 +23,7 @@ from crossrt.runtime import (DraftRules, ModelSession, NativeSession, Runtime, R
                              RuntimeUnavailable, open_runtime)
 from crossrt.resume import check_prompts, prompt_sha256, starting_record
 from crossrt.run_writer import RunWriter, record_lock
-from crossrt.schema import Counters, PromptResult, RunParams, RunRecord, Timings, accepted_per_position
+from crossrt.schema import PromptFormat, PromptResult, RunParams, RunRecord, Timings
 from crossrt.trace import PromptTrace, TraceRecorder, read_traces, trace_path
 
 
@@ -40,6 +42,10 @@ class RunRequest:
     # Prompt id -> token ids shared by every runtime of a comparison; each runtime's own
     # tokenization is still made and recorded where it differs.
     shared_prompt_ids: Optional[Mapping[str, tuple[int, ...]]] = None
+    # The chat template the prompts were rendered with (crossrt/chat_template.py): a runtime that
+    # renders templates itself renders each templated prompt too, for template parity.
+    chat: Optional[ChatRendering] = None
+    prompt_format: Optional[PromptFormat] = None  # kept in the record
     # Record per-token traces (driven mode, crossrt and hf-assisted schedules) in
     # <out stem>.trace.npz beside the record.
     trace: bool = False
@@ -65,20 +71,10 @@ def run_prompt(target: ModelSession, drafter: ModelSession, prompt: Prompt, rule
         prompt_ids, own_ids = _prompt_ids(target.tokenize, prompt, shared_ids)
         baseline = loop.greedy_generate(target, prompt_ids, max_new_tokens, whole_prompt=schedule == SERVER)
         speculative = loop.speculative_generate(target, drafter, prompt_ids, rules, max_new_tokens, schedule, trace)
-    except (ValueError, RuntimeError) as error:
+    except PromptRefused as error:
         return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
-    step_accepted = speculative.step_accepted
-    counters = Counters(
-        steps=len(step_accepted),
-        drafted=sum(speculative.step_drafted),
-        accepted=sum(step_accepted),
-        emitted=len(speculative.output_ids),
-        accepted_per_pos=accepted_per_position(step_accepted, rules.k),
-        step_drafted=speculative.step_drafted,
-        step_accepted=step_accepted,
-        unverified=speculative.unverified,
-        cut=speculative.cut,
-    )
+    # crossrt's own loop: counts that did not add up would be a bug, so they are not caught here.
+    counters = speculative.counters(rules.k)
     timings = Timings(speculative.prefill_s, speculative.decode_s, baseline.prefill_s, baseline.decode_s)
     return PromptResult(prompt.id, prompt.category, "ok", None, prompt_ids, speculative.output_ids,
                         baseline.output_ids, speculative.stop_reason, counters, timings, own_ids,
@@ -94,7 +90,7 @@ def run_prompt_native(session: NativeSession, prompt: Prompt, max_new_tokens: in
         prompt_ids, own_ids = _prompt_ids(session.tokenize, prompt, shared_ids)
         baseline = session.generate(prompt_ids, max_new_tokens, speculative=False)
         speculative = session.generate(prompt_ids, max_new_tokens, speculative=True)
-    except ValueError as error:
+    except PromptRefused as error:
         return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
     problems = speculative.counters.identity_violations(k)
     if problems:  # kept as a failed prompt with the runtime's own numbers; the run goes on
@@ -116,14 +112,39 @@ def _starting_traces(request: RunRequest, record: RunRecord) -> dict[str, Prompt
     return {i: trace for i, trace in read_traces(path).items() if i in kept}
 
 
-def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.ExitStack):
+class LoadedModels:
+    """Driven-mode sessions kept loaded from one run to the next (a sweep actor's cells of one
+    runtime and pair): keyed by runtime, options and model path, and closed by close(), not by
+    the run. Sessions start every prompt from an empty cache, so a kept one runs as a fresh one."""
+
+    def __init__(self):
+        self._sessions: dict[tuple, ModelSession] = {}
+
+    def load(self, runtime: Runtime, path: Path) -> ModelSession:
+        key = (runtime.name, runtime.options, Path(path).resolve())
+        if key not in self._sessions:
+            self._sessions[key] = runtime.load(path)
+        return self._sessions[key]
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def close(self) -> None:
+        for session in self._sessions.values():
+            session.close()
+        self._sessions.clear()
+
+
+def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.ExitStack,
+                   models: Optional[LoadedModels] = None):
     """A function running one prompt (and filling a trace recorder) in the requested mode,
-    the native session when the mode is native, and the runtime's tokenizer."""
+    the native session when the mode is native, and the session that tokenizes prompts (and
+    renders chat templates, where the runtime does)."""
     if request.mode not in runtime.modes:
         raise RuntimeUnavailable(f"runtime {runtime.name!r} has no {request.mode} mode "
                                  f"(it has: {', '.join(runtime.modes)})")
     if request.trace and (request.mode != "driven" or request.schedule not in loop.TRACED_SCHEDULES):
-        raise ValueError(f"traces are recorded in driven mode with the {' or '.join(loop.TRACED_SCHEDULES)} "
+        raise SettingsError(f"traces are recorded in driven mode with the {' or '.join(loop.TRACED_SCHEDULES)} "
                          "schedule")
     paths = {role: request.pair.path(role, runtime.model_format) for role in ROLES}
 
@@ -136,18 +157,22 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
             work_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise storage_error(work_dir, error) from None
-        session = runtime.open_native(paths["target"], paths["drafter"], request.rules, work_dir)
-        stack.callback(session.close)
+        session = stack.enter_context(runtime.open_native(paths["target"], paths["drafter"], request.rules, work_dir))
         return (lambda prompt, _: run_prompt_native(session, prompt, request.max_new_tokens, request.rules.k,
-                                                   shared(prompt))), session, session.tokenize
+                                                   shared(prompt))), session, session
     request.rules.require_drafter_model("crossrt's driven loop")
-    target, drafter = runtime.load(paths["target"]), runtime.load(paths["drafter"])
+    if models is not None:
+        target, drafter = models.load(runtime, paths["target"]), models.load(runtime, paths["drafter"])
+    else:
+        target = stack.enter_context(runtime.load(paths["target"]))
+        drafter = stack.enter_context(runtime.load(paths["drafter"]))
     return (lambda prompt, trace: run_prompt(target, drafter, prompt, request.rules, request.max_new_tokens,
-                                             request.schedule, shared(prompt), trace)), None, target.tokenize
+                                             request.schedule, shared(prompt), trace)), None, target
 
 
 def run_pair(request: RunRequest, prompts: Sequence[Prompt],
-             on_prompt: Optional[Callable[[Prompt, Optional[PromptResult]], None]] = None) -> RunRecord:
+             on_prompt: Optional[Callable[[Prompt, Optional[PromptResult]], None]] = None,
+             models: Optional[LoadedModels] = None) -> RunRecord:
     """Run every prompt not already finished in the record at request.out.
 
     on_prompt(prompt, result) is called once per prompt, with None for a prompt skipped
@@ -155,19 +180,22 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
     once (appended to the record's journal), so what finished survives an error, Ctrl-C or a
     kill in the middle of the run; with request.trace, its trace is kept just before it (a
     resumed run without request.trace keeps the traces it has and traces no new prompt).
+    models, when given, holds the driven sessions beyond this run (LoadedModels).
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(record_lock(request.out))  # first: a second writer is refused before any loading
         runtime = open_runtime(request.runtime, request.options)
         info = pair_info(request.pair, runtime.model_format)
-        run_one, native, tokenize = _prompt_runner(runtime, request, stack)
+        run_one, native, prompt_session = _prompt_runner(runtime, request, stack, models)
         params = RunParams(k=request.rules.k, greedy=True, max_new_tokens=request.max_new_tokens,
                            mode=request.mode, spec_type=request.rules.spec_type,
                            schedule=native.schedule if native else request.schedule, n_ctx=request.options.n_ctx,
                            draft_n_min=request.rules.n_min, draft_p_min=request.rules.p_min)
         fresh = RunRecord(runtime.info(), info, params, notes=native.notes if native else ())
         record = check_prompts(request.out, starting_record(request.out, fresh, request.resume, request.overwrite),
-                               prompts, tokenize)
+                               prompts, prompt_session.tokenize)
+        # How this run feeds its prompts; a resumed one whose rendering changed was refused by digest.
+        record = dataclasses.replace(record, prompt_format=request.prompt_format)
         traces = _starting_traces(request, record)
         if request.trace:
             record = dataclasses.replace(record, trace=trace_path(request.out).name)
@@ -180,6 +208,7 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
                 if prompt.id not in done:
                     recorder = TraceRecorder() if request.trace else None
                     result = dataclasses.replace(run_one(prompt, recorder), prompt_sha256=prompt_sha256(prompt))
+                    result = with_template_ids(result, prompt_session, prompt, request.chat)
                     writer.add(result, recorder.finish() if recorder is not None and result.ok else None)
                 if on_prompt is not None:
                     on_prompt(prompt, result)

@@ -44,8 +44,8 @@ def _count(value: str, name: str, exact_digits: bool) -> int:
     return int(number)
 
 
-def _counters(text: str, names: dict[str, str], per_pos_name: str, exact_digits: bool
-              ) -> tuple[dict[str, Optional[int]], Optional[tuple[int, ...]]]:
+def counter_totals(text: str, names: dict[str, str], per_pos_name: str, exact_digits: bool
+                   ) -> tuple[dict[str, Optional[int]], Optional[tuple[int, ...]]]:
     """The counters named (by role) summed over their label sets (vLLM: one per engine), and
     the per-position counter by position. A counter the text lacks is None."""
     samples = _samples(text)
@@ -63,7 +63,8 @@ def _counters(text: str, names: dict[str, str], per_pos_name: str, exact_digits:
     return totals, per_pos
 
 
-def _required(totals: dict[str, Optional[int]], names: dict[str, str], roles: tuple[str, ...], what: str) -> None:
+def require_counters(totals: dict[str, Optional[int]], names: dict[str, str], roles: tuple[str, ...],
+                     what: str) -> None:
     missing = [names[role] for role in roles if totals[role] is None]
     if missing:
         raise ImportFailure(f"no {', '.join(missing)} in the text: not {what}")
@@ -109,8 +110,8 @@ def _read_vllm_example(text: str) -> SourceCounts:
 def read_vllm_metrics(text: str, options: ReadOptions) -> SourceCounts:
     if EXAMPLE["steps"].search(text):
         return _read_vllm_example(text)
-    totals, per_pos = _counters(text, VLLM_NAMES, VLLM_PER_POS, exact_digits=False)
-    _required(totals, VLLM_NAMES, ("steps", "drafted", "accepted"),
+    totals, per_pos = counter_totals(text, VLLM_NAMES, VLLM_PER_POS, exact_digits=False)
+    require_counters(totals, VLLM_NAMES, ("steps", "drafted", "accepted"),
               "vLLM /metrics of a server with speculative decoding, nor its spec_decode example's printout")
     notes = ("vllm-metrics: vllm:spec_decode_* counters summed over engines",)
     return SourceCounts(totals["steps"], totals["drafted"], totals["accepted"], per_pos,
@@ -131,8 +132,8 @@ LLAMA_PER_POS = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"
 
 
 def read_llama_server_metrics(text: str, options: ReadOptions) -> SourceCounts:
-    totals, per_pos = _counters(text, LLAMA_NAMES, LLAMA_PER_POS, exact_digits=True)
-    _required(totals, LLAMA_NAMES, tuple(LLAMA_NAMES), "llama-server /metrics (started with --metrics, built "
+    totals, per_pos = counter_totals(text, LLAMA_NAMES, LLAMA_PER_POS, exact_digits=True)
+    require_counters(totals, LLAMA_NAMES, tuple(LLAMA_NAMES), "llama-server /metrics (started with --metrics, built "
               "with speculative counters)")
     notes = ("llama-server-metrics: steps, drafted, accepted, per position from llamacpp:spec_decode_*; emitted = "
              "tokens_predicted_total; unverified = n_decode_total - steps (the prompt pass that yields the first "

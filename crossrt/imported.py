@@ -16,8 +16,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from crossrt.errors import CrossrtError
 
-class ImportFailure(ValueError):
+
+class ImportFailure(CrossrtError, ValueError):
     """A file that is not in the named format, or whose numbers do not give counts."""
 
 

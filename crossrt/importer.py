@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from crossrt.import_exllamav3 import read_exllamav3_stats
 from crossrt.import_logs import ReadOptions, read_llama_server_log, read_sglang_log, read_vllm_log
 from crossrt.import_metrics import read_llama_server_metrics, read_vllm_metrics
+from crossrt.import_sglang import read_sglang_metrics
 from crossrt.imported import ImportFailure, SourceCounts, padded
 from crossrt.pairs import Pair, pair_info
 from crossrt.schema import Counters, ImportInfo, PairInfo, PromptResult, RunParams, RunRecord, RuntimeInfo
@@ -36,8 +38,10 @@ FORMATS = {
     "vllm-log": Format(read_vllm_log, "vllm", "vllm", "hf", counters=False),
     "vllm-metrics": Format(read_vllm_metrics, "vllm", "vllm", "hf", counters=True),
     "sglang-log": Format(read_sglang_log, "sglang", "sglang", "hf", counters=False),
+    "sglang-metrics": Format(read_sglang_metrics, "sglang", "sglang", "hf", counters=True),
     "llama-server-metrics": Format(read_llama_server_metrics, "llama-server", "llama-server", "gguf", counters=True),
     "llama-server-log": Format(read_llama_server_log, "llama-server", "llama-server", "gguf", counters=False),
+    "exllamav3-stats": Format(read_exllamav3_stats, "exllamav3", "exllamav3", "exl3", counters=False),
 }
 
 
@@ -71,8 +75,9 @@ def read_counts(request: ImportRequest) -> SourceCounts:
     """The counts of request.path in its format, less those of request.before if given."""
     source = FORMATS[request.format]
     if request.before is not None and not source.counters:
-        raise ImportFailure("--before is for counter endpoints (vllm-metrics, llama-server-metrics): "
-                            f"a {request.format} covers what it logged")
+        counting = ", ".join(name for name, entry in FORMATS.items() if entry.counters)
+        raise ImportFailure(f"--before is for counter endpoints ({counting}): {request.format} text covers what "
+                            "it holds")
 
     def read(path: Path) -> SourceCounts:
         try:

@@ -18,6 +18,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from crossrt.errors import CrossrtError
+
 HEADER = "crossrt-journal 1 sha256="
 # What to do about the errors a run's files meet most, by errno.
 ADVICE = {
@@ -32,20 +34,21 @@ ADVICE = {
 }
 
 
-class StorageError(Exception):
+class StorageError(CrossrtError):
     """A file of a run that could not be written or read (disk full, read-only, permissions),
     said in one line naming the file and what to do."""
 
 
-def storage_error(path: Path, error: OSError, doing: str = "write") -> StorageError:
-    advice = ADVICE.get(error.errno, "check the disk and the path")
+def storage_error(path: Path, error: OSError, doing: str = "write", option: str = "--out") -> StorageError:
+    """option: the command-line option that names path, for the advice."""
+    advice = ADVICE.get(error.errno, "check the disk and the path").replace("--out", option)
     return StorageError(f"cannot {doing} {path}: {error.strerror or error}; {advice}")
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write data to path through a temporary file of this process, then os.replace: readers
-    and other writers never see half a file, and a failed write (a full disk) leaves no
-    temporary behind. Raises StorageError."""
+def write_atomically(path: Path, data: bytes, option: str = "--out") -> None:
+    """Write data to path (creating its folder) through a temporary file of this process, then
+    os.replace: readers and other writers never see half a file, and a failed write (a full
+    disk) leaves no temporary behind. Raises StorageError (its advice names option)."""
     path = Path(path)
     temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
@@ -57,7 +60,7 @@ def write_atomically(path: Path, data: bytes) -> None:
             temporary.unlink(missing_ok=True)
             raise
     except OSError as error:
-        raise storage_error(path, error) from None
+        raise storage_error(path, error, option=option) from None
 
 
 def journal_path(base: Path) -> Path:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from typing import Optional, Sequence
 
+from crossrt.errors import SettingsError
 from crossrt.runtime import DraftRules, ModelSession, Rows
 from crossrt.schedules import LLAMA_SCHEDULES, Generation, ViewRecorder, check_prompt, top_two
 from crossrt.trace import TraceRecorder
@@ -76,14 +77,14 @@ def speculative_generate(target: ModelSession, drafter: ModelSession, prompt_ids
     """Greedy speculative decoding with the named schedule (module docstring); trace, when
     given, records the run's per-token trace."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
+        raise SettingsError(f"unknown schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
     rules.require_drafter_model("crossrt's driven loop")
     if trace is not None and schedule not in TRACED_SCHEDULES:
-        raise ValueError(f"traces are recorded by the {' and '.join(TRACED_SCHEDULES)} schedules, not {schedule}")
+        raise SettingsError(f"traces are recorded by the {' and '.join(TRACED_SCHEDULES)} schedules, not {schedule}")
     if schedule in LLAMA_SCHEDULES:
         return LLAMA_SCHEDULES[schedule](target, drafter, prompt_ids, rules, max_new_tokens)
     if not rules.fixed:
-        raise ValueError(f"the {schedule} schedule drafts exactly k tokens: n_min and p_min are "
+        raise SettingsError(f"the {schedule} schedule drafts exactly k tokens: n_min and p_min are "
                          "llama.cpp drafting rules, for the llama-* schedules")
     draft_stops_at_eos = schedule == HF_SCHEDULE
     k = rules.k

@@ -22,6 +22,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from crossrt.errors import CrossrtError
 from crossrt.schema import ModelInfo, PairInfo
 
 if sys.version_info >= (3, 11):
@@ -37,7 +38,7 @@ MAX_VOCAB_SIZE_DIFFERENCE = 128
 FIRST_COMPARED_TOKEN = 5
 
 
-class PairError(ValueError):
+class PairError(CrossrtError, ValueError):
     """A manifest, model file or vocabulary problem, with a message meant for the user."""
 
 

@@ -12,8 +12,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from crossrt.errors import ComparisonError
 from crossrt.diagnosis import (BATCH_SHAPE, Twins, explained_split, first_divergence, flip, lossless_split, no_text,
-                               side, twins_of, with_twin_views)
+                               side, template_split, twins_of, with_twin_views)
 from crossrt.schema import PromptResult, RunRecord
 from crossrt.tolerance import tolerance_for
 
@@ -133,7 +134,7 @@ def compare_records(a: RunRecord, b: RunRecord, counter_tolerance: float = 0.0,
         return [compare_aggregates(a, b, counter_tolerance, labels)]
     near_tie_flip = tolerance_for(a, b, logit_tolerance).near_tie_flip
     if a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
-        raise ValueError(f"{labels[0]} and {labels[1]} ran pairs with different vocabularies: "
+        raise ComparisonError(f"{labels[0]} and {labels[1]} ran pairs with different vocabularies: "
                          "their token ids cannot be compared")
     results_b = {r.prompt_id: r for r in b.results}
     comparisons = []
@@ -159,7 +160,7 @@ def compare_aggregates(a: RunRecord, b: RunRecord, counter_tolerance: float, lab
     the counters both give, summed over each run's finished prompts, when both count the same
     way (k, schedule, draft rules, budget: an import that does not state them is not compared)."""
     if a.pair.target and b.pair.target and a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
-        raise ValueError(f"{labels[0]} and {labels[1]} ran pairs with different vocabularies")
+        raise ComparisonError(f"{labels[0]} and {labels[1]} ran pairs with different vocabularies")
     notes = [f"{label}: imported from {record.imported.format}: no token ids, outputs not compared"
              for label, record in zip(labels, (a, b)) if record.imported]
     names = [name for name in COMPARED_COUNTERS if _gives(a, name) and _gives(b, name)]
@@ -200,6 +201,9 @@ def lossless_checks(label: str, record: RunRecord, strict: bool = False, twins: 
         if result.own_prompt_ids is not None:
             at = first_divergence(result.own_prompt_ids, result.prompt_ids)
             problems.append(f"tokenizes the prompt text differently from the shared ids, from position {at}")
+        template = template_split(label, result, no_text)
+        if template is not None:
+            problems.append(f"{template.kind} split: {template.detail}")
         checks.append(PromptParity(result.prompt_id, label, OWN_BASELINE, tuple(problems),
                                    None, (), False, tuple(explained)))
     return checks

@@ -10,10 +10,13 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import zlib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
+
+from crossrt.errors import CrossrtError
 
 # One suite per category, written for crossrt (crossrt/data/prompts/<category>.jsonl).
 CATEGORIES = ("code", "prose", "structured", "math", "chat")
@@ -23,7 +26,7 @@ BUILTIN_SUITES = ("builtin", "categories") + CATEGORIES
 REQUIRED_FIELDS = ("id", "category", "prompt")
 
 
-class PromptError(ValueError):
+class PromptError(CrossrtError, ValueError):
     """A prompt source that cannot be read, with the file and line at fault."""
 
 
@@ -32,6 +35,12 @@ class Prompt:
     id: str
     category: str
     text: str
+    # A user's chat turn (benchmark questions, JSONL with "chat": true), rendered through the
+    # model's chat template when it has one; completion prompts (code to continue) are not.
+    chat: bool = False
+    # Set on a prompt rendered through a chat template (crossrt/chat_template.py): the user turn
+    # it was rendered from; text is then the rendering, as fed.
+    rendered_from: Optional[str] = None
 
 
 def _text_field(item: dict, name: str, where: str) -> str:
@@ -51,7 +60,10 @@ def _crossrt_prompt(item: dict, where: str) -> Prompt:
         elif "task_id" in item:
             hint = " (this looks like HumanEval: use humaneval:PATH)"
         raise PromptError(f"{where}: missing or empty string field(s) {', '.join(missing)}{hint}")
-    return Prompt(item["id"], item["category"], item["prompt"])
+    chat = item.get("chat", False)
+    if not isinstance(chat, bool):
+        raise PromptError(f"{where}: 'chat' must be true or false")
+    return Prompt(item["id"], item["category"], item["prompt"], chat=chat)
 
 
 def _question_reader(prefix: str) -> Callable[[dict, str], Prompt]:
@@ -65,9 +77,33 @@ def _question_reader(prefix: str) -> Callable[[dict, str], Prompt]:
         turns = item.get("turns")
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
             raise PromptError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
-        return Prompt(f"{prefix}-{question_id}", _text_field(item, "category", where), turns[0])
+        return Prompt(f"{prefix}-{question_id}", _text_field(item, "category", where), turns[0], chat=True)
 
     return read
+
+
+# SPEED-Bench (huggingface.co/datasets/nvidia/SPEED-Bench, its dataset card's features):
+# question_id (string), category, sub_category, turns (user turns), source, src_id, difficulty,
+# multiturn. Rows drawn from other datasets are published with this placeholder as their turns,
+# to be filled in from the source (NVIDIA's specdec_bench, or Nemo-Skills' speed-bench
+# prepare.py, which writes the filled rows as JSONL with "messages" in place of "turns").
+SPEEDBENCH_PLACEHOLDER = "FULL BENCHMARK DATA SHOULD BE FETCHED FROM THE SOURCE USING SPECDEC_BENCH"
+
+
+def _speedbench_prompt(item: dict, where: str) -> Prompt:
+    """SPEED-Bench rows as JSON Lines (the published rows, or prepare.py's filled ones); the
+    first user turn is the prompt, the row's own category kept."""
+    question_id = _text_field(item, "question_id", where)
+    turns = item.get("turns")
+    if turns is None and isinstance(item.get("messages"), list):
+        turns = [m.get("content") for m in item["messages"] if isinstance(m, dict) and m.get("role") == "user"]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+        raise PromptError(f"{where}: 'turns' (or 'messages') must hold at least one non-empty user turn")
+    if turns[0].startswith(SPEEDBENCH_PLACEHOLDER):
+        raise PromptError(f"{where}: question {question_id} holds SPEED-Bench's placeholder, not its text: fill "
+                          "the rows in from their sources first (NVIDIA specdec_bench, or Nemo-Skills' "
+                          "speed-bench prepare.py)")
+    return Prompt(f"speedbench-{question_id}", _text_field(item, "category", where), turns[0], chat=True)
 
 
 def _humaneval_prompt(item: dict, where: str) -> Prompt:
@@ -75,21 +111,55 @@ def _humaneval_prompt(item: dict, where: str) -> Prompt:
     return Prompt(_text_field(item, "task_id", where), "code", _text_field(item, "prompt", where))
 
 
-# Scheme of a prompt source -> reader of one JSON object. A source without a scheme is crossrt's.
-READERS: dict[str, Callable[[dict, str], Prompt]] = {
-    "jsonl": _crossrt_prompt,
-    "specbench": _question_reader("specbench"),
-    "mtbench": _question_reader("mtbench"),
-    "humaneval": _humaneval_prompt,
+@dataclass(frozen=True)
+class Reader:
+    """How one JSON object of a prompt file becomes a Prompt, and what --help says of it."""
+
+    read: Callable[[dict, str], Prompt]
+    help: str
+
+
+# Scheme of a prompt source -> its reader. A source without a scheme is crossrt's own format.
+READERS: dict[str, Reader] = {
+    "jsonl": Reader(_crossrt_prompt, "PATH or jsonl:PATH (id, category, prompt; optional chat)"),
+    "specbench": Reader(_question_reader("specbench"), "specbench:PATH (Spec-Bench question.jsonl, first turn)"),
+    "mtbench": Reader(_question_reader("mtbench"), "mtbench:PATH (MT-Bench question.jsonl, first turn)"),
+    "humaneval": Reader(_humaneval_prompt, "humaneval:PATH (HumanEval, .jsonl or .jsonl.gz)"),
+    "speedbench": Reader(_speedbench_prompt, "speedbench:PATH (SPEED-Bench rows as JSON Lines, filled in)"),
 }
+
+# Each benchmark's own category -> crossrt's content type (CATEGORIES), so readers can group by
+# either. Spec-Bench's first 80 questions are MT-Bench's (10 per category); its other categories
+# and SPEED-Bench's qualitative ones are named for their task. crossrt's judgement, per the kind
+# of text a model writes in answer (docs/prompts.md).
+CONTENT_TYPES = {
+    **{name: name for name in CATEGORIES},
+    "coding": "code",
+    "math_reasoning": "math",
+    "extraction": "structured",
+    "writing": "prose", "translation": "prose", "summarization": "prose", "rag": "prose",
+    "humanities": "prose", "stem": "prose", "multilingual": "prose",
+    "roleplay": "chat", "reasoning": "chat", "qa": "chat",
+}
+
+
+def content_type(category: str) -> Optional[str]:
+    """crossrt's content type of a benchmark's category; None for one crossrt does not know."""
+    return CONTENT_TYPES.get(category)
+
+
+def by_content_type(prompts: list[Prompt]) -> list[Prompt]:
+    """The prompts filed under their content type (unknown categories keep their own)."""
+    return [dataclasses.replace(p, category=content_type(p.category) or p.category) for p in prompts]
 
 
 def parse_prompts(text: str, origin: str, scheme: str = "jsonl") -> list[Prompt]:
     """Prompts of one JSON Lines text in the format scheme names (a key of READERS)."""
-    read = READERS[scheme]
+    read = READERS[scheme].read
     prompts: list[Prompt] = []
     seen: set[str] = set()
-    for number, line in enumerate(text.splitlines(), start=1):
+    # JSON Lines ends lines at \n only: splitlines() would also split at U+2028, \x85... in strings
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         where = f"{origin} line {number}"
@@ -97,6 +167,8 @@ def parse_prompts(text: str, origin: str, scheme: str = "jsonl") -> list[Prompt]
             item = json.loads(line)
         except json.JSONDecodeError as error:
             raise PromptError(f"{where}: not JSON ({error.msg})") from None
+        except (ValueError, RecursionError) as error:  # a number too long to convert, nesting too deep
+            raise PromptError(f"{where}: not JSON crossrt can read ({error})") from None
         if not isinstance(item, dict):
             raise PromptError(f"{where}: expected a JSON object, got {type(item).__name__}")
         prompt = read(item, where)
@@ -134,7 +206,10 @@ def load_prompts(source: str) -> list[Prompt]:
       - `specbench:PATH`: Spec-Bench's data/spec_bench/question.jsonl (question_id, category,
         turns); the first turn is the prompt, its id `specbench-<question_id>`;
       - `mtbench:PATH`: MT-Bench's question.jsonl, the same fields; ids `mtbench-<question_id>`;
-      - `humaneval:PATH`: HumanEval (task_id, prompt), category `code`, ids the task ids.
+      - `humaneval:PATH`: HumanEval (task_id, prompt), category `code`, ids the task ids;
+      - `speedbench:PATH`: SPEED-Bench rows as JSON Lines (question_id, category, turns or
+        messages), ids `speedbench-<question_id>`; placeholder rows are refused.
+    Benchmark questions are chat prompts (Prompt.chat); HumanEval's are completions.
     A PATH ending in .gz is decompressed. Errors name the file and line.
     """
     if source in BUILTIN_SUITES:
@@ -149,7 +224,7 @@ def load_prompts(source: str) -> list[Prompt]:
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
         text = raw.decode("utf-8")
-    except (OSError, EOFError, UnicodeDecodeError) as error:
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as error:
         raise PromptError(f"{path}: cannot read ({error})") from None
     return parse_prompts(text, str(path), scheme)
 
@@ -170,3 +245,9 @@ def relabel(prompts: list[Prompt], category: str) -> list[Prompt]:
     """The prompts filed under category: a claim's per-category suite is that category's
     prompts whatever the source calls them (HumanEval's are code, Spec-Bench's coding...)."""
     return [dataclasses.replace(prompt, category=category) for prompt in prompts]
+
+
+def sources_help() -> str:
+    """What a prompt source can be, built from the suites and READERS, for --help."""
+    return (f"A built-in suite ({', '.join(BUILTIN_SUITES)}) or a file: "
+            + ", ".join(reader.help for reader in READERS.values()) + ".")

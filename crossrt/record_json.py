@@ -47,8 +47,10 @@ def record_to_json(record: RunRecord) -> dict[str, Any]:
         del data["trace"]  # optional: an untraced record reads as before traces existed
     if record.imported is None:
         del data["imported"]  # optional: a record crossrt ran reads as before imports existed
+    if record.prompt_format is None:
+        del data["prompt_format"]  # optional: raw prompts read as before chat templates existed
     for result_data in data["results"]:  # optional too: absent reads as None
-        for name in ("output_view", "baseline_view", "unfit_counts", "prompt_sha256"):
+        for name in ("output_view", "baseline_view", "unfit_counts", "prompt_sha256", "template_ids"):
             if result_data[name] is None:
                 del result_data[name]
     return json.loads(json.dumps(data))  # plain JSON types: tuples become lists
@@ -152,7 +154,7 @@ def _result_from_entry(line: str, record_data: dict[str, Any], record: RunRecord
     """A journal line checked as result_entry wrote it: schema, counter identities, derived."""
     try:
         entry = json.loads(line)
-    except json.JSONDecodeError as error:
+    except (ValueError, RecursionError) as error:  # also: a number too long to convert, nesting too deep
         raise RecordError(f"{where} is not JSON: {error}") from None
     try:
         validate_json({**record_data, "results": [entry]})
@@ -173,7 +175,7 @@ def load_record(path: Path) -> RunRecord:
     text, entries = read_with_journal(path)
     try:
         data = json.loads(text)
-    except ValueError as error:  # not JSON, or not UTF-8 (a damaged file)
+    except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, nested too deep (a damaged file)
         raise RecordError(f"{path} is not JSON: {error} (a damaged record: run it again with --overwrite)") from None
     try:
         record = record_from_json(data)

@@ -15,6 +15,7 @@ from html import escape
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from crossrt.metrics import BY_NAME, METRICS, SPEED
 from crossrt import analysis
 from crossrt.importer import import_summary
 from crossrt.parity import run_label
@@ -155,14 +156,13 @@ def tau_section(runs: Sequence[ReportRun]) -> Section:
         for category in [*run.record.categories(), None]:
             s = run.record.summary(category)
             lossless = "-" if run.record.imported else f"{s.lossless}/{s.prompts - s.failed}"  # no token ids
-            rows.append((run.label, _name(category), str(s.prompts), str(s.failed),
-                         lossless, str(s.steps), _fixed(s.tau), _fixed(s.alpha, 3),
-                         _fixed(s.tokens_per_s, 1), _fixed(s.baseline_tokens_per_s, 1), _fixed(s.speedup)))
-    table = Table(("run", "category", "prompts", "failed", "lossless", "steps", "tau", "alpha", "tok/s",
-                   "base tok/s", "speedup"), tuple(rows), 2)
+            rows.append((run.label, _name(category), str(s.prompts), str(s.failed), lossless, str(s.steps),
+                         *(metric.format(getattr(s, metric.name)) for metric in METRICS)))
+    table = Table(("run", "category", "prompts", "failed", "lossless", "steps", *(m.heading for m in METRICS)),
+                  tuple(rows), 2)
     return Section("tau", "Tau per category",
-                   "tau = 1 + accepted / steps: tokens per verification step, bonus token included. "
-                   "alpha = accepted / drafted. Both are ratios of sums over the finished prompts; lossless "
+                   f"tau: {BY_NAME['tau'].meaning}. alpha: {BY_NAME['alpha'].meaning}. "
+                   "Both are ratios of sums over the finished prompts; lossless "
                    "counts finished prompts whose output equals the plain greedy baseline, token for token.",
                    chart, (table,), ())
 
@@ -217,9 +217,9 @@ def speedup_section(runs: Sequence[ReportRun]) -> Section:
     groups = [_name(c) for c in _categories(runs)]
     chart = bar_chart("speedup over plain greedy", groups, _by_category_bars(runs, "speedup"), "speedup",
                       reference=(1.0, "plain greedy"))
-    rows = [(run.label, _name(c), _fixed(s.tokens_per_s, 1), _fixed(s.baseline_tokens_per_s, 1), _fixed(s.speedup))
+    rows = [(run.label, _name(c), *(metric.format(getattr(s, metric.name)) for metric in SPEED))
             for run in runs for c in [*run.record.categories(), None] for s in [run.record.summary(c)]]
-    table = Table(("run", "category", "tok/s", "base tok/s", "speedup"), tuple(rows), 2)
+    table = Table(("run", "category", *(metric.heading for metric in SPEED)), tuple(rows), 2)
     return Section("speedup", "Speedup",
                    "tokens/s = emitted tokens / decode time of the speculative run; base tokens/s is plain "
                    "greedy decoding on the same runtime; speedup is their ratio (sums over finished prompts). "

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from crossrt.errors import ComparisonError
 from crossrt.runtime import ModelSession, Rows, RuntimeOptions, RuntimeUnavailable, open_runtime, runtime_class
 from crossrt.schema import RunRecord
 
@@ -78,7 +79,7 @@ def log_softmax(rows: np.ndarray) -> np.ndarray:
 def agreement(a: np.ndarray, b: np.ndarray, tokens: Optional[Sequence[int]] = None) -> LogitAgreement:
     """tokens: the token emitted at each position (for Δp); default A's top-1."""
     if a.shape != b.shape:
-        raise ValueError(f"logit shapes differ: {a.shape} vs {b.shape} (different vocabulary sizes?)")
+        raise ComparisonError(f"logit shapes differ: {a.shape} vs {b.shape} (different vocabulary sizes?)")
     if len(a) == 0:
         return LogitAgreement(0, 0.0, 0.0, 1.0, 1.0)
     difference = np.abs(a - b)

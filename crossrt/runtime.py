@@ -19,6 +19,7 @@ from typing import ClassVar, Optional, Sequence, Union
 
 import numpy as np
 
+from crossrt.errors import CrossrtError, PromptRefused, SettingsError
 from crossrt.schema import Counters, RuntimeInfo, UnfitCounts
 
 RUNTIMES: dict[str, str] = {
@@ -30,11 +31,11 @@ RUNTIMES: dict[str, str] = {
 }
 
 
-class RuntimeUnavailable(RuntimeError):
+class RuntimeUnavailable(CrossrtError):
     """A runtime cannot run on this machine; the message says why and what would fix it."""
 
 
-class RuntimeFailure(Exception):
+class RuntimeFailure(CrossrtError):
     """The runtime itself broke mid-run (a server that died, a tool that crashed): the run
     stops, keeping the prompts already finished. The message carries the runtime's log tail."""
 
@@ -68,20 +69,20 @@ class DraftRules:
 
     def __post_init__(self):
         if self.k < 1:
-            raise ValueError(f"k must be at least 1, got {self.k}")
+            raise SettingsError(f"k must be at least 1, got {self.k}")
         if self.n_min is None:
             object.__setattr__(self, "n_min", self.k)
         if not 0 <= self.n_min <= self.k:
-            raise ValueError(f"n_min must be between 0 and k={self.k}, got {self.n_min}")
+            raise SettingsError(f"n_min must be between 0 and k={self.k}, got {self.n_min}")
         if not 0.0 <= self.p_min <= 1.0:
-            raise ValueError(f"p_min must be between 0 and 1, got {self.p_min}")
+            raise SettingsError(f"p_min must be between 0 and 1, got {self.p_min}")
         if self.spec_type not in SPEC_TYPES:
-            raise ValueError(f"unknown spec type {self.spec_type!r}; spec types: {', '.join(SPEC_TYPES)}")
+            raise SettingsError(f"unknown spec type {self.spec_type!r}; spec types: {', '.join(SPEC_TYPES)}")
 
     def require_drafter_model(self, where: str) -> None:
         """Refuse spec types other than a drafter model, for runtimes that have no other."""
         if self.spec_type != "draft":
-            raise ValueError(f"{where} drafts with a drafter model only (spec type 'draft'), not "
+            raise SettingsError(f"{where} drafts with a drafter model only (spec type 'draft'), not "
                              f"{self.spec_type!r}: run it natively on a runtime that has it (e.g. llama-server)")
 
     @property
@@ -110,12 +111,32 @@ class RuntimeOptions:
 
 
 class ModelSession(abc.ABC):
-    """One loaded model with its cache. Positions are implicit: eval appends after n_past."""
+    """One loaded model with its cache. Positions are implicit: eval appends after n_past.
+
+    A session holds memory (on a GPU, device memory) until closed: use it as a context manager
+    or hold it in the command's ExitStack, never leave it to the garbage collector."""
 
     n_vocab: int
     n_ctx: int
     eog_ids: frozenset[int]
-    _n_past: int = 0  # tokens in the cache; eval advances it, a backend's truncate lowers it
+    _n_past: int = 0  # tokens in the cache: only eval and truncate change it
+    _closed: bool = False
+
+    def __enter__(self) -> "ModelSession":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free the model and its cache; safe to call twice."""
+        if not self._closed:
+            self._closed = True
+            self._release()
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Free what the backend holds (weights, cache, buffers). Called once, by close."""
 
     @property
     def n_past(self) -> int:
@@ -130,7 +151,7 @@ class ModelSession(abc.ABC):
         if len(tokens) == 0:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         if self._n_past + len(tokens) > self.n_ctx:
-            raise ValueError(f"context full: {self._n_past} cached + {len(tokens)} new > n_ctx {self.n_ctx}")
+            raise PromptRefused(f"context full: {self._n_past} cached + {len(tokens)} new > n_ctx {self.n_ctx}")
         logits = self._forward(tokens, rows)
         self._n_past += len(tokens)
         return logits
@@ -140,9 +161,17 @@ class ModelSession(abc.ABC):
         """Run tokens at positions n_past, n_past + 1, ... with the cache; return the rows
         asked for. Called by eval, which checks the context and advances n_past."""
 
-    @abc.abstractmethod
     def truncate(self, n_keep: int) -> None:
-        """Drop every cached position from n_keep on."""
+        """Drop every cached position from n_keep on (n_keep at or past n_past: nothing)."""
+        n_keep = max(0, n_keep)
+        if n_keep < self._n_past:
+            self._drop(n_keep)
+            self._n_past = n_keep
+
+    @abc.abstractmethod
+    def _drop(self, n_keep: int) -> None:
+        """Remove cached positions n_keep..n_past-1 from the backend's cache (n_keep < n_past).
+        Called by truncate, which then lowers n_past."""
 
     @abc.abstractmethod
     def tokenize(self, text: str) -> list[int]:
@@ -185,6 +214,12 @@ class NativeSession(abc.ABC):
 
     def close(self) -> None:
         """Release processes and files; safe to call twice."""
+
+    def __enter__(self) -> "NativeSession":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 class Runtime(abc.ABC):

@@ -35,8 +35,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from crossrt.errors import PromptRefused
 from crossrt.runtime import DraftRules, ModelSession, Rows
-from crossrt.schema import PassView
+from crossrt.schema import Counters, PassView
 
 SPEC_SIMPLE = "llama-spec-simple"
 SERVER = "llama-server"
@@ -54,6 +55,11 @@ class Generation:
     unverified: int = 0  # tokens emitted outside steps (see schema.Counters)
     cut: int = 0  # tokens counted as accepted but dropped at the budget or after EOS
     view: Optional[PassView] = None  # how the pass that produced each output token saw it
+
+    def counters(self, k: int) -> Counters:
+        """This speculative generation's counters (Counters.from_steps: raises if they do not add up)."""
+        return Counters.from_steps(self.step_drafted, self.step_accepted, len(self.output_ids), k,
+                                   self.unverified, self.cut)
 
 
 def top_two(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -95,10 +101,10 @@ def check_fits(prompt_ids: Sequence[int], max_new_tokens: int, n_ctx: int, overr
     """Refuse a prompt whose run could leave a context of n_ctx; overrun: positions a schedule
     may use past prompt + max_new_tokens (a step that overshoots the budget)."""
     if not prompt_ids:
-        raise ValueError("empty prompt: nothing to condition on")
+        raise PromptRefused("empty prompt: nothing to condition on")
     if len(prompt_ids) + max_new_tokens + overrun > n_ctx:
         past = f" (+ {overrun} the schedule may run past them)" if overrun else ""
-        raise ValueError(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens{past} does not fit "
+        raise PromptRefused(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens{past} does not fit "
                          f"the context of {n_ctx} tokens")
 
 

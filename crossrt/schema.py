@@ -15,12 +15,14 @@ import typing
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from crossrt.errors import CrossrtError
+
 
 SCHEMA_VERSION = 1
 SCHEMA_RESOURCE = "run-record.schema.json"
 
 
-class RecordError(ValueError):
+class RecordError(CrossrtError, ValueError):
     """A record that does not follow the schema, or whose numbers do not add up."""
 
 
@@ -86,6 +88,14 @@ def ratio(numerator: float, denominator: float) -> Optional[float]:
     return numerator / denominator if denominator else None
 
 
+class CountsDoNotAddUp(CrossrtError):
+    """Counts that break the counter identities (Counters.identity_violations), each listed."""
+
+    def __init__(self, problems: typing.Sequence[str]):
+        self.problems = tuple(problems)
+        super().__init__("; ".join(self.problems))
+
+
 @dataclass(frozen=True)
 class Counters:
     """What a speculative run counts; the same fields whatever the runtime.
@@ -118,6 +128,21 @@ class Counters:
     @property
     def alpha(self) -> Optional[float]:
         return ratio(self.accepted, self.drafted)
+
+    @classmethod
+    def from_steps(cls, step_drafted: typing.Sequence[int], step_accepted: typing.Sequence[int], emitted: int,
+                   k: int, unverified: int = 0, cut: int = 0) -> "Counters":
+        """The counters of a run whose per-step lengths are known: totals summed from them and
+        accepted_per_pos derived, in this one place for every runtime; CountsDoNotAddUp when the
+        identities break (the lengths and emitted say different things)."""
+        step_drafted, step_accepted = tuple(step_drafted), tuple(step_accepted)
+        counters = cls(steps=len(step_accepted), drafted=sum(step_drafted), accepted=sum(step_accepted),
+                       emitted=emitted, accepted_per_pos=accepted_per_position(step_accepted, k),
+                       step_drafted=step_drafted, step_accepted=step_accepted, unverified=unverified, cut=cut)
+        problems = counters.identity_violations(k)
+        if problems:
+            raise CountsDoNotAddUp(problems)
+        return counters
 
     def identity_violations(self, k: int) -> list[str]:
         """The counter identities every speculative run must satisfy; empty when they hold."""
@@ -195,6 +220,9 @@ class PromptResult:
     unfit_counts: Optional[UnfitCounts] = None  # native runs whose numbers did not fit
     # sha256 of the prompt's text, so a resumed run can tell a different prompt under the same id
     prompt_sha256: Optional[str] = None
+    # The runtime's own chat-template rendering of the prompt, tokenized, kept only where it
+    # differs from prompt_ids (crossrt's rendering): a template split (crossrt/chat_template.py).
+    template_ids: Optional[tuple[int, ...]] = None
 
     @property
     def ok(self) -> bool:
@@ -266,6 +294,18 @@ class ImportInfo:
 
 
 @dataclass(frozen=True)
+class PromptFormat:
+    """How a run's prompts were fed (crossrt/chat_template.py, docs/prompts.md). A templated
+    prompt's prompt_sha256 is the digest of its rendered text."""
+
+    mode: str  # "auto" (chat prompts templated when the model has a template), "chat" or "raw"
+    template: Optional[str]  # where the template came from, e.g. "gguf:models/x.gguf"; None: none used
+    template_sha256: Optional[str]
+    variables: tuple[str, ...]  # --template-var NAME=VALUE, as given
+    templated: tuple[str, ...]  # ids of the prompts rendered through the template
+
+
+@dataclass(frozen=True)
 class RunRecord:
     runtime: RuntimeInfo
     pair: PairInfo
@@ -278,6 +318,8 @@ class RunRecord:
     trace: Optional[str] = None
     # Set when crossrt did not run this: counters read from another runtime's text (crossrt import).
     imported: Optional[ImportInfo] = None
+    # How prompts were fed: raw text or rendered through a chat template (None: raw, as before).
+    prompt_format: Optional[PromptFormat] = None
 
     def with_result(self, result: PromptResult) -> "RunRecord":
         return self.with_results((result,))

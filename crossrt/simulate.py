@@ -25,6 +25,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from crossrt.errors import ComparisonError, SettingsError
 from crossrt import loop
 from crossrt.runtime import ModelSession, Rows
 from crossrt.schema import RunRecord
@@ -127,7 +128,7 @@ class SimRun:
 def simulate(oracle: Oracle, policy: Policy) -> SimRun:
     """The crossrt schedule's steps on oracle under policy (module docstring)."""
     if policy.k > oracle.max_k:
-        raise ValueError(f"k={policy.k} is beyond the oracle's {oracle.max_k} draft tokens per position")
+        raise SettingsError(f"k={policy.k} is beyond the oracle's {oracle.max_k} draft tokens per position")
     output, eog = oracle.output, oracle.eog_ids
     step_drafted, step_accepted = [], []
     calls = emitted = 0
@@ -284,7 +285,7 @@ def compare_with_record(oracles: Sequence[Oracle], record: RunRecord) -> tuple[i
     record's finished prompts, step for step; the record must be a crossrt-schedule run with
     the oracles' token budget."""
     if record.params.schedule != loop.SCHEDULE or record.params.mode != "driven":
-        raise ValueError(f"the simulator mirrors the driven {loop.SCHEDULE} schedule, not "
+        raise ComparisonError(f"the simulator mirrors the driven {loop.SCHEDULE} schedule, not "
                          f"{record.params.mode} {record.params.schedule}")
     by_id = {oracle.prompt_id: oracle for oracle in oracles}
     compared, differences = 0, []
@@ -293,7 +294,7 @@ def compare_with_record(oracles: Sequence[Oracle], record: RunRecord) -> tuple[i
         if not result.ok or oracle is None:
             continue
         if oracle.max_new_tokens != record.params.max_new_tokens or oracle.prompt_ids != tuple(result.prompt_ids):
-            raise ValueError(f"{result.prompt_id}: the record ran another prompt or token budget than the oracle")
+            raise ComparisonError(f"{result.prompt_id}: the record ran another prompt or token budget than the oracle")
         compared += 1
         run = simulate(oracle, Policy(record.params.k))
         counters = result.counters

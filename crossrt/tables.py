@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
+from crossrt.metrics import METRICS
 from crossrt.schema import RunRecord, Summary
 
 SUMMARY_HEADER = ["runtime", "mode", "schedule", "k", "category", "prompts", "failed", "lossless", "steps",
-                  "tau", "alpha", "tok/s", "base tok/s", "speedup"]
-
-
-def _number(value: Optional[float], digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+                  *(metric.heading for metric in METRICS)]
 
 
 def _summary_cells(record: RunRecord, category: str, summary: Summary) -> list[str]:
     done = summary.prompts - summary.failed
     lossless = "-" if record.imported else f"{summary.lossless}/{done}"  # imported: no token ids
     return [record.runtime.name, record.params.mode, record.params.schedule, str(record.params.k), category, str(summary.prompts),
-            str(summary.failed), lossless, str(summary.steps), _number(summary.tau),
-            _number(summary.alpha, 3), _number(summary.tokens_per_s, 1),
-            _number(summary.baseline_tokens_per_s, 1), _number(summary.speedup)]
+            str(summary.failed), lossless, str(summary.steps),
+            *(metric.format(getattr(summary, metric.name)) for metric in METRICS)]
 
 
 def summary_rows(records: Sequence[RunRecord]) -> list[list[str]]:

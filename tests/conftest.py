@@ -4,6 +4,7 @@ Every test uses n_threads=1: ggml's worker threads busy-wait, and with two cores
 thread next to any other load makes tiny models orders of magnitude slower.
 """
 
+import re
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,12 @@ def real_pair():
     except PairError as error:
         pytest.fail(f"{error}; run scripts/setup to fetch the real model", pytrace=False)
     return pair
+
+
+def assert_clean_error(result, message: str, exit_codes=(1, 2)) -> None:
+    """A CliRunner result that ended in crossrt's own error: the exit code, the message, and no
+    exception but click's exit. CliRunner never prints a traceback, so its exception is what
+    tells a caught error from a bug."""
+    assert result.exit_code in exit_codes, result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert re.search(message, result.output), result.output

@@ -1,5 +1,6 @@
 """`crossrt analyze` and the analysis API, on traced tiny-pair runs in real llama.cpp."""
 
+import json
 import math
 
 import pytest
@@ -11,6 +12,8 @@ from crossrt.driver import RunRequest, run_pair
 from crossrt.pairs import pair_from_paths
 from crossrt.prompts import load_prompts
 from crossrt.runtime import DraftRules, RuntimeOptions
+
+from conftest import REPO
 
 PROMPTS = load_prompts("builtin")
 K = 4
@@ -120,3 +123,29 @@ def test_analyze_prints_every_table(traced_run, tiny_pair, tmp_path):
     assert "pos 2" in both.output.split(str(untraced))[1]
     missing = CliRunner().invoke(analyze, [str(tmp_path / "none.json")])
     assert missing.exit_code == 1 and "no run record" in missing.output
+
+
+def test_analyze_groups_a_benchmark_by_its_categories_or_by_content_type(tiny_pair, tmp_path):
+    """Spec-Bench's own categories (the committed question.jsonl) kept in the record, and
+    `--by content-type` files them under crossrt's: coding -> code, math_reasoning -> math,
+    writing -> prose."""
+    source = REPO / "tests" / "fixtures" / "benchmarks" / "spec_bench_question.jsonl"
+    wanted = {"coding", "math_reasoning", "writing"}
+    picked = [line for line in source.read_text(encoding="utf-8").splitlines()
+              if json.loads(line)["category"] in wanted][::10][:6]
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("\n".join(picked) + "\n", encoding="utf-8")
+    out = tmp_path / "specbench.json"
+    record = run_pair(RunRequest(tiny_pair, "llama-cpp", RuntimeOptions(n_ctx=512, threads=1), DraftRules(K), 8, out),
+                      load_prompts(f"specbench:{questions}"))
+    assert set(record.categories()) == wanted
+    own = CliRunner().invoke(analyze, [str(out)])
+    by_type = CliRunner().invoke(analyze, [str(out), "--by", "content-type"])
+    assert own.exit_code == by_type.exit_code == 0, own.output + by_type.output
+    def first_column(output):
+        return {line.split()[0] for line in output.splitlines() if line.strip()}
+
+    assert wanted <= first_column(own.output) and not {"code", "math", "prose"} & first_column(own.output)
+    assert {"code", "math", "prose"} <= first_column(by_type.output) and not wanted & first_column(by_type.output)
+    grouped = analysis.grouped(record, "content-type")
+    assert grouped.summary("code").steps == record.summary("coding").steps

@@ -163,6 +163,7 @@ def test_help_names_the_prompt_formats():
     ('flavour = "x"\n[claim.expect.code]\ntau = 2\n', "unknown field(s) flavour"),
     ('schedule = "fast"\n[claim.expect.code]\ntau = 2\n', "schedule must be one of crossrt"),
     ('spec_type = "medusa"\n[claim.expect.code]\ntau = 2\n', "spec_type must be one of draft"),
+    ('template = "jinja"\n[claim.expect.code]\ntau = 2\n', "template must be one of auto, chat, raw"),
     ('prompts = {code = "code"}\n[claim.expect.code]\ntau = 2\n[claim.expect.prose]\ntau = 2\n',
      "missing ['prose']"),
     ("", "missing field(s) expect"),
@@ -189,3 +190,23 @@ def test_tolerances_widen_ranges_relatively_or_absolutely():
     assert Tolerance(0.1, relative=True).bounds(35, 37) == pytest.approx((31.5, 40.7))
     assert Tolerance(0.2, relative=False).bounds(2.5, 2.5) == pytest.approx((2.3, 2.7))
     assert (str(Tolerance(0.1, True)), str(Tolerance(0.25, False))) == ("±10%", "±0.25")
+
+
+def test_a_claim_runs_with_its_template_use_and_says_it(tmp_path):
+    """template = "chat": every prompt rendered through the tiny pair's chat template
+    (models/templates/tiny-chat.jinja), as the claim says its numbers were measured; the setting
+    is printed beside the numbers, and the record keeps it."""
+    path = claims_file(tmp_path / "chat.toml", "[claim.expect.code]\ntau = 1\n[claim.tolerance]\ntau = 10\n",
+                       prompts="builtin", template="chat", max_new_tokens=16)
+    result = invoke(path, "--out-dir", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "  prompts: builtin, template chat" in result.output
+    chat = load_record(tmp_path / "mine.json")
+    assert chat.prompt_format.mode == "chat" and len(chat.prompt_format.templated) == len(chat.results) == 4
+    # The same claim fed raw: other prompt ids.
+    path = claims_file(tmp_path / "raw.toml", "[claim.expect.code]\ntau = 1\n[claim.tolerance]\ntau = 10\n",
+                       id="mine-raw", prompts="builtin", template="raw", max_new_tokens=16)
+    assert invoke(path, "--out-dir", tmp_path).exit_code == 0
+    fed_raw = load_record(tmp_path / "mine-raw.json")
+    assert fed_raw.prompt_format.templated == ()
+    assert all(a.prompt_ids != b.prompt_ids for a, b in zip(chat.results, fed_raw.results, strict=True))

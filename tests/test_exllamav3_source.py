@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from crossrt.errors import SettingsError
 from crossrt.backends import exllamav3 as backend
 from crossrt.backends import exllamav3_native as native
 from crossrt.runtime import DraftRules, RuntimeOptions, Rows
@@ -207,7 +208,7 @@ def test_gpu_split_shares_become_per_model_limits():
     assert backend.use_per_device(8.0, (0, 1), (80.0, 80.0)) == [0.0, 80.0]
     assert backend.use_per_device(1e-6, (1, 1), (80.0, 80.0)) == [1 / 1024, 80.0]  # never 0 (= unused)
     assert backend.use_per_device(100.0, (1, 1), (16.0, 16.0)) == [16.0, 16.0]
-    with pytest.raises(ValueError, match="3 shares but torch sees 2"):
+    with pytest.raises(SettingsError, match="3 shares but torch sees 2"):
         backend.use_per_device(1.0, (1, 1, 1), (16.0, 16.0))
 
 
@@ -301,13 +302,13 @@ def test_native_loads_component_and_block_drafters(exl, tmp_path):
     session = native.open_generator_session(dspark, dspark, DraftRules(3, spec_type="dspark"),
                                             RuntimeOptions(n_ctx=256))
     assert native.DSPARK_NOTE in session.notes
-    with pytest.raises(ValueError, match="spec_type mtp but .* \\(dspark drafting\\)"):
+    with pytest.raises(SettingsError, match="spec_type mtp but .* \\(dspark drafting\\)"):
         native.open_generator_session(dspark, dspark, DraftRules(3, spec_type="mtp"), RuntimeOptions(n_ctx=256))
-    with pytest.raises(ValueError, match="name the target's folder as the drafter"):
+    with pytest.raises(SettingsError, match="name the target's folder as the drafter"):
         native.open_generator_session(dspark, mtp, DraftRules(3, spec_type="dspark"), RuntimeOptions(n_ctx=256))
     dflash2 = model_folder(tmp_path, "dflash2", "DFlash2DraftModel", caps={"text": {"dflash_draft": True}}, block_size=8)
     native.open_generator_session(mtp, dflash2, DraftRules(7, spec_type="dflash2"), RuntimeOptions(n_ctx=256))
-    with pytest.raises(ValueError, match="drafts blocks of 8: k is at most 7"):
+    with pytest.raises(SettingsError, match="drafts blocks of 8: k is at most 7"):
         native.open_generator_session(mtp, dflash2, DraftRules(8, spec_type="dflash2"), RuntimeOptions(n_ctx=256))
 
 

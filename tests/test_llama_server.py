@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from crossrt.errors import PromptRefused
 from crossrt import loop
 from crossrt.cli import main
 from crossrt.driver import RunRequest, run_pair
@@ -117,7 +118,7 @@ def test_bonus_token_after_an_accepted_eos_is_cut(sessions):
 
 def test_prompt_that_does_not_fit_fails_alone(sessions):
     session = sessions(DraftRules(4))
-    with pytest.raises(ValueError, match="does not fit the context of 512"):
+    with pytest.raises(PromptRefused, match="does not fit the context of 512"):
         session.generate([0] * 500, 12, speculative=True)
     assert session.generate(session.tokenize("b."), 4, speculative=True).output_ids == (1,)
 
@@ -291,7 +292,7 @@ def test_flag_names_follow_the_build():
 
 
 def test_counts_that_do_not_fit_the_schedule_are_kept_with_the_raw_numbers():
-    from crossrt.backends.llama_server import Totals, speculative_counters
+    from crossrt.backends.llama_server_counts import Totals, speculative_counters
 
     delta = Totals(drafts=3, draft_tokens=12, accepted=6, accepted_per_pos=(3, 2, 1, 0), decodes=5, predicted=12)
     timings = {"draft_n": 12, "draft_n_accepted": 6}

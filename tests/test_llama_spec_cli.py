@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from crossrt.errors import PromptRefused
 from crossrt import loop
 from crossrt.backends.llama_spec_cli import TOOL, parse_log
 from crossrt.backends.llama_tools import Flags
@@ -121,16 +122,16 @@ def test_a_model_that_does_not_load_is_a_runtime_failure(open_session, tmp_path)
 
 def test_prompt_checks(open_session):
     session = open_session(DraftRules(4))
-    with pytest.raises(ValueError, match="takes prompt text"):
+    with pytest.raises(PromptRefused, match="takes prompt text"):
         session.generate([0, 40, 41], 8, speculative=True)
     ids = session.tokenize("hello there")
     # The tool tokenizes the text it is given: a text that is not what ids came from is caught.
     session._texts[tuple(ids)] = "hello world"
-    with pytest.raises(ValueError, match="tokenized the prompt into"):
+    with pytest.raises(PromptRefused, match="tokenized the prompt into"):
         session.generate(ids, 8, speculative=True)
     long_ids = session.tokenize("word " * 499)  # 502 tokens + 8 fit 512, but not + the k = 4 overshoot
     assert len(session.generate(long_ids, 8, speculative=False).output_ids) == 8
-    with pytest.raises(ValueError, match=r"\(\+ 4 the schedule may run past them\) does not fit the context"):
+    with pytest.raises(PromptRefused, match=r"\(\+ 4 the schedule may run past them\) does not fit the context"):
         session.generate(long_ids, 8, speculative=True)
 
 

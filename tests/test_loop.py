@@ -2,21 +2,14 @@
 
 import pytest
 
+from crossrt.errors import PromptRefused, SettingsError
 from crossrt import loop
 from crossrt.runtime import DraftRules
 from crossrt.prompts import load_prompts
-from crossrt.schema import Counters, accepted_per_position
 
 PROMPTS = load_prompts("builtin")
 K = 4
 MAX_NEW = 48
-
-
-def counters_of(generation, k):
-    return Counters(steps=len(generation.step_accepted), drafted=sum(generation.step_drafted),
-                    accepted=sum(generation.step_accepted), emitted=len(generation.output_ids),
-                    accepted_per_pos=accepted_per_position(generation.step_accepted, k),
-                    step_drafted=generation.step_drafted, step_accepted=generation.step_accepted)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=[p.id for p in PROMPTS])
@@ -27,8 +20,7 @@ def test_speculative_output_equals_greedy(tiny_sessions, prompt):
     speculative = loop.speculative_generate(target, drafter, ids, DraftRules(K), MAX_NEW)
     assert list(speculative.output_ids) == list(baseline.output_ids)
     assert speculative.stop_reason == baseline.stop_reason
-    counters = counters_of(speculative, K)
-    assert counters.identity_violations(K) == []
+    counters = speculative.counters(K)
     assert counters.emitted == counters.steps + counters.accepted
     assert counters.accepted <= counters.drafted <= K * counters.steps
     per_pos = counters.accepted_per_pos
@@ -64,17 +56,17 @@ def test_drafter_identical_to_target_accepts_every_draft(tiny_sessions, llama_ru
 
 def test_prompt_that_does_not_fit_the_context_is_refused(tiny_sessions):
     target, drafter = tiny_sessions
-    with pytest.raises(ValueError, match="does not fit the context"):
+    with pytest.raises(PromptRefused, match="does not fit the context"):
         loop.speculative_generate(target, drafter, [5] * 500, DraftRules(K), 64)
 
 
 def test_draft_rules_are_validated(tiny_sessions):
     target, drafter = tiny_sessions
-    with pytest.raises(ValueError, match="k must be at least 1"):
+    with pytest.raises(SettingsError, match="k must be at least 1"):
         DraftRules(0)
-    with pytest.raises(ValueError, match="n_min must be between 0 and k=4"):
+    with pytest.raises(SettingsError, match="n_min must be between 0 and k=4"):
         DraftRules(4, n_min=5)
-    with pytest.raises(ValueError, match="crossrt schedule drafts exactly k tokens"):
+    with pytest.raises(SettingsError, match="crossrt schedule drafts exactly k tokens"):
         loop.speculative_generate(target, drafter, [5, 6], DraftRules(4, p_min=0.5), 8)
 
 
@@ -86,4 +78,5 @@ def test_eos_stops_both_runs_and_counts_as_the_steps_own_token(tiny_sessions):
     speculative = loop.speculative_generate(target, drafter, ids, DraftRules(K), MAX_NEW)
     assert baseline.stop_reason == speculative.stop_reason == "eos"
     assert speculative.output_ids == baseline.output_ids and speculative.output_ids[-1] in target.eog_ids
-    assert counters_of(speculative, K).identity_violations(K) == []
+    counters = speculative.counters(K)  # raises unless the identities hold
+    assert counters.emitted == counters.steps + counters.accepted and counters.unverified == 0

@@ -136,3 +136,23 @@ def test_llama_cpp_and_transformers_agree_in_distribution_and_a_run_of_spaces_sp
                tmp_path / "gemma3-270m-transformers-driven-k4.json")
     assert "spaces: part at prompt position 3" in diff.output
     assert "verdict: tokenization or template: prompt ids differ from position 3 before generation" in diff.output
+
+
+def test_native_ngram_drafting_drafts_at_most_k_and_every_prompt_counts(tmp_path):
+    """llama-server's ngram-simple drafts the m-gram after a matched n-gram: 48 tokens by default
+    (past k, which broke drafted <= k * steps), and only m-grams at least n = 12 long. crossrt
+    sets m = k and n = min(12, k): drafts of at most k, and drafting at all at k = 7. A prompt
+    that repeats itself, so the n-gram lookup has something to find."""
+    prompts = tmp_path / "repeat.jsonl"
+    prompts.write_text(json.dumps({"id": "count", "category": "code",
+                                   "prompt": "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(i)\n"
+                                             "for i in range(10):\n"}) + "\n")
+    out = tmp_path / "ngram.json"
+    result = run("run", "--pair", "gemma3-270m-ngram", "--runtime", "llama-server", "--mode", "native",
+                 "--prompts", prompts, "--max-new-tokens", 32, "--out", out)
+    assert result.exit_code == 0, result.output
+    (prompt,) = load_record(out).results
+    assert prompt.ok and prompt.lossless, prompt.error
+    counters = prompt.counters
+    assert counters.steps > 0 and counters.accepted > 0 and counters.drafted <= 7 * counters.steps
+    assert any("--spec-ngram-simple-size-m 7" in note for note in load_record(out).notes)

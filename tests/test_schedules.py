@@ -9,22 +9,14 @@ p_min that stops drafts here has to be close to 1.
 import numpy as np
 import pytest
 
+from crossrt.errors import PromptRefused
 from crossrt import loop, schedules
 from crossrt.prompts import load_prompts
 from crossrt.runtime import DraftRules
-from crossrt.schema import Counters, accepted_per_position
 
 PROMPTS = load_prompts("builtin")
 LLAMA = (schedules.SPEC_SIMPLE, schedules.SERVER)
 RULES = [DraftRules(4), DraftRules(4, 0), DraftRules(3, 2), DraftRules(5, 1, 0.5), DraftRules(5, 1, 0.9999)]
-
-
-def counters_of(generation, k):
-    return Counters(steps=len(generation.step_accepted), drafted=sum(generation.step_drafted),
-                    accepted=sum(generation.step_accepted), emitted=len(generation.output_ids),
-                    accepted_per_pos=accepted_per_position(generation.step_accepted, k),
-                    step_drafted=generation.step_drafted, step_accepted=generation.step_accepted,
-                    unverified=generation.unverified, cut=generation.cut)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +35,7 @@ def test_lossless_and_counters_add_up(tiny_sessions, schedule, rules):
         generation = loop.speculative_generate(target, drafter, ids, rules, 40, schedule)
         assert generation.output_ids == baseline.output_ids
         assert generation.stop_reason == baseline.stop_reason
-        counters = counters_of(generation, rules.k)
-        assert counters.identity_violations(rules.k) == []
+        generation.counters(rules.k)  # raises unless the identities hold
         # Drafts shorter than n_min are dropped. spec-simple still verifies [last] as a step with
         # 0 drafted; the server decodes it plainly, outside any step.
         empty_is_a_step = schedule == schedules.SPEC_SIMPLE
@@ -114,14 +105,14 @@ def test_eos(tiny_sessions, schedule, k, text, output, steps, unverified, cut):
     assert generation.stop_reason == "eos"
     assert (generation.step_drafted, generation.step_accepted) == steps
     assert (generation.unverified, generation.cut) == (unverified, cut)
-    assert counters_of(generation, k).identity_violations(k) == []
+    assert generation.counters(k).emitted == len(output)  # counters() raises unless the identities hold
 
 
 def test_spec_simple_keeps_room_for_its_overshoot(tiny_sessions):
     target, drafter = tiny_sessions
     prompt = [5] * 501  # 501 + 8 fits 512, but the last step may run k = 4 tokens further
     loop.speculative_generate(target, drafter, prompt, DraftRules(4), 8, loop.SCHEDULE)
-    with pytest.raises(ValueError, match=r"\+ 8 new tokens \(\+ 4 the schedule may run past them\) does not fit"):
+    with pytest.raises(PromptRefused, match=r"\+ 8 new tokens \(\+ 4 the schedule may run past them\) does not fit"):
         loop.speculative_generate(target, drafter, prompt, DraftRules(4), 8, schedules.SPEC_SIMPLE)
 
 

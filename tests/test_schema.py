@@ -10,7 +10,7 @@ from crossrt.driver import run_prompt
 from crossrt.pairs import pair_info
 from crossrt.prompts import load_prompts
 from crossrt.runtime import DraftRules
-from crossrt.schema import RecordError, RunParams, RunRecord
+from crossrt.schema import Counters, CountsDoNotAddUp, RecordError, RunParams, RunRecord
 from crossrt.record_json import load_record, record_from_json, record_to_json, save_record
 
 
@@ -80,3 +80,15 @@ def test_unreadable_files_give_clear_errors(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(RecordError, match="is not JSON"):
         load_record(tmp_path / "bad.json")
+
+
+def test_counters_from_steps_derive_totals_and_refuse_what_does_not_add_up():
+    counters = Counters.from_steps((4, 4, 2), (4, 1, 0), emitted=8, k=4)
+    assert (counters.steps, counters.drafted, counters.accepted) == (3, 10, 5)
+    assert counters.accepted_per_pos == (2, 1, 1, 1) and counters.tau == 1 + 5 / 3
+    # One token too many for 3 steps and 5 accepted: a run that counted wrong.
+    with pytest.raises(CountsDoNotAddUp, match=r"emitted 9 != steps 3 \+ accepted 5") as error:
+        Counters.from_steps((4, 4, 2), (4, 1, 0), emitted=9, k=4)
+    assert len(error.value.problems) == 1
+    with pytest.raises(CountsDoNotAddUp, match=r"drafted 10 <= k\*steps 9"):
+        Counters.from_steps((4, 4, 2), (4, 1, 0), emitted=8, k=3)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from crossrt.errors import ComparisonError
 from crossrt import loop
 from crossrt.cli.analysis import simulate_command
 from crossrt.driver import RunRequest, run_pair
@@ -109,7 +110,7 @@ def test_compare_with_a_recorded_run(tiny_pair, oracles, tmp_path):
     assert compare_with_record(oracles, record) == (len(PROMPTS), [])
     other_budget = run_pair(RunRequest(tiny_pair, "llama-cpp", RuntimeOptions(n_ctx=512, threads=1), DraftRules(3),
                                        MAX_NEW - 1, tmp_path / "short.json"), PROMPTS[:1])
-    with pytest.raises(ValueError, match="another prompt or token budget"):
+    with pytest.raises(ComparisonError, match="another prompt or token budget"):
         compare_with_record(oracles, other_budget)
 
 

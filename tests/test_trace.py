@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from crossrt.errors import SettingsError
 from crossrt import loop
 from crossrt.driver import RunRequest, run_pair
 from crossrt.prompts import load_prompts
@@ -75,11 +76,11 @@ def test_trace_leaves_the_run_alone_and_matches_rescoring(tiny_sessions, prompt,
 
 def test_traces_only_for_the_crossrt_and_hf_schedules(tiny_sessions, tiny_pair, tmp_path):
     target, drafter = tiny_sessions
-    with pytest.raises(ValueError, match="traces are recorded by the crossrt and hf-assisted"):
+    with pytest.raises(SettingsError, match="traces are recorded by the crossrt and hf-assisted"):
         loop.speculative_generate(target, drafter, [5, 6], DraftRules(K), 8, "llama-server", TraceRecorder())
     request = RunRequest(tiny_pair, "llama-cpp", RuntimeOptions(n_ctx=256, threads=1), DraftRules(K), 8,
                          tmp_path / "run.json", schedule="llama-spec-simple", trace=True)
-    with pytest.raises(ValueError, match="driven mode with the crossrt or hf-assisted schedule"):
+    with pytest.raises(SettingsError, match="driven mode with the crossrt or hf-assisted schedule"):
         run_pair(request, PROMPTS[:1])
 
 

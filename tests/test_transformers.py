@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from crossrt.errors import ModelError, PromptRefused, SettingsError
 from crossrt import loop
 from crossrt.cli import main
 from crossrt.prompts import load_prompts
@@ -90,22 +91,6 @@ def test_logits_agree_with_llama_cpp(hf_sessions, tiny_pair, role):
     assert worst < 1e-4
 
 
-def test_rows_and_truncate_follow_the_contract(hf_sessions):
-    target, _ = hf_sessions
-    ids = target.tokenize(PROMPTS[0].text)
-    target.truncate(0)
-    every = target.eval(ids, Rows.ALL).copy()
-    assert every.shape == (len(ids), target.n_vocab) and target.n_past == len(ids)
-    target.truncate(len(ids) - 3)
-    assert target.n_past == len(ids) - 3
-    np.testing.assert_allclose(target.eval(ids[-3:], Rows.ALL), every[-3:], atol=1e-5)
-    target.truncate(2)
-    assert target.eval(ids[2:-1], Rows.NONE).shape == (0, target.n_vocab)
-    np.testing.assert_allclose(target.eval(ids[-1:], Rows.LAST), every[-1:], atol=1e-5)
-    with pytest.raises(ValueError, match="context full"):
-        target.eval([5] * 512, Rows.LAST)
-
-
 @pytest.mark.parametrize("prompt", PROMPTS, ids=[p.id for p in PROMPTS])
 def test_driven_is_lossless_and_equals_llama_cpp(hf_sessions, llama_f32_sessions, prompt):
     target, drafter = hf_sessions
@@ -165,12 +150,12 @@ def test_native_drafts_are_cut_to_the_budget(hf_runtime, tiny_pair, tmp_path, ma
 def test_native_refuses_llama_cpp_drafting_rules(hf_runtime, tiny_pair, tmp_path):
     paths = (tiny_pair.path("target", "hf"), tiny_pair.path("drafter", "hf"))
     for rules in (DraftRules(K, n_min=2), DraftRules(K, p_min=0.5)):
-        with pytest.raises(ValueError, match="no n_min or p_min drafting rules"):
+        with pytest.raises(SettingsError, match="no n_min or p_min drafting rules"):
             hf_runtime.open_native(*paths, rules, tmp_path)
 
 
 def test_native_refuses_a_prompt_that_does_not_fit(native):
-    with pytest.raises(ValueError, match="does not fit the context"):
+    with pytest.raises(PromptRefused, match="does not fit the context"):
         native.generate([5] * 500, 64, speculative=True)
 
 
@@ -187,7 +172,7 @@ def test_gguf_loads_through_transformers(hf_runtime, hf_sessions):
 def test_load_errors_are_clear(hf_runtime, tmp_path):
     with pytest.raises(FileNotFoundError, match="model not found"):
         hf_runtime.load(tmp_path / "missing")
-    with pytest.raises(ValueError, match="expected a transformers folder"):
+    with pytest.raises(ModelError, match="expected a transformers folder"):
         hf_runtime.load(tmp_path)
 
 

@@ -13,12 +13,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from crossrt.errors import CrossrtError
 from crossrt.pairs import PairError, gguf_metadata
 
 BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")
 
 
-class LayerSkipError(ValueError):
+class LayerSkipError(CrossrtError, ValueError):
     """An input, block count or output problem, with a message meant for the user."""
 
 

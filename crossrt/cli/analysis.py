@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -12,8 +13,10 @@ from typing import Optional, Sequence
 
 import click
 
+from crossrt.errors import PromptRefused
 from crossrt import analysis
 from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, resolve_pair
+from crossrt.journal import write_atomically
 from crossrt.pairs import ROLES, pair_info
 from crossrt.prompts import load_prompts
 from crossrt.runtime import RuntimeOptions, open_runtime, runtime_names
@@ -22,6 +25,9 @@ from crossrt.record_json import load_record
 from crossrt.simulate import (Oracle, Policy, Simulation, build_oracle, compare_with_record, measure_costs,
                               simulate, simulate_suite)
 from crossrt.tables import format_table
+from crossrt.ceiling import load_ceilings
+from crossrt.cli.trees import max_tree_rows, render_ceiling, render_section, run_trees, tree_section
+from crossrt.errors import SettingsError
 
 ALL = "ALL"
 
@@ -95,15 +101,26 @@ def render_record(path: Path, record: RunRecord, trace: dict, entropy_edges: Seq
 @click.argument("records", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--entropy-buckets", type=Increasing(), default=",".join(f"{e:g}" for e in analysis.ENTROPY_BUCKETS),
               show_default=True, help="Edges of the target-entropy buckets, in nats.")
-def analyze(records: Sequence[Path], entropy_buckets) -> None:
+@click.option("--ceiling", "ceiling_path", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="A `crossrt simulate --tree ... --out` result of the same pair and prompts: print its "
+              "per-category ceiling table beside each record's measured tau (docs/ceiling.md).")
+@click.option("--by", "grouping", type=click.Choice(analysis.GROUPINGS), default="category", show_default=True,
+              help="Group prompts by their own category (a benchmark's, e.g. Spec-Bench's coding) or by "
+              "crossrt's content type of it (code, prose, structured, math, chat; docs/prompts.md).")
+def analyze(records: Sequence[Path], entropy_buckets, ceiling_path, grouping) -> None:
     """Acceptance in run records: per category tau, alpha and per-token acceptance where the
     target judged a draft token; acceptance per draft position; how well the i.i.d. model
     E = (1 - a^(k+1)) / (1 - a) predicts tau; and, for records run with --trace, acceptance
     by the target's entropy and by the drafter's confidence (docs/analysis.md)."""
     try:
-        loaded = [(path, load_record(path)) for path in records]
+        loaded = [(path, analysis.grouped(load_record(path), grouping)) for path in records]
         blocks = [render_record(path, record, analysis.load_trace(path, record), entropy_buckets)
                   for path, record in loaded]
+        if ceiling_path:
+            table = load_ceilings(ceiling_path)
+            blocks += [f"{path} against {ceiling_path}:\n" + render_ceiling(
+                table, {stats.category: stats.tau for stats in analysis.category_stats(record)})
+                for path, record in loaded]
     except USER_ERRORS as error:
         raise click.ClickException(str(error)) from None
     click.echo("\n\n".join(blocks))
@@ -161,40 +178,68 @@ def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
 @click.option("--n-gpu-layers", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--f32-kv-cache", is_flag=True, help="F32 KV cache (as the run it is compared with, if any).")
 @click.option("--flash-attn/--no-flash-attn", default=True, show_default=True)
+@click.option("--tree", "tree_specs", multiple=True,
+              help="A draft tree to simulate: WxD (the full tree of width W and depth D), best:N (the best tree "
+              "of at most N nodes on these prompts) or a JSON choice-list file ([[0], [0, 0], [1]]); "
+              "repeatable. Adds the per-category ceiling table (docs/ceiling.md).")
+@click.option("--k", "ceiling_k", type=click.IntRange(min=1),
+              help="The ceiling table's chain k (at most --max-k). Default: the pair's k, else 4.")
+@click.option("--tree-budget", type=click.IntRange(min=1, max=255), default=16, show_default=True,
+              help="The ceiling table's node budget for the best tree.")
+@click.option("--top-b", type=click.IntRange(min=1, max=1000), default=8, show_default=True,
+              help="Drafter ranks are stored up to this; the ceiling table's top-b.")
+@click.option("--run-trees", "run_trees_too", is_flag=True,
+              help="Also run each --tree for real on llama-cpp, step for step against the simulator and timed "
+              "against plain greedy. Exit code 1 where a lossless run's steps differ from the simulation.")
 def simulate_command(pair, target, drafter, runtime_name, prompt_source, max_k, max_new_tokens, thresholds, records,
-                     out, threads, n_ctx, n_gpu_layers, f32_kv_cache, flash_attn) -> None:
+                     out, threads, n_ctx, n_gpu_layers, f32_kv_cache, flash_attn, tree_specs, ceiling_k, tree_budget,
+                     top_b, run_trees_too) -> None:
     """What-if runs of the crossrt schedule: tau at every k up to --max-k per category, the
     best k per category, drafter-confidence cut-offs, and speedups predicted from measured
     pass times. Computed exactly (greedy) from an oracle: the target's greedy output and the
     drafter's greedy continuation from every position of it (docs/analysis.md)."""
-    try:
-        resolved = resolve_pair(pair, target, drafter)
-        prompts = load_prompts(prompt_source)
-        options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers,
-                                 f32_kv_cache=f32_kv_cache, flash_attn=flash_attn)
-        runtime = open_runtime(runtime_name, options)
-        info = pair_info(resolved, runtime.model_format)
-        sessions = {role: runtime.load(resolved.path(role, runtime.model_format)) for role in ROLES}
-        oracles = []
-        for prompt in prompts:
-            try:
-                oracles.append(build_oracle(sessions["target"], sessions["drafter"], prompt.id, prompt.category,
-                                            sessions["target"].tokenize(prompt.text), max_new_tokens, max_k))
-            except ValueError as error:
-                click.echo(f"skipped {prompt.id}: {error}", err=True)
-        if not oracles:
-            raise ValueError("no prompt could run")
-        # Passes are timed at the average decoding position of the median prompt.
-        typical = sorted(oracles, key=lambda o: len(o.prompt_ids) + len(o.output))[len(oracles) // 2]
-        context = typical.prompt_ids + typical.output[:len(typical.output) // 2]
-        costs = measure_costs(sessions["target"], sessions["drafter"], context, max_k + 1)
-        sim = simulate_suite(oracles, costs, max_k, thresholds)
-        checks = [(path, *compare_with_record(oracles, load_record(path))) for path in records]
-    except USER_ERRORS as error:
-        raise click.ClickException(str(error)) from None
+    with contextlib.ExitStack() as stack:  # the sessions, freed however the block ends
+        try:
+            resolved = resolve_pair(pair, target, drafter)
+            prompts = load_prompts(prompt_source)
+            options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers,
+                                     f32_kv_cache=f32_kv_cache, flash_attn=flash_attn)
+            runtime = open_runtime(runtime_name, options)
+            info = pair_info(resolved, runtime.model_format)
+            sessions = {role: stack.enter_context(runtime.load(resolved.path(role, runtime.model_format)))
+                        for role in ROLES}
+            oracles = []
+            for prompt in prompts:
+                try:
+                    oracles.append(build_oracle(sessions["target"], sessions["drafter"], prompt.id, prompt.category,
+                                                sessions["target"].tokenize(prompt.text), max_new_tokens, max_k))
+                except PromptRefused as error:
+                    click.echo(f"skipped {prompt.id}: {error}", err=True)
+            if not oracles:
+                raise PromptRefused("no prompt could run")
+            # Passes are timed at the average decoding position of the median prompt.
+            typical = sorted(oracles, key=lambda o: len(o.prompt_ids) + len(o.output))[len(oracles) // 2]
+            context = typical.prompt_ids + typical.output[:len(typical.output) // 2]
+            rows = max(max_k + 1, max_tree_rows(tree_specs, tree_budget)) if tree_specs else max_k + 1
+            costs = measure_costs(sessions["target"], sessions["drafter"], context, rows)
+            sim = simulate_suite(oracles, costs, max_k, thresholds)
+            section = None
+            if tree_specs:
+                k = ceiling_k or int(resolved.defaults.get("k", 4))
+                section = tree_section(sessions["drafter"], oracles, sim, tree_specs, k, tree_budget, top_b, max_k)
+            if run_trees_too:
+                if section is None or runtime_name != "llama-cpp":
+                    raise SettingsError("--run-trees runs the --tree trees on --runtime llama-cpp")
+                section = run_trees(section, resolved.path("target", runtime.model_format), options,
+                                    sessions["target"], sessions["drafter"])
+            checks = [(path, *compare_with_record(oracles, load_record(path))) for path in records]
+        except USER_ERRORS as error:
+            raise click.ClickException(str(error)) from None
     click.echo(f"{info.name} on {runtime_name}: {len(oracles)} prompts, {max_new_tokens} new tokens, "
                f"oracle drafts of {max_k}\n")
     click.echo(render_simulation(sim))
+    if section is not None:
+        click.echo("\n" + render_section(section))
     if checks:
         click.echo("")
     for path, compared, differences in checks:
@@ -203,13 +248,17 @@ def simulate_command(pair, target, drafter, runtime_name, prompt_source, max_k, 
         for line in differences:
             click.echo(f"  {line}")
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({
+        results = json.dumps({
             "pair": dataclasses.asdict(info), "runtime": dataclasses.asdict(runtime.info()),
             "prompts": prompt_source, "max_new_tokens": max_new_tokens, "max_k": max_k,
             "thresholds": list(thresholds), **dataclasses.asdict(sim),
-            "per_prompt": _per_prompt(oracles, max_k),
-        }, indent=1) + "\n")
+            "per_prompt": _per_prompt(oracles, max_k), **(section.as_json() if section else {}),
+        }, indent=1) + "\n"
+        try:  # whole or not at all (a full disk, a read-only folder: one line)
+            write_atomically(out, results.encode())
+        except USER_ERRORS as error:
+            raise click.ClickException(str(error)) from None
         click.echo(f"\nresults: {out}")
-    if any(differences for _, _, differences in checks):
+    if any(differences for _, _, differences in checks) or \
+            (section is not None and any(run.as_simulated < run.lossless for run in section.runs)):
         sys.exit(1)

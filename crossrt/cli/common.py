@@ -8,18 +8,15 @@ from typing import Optional, Sequence
 
 import click
 
-from crossrt.journal import StorageError
-from crossrt.pairs import Pair, PairError, load_pair, pair_from_paths
-from crossrt.prompts import BUILTIN_SUITES, PromptError
-from crossrt.runtime import RuntimeFailure, RuntimeUnavailable
-from crossrt.schema import RecordError
+from crossrt.errors import CrossrtError
+from crossrt.pairs import Pair, load_pair, pair_from_paths
+from crossrt.prompts import sources_help
 
-PROMPTS_HELP = (f"A built-in suite ({', '.join(BUILTIN_SUITES)}) or a file: "
-                "PATH or jsonl:PATH (id, category, prompt fields), specbench:PATH, mtbench:PATH "
-                "(question.jsonl, first turn), humaneval:PATH.")
+PROMPTS_HELP = sources_help()
 REPO_PAIRS = Path(__file__).resolve().parents[2] / "models" / "pairs"
-USER_ERRORS = (PairError, PromptError, RecordError, RuntimeUnavailable, RuntimeFailure, StorageError,
-               FileNotFoundError, ValueError)
+# crossrt's own errors (crossrt/errors.py) and a missing file: one line each. Anything else is a
+# bug, and keeps its traceback.
+USER_ERRORS = (CrossrtError, FileNotFoundError)
 
 
 class GpuSplit(click.ParamType):

@@ -8,9 +8,12 @@ from typing import Sequence
 
 import click
 
+from crossrt.errors import ComparisonError
+from crossrt.cli.prompt_options import chat_options, fed_prompts
 from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, CommaChoice, device_options, resolve_pair
 from crossrt.diagnosis import explain_record
 from crossrt.diff import diff_records, render_diff, render_record_splits
+from crossrt.journal import write_atomically
 from crossrt.parity import compare_against, compare_all, labelled
 from crossrt.parity_report import ParityReport, logit_checks, render_junit, render_markdown, render_text
 from crossrt.parity_run import Matrix, run_matrix, score_records
@@ -52,10 +55,11 @@ from crossrt.tolerance import tolerance_for
 @click.option("--no-logits", is_flag=True, help="Skip re-scoring outputs to compare logits.")
 @click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), help="Write a JUnit XML report.")
 @click.option("--markdown", type=click.Path(path_type=Path, dir_okay=False), help="Write a markdown summary.")
+@chat_options
 @device_options
 def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max_new_tokens, out_dir, f32_kv_cache,
            flash_attn, baselines, counter_tolerance, logit_tolerance, strict, no_logits, junit, markdown,
-           threads, n_ctx, n_gpu_layers, gpu_split) -> None:
+           chat, chat_template, template_vars, threads, n_ctx, n_gpu_layers, gpu_split) -> None:
     """Check that runs agree: same token ids over the full length, counters equal between runs
     with the same schedule, each run lossless, logits close along common outputs.
 
@@ -75,8 +79,11 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
                                      f32_kv_cache=f32_kv_cache, flash_attn=flash_attn)
             resolved = resolve_pair(pair)
             rules = DraftRules(k or int(resolved.defaults.get("k", 4)))
-            matrix = Matrix(resolved, runtimes, modes, options, rules, max_new_tokens, out_dir)
-            records_run, not_run, skipped = run_matrix(matrix, load_prompts(prompt_source),
+            prompts, rendering, prompt_format = fed_prompts(load_prompts(prompt_source), resolved, chat,
+                                                            chat_template, template_vars)
+            matrix = Matrix(resolved, runtimes, modes, options, rules, max_new_tokens, out_dir,
+                            chat=rendering, prompt_format=prompt_format)
+            records_run, not_run, skipped = run_matrix(matrix, prompts,
                                                        on_run=lambda label: click.echo(f"running {label}", err=True))
             runs = labelled(records_run, [""] * len(records_run))
         comparisons = compare_all(runs, counter_tolerance, logit_tolerance, strict)
@@ -97,10 +104,13 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
     if len(runs) < 2 and not baselines:
         click.echo("note: fewer than two runs, so nothing was compared across runs", err=True)
     click.echo(render_text(report))
-    if junit:
-        junit.write_text(render_junit(report))
-    if markdown:
-        markdown.write_text(render_markdown(report))
+    try:  # each file whole or not at all (a full disk, a read-only folder: one line)
+        if junit:
+            write_atomically(junit, render_junit(report).encode(), option="--junit")
+        if markdown:
+            write_atomically(markdown, render_markdown(report).encode(), option="--markdown")
+    except USER_ERRORS as error:
+        raise click.ClickException(str(error)) from None
     sys.exit(0 if report.ok else 1)
 
 
@@ -127,16 +137,17 @@ def diff(records: tuple[Path, ...]) -> None:
         runs = labelled([load_record(path) for path in records], [path.name for path in records])
         imported = [label for label, record in runs if record.imported]
         if imported:
-            raise ValueError(f"{', '.join(imported)}: imported from another runtime's statistics, no token ids: "
+            raise ComparisonError(f"{', '.join(imported)}: imported from another runtime's statistics, no token ids: "
                              "nothing to diff")
         if len(runs) == 1:
             (label, record), = runs
-            splits = explain_record(label, record.results, open_scorer(record).detokenize)
+            with open_scorer(record) as scorer:
+                splits = explain_record(label, record.results, scorer.detokenize)
             click.echo(render_record_splits(label, splits, sum(r.ok for r in record.results)))
             return
         (label_a, a), (label_b, b) = runs
         if a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
-            raise ValueError("the two runs used different vocabularies: their token ids cannot be compared")
+            raise ComparisonError("the two runs used different vocabularies: their token ids cannot be compared")
         report = diff_records(label_a, a, label_b, b)
     except USER_ERRORS as error:
         raise click.ClickException(str(error)) from None

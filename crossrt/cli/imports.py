@@ -20,15 +20,15 @@ from crossrt.tables import format_table, summary_rows
 @click.option("--from", "source", type=click.Choice(list(FORMATS)), required=True,
               help="The text's format (below).")
 @click.option("--before", type=click.Path(path_type=Path, dir_okay=False),
-              help="vllm-metrics, llama-server-metrics: an earlier scrape of the same endpoint; the record holds "
-              "FILE minus BEFORE (scrape before and after a benchmark).")
+              help="vllm-metrics, sglang-metrics, llama-server-metrics: an earlier scrape of the same endpoint; "
+              "the record holds FILE minus BEFORE (scrape before and after a benchmark).")
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False),
               help="Record to write. Default: runs/imported/<FILE name>.json")
 @click.option("--overwrite", is_flag=True, help="Replace the record at --out.")
 @click.option("--k", type=click.IntRange(min=1),
               help="Draft tokens per step, where the text does not show it (vLLM and llama.cpp print one rate "
-              "per position when they print rates). SGLang: its --speculative-num-draft-tokens minus 1 (that "
-              "count includes the root token).")
+              "per position when they print rates; exllamav3's rounds show their windows). SGLang: its "
+              "--speculative-num-draft-tokens minus 1 (that count includes the root token).")
 @click.option("--decode-log-interval", type=click.IntRange(min=1), default=40, show_default=True,
               help="sglang-log: the server's --decode-log-interval, decode passes per logged window.")
 @click.option("--pair", help="Pair manifest (path, or name under models/pairs) of the files the runtime ran, to "
@@ -56,8 +56,12 @@ def import_command(file: Path, source: str, before: Optional[Path], out: Optiona
     vllm-metrics          vLLM /metrics (vllm:spec_decode_*, all engines), or the counters
                           vLLM's examples/offline_inference/spec_decode.py prints
     sglang-log            SGLang server log: 'Decode batch ... accept len' windows
+    sglang-metrics        SGLang /metrics (sglang:spec_verify_calls_total, generation_tokens_total;
+                          give --k), or responses' meta_info (spec_verify_ct, ...) as JSON
     llama-server-metrics  llama-server --metrics /metrics (llamacpp:spec_decode_*)
     llama-server-log      llama-server log: each request's 'draft acceptance' line
+    exllamav3-stats       exllamav3 job.draft_stats rounds as JSON (eval/spec_decode.py
+                          --draft_stats FILE, or json.dump(job.draft_stats))
 
     \b
     crossrt import server.log --from vllm-log

@@ -14,6 +14,7 @@ from crossrt.cli.analysis import analyze, simulate_command
 from crossrt.cli.compare import diff, parity
 from crossrt.cli.drafter import drafter
 from crossrt.cli.imports import import_command
+from crossrt.cli.prompt_options import chat_options, fed_prompts
 from crossrt.cli.report import report
 from crossrt.cli.reproduce import reproduce
 from crossrt.driver import RunRequest, run_pair
@@ -70,6 +71,7 @@ def main() -> None:
               "schedule) in <out stem>.trace.npz beside the record, for `crossrt analyze`.")
 @click.option("--resume", is_flag=True, help="Continue the record at --out, skipping finished prompts.")
 @click.option("--overwrite", is_flag=True, help="Replace the record at --out.")
+@chat_options
 @device_options
 @click.option("--f32-kv-cache", is_flag=True, help="F32 KV cache, for logit comparisons across runtimes.")
 @click.option("--flash-attn/--no-flash-attn", default=True, show_default=True,
@@ -82,7 +84,7 @@ def main() -> None:
               help="llama-speculative-simple executable for --runtime llama-spec-cli (default: the "
               "one scripts/build_llama_tools built, else PATH).")
 def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_min, prompt_source,
-        max_new_tokens, out, trace, resume, overwrite, threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache, flash_attn, llama_server, llama_spec) -> None:
+        max_new_tokens, out, trace, resume, overwrite, chat, chat_template, template_vars, threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache, flash_attn, llama_server, llama_spec) -> None:
     """Run a pair over prompts: plain greedy baseline and speculative decoding, per prompt.
 
     Writes a run record (JSON, schema in docs/schema.md) after every prompt, so an
@@ -90,7 +92,8 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft
     """
     try:
         resolved = resolve_pair(pair, target, drafter)
-        prompts = load_prompts(prompt_source)
+        prompts, rendering, prompt_format = fed_prompts(load_prompts(prompt_source), resolved, chat, chat_template,
+                                                        template_vars)
         k = k or int(resolved.defaults.get("k", 4))
         out = out or Path("runs") / f"{resolved.name}-{runtime_name}-k{k}.json"
         options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers,
@@ -98,7 +101,7 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft
                                  executable={"llama-server": llama_server, "llama-spec-cli": llama_spec}.get(runtime_name))
         rules = DraftRules(k, draft_n_min, draft_p_min, spec_type or str(resolved.defaults.get("spec_type", "draft")))
         request = RunRequest(resolved, runtime_name, options, rules, max_new_tokens, out, mode, schedule,
-                             resume, overwrite, trace=trace)
+                             resume, overwrite, trace=trace, chat=rendering, prompt_format=prompt_format)
         # llama.cpp's runtimes and schedules drop drafts shorter than n_min, and a draft is at most
         # max_new_tokens - 1 long: with n_min at k (its default), a large k drafts nothing.
         llama_rules = runtime_name.startswith("llama") if mode == "native" else schedule != SCHEDULE

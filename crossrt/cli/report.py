@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional, Sequence
 
 import click
 
 from crossrt import analysis
+from crossrt.ceiling import ceiling_section, load_ceilings
 from crossrt.cli.analysis import Increasing
 from crossrt.cli.common import USER_ERRORS
+from crossrt.journal import write_atomically
 from crossrt.report import build_report, load_runs, to_html, to_markdown
 
 # The output format follows the file name, so `-o report.md` cannot silently be HTML.
@@ -32,8 +35,12 @@ def _writer(path: Path):
 @click.option("--title", default="crossrt report", show_default=True)
 @click.option("--entropy-buckets", type=Increasing(), default=",".join(f"{e:g}" for e in analysis.ENTROPY_BUCKETS),
               show_default=True, help="Edges of the target-entropy buckets, in nats.")
+@click.option("--by", "grouping", type=click.Choice(analysis.GROUPINGS), default="category", show_default=True,
+              help="Group prompts by their own category or by crossrt's content type of it (docs/prompts.md).")
+@click.option("--ceiling", "ceiling_path", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="A `crossrt simulate --tree ... --out` result: add its per-category ceiling (docs/ceiling.md).")
 def report(records: Sequence[Path], out: Optional[Path], markdown_out: Optional[Path], title: str,
-           entropy_buckets) -> None:
+           entropy_buckets, grouping, ceiling_path) -> None:
     """One report over any number of run records (runtimes, modes, schedules, k, pairs): the
     runs, tau per category, acceptance per draft position, acceptance by target entropy (runs
     with --trace), speedup, and the i.i.d. model's fit (docs/report.md).
@@ -42,15 +49,19 @@ def report(records: Sequence[Path], out: Optional[Path], markdown_out: Optional[
       crossrt report runs/*.json -o report.html
       crossrt report runs/*.json -o report.html --markdown report.md
     """
-    outputs = [(path, writer) for path, writer in ((out, out and _writer(out)),
-                                                   (markdown_out, markdown_out and to_markdown)) if path]
+    outputs = [(path, writer, option) for path, writer, option in ((out, out and _writer(out), "-o"),
+                                                                   (markdown_out, markdown_out and to_markdown,
+                                                                    "--markdown")) if path]
     if not outputs:
         raise click.UsageError("give -o report.html (or .md) and/or --markdown report.md")
     try:
-        built = build_report(load_runs(records), entropy_buckets, title)
+        runs = [dataclasses.replace(run, record=analysis.grouped(run.record, grouping)) for run in load_runs(records)]
+        built = build_report(runs, entropy_buckets, title)
+        if ceiling_path:
+            built = dataclasses.replace(built, sections=built.sections + (
+                ceiling_section(load_ceilings(ceiling_path), str(ceiling_path)),))
+        for path, writer, option in outputs:  # each file whole or not at all
+            write_atomically(path, writer(built).encode("utf-8"), option=option)
+            click.echo(f"report: {path}")
     except USER_ERRORS as error:
         raise click.ClickException(str(error)) from None
-    for path, writer in outputs:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(writer(built), encoding="utf-8")
-        click.echo(f"report: {path}")

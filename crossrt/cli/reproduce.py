@@ -13,8 +13,9 @@ from typing import Optional, Sequence
 
 import click
 
+from crossrt.chat_template import ChatTemplateError, apply_template
 from crossrt.claims import Claim, ClaimError, Outcome, check_record, exit_code, load_claims, render
-from crossrt.cli.common import USER_ERRORS, device_options, resolve_pair
+from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, device_options, resolve_pair
 from crossrt.driver import RunRequest, run_pair
 from crossrt.loop import SCHEDULE
 from crossrt.pairs import ROLES, Pair, PairError
@@ -115,9 +116,15 @@ def plan_claim(claim: Claim, settings: Settings) -> tuple[Optional[Plan], list[s
         reasons.append(f"prompts: {error}")
     if reasons:
         return None, reasons
-    request = RunRequest(claim_pair(claim), claim.crossrt_runtime, settings.options, DraftRules(claim.k, spec_type=claim.spec_type),
+    pair = claim_pair(claim)
+    try:  # the claim's template use, exactly: "chat" on a pair without a template cannot run
+        prompts, rendering, prompt_format = apply_template(prompts, pair, claim.template)
+    except ChatTemplateError as error:
+        return None, [str(error)]
+    request = RunRequest(pair, claim.crossrt_runtime, settings.options, DraftRules(claim.k, spec_type=claim.spec_type),
                          claim.max_new_tokens or settings.max_new_tokens, settings.out_dir / f"{claim.id}.json",
-                         mode, claim.schedule or SCHEDULE, resume=settings.resume, overwrite=not settings.resume)
+                         mode, claim.schedule or SCHEDULE, resume=settings.resume, overwrite=not settings.resume,
+                         chat=rendering, prompt_format=prompt_format)
     return Plan(request, tuple(prompts)), []
 
 
@@ -126,8 +133,8 @@ def reproduce_claim(claim: Claim, settings: Settings) -> Outcome:
     if plan is None:
         return Outcome(claim, skipped=tuple(reasons))
     request = plan.request
-    click.echo(f"running {claim.id}: {request.runtime} {request.mode} k={claim.k}, {len(plan.prompts)} prompts, "
-               f"{request.max_new_tokens} tokens each", err=True)
+    click.echo(f"running {claim.id}: {request.runtime} {request.mode} k={claim.k}, {len(plan.prompts)} prompts "
+               f"({claim.describe_prompts()}, template {claim.template}), {request.max_new_tokens} tokens each", err=True)
     try:
         record = run_pair(request, plan.prompts)
     except USER_ERRORS as error:
@@ -146,10 +153,7 @@ def _measured(item: str) -> tuple[str, Path]:
 @click.argument("claims_files", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--claim", "only", multiple=True, help="Only the claim with this id; repeatable.")
 @click.option("--prompts", "prompt_source", default="categories", show_default=True,
-              help="Prompts for claims that name none, kept to each claim's categories: a built-in suite "
-              "(categories, code, prose, structured, math, chat, builtin) or a file: PATH or jsonl:PATH "
-              "(crossrt's id, category, prompt), specbench:PATH or mtbench:PATH (question.jsonl, first turn), "
-              "humaneval:PATH (category code).")
+              help="Prompts for claims that name none, kept to each claim's categories. " + PROMPTS_HELP)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="Token budget per prompt for claims that state none.")
 @click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("runs/claims"),

@@ -1,0 +1,161 @@
+"""`crossrt simulate --tree`'s part: rank oracles, tree what-ifs, the ceiling table, and real
+tree-verification runs checked against the simulator (`--run-trees`); `crossrt analyze
+--ceiling`'s table. Printing only: the numbers come from crossrt/tree.py and ceiling.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from crossrt import loop
+from crossrt.ceiling import Ceiling, ceilings, check_chain, parse_tree, tree_results
+from crossrt.runtime import ModelSession, RuntimeOptions
+from crossrt.simulate import Oracle, Simulation
+from crossrt.tables import format_table
+from crossrt.tree import RankOracle, Tree, build_rank_oracle, simulate_tree
+from crossrt.tree_loop import tree_generate
+
+
+def _n(value: Optional[float], digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _cat(category: Optional[str]) -> str:
+    return "ALL" if category is None else category
+
+
+@dataclass(frozen=True)
+class TreeRun:
+    """Real tree-verification runs of one tree over the prompts, against the simulator."""
+
+    tree: str
+    prompts: int
+    # Prompts whose output is the target's greedy output (a quantized model's verification batch
+    # can break a near-tie differently, docs/real-models.md), and of those, the prompts whose
+    # steps equal the simulator's (a drafter near-tie can rank differently in the oracle's pass).
+    lossless: int
+    as_simulated: int
+    emitted: int
+    steps: int
+    decode_s: float
+    greedy_decode_s: float  # plain greedy decoding of the same tokens, same session settings
+
+    @property
+    def speedup(self) -> float:
+        return self.greedy_decode_s / self.decode_s if self.decode_s else 0.0
+
+
+@dataclass(frozen=True)
+class TreeSection:
+    ranks: tuple[RankOracle, ...]
+    trees: tuple[Tree, ...]
+    results: tuple
+    ceiling: tuple[Ceiling, ...]
+    chain_mismatch: tuple[str, ...]  # prompts where the width-1 tree and the chain simulator differ
+    runs: tuple[TreeRun, ...]
+
+    def as_json(self) -> dict:
+        return {"trees": [{"label": t.label, "paths": [list(p) for p in t.paths]} for t in self.trees],
+                "tree_results": [dataclasses.asdict(r) for r in self.results],
+                "ceiling": [dataclasses.asdict(c) for c in self.ceiling],
+                "tree_runs": [dataclasses.asdict(r) for r in self.runs],
+                "chain_mismatch": list(self.chain_mismatch)}
+
+
+def max_tree_rows(specs: Sequence[str], budget: int) -> int:
+    """The widest verify pass the trees can need (best:N trees are fitted later), for the cost model."""
+    widest = budget
+    for spec in specs:
+        width, x, depth = spec.partition("x")
+        if spec.startswith("best:") and spec[5:].isdigit():
+            widest = max(widest, int(spec[5:]))
+        elif x and width.isdigit() and depth.isdigit():
+            widest = max(widest, sum(int(width) ** d for d in range(1, int(depth) + 1)))
+        elif Path(spec).is_file():
+            widest = max(widest, Tree.from_file(Path(spec)).n_nodes)
+    return widest + 1
+
+
+def tree_section(drafter: ModelSession, oracles: Sequence[Oracle], sim: Simulation, specs: Sequence[str],
+                 k: int, budget: int, top_b: int, max_depth: int) -> TreeSection:
+    ranks = tuple(build_rank_oracle(drafter, oracle, top_b) for oracle in oracles)
+    trees = tuple(parse_tree(spec, ranks, max_depth) for spec in specs)
+    return TreeSection(ranks, trees, tuple(tree_results(ranks, trees, sim.costs)),
+                       tuple(ceilings(sim, ranks, k, budget, top_b, max_depth)),
+                       tuple(check_chain(ranks, oracles, min(k, max_depth))), ())
+
+
+def run_trees(section: TreeSection, target_path: Path, options: RuntimeOptions, target: ModelSession,
+              drafter: ModelSession) -> TreeSection:
+    """Each tree run for real on llama.cpp (a tree session of the target), step for step
+    against the simulator, timed against plain greedy decoding on the target's session."""
+    from crossrt.backends.llama_cpp_tree import load_tree_session  # only here: llama.cpp is loaded
+
+    widest = max(len(tree.leaves()) for tree in section.trees)
+    greedy = {r.prompt_id: loop.greedy_generate(target, r.prompt_ids, r.max_new_tokens).decode_s for r in section.ranks}
+    runs = []
+    with load_tree_session(options, target_path, widest) as tree_target:
+        for tree in section.trees:
+            lossless = as_simulated = emitted = steps = 0
+            spent = 0.0
+            for rank in section.ranks:
+                real = tree_generate(tree_target, drafter, rank.prompt_ids, tree, rank.max_new_tokens)
+                sim = simulate_tree(rank, tree)
+                if real.output_ids == rank.output:
+                    lossless += 1
+                    as_simulated += (real.step_drafted, real.step_accepted) == (sim.step_drafted, sim.step_accepted)
+                emitted += len(real.output_ids)
+                steps += len(real.step_accepted)
+                spent += real.decode_s
+            runs.append(TreeRun(tree.label, len(section.ranks), lossless, as_simulated, emitted, steps, spent,
+                                sum(greedy.values())))
+    return dataclasses.replace(section, runs=tuple(runs))
+
+
+def render_section(section: TreeSection) -> str:
+    trees = {t.label: t for t in section.trees}
+    categories = [_cat(r.category) for r in section.results if r.tree == section.trees[0].label]
+    rows = [["tree", "nodes", "depth", "tokens/pass"] + categories]
+    for tree in section.trees:
+        group = [r for r in section.results if r.tree == tree.label]
+        rows.append([tree.label, str(tree.n_nodes), str(tree.depth), _n(group[-1].verify_tokens, 1)]
+                    + [f"{_n(r.tau)} ({_n(r.speedup)}x)" for r in group])
+    blocks = ["simulated tree verification, tau (predicted speedup over plain greedy); tokens/pass: target "
+              "tokens per verify pass:\n" + format_table(rows)]
+    for label, tree in trees.items():
+        if label.startswith("best"):
+            blocks.append(f"{label}: {[list(p) for p in tree.paths]}")
+    blocks.append(render_ceiling(section.ceiling))
+    if section.chain_mismatch:
+        blocks.append("width-1 tree and chain simulator differ (a near-tie scored differently by the two "
+                      f"oracles' drafter passes): {', '.join(section.chain_mismatch)}")
+    if section.runs:
+        rows = [["tree", "prompts", "lossless", "as simulated", "steps", "tau", "tok/s", "greedy tok/s", "speedup"]]
+        for run in section.runs:
+            rows.append([run.tree, str(run.prompts), str(run.lossless), str(run.as_simulated), str(run.steps), _n(run.emitted / run.steps),
+                         _n(run.emitted / run.decode_s, 1), _n(run.emitted / run.greedy_decode_s, 1),
+                         _n(run.speedup)])
+        blocks.append("real tree verification on llama.cpp (lossless: the greedy output; as simulated: of "
+                      "those, the simulator's steps exactly):\n" + format_table(rows))
+    return "\n\n".join(blocks)
+
+
+def render_ceiling(rows: Sequence[Ceiling], measured: Optional[Mapping[Optional[str], Optional[float]]] = None) -> str:
+    """The ceiling table; measured: a record's tau per category, shown first when given."""
+    if not rows:
+        return "no ceiling table"
+    first = rows[0]
+    head = ["category"] + (["measured tau"] if measured is not None else []) + [
+        f"chain k={first.k}", "best chain k", f"best tree <= {first.tree_budget} nodes", "held out",
+        f"top-{first.top_b} ceiling (depth {first.top_b_depth})"]
+    table = [head]
+    for c in rows:
+        table.append([_cat(c.category)] + ([_n(measured.get(c.category))] if measured is not None else []) + [
+            _n(c.chain_tau), f"k={c.best_k}: {_n(c.best_k_tau)} ({_n(c.best_k_speedup)}x)",
+            f"{c.tree_nodes}n d{c.tree_depth}: {_n(c.tree_tau)} ({_n(c.tree_speedup)}x)",
+            _n(c.tree_heldout_tau), _n(c.top_b_tau)])
+    return ("ceiling per category, tau with the bonus token (predicted speedup); best tree fitted on these "
+            "prompts (in-sample; held out: fitted on the other half of them); top-b: the target's token always among the drafter's b best:\n"
+            + format_table(table))

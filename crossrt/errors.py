@@ -1,0 +1,31 @@
+"""crossrt's own errors: what a user can act on, said in one line.
+
+The command line catches CrossrtError (crossrt/cli/common.py, USER_ERRORS) and prints its
+message; any other exception is a bug and keeps its traceback. The driver catches only
+PromptRefused, so one prompt that cannot run fails alone while a bug stops the run. Errors
+about the content of an input file (a prompt file, a pair manifest, a record, a claim) are
+also ValueErrors, as the parsers that raise them are.
+"""
+
+
+class CrossrtError(Exception):
+    """An error crossrt explains: the message names what is wrong and what to do."""
+
+
+class SettingsError(CrossrtError):
+    """Settings that contradict each other, the runtime or the model (k, drafting rules,
+    schedule, spec type, GPU split, KV cache type)."""
+
+
+class ModelError(CrossrtError):
+    """A model file or folder that a runtime cannot load or run."""
+
+
+class PromptRefused(CrossrtError):
+    """One prompt cannot run (empty, too long for the context, refused by the runtime): that
+    prompt is kept as failed with this reason, and the run goes on."""
+
+
+class ComparisonError(CrossrtError):
+    """Records that cannot be compared or checked as asked (other vocabularies, another
+    schedule or prompt than the simulation, nothing to compare)."""

@@ -1,0 +1,75 @@
+"""Benchmark prompt files: Spec-Bench's real question.jsonl (tests/fixtures/benchmarks/README.md),
+SPEED-Bench rows in its dataset card's schema, categories kept and mapped to content types, and
+a Spec-Bench question templated and run on the tiny pair."""
+
+import json
+from collections import Counter
+
+import pytest
+
+from crossrt.chat_template import apply_template
+from crossrt.driver import RunRequest, run_pair
+from crossrt.prompts import (CATEGORIES, SPEEDBENCH_PLACEHOLDER, PromptError, by_content_type, content_type,
+                             load_prompts)
+from crossrt.runtime import DraftRules, RuntimeOptions
+
+from conftest import REPO
+
+SPEC_BENCH = REPO / "tests" / "fixtures" / "benchmarks" / "spec_bench_question.jsonl"
+SPEC_BENCH_COUNTS = {"writing": 10, "roleplay": 10, "reasoning": 10, "math": 10, "coding": 10, "extraction": 10,
+                     "stem": 10, "humanities": 10, "translation": 80, "summarization": 80, "qa": 80,
+                     "math_reasoning": 80, "rag": 80}
+# SPEED-Bench's qualitative categories (its dataset card and NVIDIA's AIPerf guide).
+SPEED_BENCH_CATEGORIES = ("coding", "humanities", "math", "multilingual", "qa", "rag", "reasoning", "roleplay",
+                          "stem", "summarization", "writing")
+
+
+def test_spec_bench_loads_with_its_categories():
+    prompts = load_prompts(f"specbench:{SPEC_BENCH}")
+    assert len(prompts) == 480
+    assert Counter(p.category for p in prompts) == SPEC_BENCH_COUNTS
+    assert prompts[0].id == "specbench-81" and prompts[0].text.startswith("Compose an engaging travel blog post")
+    assert all(p.chat for p in prompts)
+    assert {content_type(c) for c in SPEC_BENCH_COUNTS} == set(CATEGORIES)
+    typed = Counter(p.category for p in by_content_type(prompts))
+    assert typed == {"prose": 10 + 80 + 80 + 80 + 10 + 10, "chat": 10 + 10 + 80, "math": 10 + 80, "code": 10,
+                     "structured": 10}
+
+
+def _speed_bench_rows(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return f"speedbench:{path}"
+
+
+def _row(question_id, category, turns=None, **fields):
+    """A row in the dataset card's schema; its text is one of Spec-Bench's real questions."""
+    text = json.loads(SPEC_BENCH.read_text().splitlines()[0])["turns"]
+    return {"question_id": question_id, "category": category, "sub_category": "", "turns": turns or text,
+            "source": "", "src_id": "", "difficulty": "", "multiturn": True, **fields}
+
+
+def test_speed_bench_rows(tmp_path):
+    rows = [_row(f"q{i}", category) for i, category in enumerate(SPEED_BENCH_CATEGORIES)]
+    prompts = load_prompts(_speed_bench_rows(tmp_path / "qualitative.jsonl", rows))
+    assert [p.category for p in prompts] == list(SPEED_BENCH_CATEGORIES)
+    assert prompts[0].id == "speedbench-q0" and all(p.chat for p in prompts)
+    assert all(content_type(c) in CATEGORIES for c in SPEED_BENCH_CATEGORIES)
+    # Nemo-Skills' prepare.py writes the filled rows with messages in place of turns.
+    filled = {k: v for k, v in _row("m", "qa").items() if k != "turns"}
+    filled["messages"] = [{"role": "user", "content": "first"}, {"role": "user", "content": "second"}]
+    assert load_prompts(_speed_bench_rows(tmp_path / "filled.jsonl", [filled]))[0].text == "first"
+
+
+def test_speed_bench_placeholder_is_refused(tmp_path):
+    source = _speed_bench_rows(tmp_path / "t.jsonl", [_row("p", "coding", [SPEEDBENCH_PLACEHOLDER + "\n\nx"])])
+    with pytest.raises(PromptError, match="line 1: question p holds SPEED-Bench's placeholder"):
+        load_prompts(source)
+
+
+def test_a_spec_bench_question_templated_on_the_tiny_pair(tiny_pair, tmp_path):
+    questions = [p for p in load_prompts(f"specbench:{SPEC_BENCH}") if p.category == "coding"][:1]
+    prompts, rendering, fmt = apply_template(questions, tiny_pair)
+    request = RunRequest(tiny_pair, "llama-cpp", RuntimeOptions(n_ctx=512, threads=1), DraftRules(4), 4,
+                         tmp_path / "run.json", chat=rendering, prompt_format=fmt)
+    (result,) = run_pair(request, prompts).results
+    assert result.ok and result.category == "coding" and fmt.templated == (questions[0].id,)

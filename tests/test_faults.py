@@ -1,0 +1,292 @@
+"""The fault suite: `crossrt run` on the tiny pair interrupted by SIGINT and SIGKILL at seeded
+random points, then resumed to exactly the record an uninterrupted run writes (timings aside),
+with no process left behind; the same for llama-server's native mode; and a stopped
+`llama-speculative-simple` noticed and failed clearly, keeping the finished prompts
+(docs/reliability.md lists each case)."""
+
+import dataclasses
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from crossrt.journal import journal_path
+from crossrt.record_json import load_record
+from crossrt.run_writer import lock_path
+from crossrt.runtime import availability
+
+from conftest import TINY_PAIR
+
+CROSSRT = str(Path(sys.executable).parent / "crossrt")
+SEED = 11
+PROMPTS = 10  # the builtin suite
+RUN = ["run", "--pair", str(TINY_PAIR), "--threads", "1", "--k", "3", "--max-new-tokens", "64"]
+NATIVE = ["run", "--runtime", "llama-server", "--mode", "native", "--pair", str(TINY_PAIR), "--threads", "1",
+          "--k", "3", "--max-new-tokens", "32"]
+
+
+def fault_points(rng: random.Random, count: int) -> list:
+    """count points of a run: "locked" (the lock is taken, nothing written yet) or the number
+    of prompts in the journal, each with a delay after it (inside the next prompt or a write)."""
+    points = [("locked", rng.uniform(0, 0.05))]
+    points += [(n, rng.uniform(0, 0.03)) for n in sorted(rng.sample(range(PROMPTS - 1), count - 1))]
+    return points
+
+
+_RNG = random.Random(SEED)
+CASES = [(sig, *point) for sig in (signal.SIGINT, signal.SIGKILL) for point in fault_points(_RNG, 4)]
+
+
+def comparable(record) -> list:
+    """Everything a result holds but its timings: token ids, counters, views, status."""
+    return [dataclasses.replace(r, timings=None) for r in record.results]
+
+
+def crossrt(*args, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([CROSSRT, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def journal_prompts(out: Path) -> int:
+    """Prompts in the record's journal so far; -1 before it exists."""
+    try:
+        return journal_path(out).read_bytes().count(b"\n") - 1
+    except FileNotFoundError:
+        return -1
+
+
+def child_pids(pid: int, name: str = "") -> list:
+    """Live (not zombie) children of pid whose command name starts with name."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            comm, fields = (entry / "stat").read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        state, parent = fields.split()[:2]
+        if int(parent) == pid and state != "Z" and comm.split("(", 1)[1].startswith(name):
+            found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def interrupt(args: list, out: Path, cwd: Path, sig: int, point, delay: float, children: str = ""):
+    """Start `crossrt *args`, send sig at point (see fault_points) plus delay, and return the
+    finished process, its stderr and the pids of its children named children (taken at the signal)."""
+    process = subprocess.Popen([CROSSRT, *map(str, args)], cwd=cwd, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (lock_path(out).exists() if point == "locked" else journal_prompts(out) >= point):
+            assert process.poll() is None, f"the run ended before point {point}: {process.stderr.read()}"
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        time.sleep(delay)
+        held = child_pids(process.pid, children) if children else []
+        assert process.poll() is None, f"the run ended before point {point} + {delay:.3f} s"
+        process.send_signal(sig)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return process, stderr, held
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("whole")
+    done = crossrt(*RUN, "--out", folder / "whole.json", cwd=folder)
+    assert done.returncode == 0, done.stderr
+    return load_record(folder / "whole.json")
+
+
+def check_interrupted(process, stderr: str, sig: int, out: Path, args: list) -> list:
+    """What an interrupted run must leave: the right exit, no traceback, for SIGINT the record
+    named with the exact command that resumes it; returns that command's arguments."""
+    assert "Traceback" not in stderr
+    if sig == signal.SIGKILL:
+        assert process.returncode == -signal.SIGKILL
+        return [*args, "--out", out, "--resume"]
+    assert process.returncode == 130, stderr
+    assert f"interrupted: the finished prompts are kept in {out}; continue with:" in stderr
+    command = stderr.strip().splitlines()[-1].strip()
+    assert command == shlex.join(["crossrt", *map(str, args), "--out", str(out), "--resume"])
+    assert not lock_path(out).exists()  # SIGINT ends the run in order
+    return shlex.split(command)[1:]
+
+
+@pytest.mark.parametrize("sig, point, delay", CASES,
+                         ids=[f"{signal.Signals(s).name}-{p}-{d * 1e3:.0f}ms" for s, p, d in CASES])
+def test_an_interrupted_run_resumes_to_the_uninterrupted_one(uninterrupted, tmp_path, sig, point, delay):
+    out = tmp_path / "run.json"
+    process, stderr, _ = interrupt([*RUN, "--out", out], out, tmp_path, sig, point, delay)
+    assert not child_pids(process.pid)
+    resume = check_interrupted(process, stderr, sig, out, RUN)
+    if out.exists():  # a kill before the record's first write leaves nothing to read, and nothing lost
+        kept = comparable(load_record(out))
+        assert len(kept) < PROMPTS and kept == comparable(uninterrupted)[:len(kept)]
+    resumed = crossrt(*resume, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert comparable(load_record(out)) == comparable(uninterrupted)
+    assert not journal_path(out).exists() and not lock_path(out).exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+# ---- a native runtime: no llama-server left ---------------------------------------------------
+
+@pytest.mark.skipif(availability("llama-server") is not None, reason=f"{availability('llama-server')}")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_an_interrupted_native_run_leaves_no_server_and_resumes(tmp_path, sig):
+    whole = tmp_path / "whole.json"
+    assert crossrt(*NATIVE, "--out", whole, cwd=tmp_path).returncode == 0
+    out = tmp_path / "run.json"
+    point = random.Random(SEED + sig).randrange(1, PROMPTS - 2)
+    process, stderr, servers = interrupt([*NATIVE, "--out", out], out, tmp_path, sig, point, 0.0, "llama-server")
+    assert servers, "no llama-server was running at the signal"
+    deadline = time.monotonic() + 15  # SIGKILL: the kernel's parent-death signal; SIGINT: stopped in order
+    while any(alive(pid) for pid in servers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in servers if alive(pid)], "a llama-server outlived crossrt"
+    resume = check_interrupted(process, stderr, sig, out, NATIVE)
+    assert 0 < len(load_record(out).results) < PROMPTS
+    resumed = crossrt(*resume, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert comparable(load_record(out)) == comparable(load_record(whole))
+
+
+# ---- a hung llama-speculative-simple ---------------------------------------------------------
+
+@pytest.mark.skipif(availability("llama-spec-cli") is not None, reason=f"{availability('llama-spec-cli')}")
+@pytest.mark.parametrize("settings, message", [
+    ({"PROBE_S": 0.5}, r"stopped by a signal\): still stopped at 3 probes in a row"),
+    ({"STOPPED_PROBES": 10 ** 6, "TOOL_BASE_S": 3.0, "TOOL_S_PER_TOKEN": 0.0}, r"did not end within 3 s"),
+], ids=["stopped-probes", "timeout"])
+def test_a_stopped_spec_tool_is_a_failure_that_keeps_finished_prompts(tmp_path, monkeypatch, settings, message):
+    from crossrt.backends import llama_spec_cli
+    from crossrt.driver import RunRequest, run_pair
+    from crossrt.pairs import load_pair
+    from crossrt.prompts import load_prompts
+    from crossrt.runtime import DraftRules, RuntimeFailure, RuntimeOptions
+
+    for name, value in settings.items():
+        monkeypatch.setattr(llama_spec_cli, name, value)
+    request = RunRequest(load_pair(TINY_PAIR), "llama-spec-cli", RuntimeOptions(n_ctx=512, threads=1),
+                         DraftRules(3), 8, tmp_path / "run.json", mode="native")
+    stopped: list = []
+    done = threading.Event()
+
+    def stop_the_next_tool() -> None:
+        while not done.is_set() and not stopped:
+            for pid in child_pids(os.getpid(), "llama-speculati"):  # comm keeps 15 characters
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=stop_the_next_tool, daemon=True)
+
+    def after_first(prompt, result):  # the tool's next run (the second prompt's) is stopped
+        if not watcher.is_alive() and not stopped:
+            watcher.start()
+
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeFailure, match=message):
+            run_pair(request, load_prompts("code")[:3], on_prompt=after_first)
+    finally:
+        done.set()
+    assert time.monotonic() - started < 30  # noticed, not waited out
+    assert len(stopped) == 1 and not alive(stopped[0])  # killed, and reaped
+    assert [r.prompt_id for r in load_record(tmp_path / "run.json").results] == \
+        [p.id for p in load_prompts("code")[:1]]
+
+
+# ---- output files of parity, report and simulate ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_record(tmp_path_factory):
+    out = tmp_path_factory.mktemp("small") / "run.json"
+    assert crossrt(*RUN[:-1], "4", "--out", out, cwd=out.parent).returncode == 0
+    return out
+
+
+def writers(record: Path, target: Path) -> dict:
+    """Per output option, the command that writes target through it."""
+    return {"--junit": ["parity", "--no-logits", record, "--junit", target],
+            "--markdown": ["parity", "--no-logits", record, "--markdown", target.with_suffix(".md")],
+            "-o": ["report", record, "-o", target.with_suffix(".html")],
+            "--out": ["simulate", "--pair", TINY_PAIR, "--prompts", "code", "--max-k", "2", "--max-new-tokens", "4",
+                      "--out", target.with_suffix(".json")]}
+
+
+def written_path(command: list) -> Path:
+    return Path(command[-1])
+
+
+def output_error(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A small tmpfs at tmp_path/mnt (root writes through chmod, not through a read-only or
+    full mount); skipped where mounting is not allowed."""
+    point = tmp_path / "mnt"
+    point.mkdir()
+
+    def mount(*options):
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(point)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()})")
+        return point
+
+    yield mount
+    subprocess.run(["umount", str(point)], check=False, capture_output=True)
+
+
+def test_outputs_go_into_a_missing_folder_and_a_file_in_the_way_is_one_line(small_record, tmp_path):
+    for option, command in writers(small_record, tmp_path / "new" / "folder" / "out.xml").items():
+        done = crossrt(*command, cwd=tmp_path)
+        assert done.returncode == 0 and written_path(command).stat().st_size > 0, done.stderr
+    (tmp_path / "file").write_text("in the way")
+    for option, command in writers(small_record, tmp_path / "file" / "out.xml").items():
+        line = output_error(crossrt(*command, cwd=tmp_path))
+        assert f"cannot write {written_path(command)}: File exists; a file is in the way" in line
+        assert f"pass {option} elsewhere" in line
+
+
+def test_a_read_only_output_folder_is_one_line(small_record, tmpfs):
+    point = tmpfs("size=1m")
+    subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
+    for option, command in writers(small_record, point / "out.xml").items():
+        line = output_error(crossrt(*command, cwd=point.parent))
+        assert f"cannot write {written_path(command)}: Read-only file system" in line
+        assert f"pass {option} somewhere writable" in line
+
+
+def test_a_full_disk_leaves_no_half_written_report(small_record, tmpfs):
+    point = tmpfs("size=8k")  # smaller than the HTML report
+    report = point / "report.html"
+    report.write_text("the previous report")
+    line = output_error(crossrt("report", small_record, "-o", report, cwd=point.parent))
+    assert f"cannot write {report}: No space left on device" in line
+    assert report.read_text() == "the previous report" and [p.name for p in point.iterdir()] == ["report.html"]
