@@ -17,6 +17,7 @@ from crossrt.cli.imports import import_command
 from crossrt.cli.prompt_options import chat_options, fed_prompts
 from crossrt.cli.report import report
 from crossrt.cli.reproduce import reproduce
+from crossrt.cli.sweep import sweep
 from crossrt.driver import RunRequest, run_pair
 from crossrt.importer import import_summary
 from crossrt.loop import SCHEDULE, SCHEDULES
@@ -185,3 +186,4 @@ main.add_command(simulate_command)
 main.add_command(report)
 main.add_command(drafter)
 main.add_command(import_command)
+main.add_command(sweep)

@@ -1,0 +1,140 @@
+"""`crossrt sweep`: plan, run and query many runs at once (crossrt/sweep/, docs/scale.md)."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from crossrt.cli.common import USER_ERRORS
+from crossrt.sweep.plan import STRATEGIES, load_sweep, plan_rows
+from crossrt.sweep.runner import Executor, run_sweep
+from crossrt.sweep.store import SweepStore, check_sweep_dir, table_rows
+from crossrt.tables import format_table, summary_rows
+
+SWEEP_FILE = click.Path(path_type=Path, dir_okay=False)
+SWEEP_DIR = click.Path(path_type=Path, file_okay=False)
+
+
+def _default_dir(name: str) -> Path:
+    return Path("runs") / "sweeps" / name
+
+
+@click.group()
+def sweep() -> None:
+    """Many runs at once: the product of a sweep file's axes (pairs, runtimes, modes, k, ...),
+    here or on a Ray cluster, into one sweep directory queryable with SQL.
+
+    \b
+      crossrt sweep plan models/sweeps/tiny.toml
+      crossrt sweep run models/sweeps/tiny.toml               # here, one cell after another
+      crossrt sweep run models/sweeps/tiny.toml --ray local   # on a Ray cluster started here
+      crossrt sweep query runs/sweeps/tiny "SELECT runtime, mode, k, tau FROM cells ORDER BY ALL"
+    """
+
+
+@sweep.command()
+@click.argument("sweep_file", type=SWEEP_FILE)
+@click.option("--dir", "sweep_dir", type=SWEEP_DIR, help="Also say which cells are done in this sweep directory.")
+def plan(sweep_file: Path, sweep_dir: Optional[Path]) -> None:
+    """List the cells of SWEEP_FILE: id, name, what each needs, and those skipped and why."""
+    try:
+        loaded = load_sweep(sweep_file)
+        done = SweepStore(sweep_dir).done() if sweep_dir else set()
+    except USER_ERRORS as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(format_table(plan_rows(loaded, sorted(done))))
+    skipped = sum(1 for p in loaded.cells if p.skipped)
+    runnable = {cell.id for cell in loaded.runnable()}
+    click.echo(f"{len(loaded.cells)} cells: {len(runnable)} to run ({len(runnable & done)} done), {skipped} skipped")
+
+
+@sweep.command(name="run")
+@click.argument("sweep_file", type=SWEEP_FILE)
+@click.option("--dir", "sweep_dir", type=SWEEP_DIR, help="Sweep directory. Default: runs/sweeps/<sweep name>.")
+@click.option("--ray", "ray_address", metavar="auto|local|ADDRESS",
+              help="Run on a Ray cluster: auto (the one `ray start` made on this host), local (start one "
+              "in this process, --cpus CPUs), or its address (ray://host:10001, host:6379).")
+@click.option("--cpus", "thread_budget", type=click.IntRange(min=1),
+              help="Here: run cells in worker processes while their threads fit in this many; with "
+              "--ray local: the cluster's CPUs. Default: one cell after another in this process.")
+@click.option("--strategy", type=click.Choice(STRATEGIES),
+              help="Ray: a task per cell, or an actor per (runtime, pair). Default: the sweep file's [ray] strategy.")
+@click.option("--max-retries", type=click.IntRange(min=0),
+              help="Ray: runs of a cell whose worker died. Default: the sweep file's [ray] max_retries (2).")
+def run_command(sweep_file: Path, sweep_dir: Optional[Path], ray_address: Optional[str], thread_budget: Optional[int],
+                strategy: Optional[str], max_retries: Optional[int]) -> None:
+    """Run the cells of SWEEP_FILE not finished in the sweep directory (finished cells are
+    skipped, failed ones tried again), keeping each as it finishes; Ctrl-C keeps them too."""
+    try:
+        loaded = load_sweep(sweep_file)
+        store = SweepStore(sweep_dir or _default_dir(loaded.name))
+        already = len(store.done() & {c.id for c in loaded.runnable()})
+        click.echo(f"sweep {loaded.name}: {len(loaded.runnable())} cells, {already} done already -> {store.root}",
+                   err=True)
+
+        def line(position, total, cell, record, outcome):
+            if record is None:
+                status = f"FAILED: {outcome['error']}"
+            else:
+                overall = record.summary()
+                tau = f"{overall.tau:.3f}" if overall.tau is not None else "-"
+                status = f"ok  {overall.prompts} prompts, {overall.failed} failed, tau {tau}"
+            click.echo(f"[{position}/{total}] {cell.id} {cell.name}  {status}  ({outcome.get('wall_s', 0):.1f} s)",
+                       err=True)
+
+        progress = run_sweep(loaded, store, Executor(ray_address, thread_budget, strategy, max_retries), line)
+    except USER_ERRORS as error:
+        raise click.ClickException(str(error)) from None
+    except KeyboardInterrupt:
+        click.echo(f"\ninterrupted: the finished cells are kept in {store.root}; run the same command to "
+                   "continue", err=True)
+        sys.exit(130)
+    click.echo(f"{progress.finished - len(progress.failed)} cells run, {len(progress.failed)} failed "
+               f"(tried again next run); index: {store.root / 'index.parquet'}")
+    if progress.failed:
+        raise click.ClickException(f"{len(progress.failed)} cells failed: {', '.join(progress.failed)}")
+
+
+@sweep.command()
+@click.argument("sweep_dir", type=SWEEP_DIR)
+@click.argument("sql")
+@click.option("--csv", "as_csv", is_flag=True, help="Print CSV instead of a table.")
+def query(sweep_dir: Path, sql: str, as_csv: bool) -> None:
+    """Run SQL (DuckDB) over a sweep directory's tables: `prompts` (one row per prompt: the
+    cell's settings, counters, tau, alpha, lossless, timings) and `cells` (one row per cell)."""
+    try:
+        columns, rows = check_sweep_dir(sweep_dir).query(sql)
+    except USER_ERRORS as error:
+        raise click.ClickException(str(error)) from None
+    if as_csv:
+        writer = csv.writer(sys.stdout)
+        writer.writerow(columns)
+        writer.writerows(rows)
+    elif columns:
+        click.echo(format_table(table_rows(columns, rows)))
+
+
+@sweep.command()
+@click.argument("sweep_dir", type=SWEEP_DIR)
+@click.option("--paths", is_flag=True, help="Print the cells' record paths only, e.g. for "
+              "`crossrt report $(crossrt sweep show DIR --paths) -o report.html`.")
+def show(sweep_dir: Path, paths: bool) -> None:
+    """The summary table of every finished cell (as `crossrt show` prints records), or their paths."""
+    try:
+        stored = check_sweep_dir(sweep_dir).stored()
+        if paths:
+            for cell in stored:
+                click.echo(cell.record_path)
+            return
+        records = [cell.record() for cell in stored]
+    except USER_ERRORS as error:
+        raise click.ClickException(str(error)) from None
+    if records:
+        click.echo(format_table(summary_rows(records)))
+    failures = check_sweep_dir(sweep_dir).failures()
+    for cell_id, reason in failures.items():
+        click.echo(f"failed: {cell_id}: {reason}", err=True)

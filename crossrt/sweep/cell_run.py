@@ -1,0 +1,63 @@
+"""Running one cell wherever it lands (this process, a local worker process, a Ray worker): the
+same run as `crossrt run` with the cell's settings, written in a temporary folder on that machine,
+and handed back as JSON-ready data, so the sweep's driver alone writes the store and no shared
+file system is needed."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from crossrt import loop
+from crossrt.chat_template import apply_template
+from crossrt.driver import LoadedModels, RunRequest, run_pair
+from crossrt.prompts import Prompt, load_prompts
+from crossrt.record_json import record_to_json
+from crossrt.runtime import DraftRules, RuntimeOptions
+from crossrt.schema import PromptResult
+from crossrt.sweep.plan import Cell, Sweep
+
+
+@dataclass(frozen=True)
+class CellJob:
+    """What a worker needs to run a cell: the cell, and its pair and prompts as that worker
+    resolves them (absolute paths where the sweep file named files next to it)."""
+
+    cell: Cell
+    pair: str
+    prompts: str
+
+    @classmethod
+    def of(cls, sweep: Sweep, cell: Cell) -> "CellJob":
+        return cls(cell, sweep.resolve(cell.pair), sweep.resolve(cell.prompts))
+
+
+def run_job(job: CellJob, on_prompt: Optional[Callable[[Prompt, Optional[PromptResult]], None]] = None,
+            models: Optional[LoadedModels] = None) -> dict[str, Any]:
+    """{"record": the run record's JSON, "wall_s", "host", "pid"}, or {"error": one line, ...}
+    for what crossrt explains (a runtime not usable there, a missing model). A bug raises.
+    models: driven sessions kept from earlier cells of the same worker (a sweep actor)."""
+    # Here, not at the top: crossrt.cli imports the sweep command, which imports this module.
+    from crossrt.cli.common import USER_ERRORS, resolve_pair
+
+    cell = job.cell
+    start = time.perf_counter()
+    where = {"host": socket.gethostname(), "pid": os.getpid()}
+    try:
+        pair = resolve_pair(job.pair)
+        prompts, rendering, prompt_format = apply_template(load_prompts(job.prompts), pair, "auto", None, ())
+        options = RuntimeOptions(n_ctx=cell.n_ctx, threads=cell.threads, n_gpu_layers=cell.n_gpu_layers,
+                                 gpu_split=cell.gpu_split, f32_kv_cache=cell.f32_kv_cache, flash_attn=cell.flash_attn)
+        rules = DraftRules(cell.k, cell.draft_n_min, cell.draft_p_min, cell.spec_type)
+        with tempfile.TemporaryDirectory(prefix=f"crossrt-cell-{cell.id}-") as work:
+            request = RunRequest(pair, cell.runtime, options, rules, cell.max_new_tokens, Path(work) / "record.json",
+                                 cell.mode, cell.schedule or loop.SCHEDULE, chat=rendering, prompt_format=prompt_format)
+            record = run_pair(request, prompts, on_prompt, models)
+    except USER_ERRORS as error:
+        return {"error": str(error), "wall_s": time.perf_counter() - start, **where}
+    return {"record": record_to_json(record), "wall_s": time.perf_counter() - start, **where}

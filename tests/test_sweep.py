@@ -1,0 +1,235 @@
+"""crossrt sweep: plans from sweep files, the local executor and the store (real runtimes,
+tiny pair), and the Ray executor on a real Ray cluster started on this machine (one for the
+module, 2 CPUs), checked cell for cell against the same cells run one by one here."""
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from crossrt.cli import main
+from crossrt.prompts import load_prompts
+from crossrt.driver import LoadedModels
+from crossrt.record_json import load_record, record_from_json
+from crossrt.sweep.cell_run import CellJob, run_job
+from crossrt.sweep.plan import SweepError, load_sweep
+from crossrt.sweep.runner import Executor, run_sweep
+from crossrt.sweep.store import SweepStore
+
+# Two runtimes (in-process llama.cpp driven, llama.cpp's own server native) x k = 1..4: 8 cells,
+# 8 more skipped (modes the runtimes lack). One code and one prose prompt, 8 new tokens, 1 thread.
+SWEEP = """
+name = "tiny-k"
+[axes]
+runtime = ["llama-cpp", "llama-server"]
+mode = ["driven", "native"]
+k = [1, 2, 3, 4]
+prompts = "two.jsonl"
+max_new_tokens = 8
+[resources.llama-cpp]
+threads = 1
+[resources.llama-server]
+threads = 1
+[ray]
+max_retries = 2
+"""
+
+
+def write_sweep(folder: Path, text: str = SWEEP) -> Path:
+    prompts = {p.id: p for p in load_prompts("builtin")}
+    with open(folder / "two.jsonl", "w") as out:
+        for prompt_id in ("code-fib", "prose-river"):
+            p = prompts[prompt_id]
+            out.write(json.dumps({"id": p.id, "category": p.category, "prompt": p.text}) + "\n")
+    path = folder / "sweep.toml"
+    path.write_text(text)
+    return path
+
+
+def outputs(store: SweepStore) -> dict:
+    """Per cell id, what must not depend on where a cell ran: per prompt, token ids and counters."""
+    return {cell.meta["id"]: [(r.prompt_id, r.status, r.prompt_ids, r.output_ids, r.baseline_ids, r.counters)
+                              for r in cell.record().results] for cell in store.stored()}
+
+
+@pytest.fixture(scope="module")
+def sweep_file(tmp_path_factory):
+    return write_sweep(tmp_path_factory.mktemp("sweep"))
+
+
+@pytest.fixture(scope="module")
+def local_store(sweep_file, tmp_path_factory):
+    """The reference: every cell run one by one in this process."""
+    store = SweepStore(tmp_path_factory.mktemp("local"))
+    progress = run_sweep(load_sweep(sweep_file), store, Executor())
+    assert progress.total == 8 and not progress.failed
+    return store
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'crossrt[ray]')")
+    # Two logical GPUs (no device behind them: the cells run on the CPU) so GPU scheduling is exercised.
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_plan_lists_cells_with_stable_ids_and_skips(sweep_file):
+    sweep = load_sweep(sweep_file)
+    skipped = {p.cell.name: p.skipped for p in sweep.cells if p.skipped}
+    assert len(sweep.runnable()) == 8 and len(skipped) == 8
+    assert skipped["tiny-llama-cpp-native-k1-two-n8"] == "llama-cpp has no native mode (it has: driven)"
+    assert "no driven mode" in skipped["tiny-llama-server-driven-k4-two-n8"]
+    assert [c.id for c in load_sweep(sweep_file).runnable()] == [c.id for c in sweep.runnable()]
+    assert len({c.id for c in sweep.runnable()}) == 8
+    result = CliRunner().invoke(main, ["sweep", "plan", str(sweep_file)])
+    assert result.exit_code == 0, result.output
+    assert "16 cells: 8 to run (0 done), 8 skipped" in result.output
+
+
+def test_exclude_include_and_resources(tmp_path):
+    path = write_sweep(tmp_path, SWEEP + """
+[[exclude]]
+runtime = "llama-server"
+k = [1, 2]
+[[include]]
+runtime = "transformers"
+mode = ["driven", "native"]
+k = 7
+[resources.transformers]
+threads = 2
+num_gpus = 0.5
+""")
+    sweep = load_sweep(path)
+    names = {c.name for c in sweep.runnable()}
+    assert "tiny-llama-server-native-k1-two-n8" not in names and "tiny-llama-server-native-k3-two-n8" in names
+    added = [c for c in sweep.runnable() if c.runtime == "transformers"]
+    # The include's own product; its other settings from the one-value axes (prompts, max_new_tokens).
+    assert sorted((c.mode, c.k, c.threads, c.max_new_tokens, c.prompts) for c in added) == [
+        ("driven", 7, 2, 8, "two.jsonl"), ("native", 7, 2, 8, "two.jsonl")]
+    assert sweep.needs(added[0]).num_gpus == 0.5 and sweep.needs(added[0]).cpus == 2
+
+
+def test_settings_are_checked_and_gpu_splits_are_values(tmp_path):
+    path = write_sweep(tmp_path, SWEEP + "[[include]]\nruntime = \"llama-cpp\"\ngpu_split = [1, 1]\nk = 2\n")
+    (split,) = [c for c in load_sweep(path).runnable() if c.gpu_split]
+    assert split.gpu_split == (1.0, 1.0) and split.name == "tiny-llama-cpp-driven-k2-two-n8-split1,1"
+    with pytest.raises(SweepError, match=r"k = '4': expected int"):
+        load_sweep(write_sweep(tmp_path, SWEEP.replace("k = [1, 2, 3, 4]", 'k = "4"')))
+    with pytest.raises(SweepError, match=r"unknown setting\(s\) threads \(threads are set per runtime"):
+        load_sweep(write_sweep(tmp_path, SWEEP.replace("max_new_tokens = 8", "max_new_tokens = 8\nthreads = 2")))
+
+
+def test_local_store_index_and_query(local_store):
+    assert len(local_store.done()) == 8
+    columns, rows = local_store.query(
+        "SELECT runtime, k, category, 1 + sum(accepted) / sum(steps) AS tau FROM prompts "
+        "WHERE status = 'ok' AND category IN ('code', 'prose') GROUP BY ALL ORDER BY ALL")
+    assert columns == ["runtime", "k", "category", "tau"] and len(rows) == 16
+    # The index holds what the records hold: tau per cell from the records' own summaries.
+    taus = dict(local_store.query("SELECT cell_id, tau FROM cells")[1])
+    for cell in local_store.stored():
+        assert taus[cell.meta["id"]] == pytest.approx(cell.record().summary().tau)
+    result = CliRunner().invoke(main, ["sweep", "query", str(local_store.root), "SELECT count(*) AS n FROM prompts"])
+    assert result.exit_code == 0 and result.output.split()[-1] == "16", result.output
+
+
+def test_rerun_does_nothing(sweep_file, local_store):
+    before = {p: p.stat().st_mtime_ns for p in local_store.root.rglob("*")}
+    progress = run_sweep(load_sweep(sweep_file), local_store, Executor())
+    assert progress.total == 0
+    assert {p: p.stat().st_mtime_ns for p in local_store.root.rglob("*")} == before
+
+
+def test_local_worker_processes_give_the_same_records(local_store, tmp_path):
+    path = write_sweep(tmp_path, SWEEP.replace("k = [1, 2, 3, 4]", "k = [1, 2]"))
+    store = SweepStore(tmp_path / "out")
+    progress = run_sweep(load_sweep(path), store, Executor(thread_budget=2))
+    assert progress.total == 4 and not progress.failed
+    assert {c.meta["executor"] for c in store.stored()} == {"local-process"}
+    for cell_id, results in outputs(store).items():
+        assert results == outputs(local_store)[cell_id]
+
+
+def test_an_actor_loads_a_pair_once_for_its_driven_cells(sweep_file, local_store):
+    """What an actor does with its cells (CellRunner): driven cells of one runtime, pair and
+    options share two loaded sessions, and give the records of fresh loads."""
+    sweep = load_sweep(sweep_file)
+    driven = [c for c in sweep.runnable() if c.mode == "driven"]
+    models = LoadedModels()
+    try:
+        results = [run_job(CellJob.of(sweep, cell), models=models) for cell in driven]
+        assert len(driven) == 4 and len(models) == 2  # target and drafter, loaded by the first cell
+    finally:
+        models.close()
+    kept = {cell.id: [(r.prompt_id, r.status, r.prompt_ids, r.output_ids, r.baseline_ids, r.counters)
+                      for r in record_from_json(result["record"]).results] for cell, result in zip(driven, results)}
+    assert kept == {cell.id: outputs(local_store)[cell.id] for cell in driven}
+
+
+def test_failed_cell_is_kept_as_failed_and_retried(tmp_path):
+    path = write_sweep(tmp_path, SWEEP.replace('"two.jsonl"', '"later.jsonl"').replace(
+        'runtime = ["llama-cpp", "llama-server"]', 'runtime = "llama-cpp"').replace("k = [1, 2, 3, 4]", "k = 2"))
+    store = SweepStore(tmp_path / "out")
+    result = CliRunner().invoke(main, ["sweep", "run", str(path), "--dir", str(store.root)])
+    assert result.exit_code == 1 and "1 cells failed" in result.output, result.output
+    (cell_id, reason), = store.failures().items()
+    assert "later.jsonl" in reason and not store.done()
+    (tmp_path / "two.jsonl").rename(tmp_path / "later.jsonl")
+    progress = run_sweep(load_sweep(path), store, Executor())
+    assert progress.total == 1 and not progress.failed
+    assert store.done() == {cell_id} and not store.failures()
+
+
+def test_ray_tasks_give_the_records_of_local_runs(sweep_file, local_store, ray_cluster, tmp_path):
+    store = SweepStore(tmp_path / "ray")
+    progress = run_sweep(load_sweep(sweep_file), store, Executor(ray="auto", strategy="task"))
+    assert progress.total == 8 and not progress.failed
+    assert outputs(store) == outputs(local_store)
+    assert {c.meta["executor"] for c in store.stored()} == {"ray-task"}
+    # Ray ran them in its workers, not in this process.
+    assert all(c.meta["pid"] != local_store.stored()[0].meta["pid"] for c in store.stored())
+    assert run_sweep(load_sweep(sweep_file), store, Executor(ray="auto")).total == 0
+
+
+def test_ray_actors_give_the_records_of_local_runs(sweep_file, local_store, ray_cluster, tmp_path):
+    store = SweepStore(tmp_path / "ray-actors")
+    progress = run_sweep(load_sweep(sweep_file), store, Executor(ray="auto", strategy="actor"))
+    assert progress.total == 8 and not progress.failed
+    assert outputs(store) == outputs(local_store)
+    # One actor per (runtime, pair): each runtime's four cells ran in one worker process.
+    pids = {}
+    for cell in store.stored():
+        pids.setdefault(cell.meta["params"]["runtime"], set()).add(cell.meta["pid"])
+    assert all(len(p) == 1 for p in pids.values()) and len(pids) == 2
+
+
+@pytest.mark.parametrize("strategy", ["task", "actor"])
+def test_a_worker_killed_mid_cell_is_retried(strategy, sweep_file, local_store, ray_cluster, tmp_path):
+    path = write_sweep(tmp_path, SWEEP.replace('runtime = ["llama-cpp", "llama-server"]', 'runtime = "llama-cpp"')
+                       .replace("k = [1, 2, 3, 4]", "k = 3"))
+    marker = tmp_path / "killed"
+    store = SweepStore(tmp_path / "ray")
+    progress = run_sweep(load_sweep(path), store, Executor(ray="auto", strategy=strategy, kill_once=marker))
+    assert marker.is_file(), "the hook did not kill the worker"
+    assert progress.total == 1 and not progress.failed
+    (cell,) = store.stored()
+    assert cell.meta["pid"] != int(marker.read_text())  # a new worker ran it again, whole
+    assert outputs(store)[cell.meta["id"]] == outputs(local_store)[cell.meta["id"]]
+    assert load_record(cell.record_path).results[0].prompt_id == "code-fib"
+
+
+def test_gpu_cells_pack_by_share_and_get_fresh_workers(sweep_file, local_store, ray_cluster, tmp_path):
+    path = write_sweep(tmp_path, SWEEP.replace('runtime = ["llama-cpp", "llama-server"]', 'runtime = "llama-cpp"')
+                       .replace("threads = 1\n", "threads = 1\nnum_gpus = 0.5\n", 1))
+    sweep = load_sweep(path)
+    assert {sweep.needs(c).num_gpus for c in sweep.runnable()} == {0.5}
+    store = SweepStore(tmp_path / "ray")
+    assert not run_sweep(sweep, store, Executor(ray="auto", strategy="task")).failed
+    # A GPU task's worker exits after it (max_calls=1), so each of the four cells ran in a process of
+    # its own, where two CPU workers would otherwise have run them all.
+    assert len({c.meta["pid"] for c in store.stored()}) == 4
+    for cell_id, results in outputs(store).items():
+        assert results == outputs(local_store)[cell_id]
