@@ -31,9 +31,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from crossrt.errors import SettingsError
 from crossrt.backends.exllamav3 import (PINNED_VERSION, Placement, TextModel, build_model, check_options,
                                         chunk_size, load_with_cache, page_round, text_model)
+from crossrt.errors import SettingsError
 from crossrt.runtime import DraftRules, NativeGeneration, NativeSession, RuntimeFailure, RuntimeOptions
 from crossrt.schedules import check_fits
 from crossrt.schema import Counters, CountsDoNotAddUp

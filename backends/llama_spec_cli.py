@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from crossrt.errors import ModelError, PromptRefused
 from crossrt import loop
+from crossrt.errors import ModelError, PromptRefused
 from crossrt.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                              RuntimeOptions, RuntimeUnavailable)
 from crossrt.schedules import SPEC_SIMPLE, check_prompt

@@ -36,8 +36,8 @@ from typing import Sequence
 import torch
 import transformers
 
-from crossrt.errors import SettingsError
 from crossrt.backends.transformers import LoadedModel, synchronize, tokenize
+from crossrt.errors import SettingsError
 from crossrt.runtime import DraftRules, NativeGeneration, NativeSession, RuntimeFailure, RuntimeOptions
 from crossrt.schedules import check_fits
 from crossrt.schema import Counters, CountsDoNotAddUp

@@ -12,17 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from crossrt.errors import PromptRefused, SettingsError
 from crossrt import loop
 from crossrt.chat_template import ChatRendering, with_template_ids
+from crossrt.errors import PromptRefused, SettingsError
 from crossrt.journal import storage_error
 from crossrt.pairs import ROLES, Pair, pair_info
 from crossrt.prompts import Prompt
-from crossrt.schedules import SERVER
-from crossrt.runtime import (DraftRules, ModelSession, NativeSession, Runtime, RuntimeOptions,
-                             RuntimeUnavailable, open_runtime)
 from crossrt.resume import check_prompts, prompt_sha256, starting_record
 from crossrt.run_writer import RunWriter, record_lock
+from crossrt.runtime import (DraftRules, ModelSession, NativeSession, Runtime, RuntimeOptions,
+                             RuntimeUnavailable, open_runtime)
+from crossrt.schedules import SERVER
 from crossrt.schema import PromptFormat, PromptResult, RunParams, RunRecord, Timings
 from crossrt.trace import PromptTrace, TraceRecorder, read_traces, trace_path
 

@@ -12,9 +12,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from crossrt.errors import ComparisonError
 from crossrt.diagnosis import (BATCH_SHAPE, Twins, explained_split, first_divergence, flip, lossless_split, no_text,
                                side, template_split, twins_of, with_twin_views)
+from crossrt.errors import ComparisonError
 from crossrt.schema import PromptResult, RunRecord
 from crossrt.tolerance import tolerance_for
 

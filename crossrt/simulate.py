@@ -25,8 +25,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from crossrt.errors import ComparisonError, SettingsError
 from crossrt import loop
+from crossrt.errors import ComparisonError, SettingsError
 from crossrt.runtime import ModelSession, Rows
 from crossrt.schema import RunRecord
 from crossrt.trace import top1_probability

@@ -13,21 +13,21 @@ from typing import Optional, Sequence
 
 import click
 
-from crossrt.errors import PromptRefused
 from crossrt import analysis
+from crossrt.ceiling import load_ceilings
 from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, resolve_pair
+from crossrt.cli.trees import max_tree_rows, render_ceiling, render_section, run_trees, tree_section
+from crossrt.errors import PromptRefused
+from crossrt.errors import SettingsError
 from crossrt.journal import write_atomically
 from crossrt.pairs import ROLES, pair_info
 from crossrt.prompts import load_prompts
+from crossrt.record_json import load_record
 from crossrt.runtime import RuntimeOptions, open_runtime, runtime_names
 from crossrt.schema import RunRecord
-from crossrt.record_json import load_record
 from crossrt.simulate import (Oracle, Policy, Simulation, build_oracle, compare_with_record, measure_costs,
                               simulate, simulate_suite)
 from crossrt.tables import format_table
-from crossrt.ceiling import load_ceilings
-from crossrt.cli.trees import max_tree_rows, render_ceiling, render_section, run_trees, tree_section
-from crossrt.errors import SettingsError
 
 ALL = "ALL"
 

@@ -8,19 +8,19 @@ from typing import Sequence
 
 import click
 
-from crossrt.errors import ComparisonError
-from crossrt.cli.prompt_options import chat_options, fed_prompts
 from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, CommaChoice, device_options, resolve_pair
+from crossrt.cli.prompt_options import chat_options, fed_prompts
 from crossrt.diagnosis import explain_record
 from crossrt.diff import diff_records, render_diff, render_record_splits
+from crossrt.errors import ComparisonError
 from crossrt.journal import write_atomically
 from crossrt.parity import compare_against, compare_all, labelled
 from crossrt.parity_report import ParityReport, logit_checks, render_junit, render_markdown, render_text
 from crossrt.parity_run import Matrix, run_matrix, score_records
-from crossrt.rescore import open_scorer
 from crossrt.prompts import load_prompts
-from crossrt.runtime import DraftRules, RuntimeOptions, runtime_names
 from crossrt.record_json import load_record
+from crossrt.rescore import open_scorer
+from crossrt.runtime import DraftRules, RuntimeOptions, runtime_names
 from crossrt.tolerance import tolerance_for
 
 
