@@ -26,8 +26,8 @@ import numpy as np
 
 from crossrt.errors import SettingsError
 from crossrt.runtime import ModelSession, Rows
-from crossrt.schedules import Generation, check_prompt
-from crossrt.simulate import Oracle, SimRun
+from crossrt.schedules import Generation, check_prompt, prefill_pair
+from crossrt.simulate import Oracle, SimRun, oracle_step
 from crossrt.trace import top1_probability
 
 CONTENT_WINDOW = 24  # tokens of context whose text decides the content type
@@ -101,11 +101,7 @@ def policy_generate(target: ModelSession, drafter: ModelSession, prompt_ids: Seq
     check_prompt(prompt_ids, max_new_tokens, [target, drafter])
     accept = accept or greedy_rule(target.eog_ids)
     start = time.perf_counter()
-    target.truncate(0)
-    drafter.truncate(0)
-    context = list(prompt_ids)
-    target.eval(context[:-1], Rows.NONE)
-    drafter.eval(context[:-1], Rows.NONE)
+    context = prefill_pair(target, drafter, prompt_ids)
     prefilled = time.perf_counter()
     eog = target.eog_ids
     step_drafted: list[int] = []
@@ -148,26 +144,15 @@ def simulate_policy(oracle: Oracle, policy: DraftPolicy, detokenize: Callable[[S
     """policy_generate's greedy steps on the chain oracle, exactly."""
     if policy.largest_k > oracle.max_k:
         raise SettingsError(f"policy {policy.label} drafts up to {policy.largest_k}; the oracle holds {oracle.max_k}")
-    output, eog = oracle.output, oracle.eog_ids
-    context = oracle.prompt_ids + output
+    context = oracle.prompt_ids + oracle.output
     step_drafted, step_accepted = [], []
     calls = emitted = 0
     previous = None
-    while emitted < len(output):
+    while emitted < len(oracle.output):
         end = len(oracle.prompt_ids) + emitted
         k = policy.next_k(previous, lambda: detokenize(context[max(0, end - CONTENT_WINDOW):end]))
-        cap = min(k, oracle.max_new_tokens - emitted - 1)
-        n_draft = cap
-        if policy.min_p1 > 0:
-            unsure = np.flatnonzero(oracle.draft_p1[emitted, :cap] < policy.min_p1)
-            if unsure.size:
-                n_draft = int(unsure[0])
-        calls += n_draft + (n_draft < cap)
-        draft = oracle.drafts[emitted]
-        n_accepted = 0
-        while n_accepted < n_draft and draft[n_accepted] == output[emitted + n_accepted] \
-                and output[emitted + n_accepted] not in eog:
-            n_accepted += 1
+        n_draft, n_accepted, passes = oracle_step(oracle, emitted, k, policy.min_p1)
+        calls += passes
         step_drafted.append(n_draft)
         step_accepted.append(n_accepted)
         previous = (n_draft, n_accepted)

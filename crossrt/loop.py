@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 from crossrt.errors import SettingsError
 from crossrt.runtime import DraftRules, ModelSession, Rows
-from crossrt.schedules import LLAMA_SCHEDULES, Generation, ViewRecorder, check_prompt, top_two
+from crossrt.schedules import LLAMA_SCHEDULES, Generation, ViewRecorder, check_prompt, prefill_pair, top_two
 from crossrt.trace import TraceRecorder
 
 SCHEDULE = "crossrt"
@@ -90,11 +90,7 @@ def speculative_generate(target: ModelSession, drafter: ModelSession, prompt_ids
     k = rules.k
     check_prompt(prompt_ids, max_new_tokens, [target, drafter])
     start = time.perf_counter()
-    target.truncate(0)
-    drafter.truncate(0)
-    context = list(prompt_ids)
-    target.eval(context[:-1], Rows.NONE)
-    drafter.eval(context[:-1], Rows.NONE)
+    context = prefill_pair(target, drafter, prompt_ids)
     prefilled = time.perf_counter()
 
     eog = target.eog_ids

@@ -115,6 +115,17 @@ def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, sessions: Seque
         check_fits(prompt_ids, max_new_tokens, session.n_ctx, overrun)
 
 
+def prefill_pair(target: ModelSession, drafter: ModelSession, prompt_ids: Sequence[int]) -> list[int]:
+    """Empty both caches and run prompt[:-1] through each: the prefill of every driven loop,
+    whose first step (or draft) feeds the last prompt token. Returns the context to extend."""
+    target.truncate(0)
+    drafter.truncate(0)
+    context = list(prompt_ids)
+    target.eval(context[:-1], Rows.NONE)
+    drafter.eval(context[:-1], Rows.NONE)
+    return context
+
+
 def top_probability(logits: np.ndarray) -> np.float32:
     """The drafter's confidence as llama.cpp computes it: softmax over the top-10 logits, in
     float32 terms summed in double in descending order (llama-sampler.cpp, dist sampler)."""
@@ -200,10 +211,7 @@ def spec_simple_generate(target: ModelSession, drafter: ModelSession, prompt_ids
     """llama-speculative-simple's schedule (module docstring)."""
     check_prompt(prompt_ids, max_new_tokens, [target, drafter], overrun=rules.k)
     start = time.perf_counter()
-    target.truncate(0)
-    drafter.truncate(0)
-    target.eval(prompt_ids[:-1], Rows.NONE)
-    drafter.eval(prompt_ids[:-1], Rows.NONE)
+    prefill_pair(target, drafter, prompt_ids)
     prefilled = time.perf_counter()
 
     tally = _Tally(max_new_tokens, target.eog_ids)

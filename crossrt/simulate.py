@@ -125,27 +125,34 @@ class SimRun:
         return self.steps + self.accepted
 
 
+def oracle_step(oracle: Oracle, emitted: int, k: int, min_p1: float) -> tuple[int, int, int]:
+    """One step of the crossrt schedule on oracle after emitted tokens, drafting up to k with a
+    drafter-confidence cut-off min_p1 (0: none): (drafted, accepted, drafter passes)."""
+    output = oracle.output
+    cap = min(k, oracle.max_new_tokens - emitted - 1)
+    n_draft = cap
+    if min_p1 > 0:
+        unsure = np.flatnonzero(oracle.draft_p1[emitted, :cap] < min_p1)
+        if unsure.size:
+            n_draft = int(unsure[0])
+    draft = oracle.drafts[emitted]
+    n_accepted = 0
+    while n_accepted < n_draft and draft[n_accepted] == output[emitted + n_accepted] \
+            and output[emitted + n_accepted] not in oracle.eog_ids:
+        n_accepted += 1
+    # One drafter pass per draft token, and one for the token a cut-off refused.
+    return n_draft, n_accepted, n_draft + (n_draft < cap)
+
+
 def simulate(oracle: Oracle, policy: Policy) -> SimRun:
     """The crossrt schedule's steps on oracle under policy (module docstring)."""
     if policy.k > oracle.max_k:
         raise SettingsError(f"k={policy.k} is beyond the oracle's {oracle.max_k} draft tokens per position")
-    output, eog = oracle.output, oracle.eog_ids
     step_drafted, step_accepted = [], []
     calls = emitted = 0
-    while emitted < len(output):
-        cap = min(policy.k, oracle.max_new_tokens - emitted - 1)
-        n_draft = cap
-        if policy.min_p1 > 0:
-            unsure = np.flatnonzero(oracle.draft_p1[emitted, :cap] < policy.min_p1)
-            if unsure.size:
-                n_draft = int(unsure[0])
-        # One drafter pass per draft token, and one for the token a cut-off refused.
-        calls += n_draft + (n_draft < cap)
-        draft = oracle.drafts[emitted]
-        n_accepted = 0
-        while n_accepted < n_draft and draft[n_accepted] == output[emitted + n_accepted] \
-                and output[emitted + n_accepted] not in eog:
-            n_accepted += 1
+    while emitted < len(oracle.output):
+        n_draft, n_accepted, passes = oracle_step(oracle, emitted, policy.k, policy.min_p1)
+        calls += passes
         step_drafted.append(n_draft)
         step_accepted.append(n_accepted)
         emitted += n_accepted + 1

@@ -22,7 +22,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from crossrt.runtime import ModelSession, Rows
-from crossrt.schedules import Generation, ViewRecorder, check_prompt, top_two
+from crossrt.schedules import Generation, ViewRecorder, check_prompt, prefill_pair, top_two
 from crossrt.tree import Tree, candidates
 
 
@@ -71,11 +71,7 @@ def tree_generate(target: TreeSession, drafter: ModelSession, prompt_ids: Sequen
     generation's step_drafted counts the tree nodes each step verified."""
     check_prompt(prompt_ids, max_new_tokens, [target, drafter], overrun=tree.n_nodes)
     start = time.perf_counter()
-    target.truncate(0)
-    drafter.truncate(0)
-    context = list(prompt_ids)
-    target.eval(context[:-1], Rows.NONE)
-    drafter.eval(context[:-1], Rows.NONE)
+    context = prefill_pair(target, drafter, prompt_ids)
     prefilled = time.perf_counter()
 
     eog = target.eog_ids

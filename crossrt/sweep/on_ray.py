@@ -77,10 +77,6 @@ class CellRunner:
     def run(self, job: CellJob, kill_once: Optional[str] = None) -> dict[str, Any]:
         return _run_on_worker(job, kill_once, self.models)
 
-    def loaded(self) -> int:
-        """How many sessions the actor holds (for tests and progress)."""
-        return len(self.models)
-
 
 def _lost(error: Exception, retries: int) -> dict[str, Any]:
     """A cell whose work did not come back, as a failure the next run retries."""
