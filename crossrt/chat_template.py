@@ -89,6 +89,13 @@ def user_turn(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+def prompt_messages(prompt: Prompt) -> list[dict]:
+    """The conversation a templated prompt was rendered from: its earlier turns (a second
+    turn's question and answer), then its user turn."""
+    earlier = [{"role": role, "content": content} for role, content in prompt.earlier_turns]
+    return earlier + user_turn(prompt.rendered_from)
+
+
 def _compile(text: str):
     """transformers' template environment (see the module docstring), built the same way."""
     import jinja2
@@ -221,7 +228,7 @@ def runtime_template_ids(session: Any, prompt: Prompt, rendering: Optional[ChatR
     render = getattr(session, "chat_template_ids", None)
     if rendering is None or prompt.rendered_from is None or render is None:
         return None
-    return tuple(render(user_turn(prompt.rendered_from), rendering.template.text, dict(rendering.variables)))
+    return tuple(render(prompt_messages(prompt), rendering.template.text, dict(rendering.variables)))
 
 
 def with_template_ids(result: PromptResult, session: Any, prompt: Prompt,

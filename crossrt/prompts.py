@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import re
 import zlib
 from dataclasses import dataclass
 from importlib import resources
@@ -41,6 +42,13 @@ class Prompt:
     # Set on a prompt rendered through a chat template (crossrt/chat_template.py): the user turn
     # it was rendered from; text is then the rendering, as fed.
     rendered_from: Optional[str] = None
+    # A benchmark question's user turns after the first (MT-Bench's second turn), for
+    # crossrt/second_turn.py; empty for single-turn prompts.
+    later_turns: tuple[str, ...] = ()
+    # (role, content) of the conversation before the user turn rendered_from (a second-turn
+    # prompt: the first user turn and the target's answer), so a runtime that renders templates
+    # itself renders the whole conversation too.
+    earlier_turns: tuple[tuple[str, str], ...] = ()
 
 
 def _text_field(item: dict, name: str, where: str) -> str:
@@ -68,7 +76,8 @@ def _crossrt_prompt(item: dict, where: str) -> Prompt:
 
 def _question_reader(prefix: str) -> Callable[[dict, str], Prompt]:
     """Spec-Bench and MT-Bench question.jsonl: question_id, category, turns (one string per
-    user turn). crossrt runs single prompts, so the first turn is the prompt."""
+    user turn). The first turn is the prompt; the later ones are kept for --turn 2
+    (crossrt/second_turn.py)."""
 
     def read(item: dict, where: str) -> Prompt:
         question_id = item.get("question_id")
@@ -77,33 +86,85 @@ def _question_reader(prefix: str) -> Callable[[dict, str], Prompt]:
         turns = item.get("turns")
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
             raise PromptError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
-        return Prompt(f"{prefix}-{question_id}", _text_field(item, "category", where), turns[0], chat=True)
+        return Prompt(f"{prefix}-{question_id}", _text_field(item, "category", where), turns[0], chat=True,
+                      later_turns=tuple(turns[1:]))
 
     return read
 
 
 # SPEED-Bench (huggingface.co/datasets/nvidia/SPEED-Bench, its dataset card's features):
 # question_id (string), category, sub_category, turns (user turns), source, src_id, difficulty,
-# multiturn. Rows drawn from other datasets are published with this placeholder as their turns,
-# to be filled in from the source (NVIDIA's specdec_bench, or Nemo-Skills' speed-bench
-# prepare.py, which writes the filled rows as JSONL with "messages" in place of "turns").
+# multiturn. Published as parquet, one config per folder: `qualitative/test-00000-of-00001.parquet`
+# (11 categories), `throughput_1k/...` to `throughput_32k/...` (an input-length tier each, rows
+# filed under entropy tiers as their category). Rows drawn from other datasets are published with
+# this placeholder as their turns, to be filled in from the source (NVIDIA's specdec_bench, or
+# Nemo-Skills' speed-bench prepare.py, which writes the filled rows as `<config>.jsonl` with
+# "messages" in place of "turns").
 SPEEDBENCH_PLACEHOLDER = "FULL BENCHMARK DATA SHOULD BE FETCHED FROM THE SOURCE USING SPECDEC_BENCH"
+SPEEDBENCH_CONFIG = re.compile(r"(qualitative|throughput_\d+k)")
 
 
-def _speedbench_prompt(item: dict, where: str) -> Prompt:
-    """SPEED-Bench rows as JSON Lines (the published rows, or prepare.py's filled ones); the
-    first user turn is the prompt, the row's own category kept."""
-    question_id = _text_field(item, "question_id", where)
+def speedbench_config(path: Path) -> Optional[str]:
+    """The SPEED-Bench config a file holds, from its name or its folder's (`throughput_8k.jsonl`,
+    `throughput_8k/test-00000-of-00001.parquet`); None when neither names one."""
+    for name in (path.stem, path.parent.name):
+        found = SPEEDBENCH_CONFIG.fullmatch(name)
+        if found:
+            return found.group(1)
+    return None
+
+
+def _speedbench_turns(item: dict, where: str) -> list[str]:
     turns = item.get("turns")
     if turns is None and isinstance(item.get("messages"), list):
         turns = [m.get("content") for m in item["messages"] if isinstance(m, dict) and m.get("role") == "user"]
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
         raise PromptError(f"{where}: 'turns' (or 'messages') must hold at least one non-empty user turn")
-    if turns[0].startswith(SPEEDBENCH_PLACEHOLDER):
-        raise PromptError(f"{where}: question {question_id} holds SPEED-Bench's placeholder, not its text: fill "
-                          "the rows in from their sources first (NVIDIA specdec_bench, or Nemo-Skills' "
-                          "speed-bench prepare.py)")
-    return Prompt(f"speedbench-{question_id}", _text_field(item, "category", where), turns[0], chat=True)
+    return turns
+
+
+def _speedbench_reader(config: Optional[str]) -> Callable[[dict, str], Prompt]:
+    """SPEED-Bench rows (the published parquet or JSON Lines, or prepare.py's filled ones); the
+    first user turn is the prompt, the row's own category kept. A throughput tier's ids carry
+    the tier (`speedbench-throughput_8k-<question_id>`), so files of several tiers can be run
+    together; qualitative ids are `speedbench-<question_id>`."""
+    prefix = "speedbench" if config in (None, "qualitative") else f"speedbench-{config}"
+
+    def read(item: dict, where: str) -> Prompt:
+        question_id = _text_field(item, "question_id", where)
+        turns = _speedbench_turns(item, where)
+        return Prompt(f"{prefix}-{question_id}", _text_field(item, "category", where), turns[0], chat=True,
+                      later_turns=tuple(turns[1:]))
+
+    return read
+
+
+def _refuse_placeholders(items: list[tuple[dict, str]]) -> None:
+    """Placeholder rows are refused, all counted in one message, rather than a placeholder
+    measured or the published set silently cut to the rows that ship their text."""
+    held = [(item, where) for item, where in items
+            if isinstance(item.get("turns"), list) and item["turns"] and isinstance(item["turns"][0], str)
+            and item["turns"][0].startswith(SPEEDBENCH_PLACEHOLDER)]
+    if held:
+        item, where = held[0]
+        raise PromptError(f"{where}: {len(held)} of {len(items)} rows hold SPEED-Bench's placeholder, not their "
+                          f"text (the first: question {item.get('question_id')}): fill the rows in from their "
+                          "sources first (NVIDIA specdec_bench, or Nemo-Skills' speed-bench prepare.py)")
+
+
+def _parquet_rows(path: Path) -> list[dict]:
+    """A parquet file's rows as dicts (DuckDB, which `crossrt sweep` uses too)."""
+    try:
+        import duckdb
+    except ImportError:
+        raise PromptError(f"{path}: reading parquet needs DuckDB (pip install 'crossrt[sweep]')") from None
+    try:
+        with duckdb.connect() as connection:
+            cursor = connection.execute("SELECT * FROM read_parquet(?)", [str(path)])
+            names = [column[0] for column in cursor.description]
+            return [dict(zip(names, row)) for row in cursor.fetchall()]
+    except duckdb.Error as error:
+        raise PromptError(f"{path}: cannot read as parquet ({str(error).splitlines()[0]})") from None
 
 
 def _humaneval_prompt(item: dict, where: str) -> Prompt:
@@ -125,7 +186,8 @@ READERS: dict[str, Reader] = {
     "specbench": Reader(_question_reader("specbench"), "specbench:PATH (Spec-Bench question.jsonl, first turn)"),
     "mtbench": Reader(_question_reader("mtbench"), "mtbench:PATH (MT-Bench question.jsonl, first turn)"),
     "humaneval": Reader(_humaneval_prompt, "humaneval:PATH (HumanEval, .jsonl or .jsonl.gz)"),
-    "speedbench": Reader(_speedbench_prompt, "speedbench:PATH (SPEED-Bench rows as JSON Lines, filled in)"),
+    "speedbench": Reader(_speedbench_reader(None), "speedbench:PATH (SPEED-Bench, .parquet as published or "
+                         ".jsonl, rows filled in)"),
 }
 
 # Each benchmark's own category -> crossrt's content type (CATEGORIES), so readers can group by
@@ -153,11 +215,9 @@ def by_content_type(prompts: list[Prompt]) -> list[Prompt]:
     return [dataclasses.replace(p, category=content_type(p.category) or p.category) for p in prompts]
 
 
-def parse_prompts(text: str, origin: str, scheme: str = "jsonl") -> list[Prompt]:
-    """Prompts of one JSON Lines text in the format scheme names (a key of READERS)."""
-    read = READERS[scheme].read
-    prompts: list[Prompt] = []
-    seen: set[str] = set()
+def json_lines(text: str, origin: str) -> list[tuple[dict, str]]:
+    """The JSON objects of a JSON Lines text, each with where it stands (file and line)."""
+    items: list[tuple[dict, str]] = []
     # JSON Lines ends lines at \n only: splitlines() would also split at U+2028, \x85... in strings
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
@@ -171,6 +231,15 @@ def parse_prompts(text: str, origin: str, scheme: str = "jsonl") -> list[Prompt]
             raise PromptError(f"{where}: not JSON crossrt can read ({error})") from None
         if not isinstance(item, dict):
             raise PromptError(f"{where}: expected a JSON object, got {type(item).__name__}")
+        items.append((item, where))
+    return items
+
+
+def read_items(items: list[tuple[dict, str]], origin: str, read: Callable[[dict, str], Prompt]) -> list[Prompt]:
+    """Prompts of a file's objects, ids checked unique."""
+    prompts: list[Prompt] = []
+    seen: set[str] = set()
+    for item, where in items:
         prompt = read(item, where)
         if prompt.id in seen:
             raise PromptError(f"{where}: duplicate prompt id {prompt.id!r}")
@@ -179,6 +248,11 @@ def parse_prompts(text: str, origin: str, scheme: str = "jsonl") -> list[Prompt]
     if not prompts:
         raise PromptError(f"{origin}: no prompts")
     return prompts
+
+
+def parse_prompts(text: str, origin: str, scheme: str = "jsonl") -> list[Prompt]:
+    """Prompts of one JSON Lines text in the format scheme names (a key of READERS)."""
+    return read_items(json_lines(text, origin), origin, READERS[scheme].read)
 
 
 def split_source(source: str) -> tuple[str, str]:
@@ -207,8 +281,10 @@ def load_prompts(source: str) -> list[Prompt]:
         turns); the first turn is the prompt, its id `specbench-<question_id>`;
       - `mtbench:PATH`: MT-Bench's question.jsonl, the same fields; ids `mtbench-<question_id>`;
       - `humaneval:PATH`: HumanEval (task_id, prompt), category `code`, ids the task ids;
-      - `speedbench:PATH`: SPEED-Bench rows as JSON Lines (question_id, category, turns or
-        messages), ids `speedbench-<question_id>`; placeholder rows are refused.
+      - `speedbench:PATH`: SPEED-Bench, its published parquet or JSON Lines (question_id,
+        category, turns or messages), ids `speedbench-<question_id>` (a throughput tier's,
+        named by the file or its folder, `speedbench-throughput_8k-<question_id>`); a file
+        with placeholder rows is refused, all of them counted.
     Benchmark questions are chat prompts (Prompt.chat); HumanEval's are completions.
     A PATH ending in .gz is decompressed. Errors name the file and line.
     """
@@ -221,12 +297,27 @@ def load_prompts(source: str) -> list[Prompt]:
     if not path.is_file():
         raise PromptError(f"prompt file not found: {path} (built-in suites: {', '.join(BUILTIN_SUITES)}; "
                           f"file formats: {', '.join(f'{name}:PATH' for name in READERS)})")
+    if scheme == "speedbench":
+        return _speedbench_prompts(path)
+    return parse_prompts(_file_text(path), str(path), scheme)
+
+
+def _file_text(path: Path) -> str:
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except (OSError, EOFError, zlib.error, UnicodeDecodeError) as error:
         raise PromptError(f"{path}: cannot read ({error})") from None
-    return parse_prompts(text, str(path), scheme)
+
+
+def _speedbench_prompts(path: Path) -> list[Prompt]:
+    """A SPEED-Bench file, parquet as published or JSON Lines; its config from its name."""
+    if path.suffix == ".parquet":
+        items = [(row, f"{path} row {number}") for number, row in enumerate(_parquet_rows(path), start=1)]
+    else:
+        items = json_lines(_file_text(path), str(path))
+    _refuse_placeholders(items)
+    return read_items(items, str(path), _speedbench_reader(speedbench_config(path)))
 
 
 def source_relative_to(source: str, base: Path) -> str:

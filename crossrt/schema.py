@@ -303,6 +303,10 @@ class PromptFormat:
     template_sha256: Optional[str]
     variables: tuple[str, ...]  # --template-var NAME=VALUE, as given
     templated: tuple[str, ...]  # ids of the prompts rendered through the template
+    # Which user turn of the questions ran: 2 is MT-Bench's second turn, after the target's own
+    # greedy answer to the first (crossrt/second_turn.py), from the answers file of this digest.
+    turn: int = 1
+    first_answers_sha256: Optional[str] = None
 
 
 @dataclass(frozen=True)

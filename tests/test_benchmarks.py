@@ -61,9 +61,46 @@ def test_speed_bench_rows(tmp_path):
 
 
 def test_speed_bench_placeholder_is_refused(tmp_path):
-    source = _speed_bench_rows(tmp_path / "t.jsonl", [_row("p", "coding", [SPEEDBENCH_PLACEHOLDER + "\n\nx"])])
-    with pytest.raises(PromptError, match="line 1: question p holds SPEED-Bench's placeholder"):
-        load_prompts(source)
+    rows = [_row("p", "coding", [SPEEDBENCH_PLACEHOLDER + "\n\nx"]), _row("q", "qa"),
+            _row("r", "rag", [SPEEDBENCH_PLACEHOLDER])]
+    with pytest.raises(PromptError, match="line 1: 2 of 3 rows hold SPEED-Bench's placeholder.*the first: question p"):
+        load_prompts(_speed_bench_rows(tmp_path / "t.jsonl", rows))
+
+
+def _speed_bench_parquet(path, rows):
+    """Rows written as parquet in the published file's column types (DuckDB; constructed rows,
+    not SPEED-Bench's own: tests/fixtures/benchmarks/README.md says why none is committed)."""
+    import duckdb
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with duckdb.connect() as connection:
+        connection.execute("CREATE TABLE t (question_id VARCHAR, category VARCHAR, sub_category VARCHAR, "
+                           "turns VARCHAR[], source VARCHAR, src_id VARCHAR, difficulty VARCHAR, multiturn BOOLEAN)")
+        connection.executemany("INSERT INTO t VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                               [[row[name] for name in ("question_id", "category", "sub_category", "turns", "source",
+                                                        "src_id", "difficulty", "multiturn")] for row in rows])
+        connection.execute(f"COPY t TO '{path}' (FORMAT parquet)")
+    return f"speedbench:{path}"
+
+
+def test_speed_bench_parquet_as_published(tmp_path):
+    rows = [_row(f"q{i}", category) for i, category in enumerate(SPEED_BENCH_CATEGORIES)]
+    prompts = load_prompts(_speed_bench_parquet(tmp_path / "qualitative" / "test-00000-of-00001.parquet", rows))
+    assert [p.category for p in prompts] == list(SPEED_BENCH_CATEGORIES)
+    assert prompts[0].id == "speedbench-q0" and prompts[0].text == rows[0]["turns"][0] and prompts[0].chat
+    # A throughput config's folder names its input-length tier; its ids carry it.
+    tier = load_prompts(_speed_bench_parquet(tmp_path / "throughput_8k" / "test-00000-of-00001.parquet",
+                                             [_row("t1", "low_entropy")]))
+    assert [(p.id, p.category) for p in tier] == [("speedbench-throughput_8k-t1", "low_entropy")]
+    assert prompts[0].later_turns == tuple(rows[0]["turns"][1:]) and len(prompts[0].later_turns) == 1
+    assert load_prompts(_speed_bench_rows(tmp_path / "throughput_1k.jsonl", [_row("t1", "mixed")]))[0].id == \
+        "speedbench-throughput_1k-t1"
+    masked = _speed_bench_parquet(tmp_path / "m.parquet", [_row("p", "qa", [SPEEDBENCH_PLACEHOLDER])])
+    with pytest.raises(PromptError, match=r"m.parquet row 1: 1 of 1 rows hold SPEED-Bench's placeholder"):
+        load_prompts(masked)
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(PromptError, match="broken.parquet: cannot read as parquet"):
+        load_prompts(f"speedbench:{tmp_path / 'broken.parquet'}")
 
 
 def test_a_spec_bench_question_templated_on_the_tiny_pair(tiny_pair, tmp_path):

@@ -9,7 +9,7 @@ from typing import Sequence
 import click
 
 from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, CommaChoice, device_options, resolve_pair
-from crossrt.cli.prompt_options import chat_options, fed_prompts
+from crossrt.cli.prompt_options import chat_options, fed_prompts, first_answers
 from crossrt.diagnosis import explain_record
 from crossrt.diff import diff_records, render_diff, render_record_splits
 from crossrt.errors import ComparisonError
@@ -59,7 +59,8 @@ from crossrt.tolerance import tolerance_for
 @device_options
 def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max_new_tokens, out_dir, f32_kv_cache,
            flash_attn, baselines, counter_tolerance, logit_tolerance, strict, no_logits, junit, markdown,
-           chat, chat_template, template_vars, threads, n_ctx, n_gpu_layers, gpu_split) -> None:
+           chat, chat_template, template_vars, turn, first_answers_file, threads, n_ctx, n_gpu_layers,
+           gpu_split) -> None:
     """Check that runs agree: same token ids over the full length, counters equal between runs
     with the same schedule, each run lossless, logits close along common outputs.
 
@@ -79,8 +80,9 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
                                      f32_kv_cache=f32_kv_cache, flash_attn=flash_attn)
             resolved = resolve_pair(pair)
             rules = DraftRules(k or int(resolved.defaults.get("k", 4)))
+            answers = first_answers(turn, first_answers_file, out_dir, resolved, options, max_new_tokens)
             prompts, rendering, prompt_format = fed_prompts(load_prompts(prompt_source), resolved, chat,
-                                                            chat_template, template_vars)
+                                                            chat_template, template_vars, answers)
             matrix = Matrix(resolved, runtimes, modes, options, rules, max_new_tokens, out_dir,
                             chat=rendering, prompt_format=prompt_format)
             records_run, not_run, skipped = run_matrix(matrix, prompts,

@@ -14,7 +14,7 @@ from crossrt.cli.analysis import analyze, simulate_command
 from crossrt.cli.compare import diff, parity
 from crossrt.cli.drafter import drafter
 from crossrt.cli.imports import import_command
-from crossrt.cli.prompt_options import chat_options, fed_prompts
+from crossrt.cli.prompt_options import chat_options, fed_prompts, first_answers
 from crossrt.cli.report import report
 from crossrt.cli.reproduce import reproduce
 from crossrt.cli.sweep import sweep
@@ -85,7 +85,7 @@ def main() -> None:
               help="llama-speculative-simple executable for --runtime llama-spec-cli (default: the "
               "one scripts/build_llama_tools built, else PATH).")
 def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_min, prompt_source,
-        max_new_tokens, out, trace, resume, overwrite, chat, chat_template, template_vars, threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache, flash_attn, llama_server, llama_spec) -> None:
+        max_new_tokens, out, trace, resume, overwrite, chat, chat_template, template_vars, turn, first_answers_file, threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache, flash_attn, llama_server, llama_spec) -> None:
     """Run a pair over prompts: plain greedy baseline and speculative decoding, per prompt.
 
     Writes a run record (JSON, schema in docs/schema.md) after every prompt, so an
@@ -93,13 +93,15 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft
     """
     try:
         resolved = resolve_pair(pair, target, drafter)
-        prompts, rendering, prompt_format = fed_prompts(load_prompts(prompt_source), resolved, chat, chat_template,
-                                                        template_vars)
         k = k or int(resolved.defaults.get("k", 4))
-        out = out or Path("runs") / f"{resolved.name}-{runtime_name}-k{k}.json"
         options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers,
                                  gpu_split=gpu_split, f32_kv_cache=f32_kv_cache, flash_attn=flash_attn,
                                  executable={"llama-server": llama_server, "llama-spec-cli": llama_spec}.get(runtime_name))
+        named_out = out or Path("runs") / f"{resolved.name}-{runtime_name}-k{k}.json"
+        answers = first_answers(turn, first_answers_file, named_out.parent, resolved, options, max_new_tokens)
+        prompts, rendering, prompt_format = fed_prompts(load_prompts(prompt_source), resolved, chat, chat_template,
+                                                        template_vars, answers)
+        out = named_out
         rules = DraftRules(k, draft_n_min, draft_p_min, spec_type or str(resolved.defaults.get("spec_type", "draft")))
         request = RunRequest(resolved, runtime_name, options, rules, max_new_tokens, out, mode, schedule,
                              resume, overwrite, trace=trace, chat=rendering, prompt_format=prompt_format)
