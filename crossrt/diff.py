@@ -29,7 +29,7 @@ import numpy as np
 
 from crossrt.diagnosis import (CROSS_NUMERICS, DISAGREEMENT, Side, Split, first_divergence, flip as recorded_flip,
                                lossless_split, own_tokenization, side, template_split, tokenization_split)
-from crossrt.rescore import open_scorer, score
+from crossrt.rescore import open_scorer, score, top_k
 from crossrt.runtime import ModelSession
 from crossrt.schema import PromptResult, RunRecord
 
@@ -81,7 +81,7 @@ def gap_shifts(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per row: runtime A's top-2 margin, and how much that gap moves in runtime B."""
     if len(a) == 0:
         return np.zeros(0), np.zeros(0)
-    top2 = np.argsort(-a, axis=1, kind="stable")[:, :2]
+    top2 = top_k(a, 2)
     rows = np.arange(len(a))
     gap_a = a[rows, top2[:, 0]] - a[rows, top2[:, 1]]
     gap_b = b[rows, top2[:, 0]] - b[rows, top2[:, 1]]
@@ -90,7 +90,7 @@ def gap_shifts(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _view(label: str, row: np.ndarray, chosen: int, detokenize) -> RuntimeView:
     probabilities = softmax(row)
-    order = np.argsort(-row, kind="stable")[:5]
+    order = top_k(row, 5)
     top = tuple(Candidate(int(t), detokenize([int(t)]), float(row[t]), float(probabilities[t])) for t in order)
     return RuntimeView(label, top, chosen)
 
