@@ -4,7 +4,8 @@ re-scored on each record's runtime, for crossrt.parity and crossrt.parity_report
 from __future__ import annotations
 
 import contextlib
-
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -34,31 +35,58 @@ class Matrix:
     prompt_format: Optional[PromptFormat] = None
 
 
-def run_matrix(matrix: Matrix, prompts: Sequence[Prompt],
-               on_run: Optional[Callable[[str], None]] = None) -> tuple[list[RunRecord], list[NotRun], list[str]]:
+def _run_cell(matrix: Matrix, name: str, mode: str, prompts: Sequence[Prompt],
+              shared_ids: Optional[dict]) -> RunRecord | NotRun:
+    """One (runtime, mode) of the matrix: its record, or why the runtime could not run."""
+    out = matrix.out_dir / f"{matrix.pair.name}-{name}-{mode}-k{matrix.rules.k}.json"
+    request = RunRequest(matrix.pair, name, matrix.options, matrix.rules, matrix.max_new_tokens,
+                         out, mode=mode, overwrite=True, shared_prompt_ids=shared_ids,
+                         chat=matrix.chat, prompt_format=matrix.prompt_format)
+    try:
+        return run_pair(request, prompts)
+    except RuntimeUnavailable as error:
+        return NotRun(f"{name}/{mode}", str(error))
+
+
+def run_matrix(matrix: Matrix, prompts: Sequence[Prompt], on_run: Optional[Callable[[str], None]] = None,
+               jobs: int = 1) -> tuple[list[RunRecord], list[NotRun], list[str]]:
     """Records of every (runtime, mode) the runtime has; the combinations that could not run
-    (failures), and those skipped because the runtime lacks the mode (not failures)."""
-    records, not_run, skipped = [], [], []
-    shared_ids = None  # the first run's tokenization feeds every later run
+    (failures), and those skipped because the runtime lacks the mode (not failures).
+
+    The first run's tokenization feeds every later run, so cells run one by one until one has
+    run; with jobs > 1 the others then run that many at once, each in a process of its own
+    (spawned: a runtime's libraries and threads are not forked), results kept in matrix order."""
+    cells, skipped = [], []
     for name in matrix.runtimes:
         for mode in matrix.modes:
-            label = f"{name}/{mode}"
-            try:
-                if mode not in runtime_class(name).modes:
-                    skipped.append(f"{label}: {name} has no {mode} mode")
-                    continue
+            if mode in runtime_class(name).modes:
+                cells.append((name, mode))
+            else:
+                skipped.append(f"{name}/{mode}: {name} has no {mode} mode")
+    outcomes: list[RunRecord | NotRun] = []
+    shared_ids = None
+    while cells and shared_ids is None:
+        name, mode = cells.pop(0)
+        if on_run is not None:
+            on_run(f"{name}/{mode}")
+        outcomes.append(_run_cell(matrix, name, mode, prompts, None))
+        if isinstance(outcomes[-1], RunRecord):
+            shared_ids = {r.prompt_id: r.prompt_ids for r in outcomes[-1].results if r.prompt_ids}
+    if jobs > 1 and len(cells) > 1:
+        with ProcessPoolExecutor(min(jobs, len(cells)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = []
+            for name, mode in cells:
                 if on_run is not None:
-                    on_run(label)
-                out = matrix.out_dir / f"{matrix.pair.name}-{name}-{mode}-k{matrix.rules.k}.json"
-                request = RunRequest(matrix.pair, name, matrix.options, matrix.rules, matrix.max_new_tokens,
-                                     out, mode=mode, overwrite=True, shared_prompt_ids=shared_ids,
-                                     chat=matrix.chat, prompt_format=matrix.prompt_format)
-                records.append(run_pair(request, prompts))
-                if shared_ids is None:
-                    shared_ids = {r.prompt_id: r.prompt_ids for r in records[0].results if r.prompt_ids}
-            except RuntimeUnavailable as error:
-                not_run.append(NotRun(label, str(error)))
-    return records, not_run, skipped
+                    on_run(f"{name}/{mode}")
+                futures.append(pool.submit(_run_cell, matrix, name, mode, prompts, shared_ids))
+            outcomes += [future.result() for future in futures]
+    else:
+        for name, mode in cells:
+            if on_run is not None:
+                on_run(f"{name}/{mode}")
+            outcomes.append(_run_cell(matrix, name, mode, prompts, shared_ids))
+    records = [o for o in outcomes if isinstance(o, RunRecord)]
+    return records, [o for o in outcomes if isinstance(o, NotRun)], skipped
 
 
 def score_records(runs: Sequence[tuple[str, RunRecord]]) -> dict[tuple[str, str], np.ndarray]:

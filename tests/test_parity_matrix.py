@@ -65,3 +65,19 @@ def test_default_numerics_differ_in_logits_not_tokens(tmp_path):
     assert result.exit_code == 1
     assert "10/10 prompts agree; counters compared" in result.output
     assert "logits: max abs logit diff" in result.output and "(tolerance for --logit-tolerance)" in result.output
+
+
+def test_cells_run_at_once_give_the_same_records(matrix, tmp_path):
+    """--jobs 2: after the first cell, the others run in processes of their own; the records are
+    the sequential matrix's, token for token and count for count, in matrix order."""
+    _, sequential = matrix
+    result = invoke("parity", "--pair", TINY_PAIR, "--runtimes", "llama-cpp,transformers", "--modes", "driven,native",
+                    "--max-new-tokens", 32, "--out-dir", tmp_path, "--logit-tolerance", "1e-4", "--jobs", 2, *EXACT)
+    assert result.exit_code == 0, result.output
+    assert "logits along common outputs: 30/30 within tolerance" in result.output
+    assert result.output.index("llama-cpp/driven vs transformers/driven") < result.output.index(
+        "transformers/driven vs transformers/native")
+    for path in sequential.glob("*.json"):
+        ran, alone = load_record(tmp_path / path.name), load_record(path)
+        assert [(r.prompt_id, r.prompt_ids, r.output_ids, r.baseline_ids, r.counters) for r in ran.results] == \
+            [(r.prompt_id, r.prompt_ids, r.output_ids, r.baseline_ids, r.counters) for r in alone.results]

@@ -20,7 +20,7 @@ from crossrt.parity_run import Matrix, run_matrix, score_records
 from crossrt.prompts import load_prompts
 from crossrt.record_json import load_record
 from crossrt.rescore import open_scorer
-from crossrt.runtime import DraftRules, RuntimeOptions, runtime_names
+from crossrt.runtime import DraftRules, RuntimeOptions, availability, runtime_names
 from crossrt.tolerance import tolerance_for
 
 
@@ -28,8 +28,8 @@ from crossrt.tolerance import tolerance_for
 @click.argument("records", nargs=-1, type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--pair", help="Run the matrix on this pair (manifest path or name; default: tiny) "
               "instead of comparing RECORDS.")
-@click.option("--runtimes", type=CommaChoice(runtime_names()), default="llama-cpp", show_default=True,
-              help="Comma-separated runtimes to run.")
+@click.option("--runtimes", type=CommaChoice((*runtime_names(), "usable")), default="llama-cpp", show_default=True,
+              help="Comma-separated runtimes to run; `usable`: every runtime usable here (`crossrt runtimes`).")
 @click.option("--modes", type=CommaChoice(("driven", "native")), default="driven,native", show_default=True,
               help="Comma-separated modes; a runtime runs the modes it has (others are skipped, not failed).")
 @click.option("--prompts", "prompt_source", default="builtin", show_default=True,
@@ -53,12 +53,16 @@ from crossrt.tolerance import tolerance_for
 @click.option("--strict", is_flag=True, help="Fail on every divergence, also those explained as numerics "
               "(a near-tie a verification batch or another runtime breaks the other way).")
 @click.option("--no-logits", is_flag=True, help="Skip re-scoring outputs to compare logits.")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Run this many (runtime, mode) cells of the matrix at once, each in a process of its own "
+              "with --threads threads (the first cell runs alone first: its tokenization feeds every "
+              "other). Cells that run at once share the machine, so their timings do too.")
 @click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), help="Write a JUnit XML report.")
 @click.option("--markdown", type=click.Path(path_type=Path, dir_okay=False), help="Write a markdown summary.")
 @chat_options
 @device_options
 def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max_new_tokens, out_dir, f32_kv_cache,
-           flash_attn, baselines, counter_tolerance, logit_tolerance, strict, no_logits, junit, markdown,
+           flash_attn, baselines, counter_tolerance, logit_tolerance, strict, no_logits, jobs, junit, markdown,
            chat, chat_template, template_vars, turn, first_answers_file, threads, n_ctx, n_gpu_layers,
            gpu_split) -> None:
     """Check that runs agree: same token ids over the full length, counters equal between runs
@@ -83,9 +87,12 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
             answers = first_answers(turn, first_answers_file, out_dir, resolved, options, max_new_tokens)
             prompts, rendering, prompt_format = fed_prompts(load_prompts(prompt_source), resolved, chat,
                                                             chat_template, template_vars, answers)
+            if "usable" in runtimes:
+                usable = tuple(name for name in runtime_names() if availability(name) is None)
+                runtimes = tuple(dict.fromkeys(n for name in runtimes for n in (usable if name == "usable" else (name,))))
             matrix = Matrix(resolved, runtimes, modes, options, rules, max_new_tokens, out_dir,
                             chat=rendering, prompt_format=prompt_format)
-            records_run, not_run, skipped = run_matrix(matrix, prompts,
+            records_run, not_run, skipped = run_matrix(matrix, prompts, jobs=jobs,
                                                        on_run=lambda label: click.echo(f"running {label}", err=True))
             runs = labelled(records_run, [""] * len(records_run))
         comparisons = compare_all(runs, counter_tolerance, logit_tolerance, strict)
