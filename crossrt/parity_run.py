@@ -63,12 +63,12 @@ def run_matrix(matrix: Matrix, prompts: Sequence[Prompt], on_run: Optional[Calla
                 cells.append((name, mode))
             else:
                 skipped.append(f"{name}/{mode}: {name} has no {mode} mode")
+    announce = on_run or (lambda label: None)
     outcomes: list[RunRecord | NotRun] = []
     shared_ids = None
     while cells and shared_ids is None:
         name, mode = cells.pop(0)
-        if on_run is not None:
-            on_run(f"{name}/{mode}")
+        announce(f"{name}/{mode}")
         outcomes.append(_run_cell(matrix, name, mode, prompts, None))
         if isinstance(outcomes[-1], RunRecord):
             shared_ids = {r.prompt_id: r.prompt_ids for r in outcomes[-1].results if r.prompt_ids}
@@ -76,14 +76,12 @@ def run_matrix(matrix: Matrix, prompts: Sequence[Prompt], on_run: Optional[Calla
         with ProcessPoolExecutor(min(jobs, len(cells)), mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = []
             for name, mode in cells:
-                if on_run is not None:
-                    on_run(f"{name}/{mode}")
+                announce(f"{name}/{mode}")
                 futures.append(pool.submit(_run_cell, matrix, name, mode, prompts, shared_ids))
             outcomes += [future.result() for future in futures]
     else:
         for name, mode in cells:
-            if on_run is not None:
-                on_run(f"{name}/{mode}")
+            announce(f"{name}/{mode}")
             outcomes.append(_run_cell(matrix, name, mode, prompts, shared_ids))
     records = [o for o in outcomes if isinstance(o, RunRecord)]
     return records, [o for o in outcomes if isinstance(o, NotRun)], skipped

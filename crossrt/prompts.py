@@ -74,6 +74,13 @@ def _crossrt_prompt(item: dict, where: str) -> Prompt:
     return Prompt(item["id"], item["category"], item["prompt"], chat=chat)
 
 
+def _user_turns(turns, where: str, field: str) -> list[str]:
+    """A question's user turns: a non-empty list of non-empty strings."""
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+        raise PromptError(f"{where}: {field} must be a non-empty list of non-empty strings")
+    return turns
+
+
 def _question_reader(prefix: str) -> Callable[[dict, str], Prompt]:
     """Spec-Bench and MT-Bench question.jsonl: question_id, category, turns (one string per
     user turn). The first turn is the prompt; the later ones are kept for --turn 2
@@ -83,9 +90,7 @@ def _question_reader(prefix: str) -> Callable[[dict, str], Prompt]:
         question_id = item.get("question_id")
         if isinstance(question_id, bool) or not isinstance(question_id, (int, str)) or question_id == "":
             raise PromptError(f"{where}: missing question_id (an integer or string)")
-        turns = item.get("turns")
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
-            raise PromptError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
+        turns = _user_turns(item.get("turns"), where, "'turns'")
         return Prompt(f"{prefix}-{question_id}", _text_field(item, "category", where), turns[0], chat=True,
                       later_turns=tuple(turns[1:]))
 
@@ -118,9 +123,7 @@ def _speedbench_turns(item: dict, where: str) -> list[str]:
     turns = item.get("turns")
     if turns is None and isinstance(item.get("messages"), list):
         turns = [m.get("content") for m in item["messages"] if isinstance(m, dict) and m.get("role") == "user"]
-    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
-        raise PromptError(f"{where}: 'turns' (or 'messages') must hold at least one non-empty user turn")
-    return turns
+    return _user_turns(turns, where, "'turns' (or 'messages')")
 
 
 def _speedbench_reader(config: Optional[str]) -> Callable[[dict, str], Prompt]:
@@ -183,8 +186,10 @@ class Reader:
 # Scheme of a prompt source -> its reader. A source without a scheme is crossrt's own format.
 READERS: dict[str, Reader] = {
     "jsonl": Reader(_crossrt_prompt, "PATH or jsonl:PATH (id, category, prompt; optional chat)"),
-    "specbench": Reader(_question_reader("specbench"), "specbench:PATH (Spec-Bench question.jsonl, first turn)"),
-    "mtbench": Reader(_question_reader("mtbench"), "mtbench:PATH (MT-Bench question.jsonl, first turn)"),
+    "specbench": Reader(_question_reader("specbench"), "specbench:PATH (Spec-Bench question.jsonl; --turn 2 for the "
+                        "second turn)"),
+    "mtbench": Reader(_question_reader("mtbench"), "mtbench:PATH (MT-Bench question.jsonl; --turn 2 for the second "
+                      "turn)"),
     "humaneval": Reader(_humaneval_prompt, "humaneval:PATH (HumanEval, .jsonl or .jsonl.gz)"),
     "speedbench": Reader(_speedbench_reader(None), "speedbench:PATH (SPEED-Bench, .parquet as published or "
                          ".jsonl, rows filled in)"),
