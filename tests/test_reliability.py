@@ -274,14 +274,17 @@ def test_a_stopped_llama_server_is_a_failure_that_keeps_finished_prompts(tmp_pat
 
 
 def children() -> list:
-    """The live child processes of this test process (the run's llama-servers)."""
+    """The live llama-server child processes of this test process (the run's servers; not, say,
+    the resource tracker an earlier test's spawned worker pool leaves for the process's life)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             fields = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
+            command = (entry / "cmdline").read_bytes().split(b"\0")[0]
         except OSError:
             continue
-        if entry.name.isdigit() and int(fields[1]) == os.getpid() and fields[0] != "Z":
+        if entry.name.isdigit() and int(fields[1]) == os.getpid() and fields[0] != "Z" \
+                and Path(command.decode(errors="replace")).name == "llama-server":
             found.append(int(entry.name))
     return found
 
