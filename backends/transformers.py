@@ -95,9 +95,10 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
     quiet = contextlib.redirect_stderr(io.StringIO()) if extra else contextlib.nullcontext()
     try:
         # local_files_only: a path that is not a local model must fail here, never reach for a hub.
-        with quiet:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, local_files_only=True, **extra)
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **extra)
+        with quiet, _each_gguf_read_once() if extra else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, local_files_only=True,
+                                                         **extra)
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **extra)
     except LOAD_ERRORS as error:
         via = f" from its cached conversion {cached} (delete it to convert again)" if source == cached else ""
         raise ModelError(f"transformers could not load {path}{via}: {error}") from None
@@ -110,6 +111,33 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
         bos_token_id=shipped.bos_token_id, eos_token_id=sorted(eog) or None,
         pad_token_id=shipped.pad_token_id if shipped.pad_token_id is not None else min(eog, default=None))
     return LoadedModel(model, tokenizer, frozenset(eog))
+
+
+@contextlib.contextmanager
+def _each_gguf_read_once():
+    """While converting a GGUF file, gguf-py reads it once, not three times.
+
+    transformers' GGUF loader opens the file with a new gguf.GGUFReader for the config, for the
+    weights and for the tokenizer in turn (load_gguf_checkpoint imports the class at each call),
+    and each reader builds NumPy views of every vocabulary entry: ~20 CPU-s apiece on a
+    262,144-token vocabulary. A reader is a read-only view of the file, so one per file serves
+    all three.
+    """
+    import gguf
+
+    make_reader, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = make_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = make_reader
 
 
 def dequantized_folder(path: Path) -> Path:

@@ -3,6 +3,7 @@ scripts/setup): the cut keeps the metadata, vocabulary and quantized tensors byt
 loads in llama.cpp with 17 layers and drafts for the target; bad arguments and damaged inputs
 get one-line errors before any work."""
 
+import json
 import re
 import shutil
 from collections import Counter
@@ -116,3 +117,49 @@ def test_outputs_that_cannot_be_written_are_refused(tmp_path):
     result = layer_skip(source, existing, "--blocks", 2, "--overwrite")
     assert result.exit_code == 0 and gguf_metadata(existing)["llama.block_count"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing.gguf", "tiny.gguf"]  # no temporary left
+
+
+@pytest.fixture()
+def hf_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CROSSRT_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_cutting_a_transformers_conversion_gives_the_conversion_of_the_cut(hf_cache):
+    """The tiny target's transformers conversion cut to 2 blocks equals transformers' own
+    conversion of the GGUF cut to 2 blocks, file by file and tensor by tensor."""
+    from safetensors.torch import load_file
+
+    from crossrt.backends.transformers import dequantized_folder, load_model
+    from crossrt.builders.layer_skip import layer_skip_folder as cut_folder
+    from crossrt.runtime import RuntimeOptions
+
+    cut = hf_cache / "blocks2.gguf"
+    layer_skip(TINY, cut, "--blocks", 2)
+    for model in (TINY, cut):
+        load_model(model, RuntimeOptions(threads=1))
+    ours, theirs = hf_cache / "ours", dequantized_folder(cut)
+    assert cut_folder(dequantized_folder(TINY), ours, 2) == 2 * 9  # a llama block's 9 tensors
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    config = json.loads((ours / "config.json").read_text())
+    assert config == json.loads((theirs / "config.json").read_text()) and config["num_hidden_layers"] == 2
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+    mine, transformers = load_file(ours / "model.safetensors"), load_file(theirs / "model.safetensors")
+    assert mine.keys() == transformers.keys() and all(mine[k].equal(transformers[k]) for k in mine)
+
+
+def test_cutting_a_transformers_folder_refuses_bad_arguments(hf_cache):
+    from crossrt.backends.transformers import dequantized_folder, load_model
+    from crossrt.builders.layer_skip import LayerSkipError, layer_skip_folder as cut_folder
+    from crossrt.runtime import RuntimeOptions
+
+    load_model(TINY, RuntimeOptions(threads=1))
+    source = dequantized_folder(TINY)
+    (hf_cache / "taken").mkdir()
+    for folder, output, blocks, message in [(source, hf_cache / "out", 4, "cannot keep 4 blocks: .* has 4; keep 1 to 3"),
+                                            (hf_cache, hf_cache / "out", 2, "expected a transformers folder"),
+                                            (source, hf_cache / "taken", 2, "exists; remove it to cut again")]:
+        with pytest.raises(LayerSkipError, match=message):
+            cut_folder(folder, output, blocks)
+    assert not (hf_cache / "out").exists() and not list((hf_cache / "taken").iterdir())

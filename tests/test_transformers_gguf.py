@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from transformers import AutoConfig
 
 from crossrt.backends.transformers import dequantized_folder
+from crossrt.builders.layer_skip import layer_skip_folder
 from crossrt.cli import main
 from crossrt.pairs import Pair, PairError, pair_from_paths
 from crossrt.runtime import RuntimeOptions, Rows, open_runtime
@@ -88,3 +90,30 @@ def test_cli_runs_real_gguf_files_on_transformers(real_pair, cache, tmp_path):
     assert all(r.ok and r.lossless and len(r.output_ids) == 8 for r in record.results)
     assert sum(r.counters.accepted for r in record.results) > 0
     assert [p.name for p in (cache / "hf-from-gguf").glob("*/*")] == [record.pair.target.sha256]  # converted once
+
+
+def _config_as_transformers_reads_it(source, **extra) -> dict:
+    config = AutoConfig.from_pretrained(source, local_files_only=True, **extra).to_dict()
+    config.pop("quantization_config", None)  # a GGUF's; its conversion drops it (save_dequantized)
+    # dtype: what load_model loads in (float32), which a GGUF's config leaves unset.
+    return {key: value for key, value in config.items()
+            if key not in ("_name_or_path", "transformers_version", "dtype")}
+
+
+def test_a_drafter_cut_from_the_targets_conversion_is_transformers_conversion_of_its_gguf(real_pair, cache,
+                                                                                          hf_runtime, tmp_path):
+    """What scripts/fetch_real_model does instead of converting the drafter's GGUF (~55 CPU-s):
+    the drafter GGUF's metadata and tensor bytes are the target's but for the block count and
+    the last block (tests/test_layer_skip.py), so only the config can differ: it must be the one
+    transformers reads from the drafter's GGUF."""
+    target, drafter = (real_pair.path(role, "gguf") for role in ("target", "drafter"))
+    if not dequantized_folder(target).is_dir():  # this test run alone
+        hf_runtime.load(target)
+    cut = tmp_path / "blocks17"
+    assert layer_skip_folder(dequantized_folder(target), cut, 17) == 13  # the last block's 13 tensors
+    assert _config_as_transformers_reads_it(cut) == _config_as_transformers_reads_it(drafter.parent,
+                                                                                    gguf_file=drafter.name)
+    config = json.loads((cut / "config.json").read_text())
+    assert config["layer_types"][-1] == "sliding_attention" and config["dtype"] == "float32"
+    loaded = hf_runtime.load(cut)
+    assert loaded.n_vocab == 262144 and loaded.tokenize(TEXT) == [2, 818, 5279, 529, 7001, 563]

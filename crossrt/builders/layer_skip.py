@@ -115,3 +115,63 @@ def layer_skip(source: Path, output: Path, blocks: int, overwrite: bool = False)
             os.unlink(temporary)
     return LayerSkip(source, output, blocks, total, len(kept), len(reader.tensors) - len(kept),
                      output.stat().st_size)
+
+
+HF_BLOCK_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+WEIGHTS = "model.safetensors"
+
+
+def layer_skip_folder(source: Path, output: Path, blocks: int) -> int:
+    """Write the transformers folder output: the folder source cut to its first blocks blocks,
+    as layer_skip cuts a GGUF file; returns the number of tensors dropped.
+
+    config.json gets num_hidden_layers = blocks and every top-level list with one entry per
+    block (Gemma 3's layer_types) cut to blocks entries; model.safetensors loses the tensors of
+    layers blocks and up, keeping its metadata (the tied-weight aliases); every other file (the
+    tokenizer, generation_config.json) is copied as it is. Made for the transformers runtime's
+    conversion of a layer-skip drafter from its target's: the cut GGUF holds the target's
+    metadata but the block count and the target's tensor bytes, so transformers' own conversion
+    of it differs from the target's in exactly these places (checked on Gemma 3 270M,
+    tests/test_transformers_gguf.py). The folder is written under a temporary name and renamed
+    into place.
+    """
+    import json
+    import shutil
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source, output = Path(source), Path(output)
+    config_file, weights = source / "config.json", source / WEIGHTS
+    if not (config_file.is_file() and weights.is_file()):
+        raise LayerSkipError(f"{source}: expected a transformers folder with config.json and {WEIGHTS}")
+    config = json.loads(config_file.read_text())
+    total = config.get("num_hidden_layers")
+    if not isinstance(total, int) or not 1 <= blocks < total:
+        raise LayerSkipError(f"cannot keep {blocks} blocks: {source} has {total}; keep 1 to {total - 1}"
+                             if isinstance(total, int) else f"{source}/config.json has no num_hidden_layers")
+    if output.exists():
+        raise LayerSkipError(f"{output} exists; remove it to cut again")
+    config = {key: value[:blocks] if isinstance(value, list) and len(value) == total else value
+              for key, value in config.items()} | {"num_hidden_layers": blocks}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    temporary = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}."))
+    try:
+        with safe_open(weights, "pt") as tensors:
+            names = [name for name in tensors.keys()
+                     if not ((match := HF_BLOCK_TENSOR.search(name)) and int(match.group(1)) >= blocks)]
+            save_file({name: tensors.get_tensor(name) for name in names}, temporary / WEIGHTS,
+                      metadata=tensors.metadata())
+            dropped = len(tensors.keys()) - len(names)
+        (temporary / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for path in source.iterdir():
+            if path.name not in ("config.json", WEIGHTS):
+                shutil.copy2(path, temporary / path.name)
+        os.rename(temporary, output)
+    except OSError as error:
+        raise LayerSkipError(f"cannot write {output}: {error.strerror or error}") from None
+    finally:
+        if temporary.exists():
+            shutil.rmtree(temporary, ignore_errors=True)
+    return dropped
