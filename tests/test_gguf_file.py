@@ -1,0 +1,41 @@
+"""crossrt.gguf_file against gguf-py's own reader on the tiny target: the same metadata, the
+same tensors at the same places; a damaged file is a ValueError naming where it stops."""
+
+import mmap
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from crossrt.gguf_file import encode_field, read_layout
+
+from conftest import REPO
+
+TINY = REPO / "models" / "tiny" / "target.f32.gguf"
+
+
+def test_layout_matches_gguf_py():
+    reader = GGUFReader(TINY)
+    with open(TINY, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        layout = read_layout(data)
+        theirs = {name: field for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+        assert list(layout.fields) == list(theirs)
+        for name, field in layout.fields.items():
+            value = theirs[name].contents()
+            assert field.value == (value.tolist() if isinstance(value, np.ndarray) else value), name
+            # A pair re-encoded with its own value is the bytes it was read from.
+            assert encode_field(field, field.value, layout.order) == data[field.start:field.end], name
+        assert [(t.name, t.ggml_type, t.nbytes) for t in layout.tensors] == \
+               [(t.name, int(t.tensor_type), int(t.n_bytes)) for t in reader.tensors]
+        for ours, tensor in zip(layout.tensors, reader.tensors, strict=True):
+            assert ours.dims == tuple(int(d) for d in tensor.shape)
+            assert layout.data_start + ours.offset == tensor.data_offset
+
+
+def test_damaged_files_name_the_problem(tmp_path):
+    whole = TINY.read_bytes()
+    with pytest.raises(ValueError, match="tensor .* runs past the end of the file"):
+        read_layout(whole[:-4096])
+    with pytest.raises(ValueError, match="GGUF magic invalid"):
+        read_layout(b"GGML" + whole[4:])
+    assert read_layout(whole[:-4096], tensors=False).fields["general.architecture"].value == "llama"
