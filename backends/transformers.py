@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import hashlib
 import io
+import json
 import os
 import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -46,12 +49,24 @@ LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError)
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A model in eval mode on its device, its tokenizer, and the end-of-generation ids its
-    configuration names (read before generation_config is replaced by a clean one)."""
+    """A model in eval mode on its device, the end-of-generation ids its configuration names
+    (read before generation_config is replaced by a clean one), and its tokenizer: the one a
+    GGUF conversion made, else the folder's, loaded on first use (re-scoring never tokenizes,
+    and Gemma 3's tokenizer takes ~4.5 s to load)."""
 
     model: "transformers.PreTrainedModel"
-    tokenizer: "transformers.PreTrainedTokenizerBase"
     eog_ids: frozenset[int]
+    folder: Path
+    converted_tokenizer: Optional["transformers.PreTrainedTokenizerBase"] = None
+
+    @functools.cached_property
+    def tokenizer(self) -> "transformers.PreTrainedTokenizerBase":
+        if self.converted_tokenizer is not None:
+            return self.converted_tokenizer
+        try:
+            return _folder_tokenizer(self.folder)
+        except LOAD_ERRORS as error:
+            raise ModelError(f"transformers could not load the tokenizer of {self.folder}: {error}") from None
 
 
 def device_of(options: RuntimeOptions) -> str:
@@ -98,7 +113,7 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
         with quiet, _each_gguf_read_once() if extra else contextlib.nullcontext():
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, local_files_only=True,
                                                          **extra)
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **extra)
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **extra) if extra else None
     except LOAD_ERRORS as error:
         via = f" from its cached conversion {cached} (delete it to convert again)" if source == cached else ""
         raise ModelError(f"transformers could not load {path}{via}: {error}") from None
@@ -110,7 +125,28 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
     model.generation_config = GenerationConfig(
         bos_token_id=shipped.bos_token_id, eos_token_id=sorted(eog) or None,
         pad_token_id=shipped.pad_token_id if shipped.pad_token_id is not None else min(eog, default=None))
-    return LoadedModel(model, tokenizer, frozenset(eog))
+    return LoadedModel(model, frozenset(eog), cached if extra else source, tokenizer)
+
+
+# Files of a transformers folder that do not make its tokenizer (config.json is read for its
+# model_type and tokenizer_class only).
+NOT_TOKENIZER = {"config.json", "generation_config.json", "model.safetensors.index.json"}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_tokenizers: dict[tuple, "transformers.PreTrainedTokenizerBase"] = {}
+
+
+def _folder_tokenizer(folder: Path):
+    """The tokenizer of a transformers folder, loaded once per process for folders whose
+    tokenizer files are the same bytes: a target and its layer-skip drafter share Gemma 3's
+    262,144-token tokenizer, ~4.5 s to load. Tokenizers are only read by sessions (encode,
+    decode, chat templates), so one object serves both."""
+    config = json.loads((folder / "config.json").read_text())
+    files = sorted((p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in folder.iterdir()
+                   if p.is_file() and p.name not in NOT_TOKENIZER and not p.name.endswith(WEIGHT_SUFFIXES))
+    key = (config.get("model_type"), config.get("tokenizer_class"), tuple(files))
+    if key not in _tokenizers:
+        _tokenizers[key] = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return _tokenizers[key]
 
 
 @contextlib.contextmanager
@@ -150,12 +186,12 @@ def save_dequantized(model, tokenizer, folder: Path) -> None:
     """Cache a model and tokenizer loaded from a GGUF file as the transformers folder folder.
 
     save_pretrained refuses models loaded from GGUF, so the weights go to safetensors directly
-    (save_model stores tied weights once) and the config loses its GGUF quantization_config,
-    which would send the next load back to the GGUF file. The folder is written under a
-    temporary name and renamed into place, so an interrupted write is never read as a cache.
-    A cache that cannot be written only costs converting again next time.
+    (stored_weights) and the config loses its GGUF quantization_config, which would send the
+    next load back to the GGUF file. The folder is written under a temporary name and renamed
+    into place, so an interrupted write is never read as a cache. A cache that cannot be
+    written only costs converting again next time.
     """
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     temporary = None
     try:
@@ -165,7 +201,7 @@ def save_dequantized(model, tokenizer, folder: Path) -> None:
         del config.quantization_config
         config.save_pretrained(temporary)
         model.generation_config.save_pretrained(temporary)
-        save_model(model, str(temporary / "model.safetensors"), metadata={"format": "pt"})
+        save_file(stored_weights(model), temporary / "model.safetensors", metadata={"format": "pt"})
         tokenizer.save_pretrained(temporary)
         os.rename(temporary, folder)
     except OSError as error:
@@ -174,6 +210,21 @@ def save_dequantized(model, tokenizer, folder: Path) -> None:
     finally:
         if temporary is not None and temporary.exists():
             shutil.rmtree(temporary, ignore_errors=True)
+
+
+def stored_weights(model) -> dict[str, "torch.Tensor"]:
+    """The model's weights with each tied tensor once, under the first name the model gives it:
+    the input embeddings (model.embed_tokens) before the output head tied to them. transformers
+    loads that as it is; under the head's name, which safetensors' save_model picks, a load of
+    Gemma 3 270M first fills the 262,144 x 640 embeddings with random values and ties them
+    after: a process's first load took 4.5-5.4 s instead of 2.5-3.1 (the logits are the same)."""
+    weights, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        storage = (tensor.data_ptr(), tuple(tensor.shape))
+        if storage not in seen:
+            seen.add(storage)
+            weights[name] = tensor.contiguous()
+    return weights
 
 
 def synchronize(device: "torch.device") -> None:
@@ -198,7 +249,7 @@ def chat_template_ids(tokenizer, messages: list[dict], template: str, variables:
 class TransformersSession(ModelSession):
     def __init__(self, loaded: LoadedModel, options: RuntimeOptions):
         self._model = loaded.model
-        self._tokenizer = loaded.tokenizer
+        self._loaded = loaded  # its tokenizer is loaded when first needed
         self._device = self._model.device
         self.eog_ids = loaded.eog_ids
         # Logits have one column per output row of the LM head, which can exceed the tokenizer.
@@ -239,19 +290,19 @@ class TransformersSession(ModelSession):
     def _release(self) -> None:
         # The session holds the only references to its model and cache; on a GPU the caching
         # allocator keeps freed blocks until asked to give them back.
-        self._model = self._cache = None
+        self._model = self._cache = self._loaded = None
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
 
     def tokenize(self, text: str) -> list[int]:
-        return tokenize(self._tokenizer, text)
+        return tokenize(self._loaded.tokenizer, text)
 
     def chat_template_ids(self, messages: list[dict], template: str, variables: dict) -> list[int]:
-        return chat_template_ids(self._tokenizer, messages, template, variables)
+        return chat_template_ids(self._loaded.tokenizer, messages, template, variables)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         # Byte-level tokenizers already replace a split multi-byte character when decoding.
-        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self._loaded.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
 class TransformersRuntime(Runtime):

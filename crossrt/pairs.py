@@ -10,6 +10,7 @@ speculative decoding compares token ids, so the drafter's id i must mean the tar
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
@@ -127,7 +128,18 @@ class Vocabulary:
 
 def gguf_metadata(path: Path) -> dict[str, object]:
     """The GGUF key/value metadata of path (scalars, strings and arrays as lists), without tensors
-    (crossrt.gguf_file: ~0.3 s for a 262,144-token vocabulary, where gguf-py's reader takes ~20)."""
+    (crossrt.gguf_file: ~0.3 s for a 262,144-token vocabulary, where gguf-py's reader takes ~20).
+    Read once per version of the file in a process: a run asks for the vocabulary, the
+    quantization and the chat template in turn."""
+    try:
+        stat = os.stat(path)
+    except OSError as error:
+        raise PairError(f"{path} is not a readable GGUF file ({error.strerror or error})") from None
+    return dict(_gguf_metadata(str(path), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_metadata(path: str, size: int, mtime_ns: int) -> dict[str, object]:
     try:
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return {key: field.value for key, field in read_layout(data, tensors=False).fields.items()}

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from crossrt.parity import OWN_BASELINE, PromptParity
-from crossrt.rescore import LogitAgreement, agreement
+from crossrt.rescore import LogitAgreement, ScoredRows, agreement
 from crossrt.tolerance import Tolerance
 
 
@@ -140,11 +140,12 @@ def logit_checks(comparisons: Sequence[PromptParity], scored: dict[tuple[str, st
     (run label, prompt id) -> logits rows along that run's output; tolerance(run_a, run_b)
     gives the bounds for that pair of runs (crossrt/tolerance.py)."""
     checks = []
+    rows = {key: ScoredRows(logits) for key, logits in scored.items()}  # each run's rows analysed once
     for comparison in comparisons:
-        a, b = scored.get((comparison.run_a, comparison.prompt_id)), scored.get((comparison.run_b, comparison.prompt_id))
+        a, b = rows.get((comparison.run_a, comparison.prompt_id)), rows.get((comparison.run_b, comparison.prompt_id))
         if a is None or b is None:
             continue
         common = comparison.divergence if comparison.divergence is not None else min(len(a), len(b))
         checks.append(LogitCheck(comparison.prompt_id, comparison.run_a, comparison.run_b,
-                                 agreement(a[:common], b[:common]), tolerance(comparison.run_a, comparison.run_b)))
+                                 agreement(a, b, length=common), tolerance(comparison.run_a, comparison.run_b)))
     return tuple(checks)

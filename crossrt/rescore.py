@@ -8,6 +8,8 @@ Native-only runtimes are scored by their in-process sibling at the same commit.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -92,21 +94,51 @@ def log_softmax(rows: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def agreement(a: np.ndarray, b: np.ndarray, tokens: Optional[Sequence[int]] = None) -> LogitAgreement:
-    """tokens: the token emitted at each position (for Δp); default A's top-1."""
-    if a.shape != b.shape:
-        raise ComparisonError(f"logit shapes differ: {a.shape} vs {b.shape} (different vocabulary sizes?)")
-    if len(a) == 0:
+class ScoredRows:
+    """One run's logits rows with what agreement reads of each row computed once, on first
+    use: its top 5 and its log-probabilities. A parity of n runs compares each run's rows with
+    n - 1 others; every statistic is per row, so a prefix of the rows (the positions two runs
+    share) reads a prefix of these."""
+
+    def __init__(self, logits: np.ndarray):
+        self.logits = np.asarray(logits)
+
+    def __len__(self) -> int:
+        return len(self.logits)
+
+    @functools.cached_property
+    def top5(self) -> np.ndarray:
+        return top_k(self.logits, 5)
+
+    @functools.cached_property
+    def log_probs(self) -> np.ndarray:
+        return log_softmax(self.logits)
+
+    @functools.cached_property
+    def probs(self) -> np.ndarray:
+        return np.exp(self.log_probs)
+
+
+def agreement(a, b, tokens: Optional[Sequence[int]] = None, length: Optional[int] = None) -> LogitAgreement:
+    """The agreement of rows a and b (arrays, or ScoredRows to reuse what was computed of them),
+    over their first length rows (default all). tokens: the token emitted at each position
+    (for Δp); default A's top-1."""
+    a, b = (rows if isinstance(rows, ScoredRows) else ScoredRows(rows) for rows in (a, b))
+    if a.logits.shape[1:] != b.logits.shape[1:] or (length is None and len(a) != len(b)):
+        raise ComparisonError(f"logit shapes differ: {a.logits.shape} vs {b.logits.shape} "
+                              "(different vocabulary sizes?)")
+    n = len(a) if length is None else length
+    if n == 0:
         return LogitAgreement(0, 0.0, 0.0, 1.0, 1.0)
-    difference = np.abs(a - b)
-    top_a, top_b = top_k(a, 5), top_k(b, 5)
+    difference = np.abs(a.logits[:n] - b.logits[:n])
+    top_a, top_b = a.top5[:n], b.top5[:n]
     overlap = np.mean([len(set(x) & set(y)) / 5 for x, y in zip(top_a, top_b, strict=True)])
-    log_a, log_b = log_softmax(a), log_softmax(b)
-    kl = np.maximum((np.exp(log_a) * (log_a - log_b)).sum(axis=-1), 0.0)  # rounding can dip below 0
+    log_a, log_b = a.log_probs[:n], b.log_probs[:n]
+    kl = np.maximum((a.probs[:n] * (log_a - log_b)).sum(axis=-1), 0.0)  # rounding can dip below 0
     emitted = np.asarray(tokens if tokens is not None else top_a[:, 0])
-    rows = np.arange(len(a))
-    delta_p = np.exp(log_b[rows, emitted]) - np.exp(log_a[rows, emitted])
-    return LogitAgreement(len(a), float(difference.max()), float(difference.mean()),
+    rows = np.arange(n)
+    delta_p = b.probs[rows, emitted] - a.probs[rows, emitted]
+    return LogitAgreement(n, float(difference.max()), float(difference.mean()),
                           float(np.mean(top_a[:, 0] == top_b[:, 0])), float(overlap),
                           float(kl.mean()), float(np.median(kl)), float(np.percentile(kl, 99)), float(kl.max()),
                           float(np.sqrt(np.mean(delta_p ** 2))))

@@ -4,7 +4,8 @@ first, ties to the lower index, NaN last), without sorting whole rows."""
 import numpy as np
 import pytest
 
-from crossrt.rescore import agreement, top_k
+from crossrt.errors import ComparisonError
+from crossrt.rescore import ScoredRows, agreement, top_k
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -33,3 +34,17 @@ def test_agreement_of_identical_and_of_swapped_rows():
     assert (same.top1_agreement, same.top5_overlap, same.max_abs_diff) == (1.0, 1.0, 0.0)
     swapped = agreement(a, a[:, [2, 1, 0, 3, 4, 5]])
     assert swapped.top1_agreement == 0.0 and swapped.kl_mean > 0
+
+
+def test_scored_rows_reused_over_prefixes_give_the_sliced_arrays_agreement():
+    """parity's logit checks analyse each run's rows once (ScoredRows) and compare prefixes:
+    the statistics must be exactly those of the sliced arrays."""
+    rng = np.random.default_rng(7)
+    a, b = rng.normal(size=(6, 1000)), rng.normal(size=(6, 1000))
+    b[:3] = a[:3] + rng.normal(scale=1e-3, size=(3, 1000))
+    rows_a, rows_b = ScoredRows(a), ScoredRows(b)
+    for length in (0, 3, 6):
+        assert agreement(rows_a, rows_b, length=length) == agreement(a[:length], b[:length])
+    assert agreement(rows_a, rows_b, length=3).top1_agreement == 1.0
+    with pytest.raises(ComparisonError, match="logit shapes differ"):
+        agreement(a, b[:, :999])
