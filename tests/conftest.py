@@ -5,6 +5,7 @@ thread next to any other load makes tiny models orders of magnitude slower.
 """
 
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,10 @@ def assert_clean_error(result, message: str, exit_codes=(1, 2)) -> None:
     assert result.exit_code in exit_codes, result.output
     assert isinstance(result.exception, SystemExit), repr(result.exception)
     assert re.search(message, result.output), result.output
+
+
+def with_sigint() -> None:
+    """Popen's preexec_fn for a crossrt the test will Ctrl-C: a job a non-interactive shell
+    starts in the background inherits SIGINT ignored, and Python keeps an ignored SIGINT
+    ignored, so the signal would do nothing (run that way, the interrupt tests failed)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

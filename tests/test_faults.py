@@ -22,7 +22,7 @@ from crossrt.record_json import load_record
 from crossrt.run_writer import lock_path
 from crossrt.runtime import availability
 
-from conftest import TINY_PAIR
+from conftest import TINY_PAIR, with_sigint
 
 CROSSRT = str(Path(sys.executable).parent / "crossrt")
 SEED = 11
@@ -89,7 +89,7 @@ def interrupt(args: list, out: Path, cwd: Path, sig: int, point, delay: float, c
     """Start `crossrt *args`, send sig at point (see fault_points) plus delay, and return the
     finished process, its stderr and the pids of its children named children (taken at the signal)."""
     process = subprocess.Popen([CROSSRT, *map(str, args)], cwd=cwd, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, preexec_fn=with_sigint)
     try:
         deadline = time.monotonic() + 120
         while not (lock_path(out).exists() if point == "locked" else journal_prompts(out) >= point):

@@ -16,7 +16,7 @@ import pytest
 from crossrt.run_writer import lock_path
 from crossrt.record_json import load_record
 
-from conftest import REPO, TINY_PAIR
+from conftest import REPO, TINY_PAIR, with_sigint
 
 CROSSRT = str(Path(sys.executable).parent / "crossrt")
 RUN = ["run", "--pair", str(TINY_PAIR), "--threads", "1", "--k", "3"]
@@ -93,7 +93,7 @@ def test_a_second_writer_is_refused_and_ctrl_c_says_how_to_resume(tmp_path):
     out = tmp_path / "run.json"
     args = [*RUN, "--max-new-tokens", 48, "--prompts", prompts, "--out", out]
     first = subprocess.Popen([CROSSRT, *map(str, args)], cwd=tmp_path, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                             stderr=subprocess.PIPE, text=True, preexec_fn=with_sigint)
     try:
         journal = out.with_name(out.name + ".journal")
         deadline = time.monotonic() + 120
