@@ -9,7 +9,6 @@ Native-only runtimes are scored by their in-process sibling at the same commit.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -137,7 +136,7 @@ def agreement(a, b, tokens: Optional[Sequence[int]] = None, length: Optional[int
     kl = np.maximum((a.probs[:n] * (log_a - log_b)).sum(axis=-1), 0.0)  # rounding can dip below 0
     emitted = np.asarray(tokens if tokens is not None else top_a[:, 0])
     rows = np.arange(n)
-    delta_p = b.probs[rows, emitted] - a.probs[rows, emitted]
+    delta_p = np.exp(log_b[rows, emitted]) - a.probs[rows, emitted]  # b's whole probs only if b is ever A
     return LogitAgreement(n, float(difference.max()), float(difference.mean()),
                           float(np.mean(top_a[:, 0] == top_b[:, 0])), float(overlap),
                           float(kl.mean()), float(np.median(kl)), float(np.percentile(kl, 99)), float(kl.max()),

@@ -286,3 +286,8 @@ def availability(name: str) -> Optional[str]:
     except RuntimeUnavailable as error:
         return str(error)
     return None
+
+
+def usable_runtimes() -> list[str]:
+    """The runtimes usable here, in registry order."""
+    return [name for name in runtime_names() if availability(name) is None]

@@ -20,7 +20,7 @@ from crossrt.parity_run import Matrix, run_matrix, score_records
 from crossrt.prompts import load_prompts
 from crossrt.record_json import load_record
 from crossrt.rescore import open_scorer
-from crossrt.runtime import DraftRules, RuntimeOptions, availability, runtime_names
+from crossrt.runtime import DraftRules, RuntimeOptions, runtime_names, usable_runtimes
 from crossrt.tolerance import tolerance_for
 
 
@@ -88,7 +88,7 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
             prompts, rendering, prompt_format = fed_prompts(load_prompts(prompt_source), resolved, chat,
                                                             chat_template, template_vars, answers)
             if "usable" in runtimes:
-                usable = tuple(name for name in runtime_names() if availability(name) is None)
+                usable = usable_runtimes()
                 runtimes = tuple(dict.fromkeys(n for name in runtimes for n in (usable if name == "usable" else (name,))))
             matrix = Matrix(resolved, runtimes, modes, options, rules, max_new_tokens, out_dir,
                             chat=rendering, prompt_format=prompt_format)

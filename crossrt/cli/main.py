@@ -22,7 +22,7 @@ from crossrt.driver import RunRequest, run_pair
 from crossrt.importer import import_summary
 from crossrt.loop import SCHEDULE, SCHEDULES
 from crossrt.prompts import load_prompts
-from crossrt.runtime import SPEC_TYPES, DraftRules, RuntimeOptions, availability, runtime_names
+from crossrt.runtime import SPEC_TYPES, DraftRules, RuntimeOptions, availability, runtime_names, usable_runtimes
 from crossrt.record_json import load_record
 from crossrt.tables import format_table, record_notes, summary_rows
 
@@ -170,12 +170,11 @@ def show(records: Sequence[Path]) -> None:
 @click.option("--usable", is_flag=True, help="Print only the names of usable runtimes, one per line.")
 def runtimes(usable: bool) -> None:
     """Which runtimes can run on this machine and, for the others, why not."""
-    reasons = {name: availability(name) for name in runtime_names()}
     if usable:
-        for name, reason in reasons.items():
-            if reason is None:
-                click.echo(name)
+        for name in usable_runtimes():
+            click.echo(name)
         return
+    reasons = {name: availability(name) for name in runtime_names()}
     rows = [[name, "yes" if reason is None else "no", reason or ""] for name, reason in reasons.items()]
     click.echo(format_table([["runtime", "usable", "why not"]] + rows))
 
