@@ -1,17 +1,16 @@
 """`crossrt report`: any number of run records in one file, HTML with inline SVG charts or
 Markdown with the same tables (docs/report.md).
 
-The report is built once as sections of plain text, tables and charts (build_report), then
-rendered (to_html, to_markdown), so both formats hold the same numbers. Every number
-comes from the record's summary or from crossrt/analysis.py, formatted as `crossrt show` and
-`crossrt analyze` print it.
+The report is built once as sections of plain text, tables and charts (record_sections), joined
+into a page (crossrt/report_page.py: page, where other readers' sections join them) and
+rendered (to_html, to_markdown), so both formats hold the same numbers. Every number comes
+from the record's summary or from crossrt/analysis.py, formatted as `crossrt show` and
+`crossrt analyze` print it; the step-coloured output texts are crossrt/report_steps.py.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from html import escape
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
@@ -19,6 +18,9 @@ from crossrt.metrics import BY_NAME, METRICS, SPEED
 from crossrt import analysis
 from crossrt.importer import import_summary
 from crossrt.parity import run_label
+# to_html and to_markdown too: the command renders through this module
+from crossrt.report_page import Report, Section, Table, page, to_html, to_markdown
+from crossrt.report_steps import steps_section
 from crossrt.schema import RecordError, RunRecord
 from crossrt.record_json import load_record
 from crossrt.svg import Bars, Points, bar_chart, palette_color, xy_chart
@@ -35,29 +37,6 @@ class ReportRun:
     trace: Mapping[str, PromptTrace]  # by prompt id; empty without one
     trace_problem: Optional[str]  # why the trace the record names could not be read
     color: str  # the run's colour in every chart
-
-
-@dataclass(frozen=True)
-class Table:
-    header: tuple[str, ...]
-    rows: tuple[tuple[str, ...], ...]
-    keys: int  # leading label columns; the others hold numbers (right-aligned)
-
-
-@dataclass(frozen=True)
-class Section:
-    id: str
-    title: str
-    intro: str
-    chart: Optional[str]  # inline SVG, drawn in HTML only: the tables hold every plotted number
-    tables: tuple[Table, ...]
-    notes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Report:
-    title: str
-    sections: tuple[Section, ...]
 
 
 def _fixed(value: Optional[float], digits: int = 2) -> str:
@@ -213,6 +192,35 @@ def entropy_section(runs: Sequence[ReportRun], edges: Sequence[float] = analysis
                    "buckets are left out.", chart, (table,) if rows else (), tuple(notes))
 
 
+def entropy_by_type_section(runs: Sequence[ReportRun], edges: Sequence[float] = analysis.ENTROPY_BUCKETS) -> Section:
+    """Acceptance by target entropy per content type: whether a content type accepts less
+    because its text is less predictable, or less at the same entropy."""
+    series = []  # (run, content type, buckets)
+    for run in (run for run in runs if run.trace):
+        typed = analysis.grouped(run.record, "content-type")
+        series += [(run, kind, analysis.entropy_acceptance(typed, run.trace, edges, kind))
+                   for kind in typed.categories() if any(r.prompt_id in run.trace for r in typed.results
+                                                          if r.ok and r.category == kind)]
+    used = [i for i in range(len(edges) - 1) if any(buckets[i].tokens for _, _, buckets in series)]
+    names = [f"[{edges[i]:g}, {edges[i + 1]:g})" for i in used]
+    rows = [(run.label, kind, names[j], str(b.tokens), str(b.accepted), _fixed(b.rate, 3),
+             "-" if b.mean_entropy is None else f"{b.mean_entropy:.3g}")
+            for run, kind, buckets in series for j, b in enumerate(buckets[i] for i in used)]
+    chart = None
+    if used:
+        chart = bar_chart("acceptance by target entropy, per content type", names,
+                          [Bars(f"{run.label}: {kind}", tuple(buckets[i].rate for i in used), palette_color(n))
+                           for n, (run, kind, buckets) in enumerate(series)], "P(accept | reached)", y_max=1.0)
+    table = Table(("run", "content type", "entropy (nats)", "reached", "accepted", "P(accept)", "mean entropy"),
+                  tuple(rows), 3)
+    return Section("entropy-types", "Acceptance by target entropy, per content type",
+                   "The entropy buckets above, per content type of the traced prompts (code, prose, structured, "
+                   "math, chat: crossrt's content type of each prompt's category, docs/prompts.md). At equal "
+                   "entropy, a content type that still accepts less has a drafter that fits it less well. A "
+                   "bucket a content type never reached has no bar.", chart, (table,) if rows else (),
+                   () if series else ("no traced prompts (run with --trace)",))
+
+
 def speedup_section(runs: Sequence[ReportRun]) -> Section:
     groups = [_name(c) for c in _categories(runs)]
     chart = bar_chart("speedup over plain greedy", groups, _by_category_bars(runs, "speedup"), "speedup",
@@ -250,77 +258,15 @@ def iid_section(runs: Sequence[ReportRun]) -> Section:
                    chart, (table,), ())
 
 
-def build_report(runs: Sequence[ReportRun], edges: Sequence[float] = analysis.ENTROPY_BUCKETS,
-                 title: str = "crossrt report") -> Report:
+def record_sections(runs: Sequence[ReportRun], edges: Sequence[float] = analysis.ENTROPY_BUCKETS) -> list[Section]:
+    """Every section the records themselves give, in page order."""
     if not runs:
         raise RecordError("no run records to report on")
-    return Report(title, (runs_section(runs), tau_section(runs), position_section(runs),
-                          entropy_section(runs, edges), speedup_section(runs), iid_section(runs)))
+    return [runs_section(runs), tau_section(runs), position_section(runs), steps_section(runs),
+            entropy_section(runs, edges), entropy_by_type_section(runs, edges), speedup_section(runs),
+            iid_section(runs)]
 
 
-STYLE = """
-body { font-family: sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em; color: #222; }
-table { border-collapse: collapse; margin: 1em 0; font-size: 14px; }
-th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
-th { background: #f3f3f3; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
-figure { margin: 1em 0; }
-section { margin-bottom: 2.5em; }
-"""
-
-
-def _html_table(table: Table) -> str:
-    head = "".join(f"<th>{escape(cell)}</th>" for cell in table.header)
-    cells = ("<td>{}</td>",) * table.keys + ('<td class="num">{}</td>',) * (len(table.header) - table.keys)
-    body = "".join("<tr>" + "".join(form.format(escape(cell)) for form, cell in zip(cells, row, strict=True))
-                   + "</tr>\n" for row in table.rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>\n{body}</tbody></table>"
-
-
-def to_html(report: Report) -> str:
-    """One self-contained page: no scripts, no external resources. It is also well-formed
-    XML, so any XML parser can read the numbers back."""
-    parts = ["<!DOCTYPE html>", '<html xmlns="http://www.w3.org/1999/xhtml" lang="en"><head><meta charset="utf-8"/>',
-             f"<title>{escape(report.title)}</title><style>{STYLE}</style></head><body>",
-             f"<h1>{escape(report.title)}</h1>"]
-    for section in report.sections:
-        parts.append(f'<section id="{section.id}"><h2>{escape(section.title)}</h2><p>{escape(section.intro)}</p>')
-        if section.chart:
-            parts.append(f"<figure>{section.chart}</figure>")
-        parts += [_html_table(table) for table in section.tables]
-        if section.notes:
-            parts.append("<ul>" + "".join(f"<li>{escape(note)}</li>" for note in section.notes) + "</ul>")
-        parts.append("</section>")
-    parts.append("</body></html>")
-    return "\n".join(parts) + "\n"
-
-
-# Characters that can start Markdown or HTML markup anywhere in a line; a backslash makes
-# each literal (CommonMark allows it before any ASCII punctuation), `|` included for tables.
-_MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]<>|&~])")
-
-
-def markdown_text(text: str) -> str:
-    """Plain text as Markdown on one line: record text may hold markup or line breaks."""
-    return _MARKDOWN_SPECIAL.sub(r"\\\1", " ".join(text.split()))
-
-
-def _markdown_table(table: Table) -> str:
-    lines = ["| " + " | ".join(markdown_text(cell) for cell in table.header) + " |",
-             "|" + "|".join("---" if i < table.keys else "---:" for i in range(len(table.header))) + "|"]
-    lines += ["| " + " | ".join(markdown_text(cell) for cell in row) + " |" for row in table.rows]
-    return "\n".join(lines)
-
-
-def to_markdown(report: Report) -> str:
-    """The same sections and tables as to_html, without charts: Markdown has no portable way to
-    embed SVG (GitHub drops data-URI images), and the tables hold every plotted number."""
-    blocks = [f"# {markdown_text(report.title)}",
-              "Charts are in the HTML form of this report (`crossrt report ... -o report.html`); every number "
-              "they plot is in these tables."]
-    for section in report.sections:
-        blocks += [f"## {markdown_text(section.title)}", markdown_text(section.intro)]
-        blocks += [_markdown_table(table) for table in section.tables]
-        if section.notes:
-            blocks.append("\n".join(f"- {markdown_text(note)}" for note in section.notes))
-    return "\n\n".join(blocks) + "\n"
+def build_report(runs: Sequence[ReportRun], edges: Sequence[float] = analysis.ENTROPY_BUCKETS,
+                 title: str = "crossrt report") -> Report:
+    return page(title, record_sections(runs, edges))

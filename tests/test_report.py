@@ -1,5 +1,6 @@
 """`crossrt report` over real tiny-pair runs in llama.cpp: HTML (parsed as XML) and Markdown
-hold the records' numbers, record text is escaped, bad input gives a message."""
+hold the records' numbers, the step-coloured output texts follow the records' steps and read as
+llama.cpp reads the tokens, record text is escaped, bad input gives a message."""
 
 import json
 import re
@@ -12,7 +13,11 @@ from click.testing import CliRunner
 from crossrt import analysis
 from crossrt.cli.report import report
 from crossrt.driver import RunRequest, run_pair
-from crossrt.prompts import Prompt, load_prompts
+from crossrt.errors import CrossrtError
+from crossrt.prompts import Prompt, content_type, load_prompts
+from crossrt.report_page import Section, page
+from crossrt.pairs import read_vocabulary
+from crossrt.report_steps import load_vocab, token_texts, vocab_at
 from crossrt.runtime import DraftRules, RuntimeOptions
 from crossrt.svg import Bars, bar_chart, nice_ticks
 
@@ -20,7 +25,9 @@ from conftest import assert_clean_error
 
 XHTML = "{http://www.w3.org/1999/xhtml}"
 SVG = "{http://www.w3.org/2000/svg}"
-CHARTED = ("tau", "positions", "entropy", "speedup", "iid")
+CHARTED = ("tau", "positions", "entropy", "entropy-types", "speedup", "iid")
+SECTIONS = ("runs", "tau", "positions", "steps", "entropy", "entropy-types", "speedup", "iid")
+NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")  # shown as \xNN on the page
 HOSTILE_ID = '<script>alert("id")</script>&amp;'
 HOSTILE_CATEGORY = 'a<b>&"c"|d'
 
@@ -105,10 +112,10 @@ def test_html_report_charts_and_tables_hold_the_records_numbers(runs, tmp_path):
     result = invoke(runs[0][0], runs[1][0], "-o", out)
     assert result.exit_code == 0, result.output
     root, sections = html_sections(out)
-    assert list(sections) == ["runs", *CHARTED]
+    assert list(sections) == list(SECTIONS)
     for name in CHARTED:
         assert len(list(sections[name].iter(SVG + "svg"))) == 1, name
-    assert not list(sections["runs"].iter(SVG + "svg"))
+    assert not list(sections["runs"].iter(SVG + "svg")) and not list(sections["steps"].iter(SVG + "svg"))
     # Self-contained: no scripts, nothing loaded from elsewhere.
     assert not [e for e in root.iter() if e.tag.endswith("script") or e.get("src") or e.get("href")]
 
@@ -152,6 +159,102 @@ def test_html_report_charts_and_tables_hold_the_records_numbers(runs, tmp_path):
     assert len(points) == 2 * 2 * 4
     overall = analysis.iid_fit(k2)[-1]
     assert f"{k2_label}: a = alpha, ALL: ({overall.measured_tau:.4g}, {overall.predicted_tau:.4g})" in points
+
+
+def step_figures(section):
+    """(caption, [(data-accepted or None for plain text, text)]) per figure of the steps section."""
+    figures = []
+    for figure in section.iter(XHTML + "figure"):
+        if figure.get("class") != "steps":
+            continue
+        spans = [(int(span.get("data-accepted")) if span.get("class") == "step" else None, span.text or "")
+                 for span in figure.find(XHTML + "p")]
+        figures.append((figure.find(XHTML + "figcaption").text, spans))
+    return figures
+
+
+def test_output_text_is_cut_into_its_steps_and_coloured_by_accepted_length(runs, tiny_sessions, tmp_path):
+    out = tmp_path / "report.html"
+    assert invoke(runs[0][0], runs[1][0], "-o", out).exit_code == 0
+    _, sections = html_sections(out)
+    figures = dict(step_figures(sections["steps"]))
+    rows = {(row["run"], row["prompt"]): row for row in html_rows(sections["steps"])}
+    target = tiny_sessions[0]
+    vocab, problem = load_vocab(runs[0][1])
+    assert problem is None
+    for _, record, label in runs:
+        k = record.params.k
+        for result in record.results:
+            counters = result.counters
+            spans = figures[f"{label}: {result.prompt_id} ({result.category}), k={k}"]
+            # crossrt's schedule: every token from a step, each step accepted + 1 tokens, in order.
+            assert [accepted for accepted, _ in spans] == list(counters.step_accepted)
+            texts = token_texts(vocab, result.output_ids)
+            assert "".join(texts) == target.detokenize(result.output_ids)  # as llama.cpp reads the ids
+            assert "".join(text for _, text in spans) == NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}",
+                                                                      "".join(texts))
+            row = rows[(label, result.prompt_id)]
+            assert (row["steps"], row["tokens"], row["tau"]) == (str(counters.steps), str(len(result.output_ids)),
+                                                                 f"{counters.tau:.2f}")
+            assert [row[f"accepting {j}"] for j in range(k + 1)] == \
+                [str(list(counters.step_accepted).count(j)) for j in range(k + 1)]
+            assert all(row[f"accepting {j}"] == "" for j in range(k + 1, 5))
+    # One colour per accepted length, the same in every run: the legend's (0 .. 4, the largest k).
+    legend = {int(span.text): span.get("style") for span in sections["steps"].iter(XHTML + "span")
+              if span.get("class") == "swatch"}
+    assert list(legend) == [0, 1, 2, 3, 4] and len(set(legend.values())) == 5
+    styles = {(int(span.get("data-accepted")), span.get("style")) for span in sections["steps"].iter(XHTML + "span")
+              if span.get("class") == "step"}
+    assert styles == {(accepted, legend[accepted]) for accepted, _ in styles}
+
+
+def test_real_model_tokens_read_as_llama_cpp_reads_them(real_pair, llama_runtime):
+    """SentencePiece pieces (U+2581 spaces, <0xNN> byte tokens, characters split across tokens)
+    decode from the GGUF vocabulary alone as llama.cpp's own detokenizer decodes them."""
+    path = real_pair.path("target", "gguf")
+    session = llama_runtime.load(path)
+    text = "def f(x):\n\treturn x ** 2  # the square\nNaïve café, 漢字, \U0001F600 and Gothic \U00010348 \x0c."
+    ids = session.tokenize(text)
+    vocab, problem = vocab_at(str(path), read_vocabulary(path).fingerprint)
+    assert problem is None
+    assert vocab_at(str(path), "0" * 16) == (None, f"{path} holds another vocabulary than the run's "
+                                             f"(fingerprint {read_vocabulary(path).fingerprint})")
+    texts = token_texts(vocab, ids)
+    assert "".join(texts) == session.detokenize(ids)
+    # Gothic hwair has no token of its own: four <0xNN> byte tokens, the character shown with the last.
+    at = [i for i, token in enumerate(ids) if len(vocab.pieces[token]) == 1 and vocab.pieces[token][0] >= 0x80]
+    assert [texts[i] for i in at] == ["", "", "", "\U00010348"]
+
+
+def test_entropy_per_content_type_splits_the_traced_buckets(runs, tmp_path):
+    out = tmp_path / "report.html"
+    assert invoke(runs[0][0], runs[1][0], "-o", out).exit_code == 0
+    _, sections = html_sections(out)
+    (k4_path, k4, k4_label), (_, _, k2_label) = runs
+    rows = html_rows(sections["entropy-types"])
+    assert {row["run"] for row in rows} == {k4_label}  # only the traced run
+    trace = analysis.load_trace(k4_path, k4)
+    typed = analysis.grouped(k4, "content-type")
+    kinds = sorted({content_type(r.category) or r.category for r in k4.results})
+    assert sorted({row["content type"] for row in rows}) == kinds
+    for kind in kinds:
+        buckets = [b for b in analysis.entropy_acceptance(typed, trace, category=kind)]
+        mine = [row for row in rows if row["content type"] == kind]
+        assert sum(int(row["reached"]) for row in mine) == sum(b.tokens for b in buckets)
+        assert sum(int(row["accepted"]) for row in mine) == sum(b.accepted for b in buckets)
+    # The content types' buckets add up to the run's own.
+    assert sum(int(row["reached"]) for row in rows) == sum(int(row["reached"]) for row in html_rows(sections["entropy"]))
+    bars = [rect.find(SVG + "title").text for rect in sections["entropy-types"].iter(SVG + "rect")
+            if rect.get("class") == "bar"]
+    assert len(bars) == sum(1 for row in rows if row["P(accept)"] != "-")
+    assert all(title.startswith(f"{k4_label}: ") for title in bars)
+
+
+def test_page_joins_sections_of_any_origin_and_refuses_a_shared_id():
+    first, second = (Section(name, name, "", None, (), ()) for name in ("a", "b"))
+    assert [s.id for s in page("t", [second, first]).sections] == ["b", "a"]
+    with pytest.raises(CrossrtError, match="share the id"):
+        page("t", [first, second, first])
 
 
 def test_markdown_report_has_the_same_tables(runs, tmp_path):

@@ -1,0 +1,199 @@
+"""Each prompt's output as the speculative decoding papers draw it: the text cut into the
+verification steps that emitted it, each step coloured by how many draft tokens it accepted
+(`crossrt report`, docs/report.md).
+
+Token text comes from the pair's own vocabulary, read from the target file the record names
+(GGUF metadata, or an HF folder's tokenizer.json), so no runtime is loaded: byte-level BPE
+(`gpt2`) pieces map back to bytes through GPT-2's printable byte alphabet; SentencePiece
+(`llama`) pieces turn U+2581 into a space and `<0xNN>` byte tokens into their byte; control
+tokens print nothing, as llama.cpp's detokenizer prints them by default. The bytes are decoded
+incrementally, so a character split across tokens is shown with the token that completes it.
+A file that is missing, or whose vocabulary is not the one the run recorded (its fingerprint),
+gives no text, and the section says so.
+"""
+
+from __future__ import annotations
+
+import codecs
+import functools
+import re
+from dataclasses import dataclass
+from html import escape
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from crossrt.pairs import PairError, gguf_metadata, read_vocabulary
+from crossrt.report_page import Section, Table
+from crossrt.schedules import SERVER
+from crossrt.schema import PromptResult, RunRecord
+
+if TYPE_CHECKING:
+    from crossrt.report import ReportRun
+
+CONTROL, BYTE = 3, 6  # GGUF tokenizer.ggml.token_type values (llama.cpp's LLAMA_TOKEN_TYPE_*)
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# Characters XML 1.0 forbids (the page is also well-formed XML): shown as \xNN instead.
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt2_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in for each byte (its bytes_to_unicode), inverted."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    table, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[chr(byte)] = byte
+        else:
+            table[chr(256 + shifted)] = byte
+            shifted += 1
+    return table
+
+
+def _piece_bytes(piece: str, kind: int, model: str) -> bytes:
+    if kind == CONTROL:
+        return b""
+    if model == "gpt2":
+        alphabet = _gpt2_alphabet()
+        return bytes(alphabet[c] for c in piece) if all(c in alphabet for c in piece) else piece.encode()
+    match = _BYTE_PIECE.fullmatch(piece)
+    if kind == BYTE and match:
+        return bytes([int(match.group(1), 16)])
+    return piece.replace("\u2581", " ").encode()
+
+
+@dataclass(frozen=True)
+class Vocab:
+    pieces: tuple[bytes, ...]  # per token id, the bytes it stands for
+
+
+@functools.lru_cache(maxsize=8)
+def vocab_at(path: str, fingerprint: str) -> tuple[Optional[Vocab], Optional[str]]:
+    """The vocabulary of the model file at path if its fingerprint is the one given, or None
+    and why not."""
+    try:
+        vocabulary = read_vocabulary(Path(path))
+        if vocabulary.fingerprint != fingerprint:
+            return None, f"{path} holds another vocabulary than the run's (fingerprint {vocabulary.fingerprint})"
+        kinds = gguf_metadata(Path(path)).get("tokenizer.ggml.token_type", ()) if path.endswith(".gguf") else ()
+    except (PairError, OSError, ValueError, KeyError) as error:
+        return None, f"cannot read the vocabulary of {path} ({error})"
+    kinds = tuple(kinds) or (1,) * len(vocabulary.tokens)
+    return Vocab(tuple(_piece_bytes(p, t, vocabulary.model) for p, t in zip(vocabulary.tokens, kinds))), None
+
+
+def load_vocab(record: RunRecord) -> tuple[Optional[Vocab], Optional[str]]:
+    """The record's target vocabulary, or None and why not."""
+    target = record.pair.target
+    if target is None:
+        return None, "the record names no model files"
+    return vocab_at(target.path, target.vocab_fingerprint)
+
+
+def token_texts(vocab: Vocab, ids: Sequence[int]) -> list[str]:
+    """The text each token adds, decoded as one UTF-8 stream (invalid bytes as U+FFFD)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    texts = [decoder.decode(vocab.pieces[i] if 0 <= i < len(vocab.pieces) else f"[{i}]".encode()) for i in ids]
+    if texts:
+        texts[-1] += decoder.decode(b"", final=True)
+    return texts
+
+
+@dataclass(frozen=True)
+class Span:
+    """Output tokens start .. stop - 1, and the step that emitted them (None: outside steps)."""
+
+    start: int
+    stop: int
+    step: Optional[int]
+    accepted: int
+    drafted: int
+
+
+def step_spans(result: PromptResult, schedule: str) -> Optional[list[Span]]:
+    """The output cut into its steps, each accepted + 1 tokens, in order; None without per-step
+    lists or token ids. llama-server's schedule takes its first token from the prompt pass
+    (unverified); plain decodes after the last step are unverified too, and tokens a step
+    yielded past the budget or an EOS (cut) are not in the output, so the last step is cut short."""
+    counters = result.counters
+    if counters is None or counters.step_accepted is None or counters.step_drafted is None or not result.output_ids:
+        return None
+    end, at, spans = len(result.output_ids), 0, []
+    if schedule == SERVER and counters.unverified:
+        spans.append(Span(0, 1, None, 0, 0))
+        at = 1
+    for step, (accepted, drafted) in enumerate(zip(counters.step_accepted, counters.step_drafted)):
+        if at >= end:
+            break
+        stop = min(at + accepted + 1, end)
+        spans.append(Span(at, stop, step, accepted, drafted))
+        at = stop
+    if at < end:
+        spans.append(Span(at, end, None, 0, 0))
+    return spans
+
+
+def accept_color(accepted: int, k: int) -> str:
+    """Light red for a step that accepted nothing, through yellow, to light green for one that
+    accepted its whole draft of k: light enough for dark text on it."""
+    return f"hsl({120 * accepted / k if k else 0:.0f}, 80%, 80%)"
+
+
+def _shown(text: str) -> str:
+    return escape(_NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}", text))
+
+
+def steps_figure(caption: str, spans: Sequence[Span], texts: Sequence[str], k: int) -> str:
+    parts = []
+    for span in spans:
+        text = _shown("".join(texts[span.start:span.stop]))
+        if span.step is None:
+            parts.append(f'<span class="plain" title="emitted outside a verification step">{text}</span>')
+            continue
+        tip = (f"step {span.step + 1}: {span.accepted} of {span.drafted} draft tokens accepted, "
+               f"{span.stop - span.start} emitted")
+        parts.append(f'<span class="step" data-accepted="{span.accepted}" '
+                     f'style="background:{accept_color(span.accepted, k)}" title="{escape(tip)}">{text}</span>')
+    return f'<figure class="steps"><figcaption>{escape(caption)}</figcaption><p>{"".join(parts)}</p></figure>'
+
+
+def swatches(k: int) -> str:
+    cells = "".join(f'<span class="swatch" style="background:{accept_color(j, k)}">{j}</span>' for j in range(k + 1))
+    return f'<p class="swatches">draft tokens accepted per step: {cells}</p>'
+
+
+def steps_section(runs: Sequence["ReportRun"]) -> Section:
+    k_max = max(run.record.params.k for run in runs)
+    rows, figures, notes, without = [], [], [], []
+    for run in runs:
+        vocab, problem = load_vocab(run.record)
+        shown = [(result, spans) for result in run.record.results if result.ok
+                 for spans in [step_spans(result, run.record.params.schedule)] if spans is not None]
+        if not shown:
+            without.append(run.label)
+            continue
+        if vocab is None:
+            notes.append(f"{run.label}: no token text, {problem}; token ids are shown instead")
+        for result, spans in shown:
+            counters, k = result.counters, run.record.params.k
+            counts = [sum(1 for n in counters.step_accepted if n == j) for j in range(k_max + 1)]
+            rows.append((run.label, result.prompt_id, result.category, str(counters.steps), str(len(result.output_ids)),
+                         f"{counters.tau:.2f}" if counters.tau is not None else "-",
+                         *(str(n) if j <= k else "" for j, n in enumerate(counts))))
+            texts = (token_texts(vocab, result.output_ids) if vocab is not None
+                     else [f"[{i}]" for i in result.output_ids])
+            # One colour scale for every run (k_max), so a colour means the same accepted length anywhere.
+            figures.append(steps_figure(f"{run.label}: {result.prompt_id} ({result.category}), k={k}", spans, texts,
+                                        k_max))
+    if without:
+        notes.append(f"no per-step lengths or token ids (imported, or a native run that does not report steps): "
+                     f"{', '.join(without)}")
+    table = Table(("run", "prompt", "category", "steps", "tokens", "tau",
+                   *(f"accepting {j}" for j in range(k_max + 1))), tuple(rows), 3)
+    legend = (swatches(k_max),) if figures else ()
+    return Section("steps", "Accepted length per step, in the output text",
+                   "Each finished prompt's output, cut into the verification steps that emitted it: a step's "
+                   "tokens are its accepted draft tokens and the target's own token after them, on a colour for "
+                   "the number of draft tokens it accepted (hover a step for its numbers; unshaded text came "
+                   "from outside any step). The table counts each prompt's steps by the draft tokens they "
+                   "accepted.", None, (table,) if rows else (), tuple(notes), legend + tuple(figures))
