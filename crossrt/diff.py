@@ -6,18 +6,18 @@ Per prompt, in order (crossrt/diagnosis.py names each kind):
 - each run against its own greedy baseline: a speculative output that leaves it is explained
   with the margins the run recorded (batch-shape numerics inside that runtime); when the two
   baselines agree, that is the whole story;
-- otherwise the first token where the two runs' baselines (or, without baselines, outputs)
-  part: each run's token as its own pass saw it, both targets' re-scored top-5 at the common
-  prefix, and a verdict: near-tie (cross-runtime numerics), when the two runtimes swapped two
-  candidates whose logit gap is within what their disagreement on the common prefix can shift
-  it, or disagreement, beyond that noise (weights, conventions) and worth investigating.
-The noise is measured, not assumed: for every common row (prompt positions, agreeing prompts
-and the prefixes before divergences), how far the gap between that row's top-2 tokens moves from one runtime to
-the other; the 90th percentile of those shifts is the noise (the max would let one outlier
-excuse everything). F32 runtimes shift gaps by ~1e-5, quantized ones by tenths of a logit.
-When the noise is a sizeable share of the typical top-2 margin itself, the two runs do not
-compute the same function at all (a different model, a convention bug): every divergence is
-then a disagreement, however its own flip compares.
+- otherwise the first token where the two runs' baselines part: each run's token as its pass
+  saw it (recorded, or re-scored in the pass shape the runtime used: crossrt/replay.py), both
+  targets' re-scored top-5 at the common prefix, and the verdict of crossrt/numerics.py, the
+  same one `crossrt parity` gives: a near-tie (cross-runtime numerics) when the two emitted
+  tokens lie within the threshold of what is compared in both runs' passes, else a
+  disagreement (weights, conventions) worth investigating.
+The noise between the runs is measured too, on every common row (prompt positions, agreeing
+prompts and the prefixes before divergences): how far the gap between that row's top-2 tokens
+moves from one runtime to the other (p90, the max would let one outlier excuse everything).
+It is shown beside the verdict; when it is a sizeable share of the typical top-2 margin itself,
+the two runs do not compute the same function at all (a different model, a convention bug):
+every divergence is then a disagreement, whatever its own flip.
 """
 
 from __future__ import annotations
@@ -27,15 +27,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from crossrt.diagnosis import (CROSS_NUMERICS, DISAGREEMENT, Side, Split, first_divergence, flip as recorded_flip,
-                               lossless_split, own_tokenization, side, template_split, tokenization_split)
-from crossrt.rescore import open_scorer, score, top_k
+from crossrt.diagnosis import (DISAGREEMENT, Explainer, Split, first_divergence, own_tokenization, template_split,
+                               tokenization_split, twins_of)
+from crossrt.replay import Replayer
+from crossrt.rescore import score, top_k
 from crossrt.runtime import ModelSession
 from crossrt.schema import PromptResult, RunRecord
 
-NEAR_TIE_FACTOR = 3.0  # a flip within 3x the typical-high gap shift on common tokens is numerics
 NOISE_PERCENTILE = 90
-GAP_NOISE_FLOOR = 1e-5  # float32 logits of order 10 carry ~1e-6 rounding; batch shapes add more
 BROAD_DISAGREEMENT = 0.25  # noise above this share of the median top-2 margin: not numerics
 
 
@@ -64,10 +63,9 @@ class Divergence:
     index: int  # position in the compared sequences where the runs part
     context: str  # decoded text of the last common tokens
     views: tuple[RuntimeView, ...]  # re-scored candidates; empty when not re-scored
-    flip: Optional[float]  # A's gap for its token over B's, plus B's gap for its over A's
     note: str = ""
     compared: str = "outputs"  # "outputs", or "baselines" when the runs' own greedy outputs part
-    sides: tuple[Side, ...] = ()  # each run's token as its own pass saw it (driven runs)
+    link: Optional[Split] = None  # the baselines' split, judged (crossrt/diagnosis.py)
     within: tuple[Split, ...] = ()  # a run's speculative output leaving its own baseline
     tokenization: Optional[Split] = None  # prompt ids that differ before generation
 
@@ -116,17 +114,13 @@ class DiffReport:
             split = divergence.within[0]
             return (f"{split.kind} inside {split.sides[0].label.rsplit(' ', 1)[0]}: its speculative output left its "
                     f"own greedy baseline at token {split.index}, and the two runtimes' baselines agree; {split.detail}")
-        if divergence.flip is None:
+        if divergence.link is None:
             return "stop: one run ends here"
-        if self.noise is None:
-            return "unknown: no common prefix to measure the runtimes' noise on"
         if self.broadly_different:
             return (f"{DISAGREEMENT}: the runs do not compute the same function (gap shifts of {self.noise:.3g} "
                     f"on common tokens against a typical margin of {self.median_margin:.3g})")
-        threshold = NEAR_TIE_FACTOR * max(self.noise, GAP_NOISE_FLOOR)
-        if divergence.flip <= threshold:
-            return f"near-tie ({CROSS_NUMERICS}): flip {divergence.flip:.3g} <= {threshold:.3g}"
-        return f"{DISAGREEMENT} (a real difference to investigate): flip {divergence.flip:.3g} > {threshold:.3g}"
+        link = divergence.link
+        return f"near-tie ({link.kind}): {link.detail}" if link.numerics else f"{link.kind}: {link.detail}"
 
 
 def _score_with_prompt(scorer, prompt_ids: Sequence[int], ids: Sequence[int]) -> np.ndarray:
@@ -144,43 +138,43 @@ def _sequences(result_a: PromptResult, result_b: PromptResult) -> tuple[str, Seq
     return "outputs", result_a.output_ids, result_b.output_ids
 
 
-def _divergence(label_a, label_b, result_a: PromptResult, result_b: PromptResult, scorers):
+def _divergence(labels, records, results, scorers, explainer: Explainer):
     """The divergence of two runs of one prompt, and the gap shifts measured on its common prefix."""
-    scorer_a, scorer_b = scorers
-    within = tuple(split for label, result, scorer in ((label_a, result_a, scorer_a), (label_b, result_b, scorer_b))
-                   for split in [lossless_split(label, result, scorer.detokenize)] if split is not None)
+    result_a, result_b = results
+    within = tuple(split for label, record, result in zip(labels, records, results)
+                   for split in [explainer.lossless(label, record, result)] if split is not None)
     compared, ids_a, ids_b = _sequences(result_a, result_b)
     index = first_divergence(ids_a, ids_b)
     common = list(ids_a[:index])
-    context = scorer_a.detokenize(common[-12:])
+    context = scorers[0].detokenize(common[-12:])
     if compared == "outputs" and within:
-        return Divergence(result_a.prompt_id, index, context, (), None, compared=compared, within=within), None
+        return Divergence(result_a.prompt_id, index, context, (), compared=compared, within=within), None
     if index >= min(len(ids_a), len(ids_b)):
         note = f"stop reasons: {result_a.stop_reason} vs {result_b.stop_reason}"
-        return Divergence(result_a.prompt_id, index, context, (), None, note, compared, within=within), None
-    views_of = {"baselines": (result_a.baseline_view, result_b.baseline_view),
-                "outputs": (result_a.output_view, result_b.output_view)}[compared]
-    sides = (side(label_a, ids_a, views_of[0], index, scorer_a.detokenize),
-             side(label_b, ids_b, views_of[1], index, scorer_b.detokenize))
+        return Divergence(result_a.prompt_id, index, context, (), note, compared, within=within), None
+    link = explainer.baselines(labels, records, results) if compared == "baselines" else None
     token_a, token_b = ids_a[index], ids_b[index]
-    rows_a = _score_with_prompt(scorer_a, result_a.prompt_ids, common + [token_a])
-    rows_b = _score_with_prompt(scorer_b, result_b.prompt_ids, common + [token_b])
-    row_a, row_b = rows_a[-1], rows_b[-1]
-    rescored_flip = float((row_a[token_a] - row_a[token_b]) + (row_b[token_b] - row_b[token_a]))
-    # The runs' own passes decide; a re-score (one prompt-sized pass) stands in where they recorded none.
-    flip = recorded_flip(*sides)
-    views = (_view(label_a, row_a, token_a, scorer_a.detokenize), _view(label_b, row_b, token_b, scorer_b.detokenize))
-    return (Divergence(result_a.prompt_id, index, context, views, rescored_flip if flip is None else flip,
-                       compared=compared, sides=sides, within=within),
+    rows_a = _score_with_prompt(scorers[0], result_a.prompt_ids, common + [token_a])
+    rows_b = _score_with_prompt(scorers[1], result_b.prompt_ids, common + [token_b])
+    views = (_view(labels[0], rows_a[-1], token_a, scorers[0].detokenize),
+             _view(labels[1], rows_b[-1], token_b, scorers[1].detokenize))
+    return (Divergence(result_a.prompt_id, index, context, views, compared=compared, link=link, within=within),
             gap_shifts(rows_a[:-1], rows_b[:-1]))
 
 
 def diff_records(label_a: str, a: RunRecord, label_b: str, b: RunRecord) -> DiffReport:
-    with open_scorer(a) as scorer_a, open_scorer(b) as scorer_b:
-        return _diff(label_a, a, label_b, b, (scorer_a, scorer_b))
+    """Where and why two runs part (module docstring); splits the runs recorded no passes for
+    are re-scored in the runtime's own pass shapes."""
+    with Replayer() as replay:
+        scorers = (replay.session(a, "target"), replay.session(b, "target"))
+        explainer = Explainer(twins_of([(label_a, a.results), (label_b, b.results)]), replay,
+                              scorers[0].detokenize)
+        return _diff((label_a, label_b), (a, b), scorers, explainer)
 
 
-def _diff(label_a: str, a: RunRecord, label_b: str, b: RunRecord, scorers: tuple[ModelSession, ModelSession]) -> DiffReport:
+def _diff(labels: tuple[str, str], records: tuple[RunRecord, RunRecord], scorers: tuple[ModelSession, ModelSession],
+          explainer: Explainer) -> DiffReport:
+    (label_a, label_b), (a, b) = labels, records
     results_b = {r.prompt_id: r for r in b.results}
     both = [(r, results_b[r.prompt_id]) for r in a.results if r.ok and r.prompt_id in results_b
             and results_b[r.prompt_id].ok]
@@ -193,7 +187,7 @@ def _diff(label_a: str, a: RunRecord, label_b: str, b: RunRecord, scorers: tuple
             or template_split(label_a, result_a, scorers[0].detokenize) \
             or template_split(label_b, result_b, scorers[1].detokenize)
         if tokenization is not None:
-            divergences.append(Divergence(result_a.prompt_id, tokenization.index, "", (), None,
+            divergences.append(Divergence(result_a.prompt_id, tokenization.index, "", (),
                                           tokenization=tokenization))
             continue
         if first_divergence(result_a.output_ids, result_b.output_ids) is None:
@@ -203,7 +197,7 @@ def _diff(label_a: str, a: RunRecord, label_b: str, b: RunRecord, scorers: tuple
             rows_b = _score_with_prompt(scorers[1], result_b.prompt_ids, result_b.output_ids)
             measured.append(gap_shifts(rows_a, rows_b))
             continue
-        divergence, prefix = _divergence(label_a, label_b, result_a, result_b, scorers)
+        divergence, prefix = _divergence(labels, records, (result_a, result_b), scorers, explainer)
         divergences.append(divergence)
         if prefix is not None:
             measured.append(prefix)
@@ -231,10 +225,9 @@ def render_diff(report: DiffReport) -> str:
             owner = split.sides[0].label.rsplit(" ", 1)[0] if split.sides else "a run"
             lines.append(f"  {owner} left its own baseline at token {split.index}: {split.kind}")
             lines += [f"    {s.describe()}" for s in split.sides]
-        if divergence.sides:
+        if divergence.link is not None and divergence.link.sides:
             lines.append(f"  the {divergence.compared} part at token {divergence.index}:")
-        for recorded in divergence.sides:
-            lines.append(f"    {recorded.describe()}")
+            lines += [f"    {side.describe()}" for side in divergence.link.sides]
         for view in divergence.views:
             candidates = ", ".join(f"{c.text!r} {c.probability:.3f} ({c.logit:.3f})" for c in view.top)
             lines.append(f"  re-scored in one pass on {view.label}: top-2 margin {view.margin:.3g}; top-5: {candidates}")

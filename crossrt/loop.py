@@ -30,7 +30,8 @@ from typing import Optional, Sequence
 
 from crossrt.errors import SettingsError
 from crossrt.runtime import DraftRules, ModelSession, Rows
-from crossrt.schedules import LLAMA_SCHEDULES, Generation, ViewRecorder, check_prompt, prefill_pair, top_two
+from crossrt.numerics import choose
+from crossrt.schedules import LLAMA_SCHEDULES, Generation, ViewRecorder, check_prompt, prefill_pair
 from crossrt.trace import TraceRecorder
 
 SCHEDULE = "crossrt"
@@ -52,18 +53,18 @@ def greedy_generate(target: ModelSession, prompt_ids: Sequence[int], max_new_tok
     views = ViewRecorder()
     output: list[int] = []
     if whole_prompt:
-        choice, second, margin = top_two(target.eval(prompt_ids, Rows.LAST))
-        views.add(second, margin, 1, len(prompt_ids))
-        output.append(int(choice[0]))
+        choices = choose(target.eval(prompt_ids, Rows.LAST))
+        views.add(choices, 1, len(prompt_ids))
+        output.append(int(choices.best[0]))
     else:
         target.eval(prompt_ids[:-1], Rows.NONE)
     prefilled = time.perf_counter()
     last = output[-1] if output else prompt_ids[-1]
     stop_reason = "eos" if output and last in target.eog_ids else "max_new_tokens"
     while len(output) < max_new_tokens and stop_reason != "eos":
-        choice, second, margin = top_two(target.eval((last,), Rows.LAST))
-        views.add(second, margin, 1, 1)
-        last = int(choice[0])
+        choices = choose(target.eval((last,), Rows.LAST))
+        views.add(choices, 1, 1)
+        last = int(choices.best[0])
         output.append(last)
         if last in target.eog_ids:
             stop_reason = "eos"
@@ -116,13 +117,13 @@ def speculative_generate(target: ModelSession, drafter: ModelSession, prompt_ids
             n_draft = len(draft)
 
         rows = target.eval([context[-1]] + draft, Rows.ALL)
-        choices, second, margins = top_two(rows)
+        choices = choose(rows)
         n_accepted = 0
-        while n_accepted < n_draft and draft[n_accepted] == choices[n_accepted] \
+        while n_accepted < n_draft and draft[n_accepted] == choices.best[n_accepted] \
                 and draft[n_accepted] not in eog:
             n_accepted += 1
-        kept = draft[:n_accepted] + [int(choices[n_accepted])]
-        views.add(second, margins, len(kept), n_draft + 1)
+        kept = draft[:n_accepted] + [int(choices.best[n_accepted])]
+        views.add(choices, len(kept), n_draft + 1)
         if trace is not None:
             trace.verified(rows[:n_accepted + 1], n_draft, n_accepted)
 

@@ -8,15 +8,12 @@ two runtimes with different schedules legitimately count differently (docs/schem
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from crossrt.diagnosis import (BATCH_SHAPE, Twins, explained_split, first_divergence, flip, lossless_split, no_text,
-                               side, template_split, twins_of, with_twin_views)
+from crossrt.diagnosis import Explainer, Split, first_divergence, template_split, twins_of
 from crossrt.errors import ComparisonError
 from crossrt.schema import PromptResult, RunRecord
-from crossrt.tolerance import tolerance_for
 
 OWN_BASELINE = "its baseline"  # run_b of a run's lossless check against its own greedy baseline
 COMPARED_COUNTERS = ("steps", "drafted", "accepted", "emitted", "unverified", "cut")
@@ -54,6 +51,13 @@ class PromptParity:
     counters_compared: bool
     # Divergences explained as numerics (a near-tie swap), which do not fail parity unless strict.
     explained: tuple[str, ...] = ()
+    # The kind of each split found (crossrt/diagnosis.py), explained or not: the headline counts them.
+    causes: tuple[str, ...] = ()
+
+    @property
+    def identical(self) -> bool:
+        """Nothing parted: same ids (and counts, where compared), no split of any kind."""
+        return self.ok and not self.causes and self.divergence is None
 
     @property
     def ok(self) -> bool:
@@ -74,31 +78,12 @@ def _same_counting(a: RunRecord, b: RunRecord) -> bool:
     return all(getattr(a.params, key) == getattr(b.params, key) for key in keys)
 
 
-def explain_divergence(result_a: PromptResult, result_b: PromptResult, labels: tuple[str, str],
-                       near_tie_flip: float) -> Optional[str]:
-    """Why two runs' outputs part, when the runs' own pass views show it is numerics: each run
-    either lossless or off its own baseline at a batch-shape near-tie, and their baselines equal
-    or parting at a near-tie whose recorded flip is within near_tie_flip. None otherwise."""
-    splits = [(label, lossless_split(label, result, no_text)) for label, result in zip(labels, (result_a, result_b))]
-    if any(split is not None and split.kind != BATCH_SHAPE for _, split in splits):
-        return None
-    inside = [f"{label} left its own baseline at token {split.index} (batch-shape near-tie)"
-              for label, split in splits if split is not None]
-    at = first_divergence(result_a.baseline_ids, result_b.baseline_ids)
-    if at is None:
-        return "; ".join(inside) + "; the baselines agree"
-    if at >= min(len(result_a.baseline_ids), len(result_b.baseline_ids)):
-        return None
-    sides = [side(label, result.baseline_ids, result.baseline_view, at, no_text)
-             for label, result in zip(labels, (result_a, result_b))]
-    shift = flip(*sides)
-    if shift is None or shift > near_tie_flip:
-        return None
-    return "; ".join(inside + [f"baselines part at token {at} at a near-tie (flip {shift:.3g} <= {near_tie_flip:g})"])
+def _split_line(split: Split) -> str:
+    return f"{split.kind} at token {split.index}: {split.detail}"
 
 
 def compare_prompt(a: RunRecord, b: RunRecord, result_a: PromptResult, result_b: PromptResult,
-                   counter_tolerance: float, labels: tuple[str, str], near_tie_flip: float = 0.0,
+                   counter_tolerance: float, labels: tuple[str, str], explainer: Explainer,
                    strict: bool = False) -> PromptParity:
     problems = [f"{label} failed: {result.error}"
                 for label, result in zip(labels, (result_a, result_b), strict=True) if not result.ok]
@@ -108,31 +93,43 @@ def compare_prompt(a: RunRecord, b: RunRecord, result_a: PromptResult, result_b:
         at = first_divergence(result_a.prompt_ids, result_b.prompt_ids)
         problems.append(f"prompt token ids differ at position {at}")
     divergence = first_divergence(result_a.output_ids, result_b.output_ids)
-    explained = []
-    if divergence is not None:
+    explained, causes = [], []
+    records, results = (a, b), (result_a, result_b)
+    if divergence is not None and not problems:
         parted = f"outputs part at token {divergence} (lengths {len(result_a.output_ids)} and {len(result_b.output_ids)})"
-        reason = None if problems else explain_divergence(result_a, result_b, labels, near_tie_flip)
-        if reason is None or strict:
-            problems.append(parted + (f": {reason}" if reason else ""))
+        links = explainer.outputs(labels, records, results)
+        causes.extend(link.kind for link in links)
+        reason = "; ".join(f"{link.sides[0].label.rsplit(' ', 1)[0] if link.sides else 'link'}: {_split_line(link)}"
+                           for link in links) or "no link of the chain output - baseline - baseline - output parts"
+        if not links or not all(link.numerics for link in links) or strict:
+            problems.append(f"{parted}: {reason}")
         else:
             explained.append(f"{parted}: {reason}")
-    # Counters of runs whose outputs part by numerics count different tokens: not compared.
-    compared = _same_counting(a, b) and (divergence is None or not explained)
-    gaps = _counter_gaps(result_a, result_b, counter_tolerance) if compared and divergence is None else ()
-    problems.extend(f"{gap.name}: {gap.a} vs {gap.b}" for gap in gaps)
-    return PromptParity(result_a.prompt_id, *labels, tuple(problems), divergence, gaps, compared, tuple(explained))
+    elif divergence is not None:
+        problems.append(f"outputs part at token {divergence}")
+    # Counters of runs whose outputs part count different tokens: not compared.
+    compared = _same_counting(a, b) and divergence is None
+    gaps = _counter_gaps(result_a, result_b, counter_tolerance) if compared else ()
+    if gaps:
+        counted = "; ".join(f"{gap.name}: {gap.a} vs {gap.b}" for gap in gaps)
+        split = explainer.counters(labels, records, results)
+        causes.append(split.kind)
+        line = f"{counted}: {split.kind}: {split.detail}"
+        (explained if split.numerics and not strict else problems).append(line)
+    return PromptParity(result_a.prompt_id, *labels, tuple(problems), divergence, gaps, compared, tuple(explained),
+                        tuple(causes))
 
 
 def compare_records(a: RunRecord, b: RunRecord, counter_tolerance: float = 0.0,
-                    labels: Optional[tuple[str, str]] = None, logit_tolerance: Optional[float] = None,
+                    labels: Optional[tuple[str, str]] = None, explainer: Optional[Explainer] = None,
                     strict: bool = False) -> list[PromptParity]:
     """Every prompt of either record, compared; a prompt only one record holds is a problem.
-    Outputs that part at a near-tie (crossrt/tolerance.py sets how near for the two runs) are
-    explained, not failed, unless strict."""
+    Outputs that part at a near-tie (crossrt/numerics.py; crossrt/tolerance.py sets how near for
+    the two runs) are explained, not failed, unless strict."""
     labels = labels or (run_label(a), run_label(b))
+    explainer = explainer or Explainer()
     if a.imported or b.imported:
         return [compare_aggregates(a, b, counter_tolerance, labels)]
-    near_tie_flip = tolerance_for(a, b, logit_tolerance).near_tie_flip
     if a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
         raise ComparisonError(f"{labels[0]} and {labels[1]} ran pairs with different vocabularies: "
                          "their token ids cannot be compared")
@@ -144,7 +141,7 @@ def compare_records(a: RunRecord, b: RunRecord, counter_tolerance: float = 0.0,
             comparisons.append(PromptParity(result_a.prompt_id, *labels, (f"missing from {labels[1]}",),
                                             None, (), False))
         else:
-            comparisons.append(compare_prompt(a, b, result_a, result_b, counter_tolerance, labels, near_tie_flip,
+            comparisons.append(compare_prompt(a, b, result_a, result_b, counter_tolerance, labels, explainer,
                                               strict))
     comparisons.extend(PromptParity(prompt_id, *labels, (f"missing from {labels[0]}",), None, (), False)
                        for prompt_id in results_b)
@@ -180,45 +177,52 @@ def compare_aggregates(a: RunRecord, b: RunRecord, counter_tolerance: float, lab
                         compared, tuple(notes))
 
 
-def lossless_checks(label: str, record: RunRecord, strict: bool = False, twins: Optional[Twins] = None) -> list[PromptParity]:
-    """Each finished prompt of one run against its own plain greedy baseline. A departure at a
-    batch-shape near-tie (crossrt/diagnosis.py), seen in this run's pass views or in a driven
-    twin's (twins), is explained, not failed, unless strict."""
+def lossless_checks(label: str, record: RunRecord, explainer: Explainer, strict: bool = False) -> list[PromptParity]:
+    """Each finished prompt of one run against its own plain greedy baseline. A departure the
+    Explainer finds to be numerics (a batch-shape near-tie, from the run's pass views, a driven
+    twin's or passes re-scored) is explained, not failed, unless strict."""
     if record.imported:
         return [PromptParity(r.prompt_id, label, OWN_BASELINE, (), None, (), False,
                              (f"imported from {record.imported.format}: no token ids, no lossless check",))
                 for r in record.results]
     checks = []
     for result in record.results:
-        problems, explained = [], []
-        split = explained_split(label, result, no_text, twins or {})
+        problems, explained, causes = [], [], []
+        split = explainer.lossless(label, record, result)
         if split is not None:
+            causes.append(split.kind)
             line = f"not lossless: speculative output leaves the greedy baseline at token {split.index}: " \
                    f"{split.kind}: {split.detail}"
-            (explained if split.kind == BATCH_SHAPE and not strict else problems).append(line)
+            (explained if split.numerics and not strict else problems).append(line)
         if result.unfit_counts is not None:
             explained.append(result.unfit_counts.describe())
+            causes.append("counts did not fit")
         if result.own_prompt_ids is not None:
             at = first_divergence(result.own_prompt_ids, result.prompt_ids)
             problems.append(f"tokenizes the prompt text differently from the shared ids, from position {at}")
-        template = template_split(label, result, no_text)
+            causes.append("tokenization")
+        template = template_split(label, result, explainer.detokenize)
         if template is not None:
             problems.append(f"{template.kind} split: {template.detail}")
+            causes.append(template.kind)
         checks.append(PromptParity(result.prompt_id, label, OWN_BASELINE, tuple(problems),
-                                   None, (), False, tuple(explained)))
+                                   split.index if split is not None else None, (), False, tuple(explained),
+                                   tuple(causes)))
     return checks
 
 
 def compare_all(runs: Sequence[tuple[str, RunRecord]], counter_tolerance: float = 0.0,
-                logit_tolerance: Optional[float] = None, strict: bool = False) -> list[PromptParity]:
-    """Every (label, record) run against its own baseline, then every pair of runs, every prompt."""
+                logit_tolerance: Optional[float] = None, strict: bool = False, replay=None) -> list[PromptParity]:
+    """Every (label, record) run against its own baseline, then every pair of runs, every prompt.
+    Native runs borrow the pass views of a driven twin that emitted the same ids; replay
+    (crossrt/replay.py's Replayer) re-scores the splits neither explains (None: they stay
+    unexplained and fail)."""
     twins = twins_of([(label, record.results) for label, record in runs])
-    checks = [check for label, record in runs for check in lossless_checks(label, record, strict, twins)]
-    # Native runs are explained across runtimes through their driven twins' pass views too.
-    viewed = [(label, dataclasses.replace(record, results=with_twin_views(record.results, twins))) for label, record in runs]
+    explainer = Explainer(twins, replay, logit_tolerance=logit_tolerance)
+    checks = [check for label, record in runs for check in lossless_checks(label, record, explainer, strict)]
     return checks + [comparison
-                     for i, (label_a, a) in enumerate(viewed) for label_b, b in viewed[i + 1:]
-                     for comparison in compare_records(a, b, counter_tolerance, (label_a, label_b), logit_tolerance,
+                     for i, (label_a, a) in enumerate(runs) for label_b, b in runs[i + 1:]
+                     for comparison in compare_records(a, b, counter_tolerance, (label_a, label_b), explainer,
                                                        strict)]
 
 

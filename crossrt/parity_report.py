@@ -71,13 +71,46 @@ def _counting(group: Sequence[PromptParity]) -> str:
     return "counters compared" if any(c.counters_compared for c in group) else "counters not compared (schedules differ)"
 
 
-def render_text(report: ParityReport) -> str:
-    lines = []
+@dataclass(frozen=True)
+class Headline:
+    """One pair of runs, counted honestly: prompts identical, explained (by cause) and failed."""
+
+    prompts: int
+    identical: int
+    explained: tuple[tuple[str, int], ...]  # (cause, prompts explained by it), by cause; a prompt may count twice
+    explained_prompts: int
+    failed: int
+
+    @classmethod
+    def of(cls, group: Sequence[PromptParity]) -> "Headline":
+        explained = [c for c in group if c.ok and not c.identical]
+        causes: dict[str, int] = {}
+        for comparison in explained:
+            for cause in dict.fromkeys(comparison.causes or ("noted",)):
+                causes[cause] = causes.get(cause, 0) + 1
+        return cls(len(group), sum(c.identical for c in group), tuple(sorted(causes.items())), len(explained),
+                   sum(not c.ok for c in group))
+
+    def by_cause(self) -> str:
+        return ", ".join(f"{cause} {n}" for cause, n in self.explained)
+
+    def describe(self) -> str:
+        return (f"{self.prompts} prompts: {self.identical} identical, {self.explained_prompts} explained"
+                + (f" ({self.by_cause()})" if self.explained else "") + f", {self.failed} failed")
+
+
+def headlines(report: ParityReport) -> list[tuple[str, str, Headline, str]]:
+    """(run A, run B, its headline, how counters were compared) per pair of runs."""
+    found = []
     for run_a, run_b in _pairs(report):
         group = [c for c in report.comparisons if (c.run_a, c.run_b) == (run_a, run_b)]
-        notes = sum(1 for c in group if c.ok and c.explained)
-        lines.append(f"{run_a} vs {run_b}: {sum(c.ok for c in group)}/{len(group)} prompts agree"
-                     + (f" ({notes} with a NOTE below)" if notes else "") + f"; {_counting(group)}")
+        found.append((run_a, run_b, Headline.of(group), _counting(group)))
+    return found
+
+
+def render_text(report: ParityReport) -> str:
+    lines = [f"{run_a} vs {run_b}: {headline.describe()}; {counting}"
+             for run_a, run_b, headline, counting in headlines(report)]
     checks = report.logit_checks
     if checks:
         worst = max(checks, key=lambda c: c.agreement.max_abs_diff)
@@ -98,11 +131,14 @@ def render_text(report: ParityReport) -> str:
 
 def render_markdown(report: ParityReport) -> str:
     lines = ["## crossrt parity: " + ("passed" if report.ok else "FAILED"), "",
-             "| run A | run B | prompts agreeing | first divergences | counters |", "|---|---|---|---|---|"]
-    for run_a, run_b in _pairs(report):
+             "| run A | run B | prompts | identical | explained (by cause) | failed | first divergences | counters |",
+             "|---|---|---|---|---|---|---|---|"]
+    for run_a, run_b, headline, counting in headlines(report):
         group = [c for c in report.comparisons if (c.run_a, c.run_b) == (run_a, run_b)]
         parted = ", ".join(f"{c.prompt_id}@{c.divergence}" for c in group if c.divergence is not None) or "none"
-        lines.append(f"| {run_a} | {run_b} | {sum(c.ok for c in group)}/{len(group)} | {parted} | {_counting(group)} |")
+        causes = headline.by_cause()
+        lines.append(f"| {run_a} | {run_b} | {headline.prompts} | {headline.identical} | {headline.explained_prompts}"
+                     f"{f' ({causes})' if causes else ''} | {headline.failed} | {parted} | {counting} |")
     if report.logit_checks:
         lines += ["", "| run A | run B | prompt | max abs logit diff | same top-1 | top-5 overlap | KL mean | "
                   "KL median | KL p99 | KL max | RMS dp | tolerance |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]

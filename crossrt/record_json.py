@@ -49,10 +49,16 @@ def record_to_json(record: RunRecord) -> dict[str, Any]:
         del data["imported"]  # optional: a record crossrt ran reads as before imports existed
     if record.prompt_format is None:
         del data["prompt_format"]  # optional: raw prompts read as before chat templates existed
+    if record.runtime.dtype is None:
+        del data["runtime"]["dtype"]  # optional: a llama.cpp record reads as before dtypes existed
     for result_data in data["results"]:  # optional too: absent reads as None
         for name in ("output_view", "baseline_view", "unfit_counts", "prompt_sha256", "template_ids"):
             if result_data[name] is None:
                 del result_data[name]
+        for view in (result_data.get("output_view"), result_data.get("baseline_view")):
+            for name in ("close_ids", "close_gaps"):  # optional: absent in records before them
+                if view is not None and view[name] is None:
+                    del view[name]
     return json.loads(json.dumps(data))  # plain JSON types: tuples become lists
 
 

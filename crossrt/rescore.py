@@ -31,12 +31,17 @@ def scoring_runtime(name: str) -> str:
     return cls.scored_by
 
 
-def open_scorer(record: RunRecord) -> ModelSession:
-    """The record's target loaded on its scoring runtime, with the record's KV cache type."""
+def open_scorer(record: RunRecord, role: str = "target", threads: int = 1) -> ModelSession:
+    """The record's target (or drafter) loaded on its scoring runtime, with the record's KV
+    cache type and flash attention."""
     name = scoring_runtime(record.runtime.name)
-    options = RuntimeOptions(n_ctx=record.params.n_ctx, threads=1, f32_kv_cache=record.runtime.kv_cache == "f32",
-                             flash_attn=record.runtime.flash_attn is not False)
-    return open_runtime(name, options).load(Path(record.pair.target.path))
+    model = record.pair.target if role == "target" else record.pair.drafter
+    if model is None:
+        raise ComparisonError(f"{record.runtime.name}'s record names no {role} model file to re-score with")
+    options = RuntimeOptions(n_ctx=record.params.n_ctx, threads=threads,
+                             f32_kv_cache=record.runtime.kv_cache == "f32",
+                             flash_attn=record.runtime.flash_attn is not False, dtype=record.runtime.dtype)
+    return open_runtime(name, options).load(Path(model.path))
 
 
 def score(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> np.ndarray:
@@ -46,6 +51,21 @@ def score(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence
     sequence = list(prompt_ids) + list(output_ids[:-1])
     rows = session.eval(sequence, Rows.ALL)
     return np.array(rows[len(prompt_ids) - 1:], dtype=np.float64)
+
+
+def row_in_pass(session: ModelSession, prefix: Sequence[int], following: Sequence[int], shape: int) -> np.ndarray:
+    """The logits row predicting the token after prefix, computed as the first row of a pass of
+    shape tokens (prefix[-1] then following[:shape - 1]) after the rest of prefix is cached:
+    shape 1 is a one-token decode, shape 1 + k a verification batch of k drafts; a shape of at
+    least len(prefix) is one pass over the whole prefix (a prompt pass), its last row. Rows
+    after the first do not change it but for rounding: the batch shape is what is reproduced."""
+    session.truncate(0)
+    if shape >= len(prefix):
+        return np.array(session.eval(list(prefix), Rows.LAST)[0], dtype=np.float64)
+    if len(prefix) > 1:
+        session.eval(list(prefix[:-1]), Rows.NONE)
+    batch = [prefix[-1]] + list(following[:shape - 1])
+    return np.array(session.eval(batch, Rows.ALL)[0], dtype=np.float64)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from crossrt.errors import PromptRefused
+from crossrt.numerics import Choices, choose
 from crossrt.runtime import DraftRules, ModelSession, Rows
 from crossrt.schema import Counters, PassView
 
@@ -62,21 +63,6 @@ class Generation:
                                    self.unverified, self.cut)
 
 
-def top_two(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per logits row: the argmax, the runner-up and the top-1 minus top-2 margin. Two argmax
-    passes (the best masked in between, then restored) cost far less than a sort of the
-    vocabulary; a read-only view is copied first."""
-    work = rows if rows.flags.writeable else rows.copy()
-    index = np.arange(len(work))
-    best = work.argmax(axis=1)
-    best_logits = work[index, best].copy()
-    work[index, best] = -np.inf
-    second = work.argmax(axis=1)
-    margins = best_logits - work[index, second]
-    work[index, best] = best_logits
-    return best, second, margins
-
-
 class ViewRecorder:
     """Collects a PassView, one entry per emitted token, from the rows that chose them."""
 
@@ -84,17 +70,22 @@ class ViewRecorder:
         self.margins: list[float] = []
         self.runner_up: list[int] = []
         self.pass_tokens: list[int] = []
+        self.close_ids: list[tuple[int, ...]] = []
+        self.close_gaps: list[tuple[float, ...]] = []
 
-    def add(self, second: np.ndarray, margins: np.ndarray, n_tokens: int, pass_tokens: int) -> None:
+    def add(self, choices: Choices, n_tokens: int, pass_tokens: int) -> None:
         """The first n_tokens rows of one pass of pass_tokens tokens produced the next tokens."""
-        self.margins.extend(float(m) for m in margins[:n_tokens])
-        self.runner_up.extend(int(t) for t in second[:n_tokens])
+        self.margins.extend(float(m) for m in choices.margins[:n_tokens])
+        self.runner_up.extend(int(t) for t in choices.second[:n_tokens])
         self.pass_tokens.extend([pass_tokens] * n_tokens)
+        self.close_ids.extend(choices.close_ids[:n_tokens])
+        self.close_gaps.extend(choices.close_gaps[:n_tokens])
 
     def view(self, n_emitted: int) -> PassView:
         """The view of the first n_emitted tokens (those past the budget or an EOS are cut)."""
         return PassView(tuple(self.margins[:n_emitted]), tuple(self.runner_up[:n_emitted]),
-                        tuple(self.pass_tokens[:n_emitted]))
+                        tuple(self.pass_tokens[:n_emitted]), tuple(self.close_ids[:n_emitted]),
+                        tuple(self.close_gaps[:n_emitted]))
 
 
 def check_fits(prompt_ids: Sequence[int], max_new_tokens: int, n_ctx: int, overrun: int = 0) -> None:
@@ -195,13 +186,12 @@ class _Tally:
                           self.views.view(len(self.output)))
 
 
-def _verify_batch(target: ModelSession, drafter: ModelSession, last: int,
-                  draft: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _verify_batch(target: ModelSession, drafter: ModelSession, last: int, draft: list[int]) -> Choices:
     """Decode [last] + draft on both models (the drafter mirrors the target's batch) and return
-    the target's top_two at each position."""
+    the target's choices at each position."""
     drafter.truncate(target.n_past)
     batch = [last] + draft
-    verified = top_two(target.eval(batch, Rows.ALL))
+    verified = choose(target.eval(batch, Rows.ALL))
     drafter.eval(batch, Rows.NONE)
     return verified
 
@@ -222,8 +212,8 @@ def spec_simple_generate(target: ModelSession, drafter: ModelSession, prompt_ids
         n_past = target.n_past
         limit = max(min(target.n_ctx - n_past - 2, max_new_tokens - n_predict - 1), 0)
         draft = llama_draft(drafter, last, rules, limit)
-        choices, second, margins = _verify_batch(target, drafter, last, draft)
-        ids = verify(choices, draft, tally.eog)
+        choices = _verify_batch(target, drafter, last, draft)
+        ids = verify(choices.best, draft, tally.eog)
         target.truncate(n_past + len(ids))
         drafter.truncate(n_past + len(ids))
         tally.step_drafted.append(len(draft))
@@ -233,7 +223,7 @@ def spec_simple_generate(target: ModelSession, drafter: ModelSession, prompt_ids
         produced = ids[:next((i + 1 for i, t in enumerate(ids) if t in tally.eog), len(ids))]
         seen_eos = produced[-1] in tally.eog
         if not tally.stopped:
-            tally.views.add(second, margins, len(produced), len(draft) + 1)
+            tally.views.add(choices, len(produced), len(draft) + 1)
             tally.emit(produced)
         last = ids[-1]
     # n_predict counts every token the steps yielded, those past the budget or after EOS too.
@@ -249,21 +239,21 @@ def server_generate(target: ModelSession, drafter: ModelSession, prompt_ids: Seq
     start = time.perf_counter()
     target.truncate(0)
     drafter.truncate(0)
-    first_choice, first_second, first_margin = top_two(target.eval(prompt_ids, Rows.LAST))
-    first = int(first_choice[0])
+    first_choices = choose(target.eval(prompt_ids, Rows.LAST))
+    first = int(first_choices.best[0])
     drafter.eval(prompt_ids, Rows.NONE)
     prefilled = time.perf_counter()
 
     tally = _Tally(max_new_tokens, target.eog_ids)
     tally.unverified += 1
-    tally.views.add(first_second, first_margin, 1, len(prompt_ids))
+    tally.views.add(first_choices, 1, len(prompt_ids))
     tally.emit((first,))
     while not tally.stopped:
         n_tokens = target.n_past
         limit = min(target.n_ctx - n_tokens - 2, max_new_tokens - len(tally.output) - 1)
         draft = llama_draft(drafter, tally.output[-1], rules, limit) if limit > 0 else []
-        choices, second, margins = _verify_batch(target, drafter, tally.output[-1], draft)
-        ids = verify(choices, draft, tally.eog)
+        choices = _verify_batch(target, drafter, tally.output[-1], draft)
+        ids = verify(choices.best, draft, tally.eog)
         target.truncate(n_tokens + len(ids))
         drafter.truncate(n_tokens + len(ids))
         if draft:
@@ -271,7 +261,7 @@ def server_generate(target: ModelSession, drafter: ModelSession, prompt_ids: Seq
             tally.step_accepted.append(len(ids) - 1)
         else:
             tally.unverified += 1
-        tally.views.add(second, margins, len(ids), len(draft) + 1)
+        tally.views.add(choices, len(ids), len(draft) + 1)
         tally.emit(ids)
     return tally.generation(start, prefilled)
 

@@ -39,6 +39,9 @@ class RuntimeInfo:
     # llama.cpp's llama_print_system_info() (backends, CPU features): the same commit can still
     # run other kernels. None for other runtimes, and where a tool does not say it.
     system_info: Optional[str] = None
+    # The element type a runtime loaded the weights in where it chose one (transformers:
+    # float32, bfloat16, float16); None where it runs the file's own types (llama.cpp).
+    dtype: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -179,11 +182,17 @@ class PassView:
     run so a split is explained with the logits the run had, not a later re-score.
     margins[i]: top-1 minus top-2 logit of the row that chose output token i; runner_up[i]: the
     top-2 token; pass_tokens[i]: tokens in that pass (1: a one-token decode; 1 + draft: a
-    verification batch; the prompt length: the prompt pass)."""
+    verification batch; the prompt length: the prompt pass). close_ids[i] / close_gaps[i]: the
+    other candidates within crossrt.numerics.CLOSE_WINDOW logits of that row's choice (at most
+    8, nearest first) and how far below it each lay: the near-tie verdict reads the gap to
+    whichever token the other side emitted, not only the runner-up's. None in records written
+    before they were kept."""
 
     margins: tuple[float, ...]
     runner_up: tuple[int, ...]
     pass_tokens: tuple[int, ...]
+    close_ids: Optional[tuple[tuple[int, ...], ...]] = None
+    close_gaps: Optional[tuple[tuple[float, ...], ...]] = None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from crossrt.runtime import ModelSession, Rows
-from crossrt.schedules import Generation, ViewRecorder, check_prompt, prefill_pair, top_two
+from crossrt.numerics import choose
+from crossrt.schedules import Generation, ViewRecorder, check_prompt, prefill_pair
 from crossrt.tree import Tree, candidates
 
 
@@ -88,20 +89,20 @@ def tree_generate(target: TreeSession, drafter: ModelSession, prompt_ids: Sequen
         index = {path: i + 1 for i, path in enumerate(paths)}
         parents = [-1] + [index.get(path[:-1], 0) for path in paths]
         rows = target.eval_tree([context[-1]] + draft, parents)
-        choices, second, margins = top_two(rows)
+        choices = choose(rows)
         by_token = {}  # (parent node, token) -> node
         for i, path in enumerate(paths, start=1):
             by_token[(parents[i], draft[i - 1])] = i
         walk = [0]
         while True:
-            choice = int(choices[walk[-1]])
+            choice = int(choices.best[walk[-1]])
             child = by_token.get((walk[-1], choice))
             if child is None or choice in eog:
                 break
             walk.append(child)
         n_accepted = len(walk) - 1
-        kept = [draft[i - 1] for i in walk[1:]] + [int(choices[walk[-1]])]
-        views.add(second[walk], margins[walk], len(kept), len(paths) + 1)
+        kept = [draft[i - 1] for i in walk[1:]] + [int(choices.best[walk[-1]])]
+        views.add(choices.rows(walk), len(kept), len(paths) + 1)
         target.keep_path(walk)
         drafter.truncate(min(drafter.n_past, len(context) + n_accepted))
         context += kept

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from crossrt.chat_template import (ChatRendering, ChatTemplateError, apply_template, find_template, template_variables,
                                    user_turn)
 from crossrt.cli import main
-from crossrt.diagnosis import TEMPLATE, explain_record, no_text
+from crossrt.diagnosis import TEMPLATE, Explainer, explain_record
 from crossrt.diff import diff_records, render_diff
 from crossrt.driver import RunRequest, run_pair
 from crossrt.pairs import load_pair
@@ -151,7 +151,7 @@ def test_doubled_bos_is_a_template_split(tiny_pair, tmp_path):
     for runtime in ("llama-server", "transformers"):
         for result in records[runtime].results:
             assert result.template_ids == result.prompt_ids[1:]
-        splits = explain_record(runtime, records[runtime].results, no_text)
+        splits = explain_record(runtime, records[runtime], Explainer())
         assert [(s.prompt_id, s.index) for s in splits if s.kind == TEMPLATE] == [(p.id, 1) for p in doubled]
     checks = compare_all([(name, record) for name, record in records.items()])
     flagged = {(c.run_a, c.prompt_id) for c in checks for p in c.problems if p.startswith("template split")}

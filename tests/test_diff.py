@@ -1,5 +1,5 @@
 """crossrt diff on real llama.cpp runs: near-ties on a random pair, real disagreements on a
-swapped model, and the verdict's threshold scaling with the measured noise."""
+swapped model, and the same verdict as crossrt parity's on the same runs."""
 
 import json
 
@@ -7,7 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.cli import main
-from crossrt.diff import DiffReport, Divergence, diff_records
+from crossrt.diff import diff_records
+from crossrt.parity import compare_records
 from crossrt.record_json import load_record
 from crossrt.builders.tinypair import build_pair
 
@@ -71,9 +72,17 @@ def test_a_different_model_is_a_disagreement(tmp_path):
     assert "near-tie" not in result.output
 
 
-def test_threshold_scales_with_measured_noise():
-    divergence = Divergence("p", 3, "", (), flip=0.05)
-    quiet = DiffReport("a", "b", (divergence,), (), noise=1e-5, max_shift=2e-5, median_margin=5.0)
-    noisy = DiffReport("a", "b", (divergence,), (), noise=0.2, max_shift=3.0, median_margin=5.0)
-    assert quiet.verdict(divergence).startswith("disagreement (a real difference")
-    assert noisy.verdict(divergence).startswith("near-tie")
+def test_diff_and_parity_give_one_verdict(random_records):
+    """The same near-tie verdict (crossrt/numerics.py) in both commands, on the same runs."""
+    a, b = (load_record(path) for path in random_records)
+    report = diff_records("f32", a, "f16", b)
+    comparisons = {c.prompt_id: c for c in compare_records(a, b, labels=("f32", "f16"))}
+    assert report.divergences
+    for divergence in report.divergences:
+        near = report.verdict(divergence).startswith("near-tie")
+        parity_says = comparisons[divergence.prompt_id]
+        assert parity_says.ok == near, (report.verdict(divergence), parity_says)
+        assert bool(parity_says.explained) == near
+        assert divergence.link.verdict.flip == pytest.approx(
+            float(next(line.split("flip ")[1].split()[0] for line in parity_says.explained + parity_says.problems
+                       if "flip " in line)), rel=1e-2)

@@ -55,7 +55,7 @@ def test_first_divergence_never_drops_the_tail():
 def test_identical_runs_agree_and_ci_reports_say_so(records, tmp_path):
     result = parity(records["f32"], records["f32-again"], "--junit", tmp_path / "p.xml", "--markdown", tmp_path / "p.md")
     assert result.exit_code == 0, result.output
-    assert "4/4 prompts agree; counters compared" in result.output and "parity: OK" in result.output
+    assert "4 prompts: 4 identical, 0 explained, 0 failed; counters compared" in result.output and "parity: OK" in result.output
     suite = ElementTree.parse(tmp_path / "p.xml").getroot()
     assert suite.get("failures") == "0" and int(suite.get("tests")) == 4 * 3 + 4  # lossless x2, pair, logits
     assert (tmp_path / "p.md").read_text().startswith("## crossrt parity: passed")
@@ -73,7 +73,7 @@ def test_logits_catch_a_difference_that_tokens_hide(records):
     """F16 weights give the same greedy tokens on the tiny pair, but logits ~1e-2 away."""
     strict = parity(records["f32"], records["f16"])
     assert strict.exit_code == 1
-    assert "4/4 prompts agree" in strict.output and "logits: max abs logit diff 0.0" in strict.output
+    assert "4 prompts: 4 identical, 0 explained, 0 failed" in strict.output and "logits: max abs logit diff 0.0" in strict.output
     assert parity(records["f32"], records["f16"], "--logit-tolerance", "0.05").exit_code == 0
     assert parity(records["f32"], records["f16"], "--no-logits").exit_code == 0
 

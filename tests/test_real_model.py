@@ -90,7 +90,7 @@ def test_llama_server_finishes_every_prompt_and_its_splits_are_explained_by_its_
     assert all(r.ok and r.unfit_counts is None and r.counters.identity_violations(7) == [] for r in record.results)
     report = run("parity", native, twin, "--no-logits")
     assert report.exit_code == 0, report.output
-    assert "llama-server/native vs llama-cpp/driven: 2/2 prompts agree; counters compared" in report.output
+    assert "llama-server/native vs llama-cpp/driven: 2 prompts: 2 identical, 0 explained, 0 failed; counters compared" in report.output
     assert "NOTE llama-server/native vs its baseline, science: not lossless" in report.output
     assert "seen in llama-cpp/driven, which emitted the same tokens with pass views" in report.output
 
@@ -103,7 +103,7 @@ def test_llama_spec_cli_equals_its_driven_schedule_on_the_real_model(real_pair, 
                "llama-spec-simple", "--out", twin).exit_code == 0
     report = run("parity", native, twin, "--no-logits")
     assert report.exit_code == 0, report.output
-    assert "llama-spec-cli/native vs llama-cpp/driven: 2/2 prompts agree; counters compared" in report.output
+    assert "llama-spec-cli/native vs llama-cpp/driven: 2 prompts: 2 identical, 0 explained, 0 failed; counters compared" in report.output
 
 
 def test_a_swapped_model_is_a_disagreement(real_pair, prompts, driven, tmp_path):

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
 import click
 
-from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, CommaChoice, device_options, resolve_pair
+from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, CommaChoice, device_options, dtype_option, resolve_pair
 from crossrt.cli.prompt_options import chat_options, fed_prompts, first_answers
-from crossrt.diagnosis import explain_record
+from crossrt.diagnosis import Explainer, explain_record
 from crossrt.diff import diff_records, render_diff, render_record_splits
 from crossrt.errors import ComparisonError
 from crossrt.journal import write_atomically
@@ -19,7 +20,7 @@ from crossrt.parity_report import ParityReport, logit_checks, render_junit, rend
 from crossrt.parity_run import Matrix, run_matrix, score_records
 from crossrt.prompts import load_prompts
 from crossrt.record_json import load_record
-from crossrt.rescore import open_scorer
+from crossrt.replay import Replayer
 from crossrt.runtime import DraftRules, RuntimeOptions, runtime_names, usable_runtimes
 from crossrt.tolerance import tolerance_for
 
@@ -40,6 +41,7 @@ from crossrt.tolerance import tolerance_for
               show_default=True, help="Where the matrix's run records go.")
 @click.option("--f32-kv-cache", is_flag=True, help="F32 KV cache where the runtime allows: logits then "
               "agree to ~1e-5 on F32 weights instead of ~1e-3.")
+@dtype_option
 @click.option("--flash-attn/--no-flash-attn", default=True, show_default=True,
               help="llama.cpp's flash attention; off (with --f32-kv-cache) for the closest logits to other runtimes.")
 @click.option("--against", "baselines", multiple=True, type=click.Path(path_type=Path, dir_okay=False),
@@ -53,6 +55,9 @@ from crossrt.tolerance import tolerance_for
 @click.option("--strict", is_flag=True, help="Fail on every divergence, also those explained as numerics "
               "(a near-tie a verification batch or another runtime breaks the other way).")
 @click.option("--no-logits", is_flag=True, help="Skip re-scoring outputs to compare logits.")
+@click.option("--no-rescore", is_flag=True, help="Explain splits only from what the runs recorded: a native run's "
+              "split with no driven twin stays unexplained (and fails) instead of being re-scored in-process in "
+              "its schedule's pass shapes.")
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Run this many (runtime, mode) cells of the matrix at once, each in a process of its own "
               "with --threads threads (the first cell runs alone first: its tokenization feeds every "
@@ -62,9 +67,10 @@ from crossrt.tolerance import tolerance_for
 @chat_options
 @device_options
 def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max_new_tokens, out_dir, f32_kv_cache,
-           flash_attn, baselines, counter_tolerance, logit_tolerance, strict, no_logits, jobs, junit, markdown,
+           flash_attn, baselines, counter_tolerance, logit_tolerance, strict, no_logits, no_rescore, jobs, junit,
+           markdown,
            chat, chat_template, template_vars, turn, first_answers_file, threads, n_ctx, n_gpu_layers,
-           gpu_split) -> None:
+           gpu_split, dtype) -> None:
     """Check that runs agree: same token ids over the full length, counters equal between runs
     with the same schedule, each run lossless, logits close along common outputs.
 
@@ -81,7 +87,7 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
             runs = labelled([load_record(path) for path in records], [path.name for path in records])
         else:
             options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, gpu_split=gpu_split,
-                                     f32_kv_cache=f32_kv_cache, flash_attn=flash_attn)
+                                     f32_kv_cache=f32_kv_cache, flash_attn=flash_attn, dtype=dtype)
             resolved = resolve_pair(pair)
             rules = DraftRules(k or int(resolved.defaults.get("k", 4)))
             answers = first_answers(turn, first_answers_file, out_dir, resolved, options, max_new_tokens)
@@ -95,7 +101,13 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
             records_run, not_run, skipped = run_matrix(matrix, prompts, jobs=jobs,
                                                        on_run=lambda label: click.echo(f"running {label}", err=True))
             runs = labelled(records_run, [""] * len(records_run))
-        comparisons = compare_all(runs, counter_tolerance, logit_tolerance, strict)
+        with Replayer() as replay:
+            started = time.perf_counter()
+            comparisons = compare_all(runs, counter_tolerance, logit_tolerance, strict,
+                                      replay=None if no_rescore else replay)
+            if replay.passes:
+                click.echo(f"explaining: {replay.passes} passes re-scored in {time.perf_counter() - started:.1f} s",
+                           err=True)
         if baselines:
             comparisons += compare_against(runs, [load_record(path) for path in baselines], counter_tolerance)
         by_label = dict(runs)
@@ -150,8 +162,9 @@ def diff(records: tuple[Path, ...]) -> None:
                              "nothing to diff")
         if len(runs) == 1:
             (label, record), = runs
-            with open_scorer(record) as scorer:
-                splits = explain_record(label, record.results, scorer.detokenize)
+            with Replayer() as replay:
+                detokenize = replay.session(record, "target").detokenize
+                splits = explain_record(label, record, Explainer(replay=replay, detokenize=detokenize))
             click.echo(render_record_splits(label, splits, sum(r.ok for r in record.results)))
             return
         (label_a, a), (label_b, b) = runs
