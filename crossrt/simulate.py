@@ -2,10 +2,11 @@
 measured cost model to turn its counts into predicted speedups. docs/analysis.md gives the
 rules and measured numbers.
 
-The oracle of a prompt is the target's greedy output, and from every position j of it the
-drafter's greedy continuation of prompt + output[:j], up to K tokens (fewer where the token
-budget rules longer drafts out). Greedy decoding makes the schedule a function of these
-alone: at emitted count e a step drafts row e, the target's choice at draft position i is
+The oracle of a prompt is the target's greedy output, and from every position j of it (and
+the one after its end) the drafter's greedy continuation of prompt + output[:j], K tokens,
+with the target's greedy tokens past the output's end (past the budget or the EOS: schedules
+that verify drafts there count them). Greedy decoding makes every schedule a function of these
+alone (the other schedules: crossrt/schedule_sim.py). For the crossrt schedule: at emitted count e a step drafts row e, the target's choice at draft position i is
 output[e + i] while the draft so far matched, so the step accepts the longest prefix of row e
 equal to output[e:] that holds no EOS, and emits one more token of output. The simulated
 steps, draft and accepted lengths are therefore those of a real run at any k <= K, exactly,
@@ -26,9 +27,9 @@ from typing import Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from crossrt import loop
-from crossrt.errors import ComparisonError, SettingsError
+from crossrt.errors import SettingsError
 from crossrt.runtime import ModelSession, Rows
-from crossrt.schema import RunRecord
+from crossrt.schedules import check_prompt, top_probability
 from crossrt.trace import top1_probability
 
 CHUNK = 64  # tokens per drafter pass when the oracle scores the whole output at once
@@ -41,13 +42,23 @@ class Oracle:
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     output: tuple[int, ...]  # the target's greedy output, EOS included when it stopped on it
-    drafts: np.ndarray  # int32 (len(output), K): row j drafts after prompt + output[:j]; -1 past the budget
-    draft_p1: np.ndarray  # float32, same shape: the drafter's top-1 probability of each; NaN past it
+    drafts: np.ndarray  # int32 (len(output) + 1, K): row j drafts after prompt + output[:j]
+    draft_p1: np.ndarray  # float32, same shape: the drafter's top-1 probability of each (full softmax)
     eog_ids: frozenset[int]
+    # The target's greedy tokens after output, EOS or not (K + 1 of them): a step that overshoots
+    # the budget (llama-spec-simple) or verifies past an EOS (vLLM) is judged on them.
+    beyond: tuple[int, ...] = ()
+    # float32, as drafts: llama.cpp's top-10 softmax probability of each (its p_min test)
+    draft_p10: Optional[np.ndarray] = None
 
     @property
     def max_k(self) -> int:
         return self.drafts.shape[1]
+
+    @property
+    def extended(self) -> tuple[int, ...]:
+        """The target's greedy choices from the first output position on, past the output too."""
+        return self.output + self.beyond
 
 
 def build_oracle(target: ModelSession, drafter: ModelSession, prompt_id: str, category: str,
@@ -56,33 +67,38 @@ def build_oracle(target: ModelSession, drafter: ModelSession, prompt_id: str, ca
     draft token of every position), then, from the last position back so that each needs only
     a truncation, continues each position one token at a time."""
     prompt_ids = tuple(prompt_ids)
+    # A draft from the row after the output reaches K tokens past it, and its check K + 1.
+    check_prompt(prompt_ids, max_new_tokens, [target, drafter], overrun=max_k + 1)
     output = loop.greedy_generate(target, prompt_ids, max_new_tokens).output_ids
-    n = len(output)
+    beyond = []
+    for _ in range(max_k + 1):  # the target's cache holds prompt + output[:-1] after greedy_generate
+        beyond.append(int(target.eval(((output + tuple(beyond))[-1],), Rows.LAST)[0].argmax()))
+    n = len(output) + 1
     drafts = np.full((n, max_k), -1, dtype=np.int32)
     draft_p1 = np.full((n, max_k), np.nan, dtype=np.float32)
-    # The crossrt schedule drafts min(k, budget - e - 1) tokens at emitted count e.
-    caps = [min(max_k, max_new_tokens - j - 1) for j in range(n)]
+    draft_p10 = np.full((n, max_k), np.nan, dtype=np.float32)
+
+    def keep(j: int, i: int, row: np.ndarray) -> int:
+        drafts[j, i] = int(row.argmax())
+        draft_p1[j, i] = top1_probability(row)
+        draft_p10[j, i] = top_probability(row)
+        return int(drafts[j, i])
+
     base = len(prompt_ids) - 1
     drafter.truncate(0)
     drafter.eval(prompt_ids[:-1], Rows.NONE)
-    lasts = (prompt_ids[-1],) + output[:-1]  # the last token of each position's context
+    lasts = (prompt_ids[-1],) + output  # the last token of each position's context
     for start in range(0, n, CHUNK):
         rows = drafter.eval(lasts[start:start + CHUNK], Rows.ALL)
         for offset, row in enumerate(rows):
-            if caps[start + offset] > 0:
-                drafts[start + offset, 0] = int(row.argmax())
-                draft_p1[start + offset, 0] = top1_probability(row)
+            keep(start + offset, 0, row)
     for j in reversed(range(n)):
-        if caps[j] < 2:
-            continue
         drafter.truncate(base + 1 + j)
         token = int(drafts[j, 0])
-        for i in range(1, caps[j]):
-            row = drafter.eval((token,), Rows.LAST)[0]
-            token = int(row.argmax())
-            drafts[j, i] = token
-            draft_p1[j, i] = top1_probability(row)
-    return Oracle(prompt_id, category, prompt_ids, max_new_tokens, output, drafts, draft_p1, target.eog_ids)
+        for i in range(1, max_k):
+            token = keep(j, i, drafter.eval((token,), Rows.LAST)[0])
+    return Oracle(prompt_id, category, prompt_ids, max_new_tokens, output, drafts, draft_p1, target.eog_ids,
+                  tuple(beyond), draft_p10)
 
 
 @dataclass(frozen=True)
@@ -285,30 +301,3 @@ def simulate_suite(oracles: Sequence[Oracle], costs: CostModel, max_k: int,
     cut = [result for p in thresholds
            for result in summarize(runs_of(lambda _, p=p: Policy(max_k, p)), costs, Policy(max_k, p).label)]
     return Simulation(costs, tuple(tuple(by_k[k]) for k in by_k), tuple(best), tuple(per_category), tuple(cut))
-
-
-def compare_with_record(oracles: Sequence[Oracle], record: RunRecord) -> tuple[int, list[str]]:
-    """(prompts compared, differences) between the simulation at the record's k and the
-    record's finished prompts, step for step; the record must be a crossrt-schedule run with
-    the oracles' token budget."""
-    if record.params.schedule != loop.SCHEDULE or record.params.mode != "driven":
-        raise ComparisonError(f"the simulator mirrors the driven {loop.SCHEDULE} schedule, not "
-                         f"{record.params.mode} {record.params.schedule}")
-    by_id = {oracle.prompt_id: oracle for oracle in oracles}
-    compared, differences = 0, []
-    for result in record.results:
-        oracle = by_id.get(result.prompt_id)
-        if not result.ok or oracle is None:
-            continue
-        if oracle.max_new_tokens != record.params.max_new_tokens or oracle.prompt_ids != tuple(result.prompt_ids):
-            raise ComparisonError(f"{result.prompt_id}: the record ran another prompt or token budget than the oracle")
-        compared += 1
-        run = simulate(oracle, Policy(record.params.k))
-        counters = result.counters
-        if tuple(result.output_ids) != oracle.output:
-            differences.append(f"{result.prompt_id}: the record's output differs from the target's greedy output")
-        elif (run.step_drafted, run.step_accepted) != (counters.step_drafted, counters.step_accepted):
-            differences.append(f"{result.prompt_id}: simulated {run.steps} steps, {run.drafted} drafted, "
-                               f"{run.accepted} accepted; measured {counters.steps}, {counters.drafted}, "
-                               f"{counters.accepted}")
-    return compared, differences

@@ -11,9 +11,10 @@ from crossrt import loop
 from crossrt.cli.analysis import simulate_command
 from crossrt.driver import RunRequest, run_pair
 from crossrt.prompts import load_prompts
-from crossrt.runtime import DraftRules, RuntimeOptions
-from crossrt.simulate import (CostModel, Policy, build_oracle, compare_with_record, measure_costs, simulate,
-                              simulate_suite)
+from crossrt.runtime import DraftRules, Rows, RuntimeOptions, availability, open_runtime
+from crossrt.schedule_sim import EXLLAMAV3, LLAMA, VLLM, compare_with_record, simulate_schedule
+from crossrt.simulate import CostModel, Policy, build_oracle, measure_costs, simulate, simulate_suite
+from crossrt.schedules import top_probability
 
 from conftest import TINY_PAIR
 
@@ -48,12 +49,19 @@ def test_simulation_follows_eos(tiny_sessions):
     assert simulate(oracle, Policy(4)).step_accepted == real.step_accepted
 
 
-def test_oracle_rows_stop_at_the_budget(oracles):
+def test_oracle_rows_are_full_and_continue_past_the_output(tiny_sessions, oracles):
+    target, drafter = tiny_sessions
     for oracle in oracles:
-        for j in range(len(oracle.output)):
-            allowed = min(MAX_K, MAX_NEW - j - 1)
-            assert np.all(oracle.drafts[j, :allowed] >= 0) and np.all(oracle.drafts[j, allowed:] == -1)
-            assert np.all(np.isnan(oracle.draft_p1[j, allowed:])) and np.all(oracle.draft_p1[j, :allowed] > 0)
+        assert oracle.drafts.shape == (len(oracle.output) + 1, MAX_K) and np.all(oracle.drafts >= 0)
+        assert np.all(oracle.draft_p1 > 0) and np.all(oracle.draft_p10 >= oracle.draft_p1)
+        # The target's greedy tokens go on past the budget: the first of them is what a
+        # budget of one more token gives.
+        longer = loop.greedy_generate(target, oracle.prompt_ids, MAX_NEW + 2).output_ids
+        assert len(oracle.beyond) == MAX_K + 1 and oracle.extended[:len(longer)] == longer[:len(oracle.extended)]
+    oracle = oracles[0]
+    drafter.truncate(0)
+    row = drafter.eval(oracle.prompt_ids + oracle.output[:4], Rows.LAST)[0]
+    assert oracle.drafts[4, 0] == row.argmax() and oracle.draft_p10[4, 0] == pytest.approx(top_probability(row))
 
 
 def test_confidence_cutoff_drafts_only_confident_tokens(oracles):
@@ -132,5 +140,139 @@ def test_simulate_command(tiny_pair, tmp_path):
     assert f"{len(chosen)} prompts compared, {len(chosen)} match step for step" in result.output
     saved = json.loads((tmp_path / "sim.json").read_text())
     assert len(saved["by_k"]) == 4 and saved["max_k"] == 4 and len(saved["per_prompt"]) == len(chosen)
-    refused = CliRunner().invoke(simulate_command, args + ["--against", str(tmp_path / "simple.json")])
-    assert refused.exit_code == 1 and "mirrors the driven crossrt schedule" in refused.output
+    simple = CliRunner().invoke(simulate_command, args + ["--against", str(tmp_path / "simple.json")])
+    assert simple.exit_code == 0 and "1 prompts compared, 1 match step for step" in simple.output
+    run_pair(RunRequest(tiny_pair, "llama-cpp", options, DraftRules(3), 23, tmp_path / "short.json"), chosen[:1])
+    refused = CliRunner().invoke(simulate_command, args + ["--against", str(tmp_path / "short.json")])
+    assert refused.exit_code == 1 and "another prompt or token budget" in refused.output
+
+
+def test_simulate_command_what_if_schedules(tiny_pair, tmp_path):
+    args = ["--pair", str(TINY_PAIR), "--prompts", "code", "--max-k", "3", "--max-new-tokens", "16", "--n-ctx", "256",
+            "--thresholds", "0.9"]
+    result = CliRunner().invoke(simulate_command, args + ["--schedule", "llama-server", "--schedule", "exllamav3",
+                                                          "--draft-n-min", "2", "--out", str(tmp_path / "sim.json")])
+    assert result.exit_code == 0, result.output
+    assert "schedule llama-server (n_min 2, p_min 0)" in result.output
+    assert "schedule exllamav3 (n_min = k, p_min 0)" in result.output
+    saved = json.loads((tmp_path / "sim.json").read_text())["schedules"]
+    # llama-server from k = n_min = 2, exllamav3 (fixed windows) from k = 1; per category, then overall
+    assert sorted({(r["schedule"], r["k"], r["n_min"]) for r in saved}) == [
+        ("exllamav3", 1, 1), ("exllamav3", 2, 2), ("exllamav3", 3, 3), ("llama-server", 2, 2), ("llama-server", 3, 2)]
+    for r in saved:
+        assert r["tau"] == pytest.approx(1 + r["accepted"] / r["steps"])
+    refused = CliRunner().invoke(simulate_command, args + ["--schedule", "vllm", "--draft-p-min", "0.5"])
+    assert refused.exit_code == 1 and "drafting rules of the llama-spec-simple and llama-server" in refused.output
+
+
+# Drafting rules (k, n_min, p_min): fixed drafts, variable drafts, dropped short drafts, and
+# p_min cut-offs, 0.9999 where the tiny pair's very sure drafter stops now and then.
+LLAMA_RULES = [DraftRules(4, 0), DraftRules(3, 2), DraftRules(5, 1, 0.5), DraftRules(7, 0, 0.9999)]
+
+
+def generated_prompts(tokenizer, count: int = 12, seed: int = 29) -> list[tuple[int, ...]]:
+    """Prompt ids cut at random from the built-in prompts (seeded), and "b.", whose greedy
+    output is EOS at once: the cases do not depend on which prompt does what."""
+    rng = np.random.default_rng(seed)
+    pool = [tokenizer(p.text) for p in PROMPTS]
+    cases = [tokenizer("b.")]
+    for _ in range(count):
+        ids = pool[rng.integers(len(pool))]
+        start = int(rng.integers(0, len(ids) - 1))
+        cases.append(tuple(ids[start:start + int(rng.integers(1, 12))]))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def generated(tiny_sessions):
+    target, drafter = tiny_sessions
+    return [build_oracle(target, drafter, f"case-{i}", "generated", ids, budget, MAX_K)
+            for i, ids in enumerate(generated_prompts(target.tokenize)) for budget in (9, MAX_NEW)]
+
+
+def assert_simulated(oracle, schedule, rules, output, step_drafted, step_accepted, unverified, cut):
+    run = simulate_schedule(oracle, schedule, rules)
+    assert run.output == tuple(output), (schedule, rules, oracle.prompt_ids)
+    assert (run.step_drafted, run.step_accepted, run.unverified, run.cut) == (
+        tuple(step_drafted), tuple(step_accepted), unverified, cut), (schedule, rules, oracle.prompt_ids)
+    return run
+
+
+@pytest.mark.parametrize("schedule", loop.SCHEDULES)
+def test_every_driven_schedule_equals_its_simulation_step_for_step(tiny_sessions, generated, schedule):
+    target, drafter = tiny_sessions
+    rules_list = [DraftRules(k) for k in (1, 4, MAX_K)] + (LLAMA_RULES if schedule in LLAMA else [])
+    runs = []
+    for rules in rules_list:
+        for oracle in generated:
+            real = loop.speculative_generate(target, drafter, oracle.prompt_ids, rules, oracle.max_new_tokens, schedule)
+            runs.append(assert_simulated(oracle, schedule, rules, real.output_ids, real.step_drafted,
+                                         real.step_accepted, real.unverified, real.cut))
+    # The cases reach the rules that set each schedule apart.
+    if schedule == loop.SCHEDULE:
+        assert any(0 in run.step_drafted for run in runs)  # a last step with one token left
+    if schedule == "llama-spec-simple":
+        assert any(run.cut > 0 for run in runs)  # the overshoot past the budget
+    if schedule == "llama-server":
+        assert any(run.unverified > 1 for run in runs)  # a dropped draft is a plain decode
+    if schedule in LLAMA:
+        assert any(0 < d < rules.k for run, rules in zip(runs, [r for r in rules_list for _ in generated])
+                   for d in run.step_drafted)  # a draft cut by p_min or the limit, kept by n_min
+
+
+def test_exllamav3_verifies_full_windows_and_accepts_as_crossrt(generated):
+    """docs/exllamav3.md: same outputs and step_accepted as crossrt's schedule, every window k."""
+    for oracle in generated:
+        for k in (1, 4, MAX_K):
+            crossrt = simulate(oracle, Policy(k))
+            assert_simulated(oracle, EXLLAMAV3, DraftRules(k), oracle.output, [k] * crossrt.steps,
+                             crossrt.step_accepted, 0, 0)
+
+
+def test_vllm_drafts_k_after_the_prefill_token_and_counts_before_the_stop(generated):
+    """vLLM's steps are llama-server's (n_min 0) wherever neither the budget nor an EOS is in
+    reach of a draft; there it drafts k all the same, and counts what it accepted before the
+    stop check trims it."""
+    for oracle in generated:
+        for k in (1, 4, MAX_K):
+            vllm = simulate_schedule(oracle, VLLM, DraftRules(k))
+            server = simulate_schedule(oracle, "llama-server", DraftRules(k, 0))
+            assert vllm.output == oracle.output and set(vllm.step_drafted) <= {k} and vllm.unverified == 1
+            emitted, y = 1, oracle.extended
+            for step, accepted in enumerate(vllm.step_accepted):
+                assert 0 <= accepted <= k and list(oracle.drafts[emitted, :accepted]) == list(y[emitted:emitted + accepted])
+                if emitted + k + 1 < oracle.max_new_tokens and not set(y[emitted:emitted + k + 1]) & oracle.eog_ids:
+                    assert server.step_accepted[step] == accepted and server.step_drafted[step] == k
+                emitted += accepted + 1
+            assert vllm.counters(k).identity_violations(k) == []
+
+
+NATIVE_RULES = [DraftRules(4), DraftRules(4, 0), DraftRules(3, 2), DraftRules(5, 1, 0.9999)]
+
+
+@pytest.mark.parametrize("runtime_name", ["llama-server", "llama-spec-cli"])
+def test_native_llama_tools_equal_their_simulation(tiny_pair, tiny_sessions, tmp_path, runtime_name):
+    if availability(runtime_name) is not None:
+        pytest.skip(f"{runtime_name} not usable: {availability(runtime_name)}")
+    target, drafter = tiny_sessions
+    runtime = open_runtime(runtime_name, RuntimeOptions(n_ctx=512, threads=1))
+    schedule = "llama-server" if runtime_name == "llama-server" else "llama-spec-simple"
+    # The CLI tool takes text: the generated cases as text, each tokenized by the session.
+    texts = [target.detokenize(ids) for ids in generated_prompts(target.tokenize, count=4)] + ["river"]
+    for rules in NATIVE_RULES:
+        session = runtime.open_native(tiny_pair.path("target", "gguf"), tiny_pair.path("drafter", "gguf"), rules,
+                                      tmp_path / f"logs-{rules.k}-{rules.n_min}")
+        try:
+            for ids in map(session.tokenize, texts):
+                oracle = build_oracle(target, drafter, "case", "generated", ids, 24, MAX_K)
+                native = session.generate(list(ids), 24, speculative=True)
+                run = simulate_schedule(oracle, schedule, rules)
+                counters = native.counters
+                assert native.output_ids == run.output, (rules, ids)
+                simulated = run.counters(rules.k)
+                names = ["steps", "drafted", "accepted", "emitted", "unverified", "cut", "accepted_per_pos"]
+                if counters.step_drafted is not None:
+                    names += ["step_drafted", "step_accepted"]
+                assert {n: getattr(counters, n) for n in names} == {n: getattr(simulated, n) for n in names}, (rules, ids)
+        finally:
+            session.close()

@@ -1,5 +1,5 @@
 """The commands that explain acceptance: `crossrt analyze` (records and their traces) and
-`crossrt simulate` (what-if runs of the crossrt schedule from an oracle trace)."""
+`crossrt simulate` (what-if runs of every schedule from an oracle trace)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from crossrt.journal import write_atomically
 from crossrt.pairs import ROLES, pair_info
 from crossrt.prompts import load_prompts
 from crossrt.record_json import load_record
-from crossrt.runtime import RuntimeOptions, open_runtime, runtime_names
+from crossrt.runtime import DraftRules, RuntimeOptions, open_runtime, runtime_names
 from crossrt.schema import RunRecord
-from crossrt.simulate import (Oracle, Policy, Simulation, build_oracle, compare_with_record, measure_costs,
-                              simulate, simulate_suite)
+from crossrt.schedule_sim import LLAMA, SIMULATED, ScheduleResult, compare_with_record, summarize_schedule
+from crossrt.simulate import Oracle, Policy, Simulation, build_oracle, measure_costs, simulate, simulate_suite
 from crossrt.tables import format_table
 
 ALL = "ALL"
@@ -146,6 +146,37 @@ def render_simulation(sim: Simulation) -> str:
     return "\n\n".join(blocks)
 
 
+def render_schedules(results: Sequence[ScheduleResult]) -> str:
+    """One table per schedule: tau (alpha, steps) per k and category."""
+    blocks = []
+    for schedule in dict.fromkeys(r.schedule for r in results):
+        group = [r for r in results if r.schedule == schedule]
+        n_mins = {r.n_min for r in group}
+        rules = (f"n_min {min(n_mins)}" if len(n_mins) == 1 and any(r.k != r.n_min for r in group) else "n_min = k")
+        rows = [["k"] + [_name(r.category) for r in group if r.k == group[0].k]]
+        for k in sorted({r.k for r in group}):
+            rows.append([str(k)] + [f"{_number(r.tau)} ({_number(r.alpha, 3)}, {r.steps})" for r in group if r.k == k])
+        blocks.append(f"schedule {schedule} ({rules}, p_min {group[0].p_min:g}): simulated tau (alpha, steps) by k:\n"
+                      + format_table(rows))
+    return "\n\n".join(blocks)
+
+
+def schedule_results(oracles: Sequence[Oracle], schedules: Sequence[str], n_min: Optional[int], p_min: float,
+                     max_k: int) -> list[ScheduleResult]:
+    """Each schedule at every k up to max_k; the llama-* ones with n_min and p_min (from k = n_min
+    on), the others drafting k tokens, as they do."""
+    if (n_min is not None or p_min > 0) and not set(schedules) & set(LLAMA):
+        raise SettingsError(f"--draft-n-min and --draft-p-min are drafting rules of the {' and '.join(LLAMA)} "
+                            "schedules: name one with --schedule")
+    results = []
+    for schedule in schedules:
+        llama = schedule in LLAMA
+        for k in range(max(1, n_min or 1) if llama else 1, max_k + 1):
+            rules = DraftRules(k, k if n_min is None or not llama else n_min, p_min if llama else 0.0)
+            results += summarize_schedule(oracles, schedule, rules)
+    return results
+
+
 def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
     result = []
     for oracle in oracles:
@@ -172,6 +203,16 @@ def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
 @click.option("--against", "records", multiple=True, type=click.Path(path_type=Path, dir_okay=False),
               help="A crossrt-schedule run record to check the simulation against, step for step "
               "(same prompts and token budget); repeatable. Exit code 1 on a difference.")
+@click.option("--schedule", "schedules", multiple=True, type=click.Choice(SIMULATED),
+              help="Also simulate this schedule at every k up to --max-k (tau, alpha and steps per category), "
+              "with the drafting rules below; repeatable. exllamav3 and vllm are read from their sources "
+              "(docs/analysis.md).")
+@click.option("--draft-n-min", type=click.IntRange(min=0),
+              help="n_min for the llama-* --schedule simulations: drafts shorter than this are dropped. "
+              "Default: k (no draft dropped).")
+@click.option("--draft-p-min", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
+              help="p_min for the llama-* --schedule simulations: drafting stops before a token whose "
+              "top-10 softmax probability is below it.")
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), help="Write the results as JSON.")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--n-ctx", type=click.IntRange(min=16), default=2048, show_default=True)
@@ -192,12 +233,14 @@ def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
               help="Also run each --tree for real on llama-cpp, step for step against the simulator and timed "
               "against plain greedy. Exit code 1 where a lossless run's steps differ from the simulation.")
 def simulate_command(pair, target, drafter, runtime_name, prompt_source, max_k, max_new_tokens, thresholds, records,
-                     out, threads, n_ctx, n_gpu_layers, f32_kv_cache, flash_attn, tree_specs, ceiling_k, tree_budget,
+                     schedules, draft_n_min, draft_p_min, out, threads, n_ctx, n_gpu_layers, f32_kv_cache, flash_attn, tree_specs, ceiling_k, tree_budget,
                      top_b, run_trees_too) -> None:
     """What-if runs of the crossrt schedule: tau at every k up to --max-k per category, the
     best k per category, drafter-confidence cut-offs, and speedups predicted from measured
-    pass times. Computed exactly (greedy) from an oracle: the target's greedy output and the
-    drafter's greedy continuation from every position of it (docs/analysis.md)."""
+    pass times; with --schedule, any other schedule and its drafting rules (crossrt simulate
+    --schedule llama-server --draft-n-min 2). Computed exactly (greedy) from an oracle: the
+    target's greedy output and the drafter's greedy continuation from every position of it
+    (docs/analysis.md). --against checks a record of any simulated schedule, step for step."""
     with contextlib.ExitStack() as stack:  # the sessions, freed however the block ends
         try:
             resolved = resolve_pair(pair, target, drafter)
@@ -233,6 +276,7 @@ def simulate_command(pair, target, drafter, runtime_name, prompt_source, max_k, 
                 section = run_trees(section, resolved.path("target", runtime.model_format), options,
                                     sessions["target"], sessions["drafter"])
             checks = [(path, *compare_with_record(oracles, load_record(path))) for path in records]
+            what_if = schedule_results(oracles, schedules, draft_n_min, draft_p_min, max_k)
         except USER_ERRORS as error:
             raise click.ClickException(str(error)) from None
     click.echo(f"{info.name} on {runtime_name}: {len(oracles)} prompts, {max_new_tokens} new tokens, "
@@ -240,6 +284,8 @@ def simulate_command(pair, target, drafter, runtime_name, prompt_source, max_k, 
     click.echo(render_simulation(sim))
     if section is not None:
         click.echo("\n" + render_section(section))
+    if what_if:
+        click.echo("\n" + render_schedules(what_if))
     if checks:
         click.echo("")
     for path, compared, differences in checks:
@@ -253,6 +299,7 @@ def simulate_command(pair, target, drafter, runtime_name, prompt_source, max_k, 
             "prompts": prompt_source, "max_new_tokens": max_new_tokens, "max_k": max_k,
             "thresholds": list(thresholds), **dataclasses.asdict(sim),
             "per_prompt": _per_prompt(oracles, max_k), **(section.as_json() if section else {}),
+            "schedules": [{**dataclasses.asdict(r), "tau": r.tau, "alpha": r.alpha} for r in what_if],
         }, indent=1) + "\n"
         try:  # whole or not at all (a full disk, a read-only folder: one line)
             write_atomically(out, results.encode())
