@@ -1,0 +1,231 @@
+"""`crossrt report`'s page as a person sees it: Debian's headless Chromium loads the HTML of real
+tiny-pair runs and the test reads the rendered page through the DevTools protocol (over
+--remote-debugging-pipe, Python's standard library only): section titles, table text, charts and
+step-coloured texts that take up space on the screen, their colours, and the console.
+
+scripts/setup installs Chromium where apt-get can; elsewhere these tests are skipped, saying so.
+"""
+
+import json
+import os
+import re
+import select
+import shutil
+import subprocess
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from crossrt.cli.report import report
+from crossrt.driver import RunRequest, run_pair
+from crossrt.prompts import load_prompts
+from crossrt.report_steps import load_vocab, token_texts
+from crossrt.runtime import DraftRules, RuntimeOptions
+
+CHROMIUM = shutil.which("chromium")
+# A fresh profile and nothing a headless run does not need: no sandbox (tests run as root), no
+# GPU, no network services, no first-run or sync machinery.
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--window-size=1200,900", "--remote-debugging-pipe")
+TIMEOUT_S = 60
+NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")  # shown as \xNN on the page
+
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed, and scripts/setup "
+                                "could not install it here (no apt-get, or not root)")
+
+# What a person sees: the sections' titles, their tables' text, and the charts, chart marks and
+# step-coloured texts that are laid out with a size and not hidden.
+READ_PAGE = """(() => {
+  const shown = e => { const r = e.getBoundingClientRect(), s = getComputedStyle(e);
+                       return r.width > 0 && r.height > 0 && s.visibility !== "hidden" && s.display !== "none"; };
+  const count = (root, selector) => [...root.querySelectorAll(selector)].filter(shown).length;
+  return {
+    title: document.title,
+    sections: [...document.querySelectorAll("section")].map(s => ({
+      id: s.id,
+      title: s.querySelector("h2").innerText,
+      charts: count(s, "svg.chart"),
+      marks: count(s, "svg.chart rect.bar, svg.chart circle.point, svg.chart polyline.line"),
+      figures: [...s.querySelectorAll("figure.steps")].filter(shown).map(f => ({
+        caption: f.querySelector("figcaption").innerText,
+        text: f.querySelector("p").innerText,
+        steps: [...f.querySelectorAll("span.step")].map(x => [Number(x.dataset.accepted),
+                                                               getComputedStyle(x).backgroundColor])})),
+      tables: [...s.querySelectorAll("table")].filter(shown).map(t => [...t.rows].map(r => [...r.cells].map(
+        c => c.innerText)))}))};
+})()"""
+
+
+class Browser:
+    """Headless Chromium driven over the DevTools protocol's pipe: JSON messages, each ended by
+    a NUL byte, written to the browser's fd 3 and read from its fd 4."""
+
+    def __init__(self, profile):
+        commands_in, self._commands = os.pipe()
+        self._replies, replies_out = os.pipe()
+
+        def give_pipes():  # runs in the child: the protocol's fds are 3 and 4
+            os.dup2(commands_in, 3)
+            os.dup2(replies_out, 4)
+
+        self._log = open(profile.parent / "chromium.log", "wb")
+        self.process = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+                                        preexec_fn=give_pipes, close_fds=False, stdin=subprocess.DEVNULL,
+                                        stdout=self._log, stderr=self._log)
+        os.close(commands_in)
+        os.close(replies_out)
+        self._buffer, self._id, self.events = b"", 0, []
+
+    def _message(self, deadline: float) -> dict:
+        while b"\0" not in self._buffer:
+            ready, _, _ = select.select([self._replies], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(self._replies, 1 << 16) if ready else b""
+            if not chunk:
+                self._log.flush()
+                log = open(self._log.name, "rb").read()[-2000:].decode(errors="replace")
+                raise AssertionError(f"Chromium sent nothing in time, or exited; the end of its log:\n{log}")
+            self._buffer += chunk
+        message, self._buffer = self._buffer.split(b"\0", 1)
+        return json.loads(message)
+
+    def send(self, method: str, params=None, session=None) -> dict:
+        self._id += 1
+        message = {"id": self._id, "method": method, "params": params or {}}
+        if session:
+            message["sessionId"] = session
+        os.write(self._commands, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            reply = self._message(deadline)
+            if reply.get("id") != self._id:
+                self.events.append(reply)
+            elif "error" in reply:
+                raise AssertionError(f"{method}: {reply['error']}")
+            else:
+                return reply["result"]
+
+    def wait_for(self, method: str) -> dict:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any(event.get("method") == method for event in self.events):
+            self.events.append(self._message(deadline))
+        return next(event for event in self.events if event.get("method") == method)
+
+    def console_errors(self) -> list[str]:
+        """Console errors, uncaught exceptions and logged errors (a resource that failed to load)."""
+        errors = []
+        for event in self.events:
+            method, params = event.get("method"), event.get("params", {})
+            if method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
+                errors.append(" ".join(str(arg.get("value")) for arg in params.get("args", [])))
+            elif method == "Runtime.exceptionThrown":
+                details = params["exceptionDetails"]
+                errors.append(f"{details.get('text', '')} {details.get('exception', {}).get('description', '')}")
+            elif method == "Log.entryAdded" and params["entry"].get("level") == "error":
+                errors.append(params["entry"].get("text", ""))
+        return errors
+
+    def close(self):
+        try:
+            self.send("Browser.close")
+            self.process.wait(timeout=TIMEOUT_S)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            os.close(self._commands)
+            os.close(self._replies)
+            self._log.close()
+
+
+def read_page(path, tmp_path):
+    """(what READ_PAGE returns, console errors) for the page at path, once loaded."""
+    browser = Browser(tmp_path / "profile")
+    try:
+        target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        for domain in ("Page", "Runtime", "Log"):
+            browser.send(f"{domain}.enable", session=session)
+        browser.send("Page.navigate", {"url": path.resolve().as_uri()}, session=session)
+        browser.wait_for("Page.loadEventFired")
+        seen = browser.send("Runtime.evaluate", {"expression": READ_PAGE, "returnByValue": True},
+                            session=session)["result"]["value"]
+        return seen, browser.console_errors()
+    finally:
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_pair, tmp_path_factory):
+    """Real tiny-pair runs in llama.cpp: k = 4 traced and k = 2 untraced, the built-in prompts."""
+    folder = tmp_path_factory.mktemp("browser")
+    prompts = load_prompts("builtin")
+    made = []
+    for k, trace in ((4, True), (2, False)):
+        path = folder / f"k{k}.json"
+        request = RunRequest(tiny_pair, "llama-cpp", RuntimeOptions(n_ctx=256, threads=1), DraftRules(k), 24, path,
+                             trace=trace)
+        made.append((path, run_pair(request, prompts), f"llama-cpp/driven crossrt k={k}"))
+    return made
+
+
+def test_the_rendered_page_shows_every_section_table_chart_and_step_text(runs, tmp_path):
+    out = tmp_path / "report.html"
+    result = CliRunner().invoke(report, [str(runs[0][0]), str(runs[1][0]), "-o", str(out), "--title", "seen"])
+    assert result.exit_code == 0, result.output
+    seen, errors = read_page(out, tmp_path)
+    assert errors == []
+    assert seen["title"] == "seen"
+    sections = {s["id"]: s for s in seen["sections"]}
+    assert [s["title"] for s in seen["sections"]] == [
+        "Runs", "Tau per category", "Acceptance per draft position", "Accepted length per step, in the output text",
+        "Acceptance by target entropy", "Acceptance by target entropy, per content type", "Speedup",
+        "i.i.d. fit per category"]
+    # A chart on screen in each charted section, with its marks drawn.
+    assert {name: s["charts"] for name, s in sections.items()} == {
+        "runs": 0, "tau": 1, "positions": 1, "steps": 0, "entropy": 1, "entropy-types": 1, "speedup": 1, "iid": 1}
+    assert sections["tau"]["marks"] == 2 * 4  # two runs, three categories and ALL
+    assert sections["positions"]["marks"] == 2 + 4 + 2  # a line per run, a point per position
+    assert all(s["marks"] > 0 for s in sections.values() if s["charts"])
+
+    # The summary table as it reads on the page.
+    (k4_path, k4, k4_label), (_, k2, k2_label) = runs
+    header, *rows = sections["tau"]["tables"][0]
+    shown = {(row[0], row[1]): dict(zip(header, row, strict=True)) for row in rows}
+    for record, label in ((k4, k4_label), (k2, k2_label)):
+        for category in [*record.categories(), None]:
+            summary = record.summary(category)
+            row = shown[(label, category or "ALL")]
+            assert (row["tau"], row["alpha"], row["lossless"]) == (
+                f"{summary.tau:.2f}", f"{summary.alpha:.3f}", f"{summary.lossless}/{summary.prompts - summary.failed}")
+
+    # Every finished prompt's output on screen, as llama.cpp reads it, one coloured span per step,
+    # one colour per accepted length.
+    figures = {f["caption"]: f for f in sections["steps"]["figures"]}
+    assert len(figures) == sum(1 for _, record, _ in runs for r in record.results if r.ok)
+    vocab, _ = load_vocab(k4)
+    colours = {}
+    for _, record, label in runs:
+        for r in record.results:
+            figure = figures[f"{label}: {r.prompt_id} ({r.category}), k={record.params.k}"]
+            assert [accepted for accepted, _ in figure["steps"]] == list(r.counters.step_accepted)
+            text = NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}", "".join(token_texts(vocab, r.output_ids)))
+            assert figure["text"] == text
+            for accepted, colour in figure["steps"]:
+                assert colours.setdefault(accepted, colour) == colour
+    assert len(set(colours.values())) == len(colours) > 1
+    assert "rgba(0, 0, 0, 0)" not in colours.values()
+
+
+def test_console_errors_and_missing_resources_are_seen(tmp_path):
+    """The check that a report page logs nothing is not vacuous: a page that does log is caught."""
+    page = tmp_path / "broken.html"
+    page.write_text('<!DOCTYPE html><html><head><title>broken</title></head><body><section id="s"><h2>s</h2>'
+                    '<img src="missing.png"/><script>console.error("from the page"); undefined_call();</script>'
+                    '</section></body></html>')
+    seen, errors = read_page(page, tmp_path)
+    assert [s["id"] for s in seen["sections"]] == ["s"]
+    assert "from the page" in errors
+    assert any("undefined_call" in error for error in errors)
+    assert any("missing.png" in error or "ERR_FILE_NOT_FOUND" in error for error in errors), errors
