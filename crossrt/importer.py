@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from crossrt.import_aiperf import read_aiperf
 from crossrt.import_exllamav3 import read_exllamav3_stats
 from crossrt.import_logs import ReadOptions, read_llama_server_log, read_sglang_log, read_vllm_log
 from crossrt.import_metrics import read_llama_server_metrics, read_vllm_metrics
@@ -42,6 +43,8 @@ FORMATS = {
     "llama-server-metrics": Format(read_llama_server_metrics, "llama-server", "llama-server", "gguf", counters=True),
     "llama-server-log": Format(read_llama_server_log, "llama-server", "llama-server", "gguf", counters=False),
     "exllamav3-stats": Format(read_exllamav3_stats, "exllamav3", "exllamav3", "exl3", counters=False),
+    # AIPerf is the client that wrote the file; the counts are its one adapter's engine's, vLLM's.
+    "aiperf": Format(read_aiperf, "aiperf", "vllm", "hf", counters=False),
 }
 
 

@@ -61,7 +61,9 @@ def import_command(file: Path, source: str, before: Optional[Path], out: Optiona
     llama-server-metrics  llama-server --metrics /metrics (llamacpp:spec_decode_*)
     llama-server-log      llama-server log: each request's 'draft acceptance' line
     exllamav3-stats       exllamav3 job.draft_stats rounds as JSON (eval/spec_decode.py
-                          --draft_stats FILE, or json.dump(job.draft_stats))
+                          -dstats/--draft_stats FILE, or json.dump(job.draft_stats))
+    aiperf                NVIDIA AIPerf's profile_export.jsonl (per request) or
+                          profile_export_aiperf.json (give --k); vLLM's counting
 
     \b
     crossrt import server.log --from vllm-log

@@ -1,0 +1,114 @@
+"""`crossrt import --from aiperf`: NVIDIA AIPerf's per-request export and its aggregate, read from
+fixtures holding the numbers AIPerf's own test asserts for a real profile of its mock server
+(each fixture's header cites it; no real engine's export was found published), and the traps
+of its fields: a histogram without the bonus token, a rate that is a fraction in the record and a
+percent in the metrics, warm-up and failed requests, another engine's counting."""
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from crossrt.cli.imports import import_command
+from crossrt.record_json import load_record
+from crossrt.schema import accepted_per_position
+
+from conftest import assert_clean_error
+
+FIXTURES = Path(__file__).parent / "fixtures" / "import"
+RECORDS = FIXTURES / "aiperf-records-mock.jsonl"
+AGGREGATE = FIXTURES / "aiperf-aggregate-mock.json"
+
+
+def imported(tmp_path, source, *args):
+    out = tmp_path / "imported.json"
+    result = CliRunner().invoke(import_command, [str(source), "--from", "aiperf", "--out", str(out), *args])
+    assert result.exit_code == 0, result.output
+    return load_record(out)
+
+
+def request_lines(path=RECORDS):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+
+
+def written(tmp_path, lines, name="records.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def test_per_request_records_sum_into_the_schema(tmp_path):
+    record = imported(tmp_path, RECORDS)
+    (result,) = record.results
+    counters, lines = result.counters, request_lines()
+    assert (record.runtime.name, record.params.schedule, record.params.k) == ("aiperf", "vllm", 4)
+    assert (counters.steps, counters.drafted, counters.accepted) == (16, 64, 36)
+    # The histogram (steps accepting exactly j, bonus out) gives what the per-step lists give.
+    steps = [n for line in lines for n in line["spec_decode_acceptance"]["per_step_accepted"]]
+    assert counters.accepted_per_pos == accepted_per_position(steps, 4) == (14, 12, 8, 2)
+    # AIPerf's own acceptance length (bonus in) and rate are crossrt's tau and alpha.
+    assert counters.tau == lines[0]["metrics"]["spec_decode_acceptance_length"]["value"] == 3.25
+    assert counters.alpha * 100 == lines[0]["metrics"]["spec_decode_draft_acceptance_rate"]["value"]
+    # completion_tokens is null in the export: emitted follows the identity, and says so.
+    assert "emitted" not in record.imported.given and counters.emitted == 16 + 36
+    assert any("2 request(s) summed" in note for note in record.notes)
+
+
+def test_the_aggregate_export_imports_to_the_same_counters(tmp_path):
+    per_request = imported(tmp_path, RECORDS).results[0].counters
+    record = imported(tmp_path, AGGREGATE, "--k", "4", "--overwrite")
+    counters = record.results[0].counters
+    assert (counters.steps, counters.drafted, counters.accepted, counters.accepted_per_pos) == \
+        (per_request.steps, per_request.drafted, per_request.accepted, per_request.accepted_per_pos)
+    result = CliRunner().invoke(import_command, [str(AGGREGATE), "--from", "aiperf", "--out",
+                                                 str(tmp_path / "no-k.json")])
+    assert_clean_error(result, "does not say the draft length: give --k")
+    result = CliRunner().invoke(import_command, [str(AGGREGATE), "--from", "aiperf", "--k", "3", "--out",
+                                                 str(tmp_path / "k3.json")])
+    assert_clean_error(result, "--k 3, but a step accepted 4 draft tokens")
+
+
+def test_completion_tokens_give_emitted_and_the_prefill_token_is_unverified(tmp_path):
+    """Probing the mapping: completion_tokens set to steps + accepted + 1 (vLLM's first token comes
+    from the prefill) in one request and to one token short of its steps in the other."""
+    lines = request_lines()
+    lines[0]["spec_decode_acceptance"]["completion_tokens"] = 8 + 18 + 1
+    lines[1]["spec_decode_acceptance"]["completion_tokens"] = 8 + 18 - 1
+    counters = imported(tmp_path, written(tmp_path, lines)).results[0].counters
+    assert (counters.emitted, counters.unverified, counters.cut) == (52, 1, 1)
+
+
+def test_metrics_alone_give_counts_and_left_out_requests_are_named(tmp_path):
+    lines = request_lines()
+    bare = {key: value for key, value in lines[0].items() if key != "spec_decode_acceptance"}
+    warmup = {**lines[1], "metadata": {"benchmark_phase": "warmup"}}
+    failed = {**lines[1], "error": {"code": 500, "type": "Internal Server Error", "message": "x"}}
+    off = {"metadata": {"benchmark_phase": "profiling"}, "metrics": {"request_latency": {"value": 1.0, "unit": "ms"}}}
+    record = imported(tmp_path, written(tmp_path, [bare, warmup, failed, off]), "--k", "4")
+    counters = record.results[0].counters
+    assert (counters.steps, counters.drafted, counters.accepted) == (8, 32, 18)
+    assert counters.accepted_per_pos is None and "accepted_per_pos" not in record.imported.given
+    assert any("1 warm-up, 1 failed, 1 without speculative statistics" in note for note in record.notes)
+
+
+@pytest.mark.parametrize("change, message", [
+    # The metric is a percent (56.25); the record's rate a fraction (0.5625).
+    (lambda line: line["metrics"]["spec_decode_draft_acceptance_rate"].update(value=0.5625),
+     "draft acceptance rate 0.005625 is not 18 / 32"),
+    # A histogram holding the bonus token (j + 1 per step) is not AIPerf's.
+    (lambda line: line["spec_decode_acceptance"].update(
+        acceptance_histogram={"1": 1, "2": 1, "3": 2, "4": 3, "5": 1}), "the histogram accepts 26 draft tokens, not 18"),
+    (lambda line: line["spec_decode_acceptance"].update(mean_acceptance_length=2.25),
+     "acceptance length 2.25 is not 1 \\+ 18 / 8"),
+    (lambda line: line["spec_decode_acceptance"].update(per_step_accepted=[2, 3]), "per_step_accepted has 2 steps"),
+    (lambda line: line["spec_decode_acceptance"].update(engine="sglang"), "engine 'sglang'; crossrt maps the counting"),
+    (lambda line: line["spec_decode_acceptance"].update(num_spec_steps=8.5), "num_spec_steps: '8.5' is not a count"),
+])
+def test_inconsistent_records_are_refused(tmp_path, change, message):
+    lines = request_lines()
+    change(lines[1])
+    result = CliRunner().invoke(import_command, [str(written(tmp_path, lines)), "--from", "aiperf", "--out",
+                                                 str(tmp_path / "out.json")])
+    assert_clean_error(result, f"line 2[:,] {message}")
+    assert not (tmp_path / "out.json").exists()
