@@ -20,12 +20,14 @@ fraction, so the parts add up to the gap exactly; the residual is shown, never f
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from crossrt.errors import ComparisonError, SettingsError
-from crossrt.runtime import ModelSession
+from crossrt.runtime import ModelSession, RuntimeOptions, open_runtime
 from crossrt.schedule_sim import check_rules, record_rules, simulate_schedule
 from crossrt.schema import Counters, PromptResult, RunRecord
 from crossrt.simulate import Oracle, build_oracle
@@ -88,17 +90,17 @@ class TauGap:
     def gap(self, metric: str) -> Figure:
         return _minus(self.native_a[metric], self.native_b[metric])
 
-    def lines(self) -> list[str]:
-        """The gap, its parts and the residual, one line for tau, one for alpha and steps."""
+    def lines(self, alpha_and_steps: bool = True) -> list[str]:
+        """The gap, its parts and the residual: one line for tau, one for alpha and steps."""
         def said(metric: str, digits: int) -> str:
             sign = "{:+.%df}" % digits
             parts = " + ".join(f"{p.name} {_shown(p.value[metric], sign)}" for p in self.parts)
             return (f"{_shown(self.native_a[metric], '{:.%df}' % digits)} - "
                     f"{_shown(self.native_b[metric], '{:.%df}' % digits)} = {_shown(self.gap(metric), sign)} = {parts}")
         where = "ALL" if self.category is None else self.category
-        return [f"tau gap {self.run_a} ({self.schedule_a}) vs {self.run_b} ({self.schedule_b}), {where} "
-                f"({self.prompts} prompts): {said('tau', 2)}",
-                f"  alpha {said('alpha', 3)}; steps {said('steps', 0)}"]
+        lines = [f"tau gap {self.run_a} ({self.schedule_a}) vs {self.run_b} ({self.schedule_b}), {where} "
+                 f"({self.prompts} prompts): {said('tau', 2)}"]
+        return lines + ([f"  alpha {said('alpha', 3)}; steps {said('steps', 0)}"] if alpha_and_steps else [])
 
     def as_json(self) -> dict:
         def figures(values: dict[str, Figure]) -> dict:
@@ -223,3 +225,60 @@ def build_oracles(target: ModelSession, drafter: ModelSession,
             if result.ok and ids not in oracles:
                 oracles[ids] = build_oracle(target, drafter, result.prompt_id, result.category, ids, budget, max_k)
     return oracles
+
+
+ORACLE_RUNTIME = "llama-cpp"
+
+
+def parity_gaps(runs: Sequence[tuple[str, RunRecord]], threads: int = 1) -> list[str]:
+    """`crossrt parity`'s tau gap lines: for every two runs of one pair whose schedules differ,
+    the gap overall (tau, then alpha and steps) and per category (tau), or why it was not
+    computed. One oracle set per pair, built in-process on llama.cpp from the records' GGUF
+    files at the runs' context size (its default F16 KV cache and flash attention, as
+    llama.cpp's tools run)."""
+    lines: list[str] = []
+    by_pair: dict[tuple, list[tuple[str, RunRecord]]] = {}
+    for label, record in runs:
+        by_pair.setdefault((record.pair.name, record.pair.target and record.pair.target.sha256), []).append(
+            (label, record))
+    for group in by_pair.values():
+        pairs = [(a, b) for i, a in enumerate(group) for b in group[i + 1:] if a[1].params.schedule != b[1].params.schedule]
+        if not pairs:
+            continue
+        try:
+            oracles = _parity_oracles([record for _, record in group if record.imported is None], threads)
+        except ComparisonError as error:
+            lines += [f"tau gap {a} vs {b}: not computed ({error})" for (a, _), (b, _) in pairs]
+            continue
+        for (label_a, a), (label_b, b) in pairs:
+            try:
+                gaps = tau_gap(a, b, oracles, label_a, label_b)
+            except ComparisonError as error:
+                lines.append(f"tau gap {label_a} vs {label_b}: not computed ({error})")
+                continue
+            lines += gaps[-1].lines() + [line for gap in gaps[:-1] for line in gap.lines(alpha_and_steps=False)]
+    return lines
+
+
+def _parity_oracles(records: Sequence[RunRecord], threads: int) -> dict[tuple[int, ...], Oracle]:
+    files = next(((Path(r.pair.target.path), Path(r.pair.drafter.path)) for r in records
+                  if r.pair.target and r.pair.drafter and r.pair.target.format == r.pair.drafter.format == "gguf"
+                  and Path(r.pair.target.path).is_file() and Path(r.pair.drafter.path).is_file()), None)
+    if files is None:
+        raise ComparisonError("no record names GGUF files of the pair to build the oracle from")
+    # The oracle drafts K tokens from one position past the output and checks them there.
+    n_ctx = max(len(result.prompt_ids) + (r.params.max_new_tokens or 0) + r.params.k + 2
+                for r in records for result in r.results)
+    runtime = open_runtime(ORACLE_RUNTIME, RuntimeOptions(n_ctx=n_ctx, threads=threads))
+    with contextlib.ExitStack() as stack:
+        target, drafter = (stack.enter_context(runtime.load(path)) for path in files)
+        simulated = [r for r in records if _simulated(r)]
+        return build_oracles(target, drafter, simulated) if simulated else {}
+
+
+def _simulated(record: RunRecord) -> bool:
+    try:
+        _check(record, "")
+    except ComparisonError:
+        return False
+    return True

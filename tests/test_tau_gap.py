@@ -13,7 +13,7 @@ from crossrt.prompts import Prompt, load_prompts
 from crossrt.runtime import DraftRules, RuntimeOptions, availability
 from crossrt.schedule_sim import summarize_schedule
 from crossrt.schema import ImportInfo
-from crossrt.tau_gap import METRICS, PARTS, Totals, build_oracles, tau_gap
+from crossrt.tau_gap import METRICS, PARTS, Totals, build_oracles, parity_gaps, tau_gap
 
 PROMPTS = load_prompts("builtin")[::2]
 BUDGET = 24
@@ -158,3 +158,21 @@ def test_refusals(records, oracles, tiny_pair, tmp_path):
         tau_gap(a, sglang, oracles)
     with pytest.raises(ComparisonError, match="no prompt in common"):
         tau_gap(a, dataclasses.replace(b, results=()), oracles)
+
+
+def test_parity_lines_for_every_two_runs_whose_schedules_differ(records):
+    runs = list(records.items())
+    imported = dataclasses.replace(records["server"], imported=ImportInfo("vllm-log", "x.log", (), ()))
+    lines = parity_gaps(runs + [("imported", dataclasses.replace(imported, params=dataclasses.replace(
+        imported.params, schedule="vllm", draft_n_min=4)))])
+    heads = [line for line in lines if line.startswith("tau gap ") and ", ALL (" in line]
+    differ = [(a, b) for i, (a, ra) in enumerate(runs) for b, rb in runs[i + 1:]
+              if ra.params.schedule != rb.params.schedule]
+    assert [line.split(", ALL")[0] for line in heads] == [
+        f"tau gap {a} ({records[a].params.schedule}) vs {b} ({records[b].params.schedule})" for a, b in differ]
+    categories = sorted({p.category for p in PROMPTS})
+    assert sum(1 for line in lines if line.startswith("  alpha ")) == len(differ)
+    assert sum(1 for line in lines if any(f", {c} (" in line for c in categories)) == len(differ) * len(categories)
+    assert [line for line in lines if "imported" in line] == [
+        f"tau gap {name} vs imported: not computed (imported: an imported record holds no prompts to simulate)"
+        for name in records]
