@@ -208,6 +208,29 @@ def test_output_text_is_cut_into_its_steps_and_coloured_by_accepted_length(runs,
     assert styles == {(accepted, legend[accepted]) for accepted, _ in styles}
 
 
+def test_llama_server_schedule_steps_leave_its_unverified_tokens_unshaded(tiny_pair, tiny_sessions, tmp_path):
+    """llama-server takes its first token from the prompt pass and decodes without a draft where
+    none fits the budget: those tokens are outside any step, the steps' own in between."""
+    path = tmp_path / "server.json"
+    request = RunRequest(tiny_pair, "llama-cpp", RuntimeOptions(n_ctx=256, threads=1), DraftRules(4), 24, path,
+                         schedule="llama-server")
+    server = run_pair(request, load_prompts("builtin"))
+    out = tmp_path / "report.html"
+    assert invoke(path, "-o", out).exit_code == 0
+    _, sections = html_sections(out)
+    figures = dict(step_figures(sections["steps"]))
+    vocab, _ = load_vocab(server)
+    for result in server.results:
+        counters = result.counters
+        assert counters.unverified >= 1
+        spans = figures[f"llama-cpp/driven llama-server k=4: {result.prompt_id} ({result.category}), k=4"]
+        assert spans[0][0] is None  # the prompt pass's token
+        assert [accepted for accepted, _ in spans if accepted is not None] == list(counters.step_accepted)
+        assert sum(1 for accepted, _ in spans if accepted is None) <= counters.unverified
+        assert "".join(text for _, text in spans) == NOT_XML.sub(
+            lambda m: f"\\x{ord(m.group()):02x}", "".join(token_texts(vocab, result.output_ids)))
+
+
 def test_real_model_tokens_read_as_llama_cpp_reads_them(real_pair, llama_runtime):
     """SentencePiece pieces (U+2581 spaces, <0xNN> byte tokens, characters split across tokens)
     decode from the GGUF vocabulary alone as llama.cpp's own detokenizer decodes them."""
