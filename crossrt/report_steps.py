@@ -110,14 +110,33 @@ class Span:
     drafted: int
 
 
-def step_spans(result: PromptResult, schedule: str) -> Optional[list[Span]]:
-    """The output cut into its steps, each accepted + 1 tokens, in order; None without per-step
-    lists or token ids. llama-server's schedule takes its first token from the prompt pass
-    (unverified); plain decodes after the last step are unverified too, and tokens a step
-    yielded past the budget or an EOS (cut) are not in the output, so the last step is cut short."""
+def _by_passes(result: PromptResult, schedule: str) -> Optional[list[Span]]:
+    """The spans as the run's passes place them (driven runs record, per output token, the size
+    of the pass that chose it): a step's tokens come from one pass of 1 + its draft tokens; any
+    other token is unverified (llama-server's prompt-pass token, a plain decode, mid-run too where
+    llama.cpp threw a short draft away). None where that does not account for every step and
+    every unverified token (a pass of another kind that happens to have a step's size)."""
+    counters, passes = result.counters, result.output_view.pass_tokens
+    end, at, step, plain, spans = len(result.output_ids), 0, 0, 0, []
+    while at < end:
+        fits = step < counters.steps and passes[at] == 1 + counters.step_drafted[step]
+        if fits and not (at == 0 and schedule == SERVER):  # llama-server's first token: the prompt pass
+            stop = min(at + counters.step_accepted[step] + 1, end)
+            spans.append(Span(at, stop, step, counters.step_accepted[step], counters.step_drafted[step]))
+            at, step = stop, step + 1
+            continue
+        if spans and spans[-1].step is None:
+            spans[-1] = Span(spans[-1].start, at + 1, None, 0, 0)
+        else:
+            spans.append(Span(at, at + 1, None, 0, 0))
+        at, plain = at + 1, plain + 1
+    return spans if step == counters.steps and plain == counters.unverified else None
+
+
+def _in_order(result: PromptResult, schedule: str) -> list[Span]:
+    """The spans without pass sizes (native runs): the steps in order, llama-server's first token
+    from the prompt pass, any other unverified tokens after the last step."""
     counters = result.counters
-    if counters is None or counters.step_accepted is None or counters.step_drafted is None or not result.output_ids:
-        return None
     end, at, spans = len(result.output_ids), 0, []
     if schedule == SERVER and counters.unverified:
         spans.append(Span(0, 1, None, 0, 0))
@@ -131,6 +150,19 @@ def step_spans(result: PromptResult, schedule: str) -> Optional[list[Span]]:
     if at < end:
         spans.append(Span(at, end, None, 0, 0))
     return spans
+
+
+def step_spans(result: PromptResult, schedule: str) -> Optional[list[Span]]:
+    """The output cut into its steps, each accepted + 1 tokens, and the unverified tokens between
+    them; None without per-step lists or token ids. Tokens a step yielded past the budget or an
+    EOS (cut) are not in the output, so such a step is shown cut short."""
+    counters = result.counters
+    if counters is None or counters.step_accepted is None or counters.step_drafted is None or not result.output_ids:
+        return None
+    view = result.output_view
+    placed = _by_passes(result, schedule) if view is not None and len(view.pass_tokens) == len(result.output_ids) \
+        else None
+    return placed if placed is not None else _in_order(result, schedule)
 
 
 def accept_color(accepted: int, k: int) -> str:

@@ -17,7 +17,7 @@ from crossrt.errors import CrossrtError
 from crossrt.prompts import Prompt, content_type, load_prompts
 from crossrt.report_page import Section, page
 from crossrt.pairs import read_vocabulary
-from crossrt.report_steps import load_vocab, token_texts, vocab_at
+from crossrt.report_steps import load_vocab, step_spans, token_texts, vocab_at
 from crossrt.runtime import DraftRules, RuntimeOptions
 from crossrt.svg import Bars, bar_chart, nice_ticks
 
@@ -226,7 +226,12 @@ def test_llama_server_schedule_steps_leave_its_unverified_tokens_unshaded(tiny_p
         spans = figures[f"llama-cpp/driven llama-server k=4: {result.prompt_id} ({result.category}), k=4"]
         assert spans[0][0] is None  # the prompt pass's token
         assert [accepted for accepted, _ in spans if accepted is not None] == list(counters.step_accepted)
-        assert sum(1 for accepted, _ in spans if accepted is None) <= counters.unverified
+        # Its steps always draft (n_min >= 1): the unshaded tokens are the prompt pass's and the
+        # one-token decodes', wherever they fall, and they are all the unverified tokens.
+        plain = [i for span in step_spans(result, "llama-server") if span.step is None
+                 for i in range(span.start, span.stop)]
+        assert plain == [i for i, size in enumerate(result.output_view.pass_tokens) if i == 0 or size == 1]
+        assert len(plain) == counters.unverified
         assert "".join(text for _, text in spans) == NOT_XML.sub(
             lambda m: f"\\x{ord(m.group()):02x}", "".join(token_texts(vocab, result.output_ids)))
 
