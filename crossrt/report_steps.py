@@ -6,7 +6,8 @@ Token text comes from the pair's own vocabulary, read from the target file the r
 (GGUF metadata, or an HF folder's tokenizer.json), so no runtime is loaded: byte-level BPE
 (`gpt2`) pieces map back to bytes through GPT-2's printable byte alphabet; SentencePiece
 (`llama`) pieces turn U+2581 into a space and `<0xNN>` byte tokens into their byte; control
-tokens print nothing, as llama.cpp's detokenizer prints them by default. The bytes are decoded
+tokens print nothing, as llama.cpp's detokenizer and transformers' decode(skip_special_tokens)
+print them by default. The bytes are decoded
 incrementally, so a character split across tokens is shown with the token that completes it.
 A file that is missing, or whose vocabulary is not the one the run recorded (its fingerprint),
 gives no text, and the section says so.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import json
 import re
 from dataclasses import dataclass
 from html import escape
@@ -75,11 +77,25 @@ def vocab_at(path: str, fingerprint: str) -> tuple[Optional[Vocab], Optional[str
         vocabulary = read_vocabulary(Path(path))
         if vocabulary.fingerprint != fingerprint:
             return None, f"{path} holds another vocabulary than the run's (fingerprint {vocabulary.fingerprint})"
-        kinds = gguf_metadata(Path(path)).get("tokenizer.ggml.token_type", ()) if path.endswith(".gguf") else ()
-    except (PairError, OSError, ValueError, KeyError) as error:
+        if path.endswith(".gguf"):
+            model, kinds = vocabulary.model, tuple(gguf_metadata(Path(path)).get("tokenizer.ggml.token_type", ()))
+        else:
+            model, kinds = _hf_kinds(Path(path), vocabulary.tokens)
+    except (PairError, OSError, ValueError, KeyError, TypeError) as error:
         return None, f"cannot read the vocabulary of {path} ({error})"
-    kinds = tuple(kinds) or (1,) * len(vocabulary.tokens)
-    return Vocab(tuple(_piece_bytes(p, t, vocabulary.model) for p, t in zip(vocabulary.tokens, kinds))), None
+    kinds = kinds or (1,) * len(vocabulary.tokens)
+    return Vocab(tuple(_piece_bytes(p, t, model) for p, t in zip(vocabulary.tokens, kinds))), None
+
+
+def _hf_kinds(folder: Path, tokens: Sequence[str]) -> tuple[str, tuple[int, ...]]:
+    """An HF tokenizer.json's decoding as GGUF names it: byte-level (`gpt2`) where its decoder is
+    ByteLevel, else SentencePiece-style (`llama`, with <0xNN> byte fallback); its special added
+    tokens are control tokens, which transformers' decode(skip_special_tokens=True) drops too."""
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    model = "gpt2" if (tokenizer.get("decoder") or {}).get("type") == "ByteLevel" else "llama"
+    special = {t["id"] for t in tokenizer.get("added_tokens", []) if t.get("special")}
+    return model, tuple(CONTROL if i in special else BYTE if _BYTE_PIECE.fullmatch(piece) else 1
+                        for i, piece in enumerate(tokens))
 
 
 def load_vocab(record: RunRecord) -> tuple[Optional[Vocab], Optional[str]]:

@@ -254,6 +254,15 @@ def test_real_model_tokens_read_as_llama_cpp_reads_them(real_pair, llama_runtime
     assert [texts[i] for i in at] == ["", "", "", "\U00010348"]
 
 
+def test_an_hf_folder_reads_as_the_same_tokenizer_in_gguf(tiny_pair):
+    """The tiny pair's target as an HF folder (tokenizer.json, ByteLevel decoder, special added
+    tokens) gives every token the bytes its GGUF gives, which llama.cpp's reading checks above."""
+    folder, gguf = tiny_pair.path("target", "hf"), tiny_pair.path("target", "gguf")
+    hf_vocab, problem = vocab_at(str(folder), read_vocabulary(folder).fingerprint)
+    assert problem is None
+    assert hf_vocab == vocab_at(str(gguf), read_vocabulary(gguf).fingerprint)[0]
+
+
 def test_entropy_per_content_type_splits_the_traced_buckets(runs, tmp_path):
     out = tmp_path / "report.html"
     assert invoke(runs[0][0], runs[1][0], "-o", out).exit_code == 0
