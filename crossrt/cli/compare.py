@@ -20,9 +20,19 @@ from crossrt.parity_report import ParityReport, logit_checks, render_junit, rend
 from crossrt.parity_run import Matrix, run_matrix, score_records
 from crossrt.prompts import load_prompts
 from crossrt.record_json import load_record
+from crossrt.schema import RecordError
 from crossrt.replay import Replayer
 from crossrt.runtime import DraftRules, RuntimeOptions, runtime_names, usable_runtimes
 from crossrt.tolerance import tolerance_for
+
+
+def distinct_records(paths: Sequence[Path]) -> None:
+    """RecordError when one record file is given twice (as `report` refuses it): a run
+    compared with itself agrees by construction, and its prompts would count twice."""
+    resolved = [Path(path).resolve() for path in paths]
+    for index, path in enumerate(resolved):
+        if path in resolved[:index]:
+            raise RecordError(f"{paths[index]} is given twice")
 
 
 @click.command()
@@ -84,6 +94,7 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
     try:
         not_run, skipped = [], []
         if records:
+            distinct_records([*records, *baselines])
             runs = labelled([load_record(path) for path in records], [path.name for path in records])
         else:
             options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, gpu_split=gpu_split,
@@ -155,6 +166,7 @@ def diff(records: tuple[Path, ...]) -> None:
     if len(records) > 2:
         raise click.UsageError("give one record (its lossless failures) or two (where they part)")
     try:
+        distinct_records(records)
         runs = labelled([load_record(path) for path in records], [path.name for path in records])
         imported = [label for label, record in runs if record.imported]
         if imported:

@@ -11,7 +11,7 @@ import click
 
 from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, device_options, resolve_pair
 from crossrt.cli.analysis import analyze, simulate_command
-from crossrt.cli.compare import diff, parity
+from crossrt.cli.compare import diff, distinct_records, parity
 from crossrt.cli.drafter import drafter
 from crossrt.cli.imports import import_command
 from crossrt.cli.prompt_options import chat_options, fed_prompts, first_answers
@@ -155,6 +155,7 @@ def show(records: Sequence[Path]) -> None:
     included), alpha (accepted/drafted), steps, lossless prompts, tokens/s and speedup.
     Imported records (`crossrt import`) follow the table with what their source lacks."""
     try:
+        distinct_records(records)
         loaded = [load_record(path) for path in records]
     except USER_ERRORS as error:
         raise click.ClickException(str(error)) from None
