@@ -3,6 +3,7 @@ tiny pair), and the Ray executor on a real Ray cluster started on this machine (
 module, 2 CPUs), checked cell for cell against the same cells run one by one here."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,7 @@ def test_plan_lists_cells_with_stable_ids_and_skips(sweep_file):
     assert len({c.id for c in sweep.runnable()}) == 8
     result = CliRunner().invoke(main, ["sweep", "plan", str(sweep_file)])
     assert result.exit_code == 0, result.output
-    assert "16 cells: 8 to run (0 done), 8 skipped" in result.output
+    assert "16 cells: 8 to run, 8 skipped" in result.output
 
 
 def test_exclude_include_and_resources(tmp_path):
@@ -141,6 +142,158 @@ def test_rerun_does_nothing(sweep_file, local_store):
     progress = run_sweep(load_sweep(sweep_file), local_store, Executor())
     assert progress.total == 0
     assert {p: p.stat().st_mtime_ns for p in local_store.root.rglob("*")} == before
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "an empty sweep file"),
+    ("# only a comment\n", "an empty sweep file"),
+    ('name = "x"\n[axis]\nk = [1, 2]\n', "unknown top-level key(s) axis (did you mean 'axes'?)"),
+    ('runtimes = ["llama-cpp"]\n[axes]\nk = 1\n', "unknown top-level key(s) runtimes"),
+    ('name = "x"\n', "no [axes] table"),
+    ("[axes]\n", "no [axes] table"),
+    ("axes = 3\n", "[axes] must be a table"),
+    ("[axes]\nk = []\n", "k = []: an axis needs at least one value"),
+    ('[axes]\nruntime = "llama-cp"\n', "unknown runtime 'llama-cp' (did you mean 'llama-cpp'?)"),
+    ('name = "../elsewhere"\n[axes]\nk = 1\n', "expected a folder name"),
+    ("[axes]\nk = 1\n[ray]\nmax_retries = -1\n", "max_retries = -1"),
+    ("[axes]\nk = 1\n[ray]\nretries = 1\n", "[ray]: unknown key(s) retries"),
+    ("[axes]\nk = 1\n[resources.llama-cpp]\nthreads = 0\n", "threads = 0"),
+    ("[axes]\nk = 1\n[resources.llama-cp]\nthreads = 1\n", "[resources.llama-cp]: unknown runtime"),
+    ("[axes]\nk = 1\nexclude = 3\n", "unknown setting(s) exclude"),
+    ("[axes]\nk = 1\n[[include]]\nthreads = 2\n", "[[include]] 1: unknown setting(s) threads"),
+    ("[axes]\nk = [" + ", ".join(map(str, range(1, 501))) + "]\nmax_new_tokens = [" + ", ".join(
+        map(str, range(1, 501))) + "]\n", "250000 cells, more than 100000"),
+    ("[axes]\nk = 1\n\xff\n", "not TOML"),
+], ids=["empty", "comment", "axis", "runtimes", "no-axes", "empty-axes", "axes-scalar", "empty-axis", "misspelt-runtime",
+        "name-path", "ray-retries", "ray-key", "threads", "resource-runtime", "exclude-in-axes", "include-threads",
+        "too-large", "not-toml"])
+def test_a_sweep_file_crossrt_does_not_understand_is_one_line(tmp_path, text, message):
+    path = tmp_path / "sweep.toml"
+    path.write_text(text, encoding="utf-8", errors="surrogateescape")
+    for command in ("plan", "run"):
+        result = CliRunner().invoke(main, ["sweep", command, str(path), "--dir", str(tmp_path / "out")])
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+        assert result.output.startswith("Error: ") and message in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_warns_on_duplicates_k_above_the_budget_and_large_plans(tmp_path):
+    path = write_sweep(tmp_path, SWEEP.replace("k = [1, 2, 3, 4]", "k = [1, 2, 2, 8, 9]") + """
+[[include]]
+runtime = "llama-cpp"
+k = 1
+""")
+    sweep = load_sweep(path)
+    assert len(sweep.runnable()) == 8  # k 2 once, the include's cell already in the product
+    warnings = "\n".join(sweep.warnings)
+    assert "[axes] k lists 2 more than once" in warnings and "5 cell(s) given more than once" in warnings
+    assert "k at or above the token budget (k 8 with max_new_tokens 8, k 9 with max_new_tokens 8)" in warnings
+    result = CliRunner().invoke(main, ["sweep", "plan", str(path)])
+    assert result.exit_code == 0 and result.output.count("warning: ") == 3, result.output
+    large = write_sweep(tmp_path, "[axes]\nk = [" + ", ".join(map(str, range(1, 61))) + "]\nmax_new_tokens = ["
+                        + ", ".join(map(str, range(100, 200))) + "]\n")
+    assert any("6000 cells: a large sweep" in w for w in load_sweep(large).warnings)
+
+
+def test_a_query_reads_the_store_and_nothing_else(local_store, tmp_path):
+    outside = tmp_path / "outside"
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not the store's\n")
+    before = {p: p.read_bytes() for p in local_store.root.rglob("*") if p.is_file()}
+    cases = {
+        f"COPY (SELECT 42 AS x) TO '{outside}.csv'": "a COPY statement is refused",
+        f"COPY (SELECT 1 AS x) TO '{local_store.root / 'index.parquet'}' (FORMAT parquet)": "a COPY statement",
+        f"COPY (SELECT 1 AS x) TO '{local_store.record_path('x')}'": "a COPY statement",
+        f"EXPORT DATABASE '{outside}'": "a EXPORT statement is refused",
+        f"ATTACH '{outside}.db'": "a ATTACH statement is refused",
+        "INSTALL httpfs": "statement is refused",
+        "LOAD httpfs": "a LOAD statement is refused",
+        "CREATE TABLE t AS SELECT 1": "a CREATE statement is refused",
+        "SET enable_external_access = true": "a SET statement is refused",
+        "SELECT 1; SELECT 2": "2 statements given",
+        "": "no SQL given",
+        "   ": "no SQL given",
+        "SELEC 1": "query failed: Parser Error",
+        f"SELECT * FROM read_text('{secret}')": "file system operations are disabled",
+        f"SELECT * FROM read_parquet('{local_store.root / 'index.parquet'}')": "file system operations are disabled",
+        f"SELECT * FROM '{secret}'": "does not exist",  # no replacement scan of files
+        f"SELECT * FROM glob('{tmp_path}/*')": "file system operations are disabled",
+        "SELECT * FROM no_such_table": "query failed: Catalog Error",
+    }
+    for sql, message in cases.items():
+        result = CliRunner().invoke(main, ["sweep", "query", str(local_store.root), sql])
+        assert result.exit_code == 1 and result.output.startswith("Error: ") and message in result.output, (sql, result.output)
+        assert len(result.output.strip().splitlines()) == 1, (sql, result.output)
+    assert not list(tmp_path.glob("outside*"))
+    assert {p: p.read_bytes() for p in local_store.root.rglob("*") if p.is_file()} == before
+    # What a query may do: FROM-first, WITH, the cells view.
+    result = CliRunner().invoke(main, ["sweep", "query", str(local_store.root),
+                                       "WITH c AS (FROM cells) SELECT count(*) AS n FROM c"])
+    assert result.exit_code == 0 and result.output.split()[-1] == "8", result.output
+
+
+@pytest.fixture
+def copied_store(local_store, tmp_path):
+    root = tmp_path / "store"
+    shutil.copytree(local_store.root, root)
+    return SweepStore(root)
+
+
+@pytest.mark.parametrize("damage", ["foreign", "bytes", "empty"])
+def test_a_damaged_or_foreign_index_is_rebuilt_from_the_cells(copied_store, damage):
+    index = copied_store.root / "index.parquet"
+    expected = copied_store.query("SELECT cell_id, prompt_id, accepted FROM prompts ORDER BY ALL")
+    if damage == "foreign":  # what `COPY (SELECT 1 AS x) TO 'DIR/index.parquet'` wrote before queries were read-only
+        import duckdb
+        with duckdb.connect() as con:
+            con.execute(f"COPY (SELECT 1 AS x) TO '{index}' (FORMAT parquet)")
+    else:
+        index.write_bytes(b"PAR1 not a parquet file" if damage == "bytes" else b"")
+    assert copied_store.query("SELECT cell_id, prompt_id, accepted FROM prompts ORDER BY ALL") == expected
+
+
+def test_a_damaged_cell_record_is_run_again(sweep_file, local_store, copied_store):
+    (victim, *_), total = sorted(copied_store.done()), len(copied_store.done())
+    record = copied_store.record_path(victim)
+    record.write_bytes(record.read_bytes()[:200])  # cut short, as a full disk or a crash elsewhere leaves it
+    assert victim not in copied_store.done() and copied_store.damaged() == [victim]
+    plan = CliRunner().invoke(main, ["sweep", "plan", str(sweep_file), "--dir", str(copied_store.root)])
+    assert f"16 cells: 1 to run (1 damaged, run again), {total - 1} done, 8 skipped" in plan.output, plan.output
+    query = CliRunner().invoke(main, ["sweep", "query", str(copied_store.root), "SELECT count(*) AS n FROM cells"])
+    assert query.exit_code == 0 and f"1 cell(s) damaged and left out ({victim})" in query.output, query.output
+    assert query.output.split()[-1] == str(total - 1)
+    progress = run_sweep(load_sweep(sweep_file), copied_store, Executor())
+    assert progress.total == 1 and not progress.failed and not copied_store.damaged()
+    assert outputs(copied_store) == outputs(local_store)
+
+
+def test_a_finished_sweep_plans_and_runs_nothing_and_says_what_it_skipped(sweep_file, copied_store):
+    plan = CliRunner().invoke(main, ["sweep", "plan", str(sweep_file), "--dir", str(copied_store.root)])
+    assert "16 cells: 0 to run, 8 done, 8 skipped" in plan.output, plan.output
+    run = CliRunner().invoke(main, ["sweep", "run", str(sweep_file), "--dir", str(copied_store.root)])
+    assert run.exit_code == 0, run.output
+    skipped = [line for line in run.stderr.splitlines() if line.startswith("skipped ")]
+    assert len(skipped) == 8 and any("llama-cpp has no native mode" in line for line in skipped), run.stderr
+    assert run.stdout.startswith("0 cells run, 0 failed"), run.stdout
+
+
+def test_a_sweep_with_nothing_runnable_is_one_line(tmp_path):
+    path = write_sweep(tmp_path, SWEEP.replace('mode = ["driven", "native"]', 'mode = "native"').replace(
+        'runtime = ["llama-cpp", "llama-server"]', 'runtime = "llama-cpp"'))
+    result = CliRunner().invoke(main, ["sweep", "run", str(path), "--dir", str(tmp_path / "out")])
+    assert result.exit_code == 1 and "Error: nothing to run: all 4 cells are skipped" in result.stderr, result.output
+    assert "index" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_one_writer_per_sweep_directory(sweep_file, copied_store):
+    with copied_store.writing():
+        result = CliRunner().invoke(main, ["sweep", "run", str(sweep_file), "--dir", str(copied_store.root)])
+        assert result.exit_code == 1 and "being written by another `crossrt sweep run`" in result.output, result.output
+        with pytest.raises(SweepError, match="pass another --dir"):
+            run_sweep(load_sweep(sweep_file), copied_store, Executor())
+    assert run_sweep(load_sweep(sweep_file), copied_store, Executor()).total == 0
+    assert not (copied_store.root / "sweep.lock").exists()
 
 
 def test_local_worker_processes_give_the_same_records(local_store, tmp_path):

@@ -10,9 +10,9 @@ from typing import Optional
 import click
 
 from crossrt.cli.common import USER_ERRORS
-from crossrt.sweep.plan import STRATEGIES, load_sweep, plan_rows
+from crossrt.sweep.plan import STRATEGIES, SweepError, load_sweep, plan_rows
 from crossrt.sweep.runner import Executor, run_sweep
-from crossrt.sweep.store import SweepStore, check_sweep_dir, table_rows
+from crossrt.sweep.store import INDEX, SweepStore, check_sweep_dir, table_rows
 from crossrt.tables import format_table, summary_rows
 
 SWEEP_FILE = click.Path(path_type=Path, dir_okay=False)
@@ -36,6 +36,22 @@ def sweep() -> None:
     """
 
 
+def _warn(loaded) -> None:
+    for warning in loaded.warnings:
+        click.echo(f"warning: {warning}", err=True)
+
+
+def _counts(loaded, store: Optional[SweepStore]) -> str:
+    """How many cells there are, to run, done (with --dir), damaged (run again) and skipped."""
+    runnable = {cell.id for cell in loaded.runnable()}
+    done = runnable & store.done() if store else set()
+    damaged = runnable & set(store.damaged()) if store else set()
+    skipped = len(loaded.cells) - len(runnable)
+    return (f"{len(loaded.cells)} cells: {len(runnable - done)} to run"
+            + (f" ({len(damaged)} damaged, run again)" if damaged else "")
+            + (f", {len(done)} done" if store else "") + f", {skipped} skipped")
+
+
 @sweep.command()
 @click.argument("sweep_file", type=SWEEP_FILE)
 @click.option("--dir", "sweep_dir", type=SWEEP_DIR, help="Also say which cells are done in this sweep directory.")
@@ -43,13 +59,13 @@ def plan(sweep_file: Path, sweep_dir: Optional[Path]) -> None:
     """List the cells of SWEEP_FILE: id, name, what each needs, and those skipped and why."""
     try:
         loaded = load_sweep(sweep_file)
-        done = SweepStore(sweep_dir).done() if sweep_dir else set()
+        store = SweepStore(sweep_dir) if sweep_dir else None
+        done = store.done() if store else set()
     except USER_ERRORS as error:
         raise click.ClickException(str(error)) from None
+    _warn(loaded)
     click.echo(format_table(plan_rows(loaded, sorted(done))))
-    skipped = sum(1 for p in loaded.cells if p.skipped)
-    runnable = {cell.id for cell in loaded.runnable()}
-    click.echo(f"{len(loaded.cells)} cells: {len(runnable)} to run ({len(runnable & done)} done), {skipped} skipped")
+    click.echo(_counts(loaded, store))
 
 
 @sweep.command(name="run")
@@ -72,9 +88,13 @@ def run_command(sweep_file: Path, sweep_dir: Optional[Path], ray_address: Option
     try:
         loaded = load_sweep(sweep_file)
         store = SweepStore(sweep_dir or _default_dir(loaded.name))
-        already = len(store.done() & {c.id for c in loaded.runnable()})
-        click.echo(f"sweep {loaded.name}: {len(loaded.runnable())} cells, {already} done already -> {store.root}",
-                   err=True)
+        _warn(loaded)
+        for planned in loaded.cells:
+            if planned.skipped:
+                click.echo(f"skipped {planned.cell.id} {planned.cell.name}: {planned.skipped}", err=True)
+        if not loaded.runnable():
+            raise SweepError(f"nothing to run: all {len(loaded.cells)} cells are skipped (reasons above)")
+        click.echo(f"sweep {loaded.name}: {_counts(loaded, store)} -> {store.root}", err=True)
 
         def line(position, total, cell, record, outcome):
             if record is None:
@@ -93,10 +113,19 @@ def run_command(sweep_file: Path, sweep_dir: Optional[Path], ray_address: Option
         click.echo(f"\ninterrupted: the finished cells are kept in {store.root}; run the same command to "
                    "continue", err=True)
         sys.exit(130)
+    index = store.root / INDEX
     click.echo(f"{progress.finished - len(progress.failed)} cells run, {len(progress.failed)} failed "
-               f"(tried again next run); index: {store.root / 'index.parquet'}")
+               "(tried again next run)" + (f"; index: {index}" if index.is_file() else ""))
     if progress.failed:
         raise click.ClickException(f"{len(progress.failed)} cells failed: {', '.join(progress.failed)}")
+
+
+def _warn_damaged(store: SweepStore) -> None:
+    damaged = store.damaged()
+    if damaged:
+        click.echo(f"warning: {len(damaged)} cell(s) damaged and left out ({', '.join(damaged[:5])}"
+                   f"{', ...' if len(damaged) > 5 else ''}): `crossrt sweep run SWEEP_FILE --dir {store.root}` "
+                   "runs them again", err=True)
 
 
 @sweep.command()
@@ -107,9 +136,11 @@ def query(sweep_dir: Path, sql: str, as_csv: bool) -> None:
     """Run SQL (DuckDB) over a sweep directory's tables: `prompts` (one row per prompt: the
     cell's settings, counters, tau, alpha, lossless, timings) and `cells` (one row per cell)."""
     try:
-        columns, rows = check_sweep_dir(sweep_dir).query(sql)
+        store = check_sweep_dir(sweep_dir)
+        columns, rows = store.query(sql)
     except USER_ERRORS as error:
         raise click.ClickException(str(error)) from None
+    _warn_damaged(store)
     if as_csv:
         writer = csv.writer(sys.stdout)
         writer.writerow(columns)
@@ -125,7 +156,8 @@ def query(sweep_dir: Path, sql: str, as_csv: bool) -> None:
 def show(sweep_dir: Path, paths: bool) -> None:
     """The summary table of every finished cell (as `crossrt show` prints records), or their paths."""
     try:
-        stored = check_sweep_dir(sweep_dir).stored()
+        store = check_sweep_dir(sweep_dir)
+        stored = store.stored()
         if paths:
             for cell in stored:
                 click.echo(cell.record_path)
@@ -133,8 +165,9 @@ def show(sweep_dir: Path, paths: bool) -> None:
         records = [cell.record() for cell in stored]
     except USER_ERRORS as error:
         raise click.ClickException(str(error)) from None
+    _warn_damaged(store)
     if records:
         click.echo(format_table(summary_rows(records)))
-    failures = check_sweep_dir(sweep_dir).failures()
+    failures = store.failures()
     for cell_id, reason in failures.items():
         click.echo(f"failed: {cell_id}: {reason}", err=True)

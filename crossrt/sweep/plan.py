@@ -22,14 +22,21 @@ A sweep file (TOML, models/sweeps/*.toml, docs/scale.md):
     [ray]
     strategy = "task"            # "task": one Ray task per cell; "actor": one actor per (runtime, pair)
     max_retries = 2              # a cell whose worker dies is run again this many times
+
+Anything else is refused: a top-level key other than these six, a file without [axes], an
+axis without values, a runtime crossrt does not know, a product above MAX_CELLS cells.
+Duplicates, k at or above the token budget and very large plans are planned, with a warning.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import difflib
 import hashlib
 import itertools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -63,6 +70,12 @@ KINDS: dict[str, tuple[type, ...]] = {
 }
 RESOURCE_KEYS = ("threads", "num_cpus", "num_gpus")
 STRATEGIES = ("task", "actor")
+TOP_KEYS = ("name", "axes", "exclude", "include", "resources", "ray")
+RAY_KEYS = ("strategy", "max_retries")
+# Planning is work per cell (a digest, a skip check): a product this large is a mistake in the
+# file (an axis too many), refused before any cell is made.
+MAX_CELLS = 100_000
+LARGE_PLAN = 1_000  # more cells than this: planned, with a warning
 
 
 @dataclass(frozen=True)
@@ -144,6 +157,7 @@ class Sweep:
     resources: Mapping[str, Resources]
     strategy: str = "task"
     max_retries: int = 2
+    warnings: tuple[str, ...] = ()  # duplicates, k at or above the budget, a very large plan
 
     def runnable(self) -> list[Cell]:
         return [p.cell for p in self.cells if p.skipped is None]
@@ -175,11 +189,30 @@ def _normalized(table: Mapping[str, Any]) -> dict[str, Any]:
     return table
 
 
+def _table(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise SweepError(f"{where} must be a table, not {type(value).__name__} {value!r:.60}")
+    return value
+
+
+def _rules(value: Any, name: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise SweepError(f"{name} must be an array of tables ([[{name}]]), not {type(value).__name__}")
+    return [_normalized(_table(rule, f"[[{name}]] {number}")) for number, rule in enumerate(value, start=1)]
+
+
 def _checked_keys(table: Mapping[str, Any], where: str) -> None:
     unknown = sorted(set(table) - set(DEFAULTS))
     if unknown:
         hint = " (threads are set per runtime, in [resources.<runtime>])" if "threads" in unknown else ""
         raise SweepError(f"{where}: unknown setting(s) {', '.join(unknown)}{hint}; settings: {', '.join(DEFAULTS)}")
+    empty = [key for key, value in table.items() if value == []]
+    if empty:
+        raise SweepError(f"{where}: {', '.join(empty)} = []: an axis needs at least one value")
+
+
+def _size(axes: Mapping[str, Any]) -> int:
+    return math.prod(len(_as_list(value)) for value in axes.values())
 
 
 def _product(axes: Mapping[str, Any], base: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -208,8 +241,6 @@ def _cell(values: dict[str, Any], threads: int) -> Cell:
 def skip_reason(cell: Cell) -> Optional[str]:
     """Why cell cannot run on any machine (its runtime lacks the mode, its drafting rules
     contradict each other), or None. Whether the runtime is usable here is the run's to say."""
-    if cell.runtime not in runtime_names():
-        return f"unknown runtime {cell.runtime!r}"
     try:
         DraftRules(cell.k, cell.draft_n_min, cell.draft_p_min, cell.spec_type)
         modes = runtime_class(cell.runtime).modes
@@ -226,48 +257,131 @@ def skip_reason(cell: Cell) -> Optional[str]:
     return None
 
 
+def _known_runtime(name: Any, where: str = "") -> None:
+    if name not in runtime_names():
+        close = difflib.get_close_matches(str(name), runtime_names(), n=1)
+        raise SweepError(f"{where}{': ' if where else ''}unknown runtime {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                         + f"; runtimes: {', '.join(runtime_names())}")
+
+
 def _resources(table: Any) -> dict[str, Resources]:
-    if not isinstance(table, dict):
-        raise SweepError("[resources] must hold one table per runtime, e.g. [resources.llama-cpp]")
+    table = _table(table, "[resources] (one table per runtime, e.g. [resources.llama-cpp])")
     result = {}
     for runtime, values in table.items():
-        unknown = sorted(set(values) - set(RESOURCE_KEYS))
+        where = f"[resources.{runtime}]"
+        _known_runtime(runtime, where)
+        unknown = sorted(set(_table(values, where)) - set(RESOURCE_KEYS))
         if unknown:
-            raise SweepError(f"[resources.{runtime}]: unknown key(s) {', '.join(unknown)}; keys: {', '.join(RESOURCE_KEYS)}")
+            raise SweepError(f"{where}: unknown key(s) {', '.join(unknown)}; keys: {', '.join(RESOURCE_KEYS)}")
+        for key, value in values.items():
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not number or (key == "threads" and (not isinstance(value, int) or value < 1)) or value < 0:
+                raise SweepError(f"{where} {key} = {value!r}: expected " +
+                                 ("a whole number of threads, at least 1" if key == "threads" else "a number >= 0"))
         result[runtime] = Resources(**values)
     return result
 
 
+def _ray(table: Any) -> tuple[str, int]:
+    table = _table(table, "[ray]")
+    unknown = sorted(set(table) - set(RAY_KEYS))
+    if unknown:
+        raise SweepError(f"[ray]: unknown key(s) {', '.join(unknown)}; keys: {', '.join(RAY_KEYS)}")
+    strategy, retries = table.get("strategy", "task"), table.get("max_retries", 2)
+    if strategy not in STRATEGIES:
+        raise SweepError(f"[ray] strategy {strategy!r}: choose from {', '.join(STRATEGIES)}")
+    if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+        raise SweepError(f"[ray] max_retries = {retries!r}: expected a whole number >= 0")
+    return strategy, retries
+
+
+def _name(data: Mapping[str, Any], source: Path) -> str:
+    """The sweep's name, also its default directory under runs/sweeps: one plain folder name."""
+    name = data.get("name", source.stem)
+    if not isinstance(name, str) or not name.strip() or name in (".", "..") or "/" in name or "\\" in name:
+        raise SweepError(f"name = {name!r}: expected a folder name (no '/', not empty, not '.' or '..')")
+    return name
+
+
+def _top_level(data: Mapping[str, Any]) -> None:
+    if not data:
+        raise SweepError("an empty sweep file: it needs an [axes] table (docs/scale.md)")
+    unknown = sorted(set(data) - set(TOP_KEYS))
+    if unknown:
+        hints = [f"{key} (did you mean {close[0]!r}?)" if close else key
+                 for key, close in ((key, difflib.get_close_matches(key, TOP_KEYS, n=1)) for key in unknown)]
+        raise SweepError(f"unknown top-level key(s) {', '.join(hints)}; a sweep file holds: {', '.join(TOP_KEYS)} "
+                         "(settings go in [axes])")
+    if not _table(data.get("axes", {}), "[axes]"):
+        raise SweepError("no [axes] table, or an empty one: name at least one setting (docs/scale.md)")
+
+
+def _warnings(cells: Sequence[Planned], axes: Mapping[str, Any], duplicates: int) -> tuple[str, ...]:
+    warnings = []
+    for key, value in axes.items():
+        counts = collections.Counter(repr(v) for v in _as_list(value))
+        repeated = sorted(text for text, count in counts.items() if count > 1)
+        if repeated:
+            warnings.append(f"[axes] {key} lists {', '.join(repeated)} more than once: planned once")
+    if duplicates:
+        warnings.append(f"{duplicates} cell(s) given more than once (an [[include]] repeating the axes, or repeated "
+                        "values): each is planned once")
+    over = sorted({(p.cell.k, p.cell.max_new_tokens) for p in cells if p.cell.k >= p.cell.max_new_tokens})
+    if over:
+        warnings.append("k at or above the token budget (" + ", ".join(f"k {k} with max_new_tokens {n}"
+                                                                      for k, n in over[:5])
+                        + (", ..." if len(over) > 5 else "") + "): a draft of k tokens cannot be taken whole")
+    if len(cells) > LARGE_PLAN:
+        warnings.append(f"{len(cells)} cells: a large sweep (check the axes; `crossrt sweep run` keeps each cell "
+                        "as it finishes, so it can be stopped and continued)")
+    return tuple(warnings)
+
+
 def parse_sweep(data: Mapping[str, Any], source: Path) -> Sweep:
-    axes = _normalized(data.get("axes", {}))
+    _top_level(data)
+    axes = _normalized(data["axes"])
     _checked_keys(axes, "[axes]")
-    rules = {name: [_normalized(rule) for rule in data.get(name, [])] for name in ("exclude", "include")}
+    rules = {name: _rules(data.get(name, []), name) for name in ("exclude", "include")}
     for name, entries in rules.items():
         for number, rule in enumerate(entries, start=1):
             _checked_keys(rule, f"[[{name}]] {number}")
     resources = _resources(data.get("resources", {}))
-    ray = data.get("ray", {})
-    strategy = ray.get("strategy", "task")
-    if strategy not in STRATEGIES:
-        raise SweepError(f"[ray] strategy {strategy!r}: choose from {', '.join(STRATEGIES)}")
+    strategy, max_retries = _ray(data.get("ray", {}))
+    size = _size(axes) + sum(_size(rule) for rule in rules["include"])
+    if size > MAX_CELLS:
+        raise SweepError(f"the axes and includes give {size} cells, more than {MAX_CELLS} crossrt plans: split the "
+                         "sweep or drop an axis")
     single = {key: value for key, value in axes.items() if len(_as_list(value)) == 1}
     values = [v for v in _product(axes, DEFAULTS) if not any(_matches(v, rule) for rule in rules["exclude"])]
     for rule in rules["include"]:
         values += _product(rule, {**DEFAULTS, **{k: _as_list(v)[0] for k, v in single.items()}})
     planned: dict[str, Planned] = {}
+    seen: set[str] = set()
+    duplicates = 0
     for value in values:
+        _known_runtime(value["runtime"])
         cell = _cell(value, resources.get(value["runtime"], Resources()).threads)
+        raw = repr(sorted(value.items()))
+        duplicates += raw in seen
+        seen.add(raw)
         planned.setdefault(cell.id, Planned(cell, skip_reason(cell)))
-    return Sweep(str(data.get("name", source.stem)), source, tuple(planned.values()), resources, strategy,
-                 int(ray.get("max_retries", 2)))
+    cells = tuple(planned.values())
+    return Sweep(_name(data, source), source, cells, resources, strategy, max_retries,
+                 _warnings(cells, axes, duplicates))
 
 
 def load_sweep(path: Path) -> Sweep:
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SweepError(f"no sweep file at {path}") from None
+    except IsADirectoryError:
+        raise SweepError(f"{path} is a folder, not a sweep file") from None
+    except UnicodeDecodeError:
+        raise SweepError(f"{path} is not a text (UTF-8) file") from None
+    except OSError as error:
+        raise SweepError(f"cannot read {path}: {error.strerror or error}") from None
     except tomllib.TOMLDecodeError as error:
         raise SweepError(f"{path} is not TOML: {error}") from None
     try:

@@ -38,36 +38,38 @@ OnCell = Callable[[int, int, Cell, Optional[RunRecord], dict[str, Any]], None]
 
 
 def run_sweep(sweep: Sweep, store: SweepStore, executor: Executor, on_cell: Optional[OnCell] = None) -> Progress:
-    """Run what is left of sweep into store. Cells come back one by one and are kept at once, so
-    Ctrl-C or a lost driver keeps the finished ones; failed cells are tried again next time."""
-    done = store.done()
-    todo = [cell for cell in sweep.runnable() if cell.id not in done]
-    progress = Progress(len(todo))
-    jobs = [CellJob.of(sweep, cell) for cell in todo]
+    """Run what is left of sweep into store, holding its lock (SweepError at once if another
+    run holds it). Cells come back one by one and are kept at once, so Ctrl-C or a lost driver
+    keeps the finished ones; failed and damaged cells are tried again next time."""
+    with store.writing():
+        done = store.done()
+        todo = [cell for cell in sweep.runnable() if cell.id not in done]
+        progress = Progress(len(todo))
+        jobs = [CellJob.of(sweep, cell) for cell in todo]
 
-    def keep(cell: Cell, outcome: dict[str, Any], where: str) -> None:
-        record = store.put(cell, outcome, where)
-        progress.finished += 1
-        if record is None:
-            progress.failed.append(cell.id)
-        if on_cell is not None:
-            on_cell(progress.finished, progress.total, cell, record, outcome)
+        def keep(cell: Cell, outcome: dict[str, Any], where: str) -> None:
+            record = store.put(cell, outcome, where)
+            progress.finished += 1
+            if record is None:
+                progress.failed.append(cell.id)
+            if on_cell is not None:
+                on_cell(progress.finished, progress.total, cell, record, outcome)
 
-    try:
-        if executor.ray is None:
-            run_local(jobs, keep, sweep.needs, executor.thread_budget)
-        elif jobs:
-            from crossrt.sweep.on_ray import connect, import_ray, run_on_ray  # Ray only when asked for
+        try:
+            if executor.ray is None:
+                run_local(jobs, keep, sweep.needs, executor.thread_budget)
+            elif jobs:
+                from crossrt.sweep.on_ray import connect, import_ray, run_on_ray  # Ray only when asked for
 
-            started = connect(executor.ray, executor.thread_budget)
-            try:
-                run_on_ray(jobs, keep, sweep.needs, executor.strategy or sweep.strategy,
-                           sweep.max_retries if executor.max_retries is None else executor.max_retries,
-                           executor.kill_once)
-            finally:
-                if started:
-                    import_ray().shutdown()
-    finally:
-        if store.done():
-            store.index_path()
+                started = connect(executor.ray, executor.thread_budget)
+                try:
+                    run_on_ray(jobs, keep, sweep.needs, executor.strategy or sweep.strategy,
+                               sweep.max_retries if executor.max_retries is None else executor.max_retries,
+                               executor.kill_once)
+                finally:
+                    if started:
+                        import_ray().shutdown()
+        finally:
+            if store.done():
+                store.index_path()
     return progress

@@ -1,15 +1,28 @@
 """A sweep directory: each finished cell's run record (cells/<id>.json, the format of
-`crossrt run`) with what ran it (cells/<id>.cell.json), each failed cell's reason
-(failed/<id>.txt, retried on the next run), and index.parquet: one row per prompt with the
-cell's settings, counters, timings and verdicts, for SQL (DuckDB) or any dataframe library.
+`crossrt run`) with what ran it (cells/<id>.cell.json, naming the record's sha256), each failed
+cell's reason (failed/<id>.txt, retried on the next run), and index.parquet: one row per prompt
+with the cell's settings, counters, timings and verdicts, for SQL (DuckDB) or any dataframe
+library.
 
-Only the sweep's driver writes here, one cell at a time, each file atomically: a run killed
-between cells keeps every finished one.
+One `crossrt sweep run` writes here at a time (sweep.lock, as a record has its lock), one cell at
+a time, each file atomically: a run killed between cells keeps every finished one. A cell counts
+as finished only when its meta reads, digests to its id and names the sha256 of the record
+beside it: a damaged or replaced record is not done, so the next run runs it again. The index
+carries the digest of the cells it was built from; one that does not match (stale, damaged,
+written by something else) is rebuilt from the cell records before it is read.
+
+`sweep query` reads the index into a DuckDB database of its own, opened read-only with external
+access off and its configuration locked, and runs one SELECT there: a query reads the tables
+`prompts` and `cells` and nothing else, and writes nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +30,16 @@ from typing import Any, Iterator, Optional, Sequence
 
 from crossrt.journal import write_atomically
 from crossrt.record_json import load_record, record_from_json, save_record
+from crossrt.run_writer import RecordBusy, lock_path, record_lock
 from crossrt.schema import RecordError, RunRecord
 from crossrt.sweep.plan import Cell, SweepError
 
 INDEX = "index.parquet"
+LOCK = "sweep"  # record_lock(root / LOCK) holds root/sweep.lock
+STATE_KEY = "crossrt_sweep_state"  # the index's parquet key-value metadata: the digest it was built from
+# The query's database: read-only, no file but its own, no extension loaded, settings fixed.
+LOCKED = {"enable_external_access": False, "autoinstall_known_extensions": False,
+          "autoload_known_extensions": False, "lock_configuration": True}
 # The index's columns and their SQL types: the cell's settings, then one prompt's result.
 CELL_COLUMNS = [
     ("cell_id", "VARCHAR"), ("cell_name", "VARCHAR"), ("pair", "VARCHAR"), ("runtime", "VARCHAR"),
@@ -71,6 +90,27 @@ def _duckdb():
     return duckdb
 
 
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def select_statement(duckdb, sql: str) -> str:
+    """sql if it is one SELECT (FROM-first, WITH and VALUES included), else SweepError."""
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as error:
+        raise SweepError(f"query failed: {str(error).splitlines()[0]}") from None
+    if not statements:
+        raise SweepError('no SQL given: e.g. "SELECT runtime, k, tau FROM cells ORDER BY ALL"')
+    if len(statements) > 1:
+        raise SweepError(f"{len(statements)} statements given: sweep query runs one SELECT at a time")
+    kind = statements[0].type
+    if kind != duckdb.StatementType.SELECT:
+        raise SweepError(f"a {kind.name} statement is refused: sweep query runs one SELECT over the tables "
+                         "prompts and cells, and writes nothing")
+    return statements[0].query
+
+
 class SweepStore:
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -83,17 +123,63 @@ class SweepStore:
     def _meta_path(self, cell_id: str) -> Path:
         return self.cells_dir / f"{cell_id}.cell.json"
 
-    def done(self) -> set[str]:
-        """Ids of the finished cells: their record and its meta both written (meta goes last)."""
+    def _finished_meta(self, cell_id: str) -> Optional[dict[str, Any]]:
+        """The meta of a finished cell, with the record's sha256; None where the meta is not
+        JSON, is not this cell's, or the record beside it is missing or not the one written."""
+        try:
+            meta = json.loads(self._meta_path(cell_id).read_bytes())
+            record = self.record_path(cell_id).read_bytes()
+        except (OSError, ValueError, RecursionError):
+            return None
+        try:
+            if not isinstance(meta, dict) or Cell(**meta["params"]).id != cell_id or meta.get("id") != cell_id:
+                return None
+        except (KeyError, TypeError):
+            return None
+        digest = _sha256(record)
+        if "record_sha256" not in meta:  # kept before digests were: the record must read
+            try:
+                load_record(self.record_path(cell_id))
+            except RecordError:
+                return None
+            meta = {**meta, "record_sha256": digest}
+        return meta if meta["record_sha256"] == digest else None
+
+    def _finished(self) -> dict[str, dict[str, Any]]:
         if not self.cells_dir.is_dir():
-            return set()
-        return {p.name[:-len(".cell.json")] for p in self.cells_dir.glob("*.cell.json")
-                if self.record_path(p.name[:-len(".cell.json")]).is_file()}
+            return {}
+        ids = sorted(p.name[:-len(".cell.json")] for p in self.cells_dir.glob("*.cell.json"))
+        return {cell_id: meta for cell_id in ids if (meta := self._finished_meta(cell_id)) is not None}
+
+    def done(self) -> set[str]:
+        """Ids of the finished cells: their record and its meta both written (meta goes last),
+        the record the one the meta names."""
+        return set(self._finished())
+
+    def damaged(self) -> list[str]:
+        """Ids of cells with a record or meta that is not a finished cell's (cut short, replaced,
+        half of a pair): the next `sweep run` runs them again."""
+        if not self.cells_dir.is_dir():
+            return []
+        ids = {p.name.split(".")[0] for p in self.cells_dir.glob("*.json")}
+        return sorted(ids - self.done())
 
     def failures(self) -> dict[str, str]:
         if not self.failed_dir.is_dir():
             return {}
-        return {p.stem: p.read_text().strip() for p in self.failed_dir.glob("*.txt")}
+        return {p.stem: p.read_text(errors="replace").strip() for p in self.failed_dir.glob("*.txt")}
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """Hold the sweep directory's lock (SweepError at once if another process holds it)."""
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(record_lock(self.root / LOCK))
+            except RecordBusy:
+                holder = lock_path(self.root / LOCK).read_text(errors="replace").strip() or "unknown"
+                raise SweepError(f"{self.root} is being written by another `crossrt sweep run` (pid {holder}): "
+                                 "wait for it to end, or pass another --dir") from None
+            yield
 
     def put(self, cell: Cell, outcome: dict[str, Any], executor: str) -> Optional[RunRecord]:
         """Keep what a worker sent back for cell: its record and meta, or its failure. Returns
@@ -105,78 +191,94 @@ class SweepStore:
             return None
         record = record_from_json(outcome["record"])  # validated here too: a worker's bytes are not trusted
         self.cells_dir.mkdir(parents=True, exist_ok=True)
-        save_record(record, self.record_path(cell.id))
+        written = save_record(record, self.record_path(cell.id))
         meta = {"id": cell.id, "name": cell.name, "params": cell.params(), "executor": executor,
                 "host": outcome.get("host"), "pid": outcome.get("pid"), "wall_s": outcome.get("wall_s"),
-                "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "record_sha256": _sha256(written)}
         write_atomically(self._meta_path(cell.id), (json.dumps(meta, indent=1) + "\n").encode(), "the sweep directory")
         failure.unlink(missing_ok=True)
         return record
 
     def stored(self) -> list[StoredCell]:
-        cells = []
-        for cell_id in sorted(self.done()):
-            try:
-                meta = json.loads(self._meta_path(cell_id).read_text())
-            except ValueError as error:
-                raise SweepError(f"{self._meta_path(cell_id)} is not JSON: {error}") from None
-            cells.append(StoredCell(meta, self.record_path(cell_id)))
-        return cells
+        return [StoredCell(meta, self.record_path(cell_id)) for cell_id, meta in self._finished().items()]
 
-    def rows(self) -> Iterator[tuple]:
-        for stored in self.stored():
+    def rows(self, stored: Sequence[StoredCell]) -> Iterator[tuple]:
+        for cell in stored:
             try:
-                record = stored.record()
+                record = cell.record()
             except RecordError as error:
-                raise SweepError(f"sweep cell {stored.meta['id']}: {error}") from None
-            params = stored.meta["params"]
+                raise SweepError(f"sweep cell {cell.meta['id']}: {error}") from None
+            params = cell.meta["params"]
             split = params["gpu_split"]
-            cell = (stored.meta["id"], stored.meta["name"], *(params[name] for name, _ in CELL_COLUMNS[2:15]),
+            settings = (cell.meta["id"], cell.meta["name"], *(params[name] for name, _ in CELL_COLUMNS[2:15]),
                     ",".join(f"{v:g}" for v in split) if split else None, params["f32_kv_cache"],
                     params["flash_attn"], record.runtime.version, record.runtime.device, record.runtime.kv_cache,
-                    record.params.schedule, stored.meta["host"], stored.meta["executor"], stored.meta["wall_s"])
+                    record.params.schedule, cell.meta["host"], cell.meta["executor"], cell.meta["wall_s"])
             for r in record.results:
                 c, t = r.counters, r.timings
-                yield cell + (r.prompt_id, r.category, r.status, r.error, len(r.prompt_ids), len(r.output_ids),
+                yield settings + (r.prompt_id, r.category, r.status, r.error, len(r.prompt_ids), len(r.output_ids),
                               r.stop_reason, *((c.steps, c.drafted, c.accepted, c.emitted, c.unverified, c.cut,
                                                 c.tau, c.alpha) if c else (None,) * 8),
                               r.lossless, *((t.prefill_s, t.decode_s, t.baseline_prefill_s, t.baseline_decode_s)
                                             if t else (None,) * 4), r.tokens_per_s, r.baseline_tokens_per_s)
 
     def index_path(self) -> Path:
-        """index.parquet, rebuilt first when a cell was written after it (or it is missing)."""
+        """index.parquet, rebuilt first unless it carries the digest of the finished cells as
+        they are now (a cell written since, a damaged or foreign index: rebuilt)."""
         path = self.root / INDEX
-        newest = max((p.stat().st_mtime for p in self.cells_dir.glob("*.cell.json")), default=None) \
-            if self.cells_dir.is_dir() else None
-        if newest is None:
+        finished = self._finished()
+        if not finished:
             raise SweepError(f"{self.root}: no finished cells (run `crossrt sweep run` first)")
-        if not path.is_file() or path.stat().st_mtime < newest:
-            self._write_index(path)
+        state = _sha256(json.dumps([COLUMNS, sorted((i, m["record_sha256"]) for i, m in finished.items())]).encode())
+        if self._index_state(path) != state:
+            self._write_index(path, [StoredCell(meta, self.record_path(i)) for i, meta in finished.items()], state)
         return path
 
-    def _write_index(self, path: Path) -> None:
-        con = _duckdb().connect()
-        con.execute("CREATE TABLE prompts (" + ", ".join(f"{n} {t}" for n, t in COLUMNS) + ")")
-        con.executemany(f"INSERT INTO prompts VALUES ({', '.join('?' * len(COLUMNS))})", list(self.rows()))
-        partial = path.with_name(path.name + ".partial")
-        con.execute(f"COPY prompts TO {_sql_text(partial)} (FORMAT parquet)")
-        con.close()
-        partial.replace(path)  # atomically: a reader sees the old index or the new one
+    @staticmethod
+    def _index_state(path: Path) -> Optional[str]:
+        """The digest the index at path was built from, or None (missing, unreadable, foreign)."""
+        if not path.is_file():
+            return None
+        duckdb = _duckdb()
+        with duckdb.connect() as con:
+            try:
+                found = con.execute(f"SELECT value FROM parquet_kv_metadata({_sql_text(path)}) "
+                                    f"WHERE key = '{STATE_KEY}'").fetchall()
+            except duckdb.Error:
+                return None
+        return found[0][0].decode(errors="replace") if len(found) == 1 else None
+
+    def _write_index(self, path: Path, stored: Sequence[StoredCell], state: str) -> None:
+        # This process's own partial file: a query rebuilding the index beside a run does not mix bytes with it.
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        with _duckdb().connect() as con:
+            con.execute("CREATE TABLE prompts (" + ", ".join(f"{n} {t}" for n, t in COLUMNS) + ")")
+            con.executemany(f"INSERT INTO prompts VALUES ({', '.join('?' * len(COLUMNS))})", list(self.rows(stored)))
+            try:
+                con.execute(f"COPY prompts TO {_sql_text(partial)} (FORMAT parquet, KV_METADATA {{{STATE_KEY}: "
+                            f"'{state}'}})")
+                partial.replace(path)  # atomically: a reader sees the old index or the new one
+            except BaseException:
+                partial.unlink(missing_ok=True)
+                raise
 
     def query(self, sql: str) -> tuple[list[str], list[tuple]]:
-        """Column names and rows of sql over the tables `prompts` (one row per prompt) and
-        `cells` (one row per cell)."""
+        """Column names and rows of one SELECT over the tables `prompts` (one row per prompt)
+        and `cells` (one row per cell), in a read-only database holding those alone."""
         duckdb = _duckdb()
-        con = duckdb.connect()
-        con.execute(f"CREATE VIEW prompts AS SELECT * FROM read_parquet({_sql_text(self.index_path())})")
-        con.execute(CELLS_VIEW)
-        try:
-            result = con.execute(sql)
-            return [d[0] for d in result.description], result.fetchall()
-        except duckdb.Error as error:
-            raise SweepError(f"query failed: {str(error).splitlines()[0]}") from None
-        finally:
-            con.close()
+        select = select_statement(duckdb, sql)
+        index = self.index_path()
+        with tempfile.TemporaryDirectory(prefix="crossrt-query-") as work:
+            database = str(Path(work) / "sweep.duckdb")
+            with duckdb.connect(database) as con:
+                con.execute(f"CREATE TABLE prompts AS SELECT * FROM read_parquet({_sql_text(index)})")
+                con.execute(CELLS_VIEW)
+            with duckdb.connect(database, read_only=True, config=LOCKED) as con:
+                try:
+                    result = con.execute(select)
+                    return [d[0] for d in result.description], result.fetchall()
+                except duckdb.Error as error:
+                    raise SweepError(f"query failed: {str(error).splitlines()[0]}") from None
 
 
 def check_sweep_dir(path: Path) -> SweepStore:
