@@ -22,7 +22,7 @@ import json
 from typing import Optional
 
 from crossrt.import_logs import ReadOptions
-from crossrt.imported import ImportFailure, SourceCounts
+from crossrt.imported import ImportFailure, SourceCounts, draft_length, json_count
 from crossrt.schema import accepted_per_position
 
 ROUND_KEYS = ("stats", "draft_stats")  # eval/spec_decode.py's key, and the Job attribute's name
@@ -36,6 +36,8 @@ def json_body(text: str):
         return json.loads(body)
     except json.JSONDecodeError as error:
         raise ImportFailure(f"not JSON ({error.msg} at line {error.lineno})") from None
+    except (ValueError, RecursionError) as error:  # a number of 5,000 digits, nesting too deep
+        raise ImportFailure(f"not JSON crossrt reads ({str(error)[:80]})") from None
 
 
 def _rounds(trace, where: str) -> list[tuple[int, int, int]]:
@@ -45,10 +47,12 @@ def _rounds(trace, where: str) -> list[tuple[int, int, int]]:
     for number, row in enumerate(trace):
         if (not isinstance(row, list) or len(row) not in (3, 4)
                 or not all(isinstance(value, int) and not isinstance(value, bool) for value in row[:3])):
-            raise ImportFailure(f"{where}, round {number}: {row!r} is not [new_tokens, window, accepted] "
+            raise ImportFailure(f"{where}, round {number}: {str(row)[:80]} is not [new_tokens, window, accepted] "
                                 "or [new_tokens, window, accepted, ema]")
-        new_tokens, window, accepted = row[:3]
-        if not 0 <= accepted <= window or window < 1:
+        new_tokens, window, accepted = (json_count(value, f"{where}, round {number}: {name}")
+                                        for value, name in zip(row[:3], ("new_tokens", "window", "accepted")))
+        draft_length(window, f"{where}, round {number}: window")
+        if not 0 <= accepted <= window:
             raise ImportFailure(f"{where}, round {number}: accepted {accepted} of a window of {window}")
         rounds.append((new_tokens, window, accepted))
     return rounds
@@ -67,9 +71,10 @@ def _traces(value) -> list[tuple[str, list[tuple[int, int, int]], dict]]:
         key = next((key for key in ROUND_KEYS if isinstance(trace, dict) and key in trace), None)
         if key is None:
             raise ImportFailure(f"trace {number} holds no 'stats' or 'draft_stats' list")
-        where = f"trace {number}" + (f" ({trace['category']} - {trace['file']})" if "file" in trace else "")
-        totals = {name: trace[name] for name in ("new_tokens", "accepted_draft_tokens", "rejected_draft_tokens")
-                  if name in trace}
+        where = f"trace {number}" + (f" ({str(trace.get('category'))[:40]} - {str(trace['file'])[:80]})"
+                                     if "file" in trace else "")
+        totals = {name: json_count(trace[name], f"{where}: {name}")
+                  for name in ("new_tokens", "accepted_draft_tokens", "rejected_draft_tokens") if name in trace}
         traces.append((where, _rounds(trace[key], where), totals))
     return traces
 

@@ -3,6 +3,10 @@ SGLang's `Decode batch ... accept len` lines and llama-server's per-request `dra
 line, each summed over the whole file. One parser per format; each names the source file and
 version it follows. Logs print rounded rates beside some counts: crossrt/imported.py recovers
 the counts they leave out, or refuses. docs/import.md maps every field.
+
+A line that carries a format's marker is read whole or refused with its line number: a field
+named but not readable (negative, not a number, cut short), counts that contradict each other,
+or a count beyond what any runtime keeps. No such line is dropped.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from crossrt.imported import ImportFailure, SourceCounts, drafts_behind, shown, summed
+from crossrt.imported import (ImportFailure, SourceCounts, count, draft_length, drafts_behind, fitting, shown,
+                              summed)
 
 
 @dataclass(frozen=True)
@@ -25,9 +30,21 @@ def _numbered(text: str, marker: str) -> list[tuple[int, str]]:
     return [(number, line) for number, line in enumerate(text.splitlines(), start=1) if marker in line]
 
 
-def _field(pattern: re.Pattern, line: str) -> Optional[str]:
+def _field(pattern: re.Pattern, line: str, label: str, where: str) -> Optional[str]:
+    """The value pattern reads after label in line; None where line does not name label,
+    ImportFailure where it names it with a value crossrt cannot read."""
+    if label not in line:
+        return None
     match = pattern.search(line)
-    return match.group(1) if match else None
+    if match is None:
+        at = line.index(label)
+        raise ImportFailure(f"{where}: cannot read '{line[at:at + len(label) + 24]}': {label} "
+                            "followed by a value of another form (negative, not a number, cut short)")
+    return match.group(1)
+
+
+def _excerpt(line: str) -> str:
+    return line.strip()[-80:]
 
 
 # vLLM V1's SpecDecodingLogging.log (vllm/v1/spec_decode/metrics.py, vllm-project/vllm at
@@ -53,22 +70,24 @@ def read_vllm_log(text: str, options: ReadOptions) -> SourceCounts:
     per_pos, ks, notes = [], set(), []
     for number, line in lines:
         where = f"line {number}"
-        counts = [_field(VLLM_ACCEPTED, line), _field(VLLM_DRAFTED, line)]
+        counts = [_field(VLLM_ACCEPTED, line, "Accepted:", where), _field(VLLM_DRAFTED, line, "Drafted:", where)]
         if None in counts:
             raise ImportFailure(f"{where}: a '{VLLM_MARKER}' line without 'Accepted: N tokens, Drafted: N tokens'")
-        line_accepted, line_drafted = map(int, counts)
+        line_accepted, line_drafted = count(counts[0], f"{where}: Accepted"), count(counts[1], f"{where}: Drafted")
+        if line_accepted > line_drafted:
+            raise ImportFailure(f"{where}: Accepted {line_accepted} tokens of Drafted {line_drafted}: more than drafted")
         if line_drafted == 0:
             continue  # an interval without drafts counts nothing
-        mean = _field(VLLM_MEAN, line)
+        mean = _field(VLLM_MEAN, line, "Mean acceptance length:", where)
         if mean is None:
             raise ImportFailure(f"{where}: this vLLM version prints no mean acceptance length, so the line does not "
                                 "give the number of drafts; import its /metrics counters (--from vllm-metrics)")
-        rate = _field(VLLM_RATE, line)
+        rate = _field(VLLM_RATE, line, "Draft acceptance rate:", where)
         if rate is not None and not shown(100 * line_accepted / line_drafted, rate):
             raise ImportFailure(f"{where}: draft acceptance rate {rate}% is not {line_accepted}/{line_drafted}")
-        rates_text = _field(VLLM_RATES, line)
+        rates_text = _field(VLLM_RATES, line, "Per-position acceptance rate:", where)
         rates = rates_text.split(", ") if rates_text else []
-        k = len(rates) or options.k  # vLLM prints one rate per speculative token
+        k = draft_length(len(rates), f"{where}: per-position rates") if rates else options.k  # one per position
         ks.add(k)
         found = drafts_behind(where, line_accepted, line_drafted, mean, rates, k)
         notes += [found.assumption] if found.assumption else []
@@ -94,6 +113,7 @@ def read_vllm_log(text: str, options: ReadOptions) -> SourceCounts:
 # verifies one draft per running request; counts are printed for neither.
 SGLANG_DECODE = re.compile(r"Decode batch\W.*?#running-req: (\d+),.*?accept len: (\d+\.\d+)"
                            r"(?:, accept rate: (\d+\.\d+))?")
+SGLANG_DECODE_MARKER = re.compile(r"Decode batch\W")
 SGLANG_PREFILL = "Prefill batch"
 SGLANG_RANK = re.compile(r"^\[[\d\-: .]+?(?: ([A-Z]+\d+(?: [A-Z]+\d+)*))?\]")  # "[date TP0]", "[date DP1 TP0]"
 
@@ -119,21 +139,26 @@ def _sglang_windows(text: str, interval: int) -> tuple[list[_Window], int]:
         if SGLANG_PREFILL in line:
             previous[rank] = None
             continue
+        if not SGLANG_DECODE_MARKER.search(line):
+            continue
         match = SGLANG_DECODE.search(line)
         if not match:
-            continue
+            raise ImportFailure(f"line {number}: a decode line without a readable '#running-req: N, ... accept len: "
+                                f"L.LL' (negative, not a number, cut short, or speculative decoding off): "
+                                f"...{_excerpt(line)}")
         decodes += 1
-        running, length, rate = int(match.group(1)), match.group(2), match.group(3)
+        running, length, rate = count(match.group(1), f"line {number}: #running-req"), match.group(2), match.group(3)
+        if float(length) < 1:
+            raise ImportFailure(f"line {number}: accept len {length} is below 1 (each verify pass emits a token)")
         if running and previous.get(rank) == running:
             verifies = interval * running
             excess, unit = float(length) - 1, 10.0 ** -len(length.partition(".")[2])
-            fitting = [a for a in range(max(0, math.floor((excess - unit) * verifies)),
-                                        math.ceil((excess + unit) * verifies) + 1)
-                       if shown((a + verifies) / verifies, length)]
-            if len(fitting) != 1:
+            fitting_counts = fitting(lambda a: (a + verifies) / verifies, length, 0,
+                                     math.ceil((excess + unit) * verifies))
+            if len(fitting_counts) != 1:
                 raise ImportFailure(f"line {number}: accept len {length} over {verifies} verify passes fits "
-                                    f"{len(fitting)} accepted counts, not one")
-            windows.append(_Window(number, verifies, fitting[0], rate))
+                                    f"{len(fitting_counts)} accepted counts, not one")
+            windows.append(_Window(number, verifies, fitting_counts[0], rate))
         previous[rank] = running
     return windows, decodes
 
@@ -174,13 +199,18 @@ def read_sglang_log(text: str, options: ReadOptions) -> SourceCounts:
 # (ggml-org/llama.cpp PR 24536). The startup line "build: N (commit)" names the build.
 LLAMA_LINE = re.compile(r"draft acceptance = (\d\.\d+) \(\s*(\d+) accepted /\s*(\d+) generated\), "
                         r"mean (?:len|acceptance length) =\s*(\d+\.\d+)"
-                        r"(?:, acceptance rate per position = \(([\d., ]*)\))?")
+                        r"(?:, acceptance rate per position = \((\d\.\d+(?:, \d\.\d+)*)\))?")
 LLAMA_BUILD = re.compile(r"build: (\d+) \(([0-9a-f]+)\)")
 
 
 def read_llama_server_log(text: str, options: ReadOptions) -> SourceCounts:
-    requests = [(number, LLAMA_LINE.search(line)) for number, line in _numbered(text, "draft acceptance")]
-    requests = [(number, match) for number, match in requests if match]
+    requests = []
+    for number, line in _numbered(text, "draft acceptance ="):
+        match = LLAMA_LINE.search(line)
+        if match is None:
+            raise ImportFailure(f"line {number}: a 'draft acceptance' line crossrt cannot read (a count negative or not "
+                                f"a number, or the line cut short): ...{_excerpt(line)}")
+        requests.append((number, match))
     if not requests:
         raise ImportFailure("no llama-server 'draft acceptance = ...' line: not a llama-server log of a run with a "
                             "drafter (it prints one per request that drafted)")
@@ -188,11 +218,18 @@ def read_llama_server_log(text: str, options: ReadOptions) -> SourceCounts:
     per_pos, ks, notes = [], set(), []
     for number, match in requests:
         ratio, line_accepted, line_drafted, mean, rates = match.groups()
-        line_accepted, line_drafted = int(line_accepted), int(line_drafted)
+        if rates is None and "acceptance rate per position" in line:
+            raise ImportFailure(f"line {number}: its acceptance rates per position cannot be read (cut short?): "
+                                f"...{_excerpt(line)}")
+        line_accepted = count(line_accepted, f"line {number}: accepted")
+        line_drafted = count(line_drafted, f"line {number}: generated")
+        if not 0 < line_drafted or line_accepted > line_drafted:
+            raise ImportFailure(f"line {number}: {line_accepted} accepted / {line_drafted} generated: a request that "
+                                "drafted accepts at most what it generated, and generated at least one")
         if abs(float(ratio) - line_accepted / line_drafted) > 1e-5:  # printed from a float
             raise ImportFailure(f"line {number}: draft acceptance {ratio} is not {line_accepted}/{line_drafted}")
         rates = rates.split(", ") if rates else []
-        k = len(rates) or options.k
+        k = draft_length(len(rates), f"line {number}: per-position rates") if rates else options.k
         ks.add(k)
         found = drafts_behind(f"line {number}", line_accepted, line_drafted, mean, rates, k)
         notes += [found.assumption] if found.assumption else []

@@ -3,15 +3,21 @@ Prometheus `/metrics` text (a snapshot, or the later of two scrapes with crossrt
 taking the difference), and vLLM's counters as its spec_decode example prints them. These are
 exact counts: no rate is turned back into a count except where noted. docs/import.md maps
 every field.
+
+Every line that is not a comment must be a sample (refused with its line number otherwise), a
+series may appear once, and a counter crossrt reads must be a whole number from 0 to 2^63 - 1,
+kept exact: digits are read as an int, never through a float.
 """
 
 from __future__ import annotations
 
 import re
+from decimal import Decimal, InvalidOperation
 from typing import Optional
 
 from crossrt.import_logs import ReadOptions
-from crossrt.imported import ImportFailure, SourceCounts, position_counts, shown
+from crossrt.imported import (MAX_COUNT, MAX_K, ImportFailure, SourceCounts, count, draft_length, position_counts,
+                              shown)
 
 # The Prometheus text exposition format: name{label="value",...} value [timestamp]. Label
 # values may hold braces and escaped quotes (vLLM's cache_config_info does).
@@ -20,27 +26,52 @@ SAMPLE = re.compile(r'^(?P<name>[A-Za-z_:][\w:]*)(?P<labels>\{(?:[^}"]|"(?:[^"\\
 POSITION = re.compile(r'position="(\d+)"')
 
 
-def _samples(text: str) -> list[tuple[str, str, str]]:
-    """(name, labels text, value text) of every sample line; comments and blank lines skipped."""
-    found = []
-    for line in text.splitlines():
-        if line.strip() and not line.startswith("#"):
-            match = SAMPLE.match(line.strip())
-            if match:
-                found.append((match["name"], match["labels"] or "", match["value"]))
+def _samples(text: str) -> list[tuple[int, str, str, str]]:
+    """(line number, name, labels text, value text) of every sample line; comments and blank
+    lines skipped. In a text that holds samples, any other line is refused, and so is a series
+    given twice (a text with no sample at all is left for the caller to call another format)."""
+    found, seen, odd = [], {}, None
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        match = SAMPLE.match(line.strip())
+        if match is None:
+            odd = odd or (number, line.strip())
+            continue
+        series = (match["name"], match["labels"] or "")
+        if series in seen:
+            raise ImportFailure(f"line {number}: {series[0]}{series[1]} again (first at line {seen[series]}): one "
+                                "scrape per file")
+        seen[series] = number
+        found.append((number, match["name"], match["labels"] or "", match["value"]))
+    if found and odd:
+        raise ImportFailure(f"line {odd[0]}: not a Prometheus sample (name{{labels}} value): {odd[1][:80]!r}")
     return found
 
 
 def _count(value: str, name: str, exact_digits: bool) -> int:
-    """A counter value as an int. llama-server prints through a C++ stream with 6 significant
-    digits, so exponent notation there means a rounded count (exact_digits)."""
+    """A counter value as an exact int: digits as they are; a float form (188.0, 1.5e3) only
+    where it is whole and within 2^53, where a float holds every integer. llama-server prints
+    through a C++ stream with 6 significant digits, so exponent notation there means a
+    rounded count (exact_digits)."""
+    if re.fullmatch(r"[0-9]+(\.0*)?", value):
+        return count(value.split(".")[0], name)
     try:
-        number = float(value)
-    except ValueError:
-        raise ImportFailure(f"{name} has the value {value!r}, not a number") from None
-    if not number.is_integer() or number < 0 or (exact_digits and "e" in value.lower()):
+        number = Decimal(value)
+    except InvalidOperation:
+        raise ImportFailure(f"{name} has the value {value[:40]!r}, not a number") from None
+    if not number.is_finite() or number < 0:
+        raise ImportFailure(f"{name} = {value[:40]}: a counter is a count, never negative or infinite")
+    if number > MAX_COUNT:
+        raise ImportFailure(f"{name} = {value[:40]} is out of range: more than 2^63 - 1, which no runtime counts to")
+    if number != number.to_integral_value():
+        raise ImportFailure(f"{name} = {value[:40]} is not a whole number: not a count")
+    if exact_digits and "e" in value.lower():
         raise ImportFailure(f"{name} = {value} is not an exact count (llama-server prints counters with 6 "
                             "significant digits: restart it before a counter passes 999999)")
+    if number > 2 ** 53:
+        raise ImportFailure(f"{name} = {value}: a float above 2^53 may be a rounded count; crossrt reads counters "
+                            "above that only as digits")
     return int(number)
 
 
@@ -51,14 +82,18 @@ def counter_totals(text: str, names: dict[str, str], per_pos_name: str, exact_di
     samples = _samples(text)
     totals: dict[str, Optional[int]] = {}
     for role, name in names.items():
-        values = [_count(value, name, exact_digits) for sample, _, value in samples if sample == name]
+        values = [_count(value, f"line {number}: {name}", exact_digits)
+                  for number, sample, _, value in samples if sample == name]
         totals[role] = sum(values) if values else None
     by_position: dict[int, int] = {}
-    for sample, labels, value in samples:
+    for number, sample, labels, value in samples:
         position = POSITION.search(labels) if sample == per_pos_name else None
         if position:
-            index = int(position.group(1))
-            by_position[index] = by_position.get(index, 0) + _count(value, per_pos_name, exact_digits)
+            index = count(position.group(1), f"line {number}: position")
+            if index >= MAX_K:
+                raise ImportFailure(f"line {number}: position {index} is beyond any draft (at most {MAX_K} tokens)")
+            by_position[index] = by_position.get(index, 0) + _count(value, f"line {number}: {per_pos_name}",
+                                                                    exact_digits)
     per_pos = tuple(by_position.get(i, 0) for i in range(max(by_position) + 1)) if by_position else None
     return totals, per_pos
 
@@ -80,9 +115,9 @@ VLLM_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 # The same counters as examples/offline_inference/spec_decode.py prints them after an offline
 # run (vllm-project/vllm at eb987dffa144: summed from LLM.get_metrics(); "acceptance at token
 # i" is the per-position counter over num_drafts, to 2 decimals).
-EXAMPLE = {role: re.compile(rf"^{label}: (\d+)$", re.M) for role, label in
-           (("steps", "num_drafts"), ("drafted", "num_draft_tokens"), ("accepted", "num_accepted_tokens"),
-            ("output", "total_num_output_tokens"))}
+EXAMPLE_LABELS = {"steps": "num_drafts", "drafted": "num_draft_tokens", "accepted": "num_accepted_tokens",
+                  "output": "total_num_output_tokens"}
+EXAMPLE = {role: re.compile(rf"^{label}: (\d+)$", re.M) for role, label in EXAMPLE_LABELS.items()}
 EXAMPLE_MEAN = re.compile(r"^mean acceptance length: (\d+\.\d+)$", re.M)
 EXAMPLE_RATE = re.compile(r"^acceptance at token (\d+): (\d+\.\d+)$", re.M)
 
@@ -92,7 +127,10 @@ def _read_vllm_example(text: str) -> SourceCounts:
     if any(len(values) != 1 for values in found.values()):
         raise ImportFailure("a spec_decode example printout holds num_drafts, num_draft_tokens, num_accepted_tokens "
                             "and total_num_output_tokens once each: give one run per file")
-    steps, drafted, accepted, output = (int(found[role][0]) for role in ("steps", "drafted", "accepted", "output"))
+    steps, drafted, accepted, output = (count(found[role][0], EXAMPLE_LABELS[role])
+                                        for role in ("steps", "drafted", "accepted", "output"))
+    if accepted > drafted:
+        raise ImportFailure(f"num_accepted_tokens {accepted} exceeds num_draft_tokens {drafted}")
     mean = EXAMPLE_MEAN.search(text)
     if steps and (mean is None or not shown(1 + accepted / steps, mean.group(1))):
         raise ImportFailure("the printed mean acceptance length does not follow from num_accepted_tokens / num_drafts")
@@ -104,7 +142,8 @@ def _read_vllm_example(text: str) -> SourceCounts:
     if rates and per_pos is None:
         notes += (f"vllm-metrics: 'acceptance at token i' is printed to 2 decimals of {steps} drafts: too coarse "
                   f"for counts ({', '.join(rates)})",)
-    return SourceCounts(steps, drafted, accepted, per_pos, k=len(rates) or None, notes=notes)
+    return SourceCounts(steps, drafted, accepted, per_pos, k=draft_length(len(rates), "acceptance at token lines")
+                        if rates else None, notes=notes)
 
 
 def read_vllm_metrics(text: str, options: ReadOptions) -> SourceCounts:

@@ -30,7 +30,7 @@ from typing import Optional
 from crossrt.import_exllamav3 import json_body
 from crossrt.import_logs import ReadOptions
 from crossrt.import_metrics import counter_totals, require_counters
-from crossrt.imported import ImportFailure, SourceCounts, summed
+from crossrt.imported import MAX_K, ImportFailure, SourceCounts, json_count, summed
 
 NAMES = {"steps": "sglang:spec_verify_calls_total", "emitted": "sglang:generation_tokens_total"}
 GAUGE = re.compile(r"^sglang:spec_accept_length\b", re.M)
@@ -67,16 +67,33 @@ def _requests(text: str) -> list[dict]:
     try:
         value = json_body(text)
     except ImportFailure:  # JSON lines: one response (or meta_info) per line
-        try:
-            value = [json.loads(line) for line in text.splitlines() if line.strip() and not line.startswith("#")]
-        except json.JSONDecodeError:
-            raise ImportFailure("neither JSON nor JSON lines of SGLang responses or their meta_info") from None
+        value = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip() and not line.startswith("#"):
+                try:
+                    value.append(json.loads(line))
+                except (ValueError, RecursionError):  # not JSON, nested too deep, a 5,000-digit number
+                    raise ImportFailure(f"line {number} is not JSON: neither JSON nor JSON lines of SGLang responses "
+                                        "or their meta_info") from None
     value = value if isinstance(value, list) else [value]
     requests = [item.get("meta_info", item) if isinstance(item, dict) else None for item in value]
     if not requests or any(not isinstance(r, dict) or "spec_verify_ct" not in r for r in requests):
         raise ImportFailure("not SGLang meta_info: each request needs spec_verify_ct (a server with speculative "
                             "decoding on)")
     return requests
+
+
+def _checked_counts(info: dict, where: str) -> None:
+    """Every count a request's meta_info gives is a whole number from 0 to 2^63 - 1."""
+    for name in ("spec_verify_ct", "completion_tokens", *ACCEPTED_FIELDS, *PROPOSED_FIELDS):
+        if name in info and not (name == "completion_tokens" and info[name] is None):
+            json_count(info[name], f"{where}: {name}")
+    histogram = info.get("spec_correct_drafts_histogram")
+    if histogram is not None:
+        if not isinstance(histogram, list) or not 2 <= len(histogram) <= MAX_K + 1:
+            raise ImportFailure(f"{where}: spec_correct_drafts_histogram is not a list of 2 to {MAX_K + 1} counts")
+        for j, n in enumerate(histogram):
+            json_count(n, f"{where}: spec_correct_drafts_histogram[{j}]")
 
 
 def _close(printed, value: float) -> bool:
@@ -121,6 +138,7 @@ def _drafted(where: str, steps: int, proposed: Optional[int], k: Optional[int]) 
 
 def _one_request(number: int, info: dict, options: ReadOptions) -> _Request:
     where = f"request {number}"
+    _checked_counts(info, where)
     steps, completion = info["spec_verify_ct"], info.get("completion_tokens")
     histogram = info.get("spec_correct_drafts_histogram")
     accepted, proposed = _field(info, ACCEPTED_FIELDS), _field(info, PROPOSED_FIELDS)

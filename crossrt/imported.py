@@ -8,19 +8,60 @@ prints the same mean length per request. The number of drafts is then the intege
 rates, formatted as the runtime formats them, give back the printed text. Counts are taken
 only where that leaves a single answer (or, for vLLM, where every draft is k tokens long):
 crossrt never rounds a rate into a count.
+
+Counts are read as exact integers (count(): decimal digits, at most MAX_COUNT) and the counts
+that fit a printed rate are found by bisection, so no input, however large its numbers, makes
+a reader's work grow with them.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from crossrt.errors import CrossrtError
+
+# Runtimes keep their counters in 64 bits: a larger number is not a count of anything they did.
+MAX_COUNT = 2 ** 63 - 1
+# Draft tokens per step: a position or window beyond this is not a draft (and per-position
+# counts are a tuple of this length, so it bounds their memory too).
+MAX_K = 4096
+# Where more draft counts than this fit a printed mean length, crossrt does not test each
+# against the per-position rates: drafted / k is taken if it fits, else the line is refused.
+MAX_TRIED = 1_000
+DIGITS = re.compile(r"[0-9]+")
 
 
 class ImportFailure(CrossrtError, ValueError):
     """A file that is not in the named format, or whose numbers do not give counts."""
+
+
+def count(text: str, what: str) -> int:
+    """text as a count: decimal digits, kept exact, at most MAX_COUNT."""
+    if not DIGITS.fullmatch(text):
+        raise ImportFailure(f"{what} {text[:40]!r} is not a count (a whole number >= 0)")
+    if len(text) > len(str(MAX_COUNT)) or int(text) > MAX_COUNT:
+        raise ImportFailure(f"{what} {text[:40]}{'...' if len(text) > 40 else ''} is out of range: more than "
+                            "2^63 - 1, which no runtime counts to")
+    return int(text)
+
+
+def json_count(value: Any, what: str) -> int:
+    """A JSON value as a count: an int (not a bool, not a float) from 0 to MAX_COUNT."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ImportFailure(f"{what} is {str(value)[:40]!r}, not a count (a whole number >= 0)")
+    if not 0 <= value <= MAX_COUNT:
+        raise ImportFailure(f"{what} {str(value)[:40]} is " + ("negative" if value < 0 else "out of range (more than "
+                                                               "2^63 - 1, which no runtime counts to)"))
+    return value
+
+
+def draft_length(k: int, what: str) -> int:
+    if not 1 <= k <= MAX_K:
+        raise ImportFailure(f"{what} {k} is not a draft length (1 to {MAX_K} tokens)")
+    return k
 
 
 @dataclass(frozen=True)
@@ -79,15 +120,36 @@ def shown(value: float, printed: str) -> bool:
     return f"{value:.{decimals}f}" == printed
 
 
+def fitting(value_of: Callable[[int], float], printed: str, low: int, high: int) -> range:
+    """The integers n in low .. high with value_of(n) shown as printed, for value_of monotonic
+    in n (either way): contiguous, found by bisection in O(log(high - low)) formats."""
+    decimals = len(printed.split(".")[1]) if "." in printed else 0
+    target = float(printed)
+    if low > high:
+        return range(0)
+
+    def rounded(n: int) -> float:
+        return float(f"{value_of(n):.{decimals}f}")
+
+    sign = 1 if rounded(high) >= rounded(low) else -1
+
+    def first(past: Callable[[float], bool]) -> int:  # the first n in low .. high + 1 with past(rounded(n))
+        start, end = low, high + 1
+        while start < end:
+            middle = (start + end) // 2
+            if past(rounded(middle)):
+                end = middle
+            else:
+                start = middle + 1
+        return start
+
+    return range(first(lambda v: sign * v >= sign * target), first(lambda v: sign * v > sign * target))
+
+
 def counts_of_rate(printed: str, denominator: int) -> range:
     """The integers c in 0 .. denominator with c / denominator shown as printed; contiguous,
     since c / denominator grows with c."""
-    decimals = len(printed.split(".")[1]) if "." in printed else 0
-    unit = 10.0 ** -decimals
-    low = max(0, math.floor((float(printed) - unit) * denominator))
-    high = min(denominator, math.ceil((float(printed) + unit) * denominator))
-    fitting = [c for c in range(low, high + 1) if shown(c / denominator, printed)]
-    return range(fitting[0], fitting[-1] + 1) if fitting else range(0)
+    return fitting(lambda c: c / denominator, printed, 0, denominator)
 
 
 def position_counts(rates: Sequence[str], drafts: int, accepted: int) -> tuple[Optional[tuple[int, ...]], bool]:
@@ -122,26 +184,31 @@ def drafts_behind(where: str, accepted: int, drafted: int, mean_length: str, rat
     count / n, where printed). Each draft holds 1 .. k tokens, so drafted / k <= n <= drafted.
     Where several n fit, n = drafted / k (every draft k tokens long) is taken if it is one of
     them; otherwise ImportFailure."""
-    low, high = (max(1, math.ceil(drafted / k)) if k else 1), max(1, drafted)
-    excess, unit = float(mean_length) - 1, 10.0 ** -len(mean_length.partition(".")[2])
-    if accepted:  # n near accepted / (mean - 1): only a few candidates to format
-        low = max(low, math.floor(accepted / (excess + unit)))
-        high = min(high, math.ceil(accepted / (excess - unit)) if excess > unit else high)
-    fitting = [n for n in range(low, high + 1) if shown(1 + accepted / n, mean_length)
-               and (not rates or position_counts(rates, n, accepted)[1])]
-    if not fitting:
+    if accepted > drafted:
+        raise ImportFailure(f"{where}: {accepted} accepted of {drafted} drafted tokens: more than were drafted")
+    low, high = (max(1, -(-drafted // k)) if k else 1), max(1, drafted)
+    by_mean = fitting(lambda n: 1 + accepted / n, mean_length, low, high)
+
+    def fits_rates(n: int) -> bool:
+        return not rates or position_counts(rates, n, accepted)[1]
+
+    found = [n for n in by_mean if fits_rates(n)] if len(by_mean) <= MAX_TRIED else None
+    if found == []:
         raise ImportFailure(f"{where}: no number of drafts gives mean length {mean_length} for {accepted} accepted "
                             f"of {drafted} drafted tokens" + (" and the per-position rates" if rates else ""))
+    candidates = found if found is not None else by_mean
+    full = drafted // k if k and drafted % k == 0 else None
     assumption = None
-    if len(fitting) == 1:
-        steps = fitting[0]
-    elif k and drafted % k == 0 and drafted // k in fitting:
-        steps = drafted // k
-        assumption = (f"{where}: {len(fitting)} draft counts ({fitting[0]}-{fitting[-1]}) fit the printed rates; "
-                      f"taken: drafted / k = {steps} (every draft {k} tokens long)")
+    if found is not None and len(found) == 1:
+        steps = found[0]
+    elif full is not None and full in candidates and fits_rates(full):
+        steps = full
+        assumption = (f"{where}: {len(candidates)} draft counts ({candidates[0]}-{candidates[-1]}) fit the printed "
+                      f"{'rates' if found is not None else 'mean length'}; taken: drafted / k = {steps} "
+                      f"(every draft {k} tokens long)")
     else:
-        raise ImportFailure(f"{where}: the printed rates fit {fitting[0]} to {fitting[-1]} drafts and crossrt cannot "
-                            "tell which; import the runtime's counters instead (its /metrics)")
+        raise ImportFailure(f"{where}: the printed rates fit {candidates[0]} to {candidates[-1]} drafts and crossrt "
+                            "cannot tell which; import the runtime's counters instead (its /metrics)")
     per_pos = position_counts(rates, steps, accepted)[0] if rates else None
     return Drafts(steps, per_pos, assumption)
 

@@ -72,6 +72,8 @@ def _text(path: Path) -> str:
         raise ImportFailure(f"no file {path}") from None
     except (UnicodeDecodeError, IsADirectoryError):
         raise ImportFailure(f"{path} is not a text file") from None
+    except OSError as error:
+        raise ImportFailure(f"cannot read {path}: {error.strerror or error}") from None
 
 
 def read_counts(request: ImportRequest) -> SourceCounts:
@@ -135,15 +137,22 @@ def _missing(given: tuple[str, ...], request: ImportRequest) -> tuple[str, ...]:
 
 def import_record(request: ImportRequest) -> RunRecord:
     """The record of request.path's counts (ImportFailure, PairError: nothing usable)."""
-    source = FORMATS[request.format]
     counts = read_counts(request)
+    try:
+        return _record(request, counts)
+    except ImportFailure as error:  # counts that read but do not add up: still the file's to name
+        raise ImportFailure(f"{request.path}: {error}") from None
+
+
+def _record(request: ImportRequest, counts: SourceCounts) -> RunRecord:
+    source = FORMATS[request.format]
     if request.options.k is not None and counts.k is not None and request.options.k != counts.k:
         raise ImportFailure(f"--k {request.options.k}, but the text shows k = {counts.k}")
     k = counts.k or request.options.k
     if k is None:
         raise ImportFailure(f"the {request.format} text does not say the draft length: give --k")
     if counts.steps == 0:
-        raise ImportFailure(f"{request.path}: no verification steps counted (nothing was drafted)")
+        raise ImportFailure("no verification steps counted (nothing was drafted)")
     counters, given, notes = _counters(counts, k)
     pair = (pair_info(request.pair, source.model_format) if request.pair is not None
             else PairInfo(request.pair_name or UNKNOWN, None, None))

@@ -8,7 +8,9 @@ from typing import Optional
 import click
 
 from crossrt.cli.common import USER_ERRORS, resolve_pair
+from crossrt.cli.report import refuse_inputs_as_outputs
 from crossrt.import_logs import ReadOptions
+from crossrt.imported import MAX_K
 from crossrt.importer import AGGREGATE, FORMATS, ImportRequest, import_record, import_summary
 from crossrt.runtime import SPEC_TYPES
 from crossrt.record_json import save_record
@@ -25,7 +27,7 @@ from crossrt.tables import format_table, summary_rows
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False),
               help="Record to write. Default: runs/imported/<FILE name>.json")
 @click.option("--overwrite", is_flag=True, help="Replace the record at --out.")
-@click.option("--k", type=click.IntRange(min=1),
+@click.option("--k", type=click.IntRange(1, MAX_K),
               help="Draft tokens per step, where the text does not show it (vLLM and llama.cpp print one rate "
               "per position when they print rates; exllamav3's rounds show their windows). SGLang: its "
               "--speculative-num-draft-tokens minus 1 (that count includes the root token).")
@@ -79,6 +81,7 @@ def import_command(file: Path, source: str, before: Optional[Path], out: Optiona
                                 max_new_tokens, n_ctx, draft_n_min, draft_p_min)
         record = import_record(request)
         out = out or Path("runs") / "imported" / f"{file.name}.json"
+        refuse_inputs_as_outputs({"--out": out}, [file, *([before] if before else [])])
         if out.exists() and not overwrite:
             raise click.UsageError(f"{out} exists: pass --overwrite to replace it, or --out")
         save_record(record, out)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import click
 
@@ -17,6 +18,25 @@ from crossrt.report import build_report, load_runs, to_html, to_markdown
 
 # The output format follows the file name, so `-o report.md` cannot silently be HTML.
 FORMATS = {".html": to_html, ".htm": to_html, ".md": to_markdown, ".markdown": to_markdown}
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)  # links and hard links too
+    return a.resolve() == b.resolve()
+
+
+def refuse_inputs_as_outputs(outputs: Mapping[str, Path], inputs: Sequence[Path]) -> None:
+    """ClickException (one line) when an output (option -> path) is one of the inputs or another output: no
+    command writes over what it reads, or writes one file twice."""
+    named = list(outputs.items())
+    for index, (option, path) in enumerate(named):
+        for source in inputs:
+            if _same_file(Path(path), Path(source)):
+                raise click.ClickException(f"{option} {path} is an input ({source}): name another file")
+        for other, earlier in named[:index]:
+            if _same_file(Path(path), Path(earlier)):
+                raise click.ClickException(f"{option} and {other} name the same file {path}: name two files")
 
 
 def _writer(path: Path):
@@ -54,6 +74,8 @@ def report(records: Sequence[Path], out: Optional[Path], markdown_out: Optional[
                                                                     "--markdown")) if path]
     if not outputs:
         raise click.UsageError("give -o report.html (or .md) and/or --markdown report.md")
+    refuse_inputs_as_outputs({option: path for path, _, option in outputs},
+                             [*records, *([ceiling_path] if ceiling_path else [])])
     try:
         runs = [dataclasses.replace(run, record=analysis.grouped(run.record, grouping)) for run in load_runs(records)]
         built = build_report(runs, entropy_buckets, title)
