@@ -290,3 +290,70 @@ def test_a_full_disk_leaves_no_half_written_report(small_record, tmpfs):
     line = output_error(crossrt("report", small_record, "-o", report, cwd=point.parent))
     assert f"cannot write {report}: No space left on device" in line
     assert report.read_text() == "the previous report" and [p.name for p in point.iterdir()] == ["report.html"]
+
+
+# ---- inputs given twice, outputs that are inputs ----------------------------------------------
+
+@pytest.mark.parametrize("command", [["parity", "--no-logits", "{a}", "{a}"], ["show", "{a}", "{a}"],
+                                     ["diff", "{a}", "{a}"], ["report", "{a}", "{a}", "-o", "{out}/r.md"],
+                                     ["parity", "--no-logits", "{a}", "{link}"], ["show", "{a}", "{dotted}"],
+                                     ["parity", "--no-logits", "{a}", "--against", "{a}"]],
+                         ids=["parity", "show", "diff", "report", "parity-symlink", "show-dotted", "parity-against"])
+def test_the_same_record_twice_is_one_line(small_record, tmp_path, command):
+    link = tmp_path / "link.json"
+    link.symlink_to(small_record)
+    names = {"a": small_record, "link": link, "dotted": small_record.parent / "." / small_record.name,
+             "out": tmp_path}
+    line = output_error(crossrt(*(arg.format(**names) for arg in command), cwd=tmp_path))
+    assert "is given twice" in line, line
+
+
+def test_no_report_output_is_one_of_its_inputs(small_record, tmp_path):
+    record = tmp_path / "a.json"
+    record.write_bytes(small_record.read_bytes())
+    markdown = tmp_path / "rec.md"
+    markdown.write_text("an input the user keeps")
+    before = {p: p.read_bytes() for p in (record, markdown)}
+    for command, message in [
+            (["report", record, "-o", tmp_path / "r.html", "--markdown", record], f"--markdown {record} is an input"),
+            (["report", markdown, record, "-o", markdown], f"-o {markdown} is an input"),
+            (["report", record, "-o", tmp_path / "r.md", "--markdown", tmp_path / "." / "r.md"],
+             "--markdown and -o name the same file")]:
+        assert message in output_error(crossrt(*command, cwd=tmp_path))
+    assert {p: p.read_bytes() for p in before} == before and not (tmp_path / "r.html").exists()
+
+
+# ---- sweeps: one writer per directory, a killed driver ----------------------------------------
+
+SWEEP = """name = "faults"
+[axes]
+runtime = "llama-cpp"
+k = [1, 2, 3]
+prompts = "code"
+max_new_tokens = 16
+[resources.llama-cpp]
+threads = 1
+"""
+
+
+def test_a_second_sweep_run_is_refused_and_a_killed_one_leaves_no_lock(tmp_path):
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text(SWEEP)
+    out = tmp_path / "out"
+    first = subprocess.Popen([CROSSRT, "sweep", "run", str(sweep), "--dir", str(out)], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "sweep.lock").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (out / "sweep.lock").exists(), "the first run never took the lock"
+        second = crossrt("sweep", "run", sweep, "--dir", out, cwd=tmp_path)
+        line = output_error(second)
+        assert f"being written by another `crossrt sweep run` (pid {first.pid})" in line, line
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    # The kernel dropped the lock with its holder: the next run continues, whatever the kill left.
+    done = crossrt("sweep", "run", sweep, "--dir", out, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "3 cells: 0 to run, 3 done" in crossrt("sweep", "plan", sweep, "--dir", out, cwd=tmp_path).stdout

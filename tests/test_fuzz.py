@@ -1,5 +1,7 @@
-"""Fuzzed inputs: a seeded generator of damaged prompt files (fed to `crossrt run`) and damaged
-records and journals (fed to `show`, `parity`, `report` and `analyze`), a few hundred cases.
+"""Fuzzed inputs: a seeded generator of damaged prompt files (fed to `crossrt run`), damaged
+records and journals (fed to `show`, `parity`, `report` and `analyze`), damaged sweep files
+(`sweep plan`), queries that try to write or read outside a sweep's store (`sweep query`), and
+damaged texts of every import format (`import`), a few hundred cases each.
 Every case ends with exit code 0 (a damage that leaves a readable input) or 1/2 and one line
 (`Error: ...`), never a traceback: in-process through click's runner (the exception must be
 click's SystemExit), and for a sample through real subprocesses (docs/reliability.md)."""
@@ -8,8 +10,10 @@ import dataclasses
 import gzip
 import json
 import random
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -293,3 +297,240 @@ def test_a_sample_through_subprocesses_prints_no_traceback(folder, good_record):
         done = subprocess.run([CROSSRT, *map(str, command)], capture_output=True, text=True, timeout=120)
         assert done.returncode in (1, 2) and "Traceback" not in done.stderr, f"{kind}: {done.stderr[-3000:]}"
         assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1, f"{kind}: {done.stderr[:2000]}"
+
+
+# ---- sweep files, sweep queries, import formats -----------------------------------------------
+
+SWEEP_CASES = 200
+QUERY_CASES = 120
+IMPORT_CASES = 280
+BOUND_S = 5.0  # per case: no input may make a reader run away
+SWEEP = """name = "fuzz"
+[axes]
+pair = "tiny"
+runtime = ["llama-cpp", "llama-server"]
+mode = ["driven", "native"]
+k = [1, 2]
+prompts = "code"
+max_new_tokens = 4
+[[exclude]]
+runtime = "llama-server"
+k = 1
+[[include]]
+runtime = "llama-cpp"
+k = 3
+[resources.llama-cpp]
+threads = 1
+[ray]
+strategy = "task"
+max_retries = 1
+"""
+TOML_VALUES = ["-1", "0", "1e308", "inf", "nan", '"x"', '""', "[]", "[[]]", "{}", "true", "1.5", "[1, 1, 1]",
+               "99999999999999999999", '"../../etc"', '["llama-cpp", "llama-cp"]', "[" + ", ".join(["1"] * 400) + "]"]
+# Kinds every one of which a sweep file crossrt reads cannot be.
+SWEEP_ALWAYS_FAILS = {"empty", "unknown-top", "binary", "axes-renamed", "empty-axis"}
+
+
+def damaged_sweep(rng: random.Random) -> tuple[str, bytes]:
+    lines = SWEEP.splitlines()
+    values = [i for i, line in enumerate(lines) if " = " in line]
+    kind = rng.choice(["delete-line", "duplicate-line", "value", "key", "truncated", "binary", "empty",
+                       "unknown-top", "axes-renamed", "empty-axis", "swap"])
+    if kind == "delete-line":
+        del lines[rng.randrange(len(lines))]
+    elif kind == "duplicate-line":
+        at = rng.randrange(len(lines))
+        lines.insert(at, lines[at])
+    elif kind == "value":
+        at = rng.choice(values)
+        lines[at] = lines[at].split(" = ")[0] + " = " + rng.choice(TOML_VALUES)
+    elif kind == "key":
+        at = rng.choice(values)
+        lines[at] = "".join(rng.choice("abcdefgh_") for _ in range(rng.randrange(1, 9))) + " = " + \
+            lines[at].split(" = ")[1]
+    elif kind == "truncated":
+        return kind, SWEEP.encode()[:rng.randrange(len(SWEEP))]
+    elif kind == "binary":
+        return kind, bytes(rng.randrange(256) for _ in range(rng.randrange(1, 2000))) + b"\xff"
+    elif kind == "empty":
+        return kind, rng.choice([b"", b"\n", b"# a comment\n"])
+    elif kind == "unknown-top":
+        lines.insert(0, rng.choice(["runtimes = [1]", "axis = 2", "k = 4", "version = 1"]))
+    elif kind == "axes-renamed":
+        lines[lines.index("[axes]")] = rng.choice(["[axis]", "[Axes]", "[settings]"])
+    elif kind == "empty-axis":
+        lines.insert(lines.index("[axes]") + 1, rng.choice(["k = []", "runtime = []"]))
+        lines = [line for line in lines if not line.startswith("k = [1, 2]") or lines.count("k = []") == 0]
+    elif kind == "swap":
+        a, b = rng.randrange(len(lines)), rng.randrange(len(lines))
+        lines[a], lines[b] = lines[b], lines[a]
+    return kind, ("\n".join(lines) + "\n").encode()
+
+
+def test_fuzzed_sweep_files_are_planned_or_one_line(folder):
+    from crossrt.sweep.plan import SweepError, load_sweep
+
+    rng, runner, kinds, failed = random.Random(SEED + 3), CliRunner(), set(), 0
+    for case in range(SWEEP_CASES):
+        kind, data = damaged_sweep(rng)
+        kinds.add(kind)
+        path = folder / f"sweep{case}.toml"
+        path.write_bytes(data)
+        start = time.perf_counter()
+        try:
+            load_sweep(path)
+            readable = True
+        except SweepError:  # never another exception
+            readable = False
+        result = runner.invoke(main, ["sweep", "plan", str(path)])
+        assert time.perf_counter() - start < BOUND_S, f"case {case} ({kind})"
+        context = f"case {case} ({kind}): {data[:200]!r}"
+        if kind in SWEEP_ALWAYS_FAILS or not readable:
+            assert not readable, context
+            assert str(path) in one_line_failure(result, context)
+            failed += 1
+        else:
+            assert result.exit_code == 0 and " cells: " in result.output, f"{context}\n{result.output[-1000:]}"
+    assert len(kinds) == 11 and failed > SWEEP_CASES // 3
+
+
+@pytest.fixture(scope="module")
+def one_cell_store(folder):
+    from crossrt.sweep.plan import load_sweep
+    from crossrt.sweep.runner import Executor, run_sweep
+    from crossrt.sweep.store import SweepStore
+
+    path = folder / "one-cell.toml"
+    path.write_text('name = "one"\n[axes]\nruntime = "llama-cpp"\nk = 2\nprompts = "code"\nmax_new_tokens = 4\n'
+                    '[resources.llama-cpp]\nthreads = 1\n')
+    store = SweepStore(folder / "one-cell")
+    assert not run_sweep(load_sweep(path), store, Executor()).failed
+    return store
+
+
+def fuzzed_query(rng: random.Random, target: Path, store: Path) -> tuple[str, str]:
+    """(kind, SQL): a statement that writes or reads outside the store, or one that may run."""
+    spot = rng.choice([target / f"x{rng.randrange(99)}", store / "index.parquet", store / "cells" / "a.json",
+                       Path("/etc/hostname")])
+    kind = rng.choice(["copy", "export", "attach", "install", "load", "create", "insert", "drop", "set", "pragma",
+                       "call", "read", "many", "garbage", "comment", "select"])
+    sql = {
+        "copy": f"COPY (SELECT * FROM prompts) TO '{spot}' (FORMAT {rng.choice(['csv', 'parquet', 'json'])})",
+        "export": f"EXPORT DATABASE '{spot}'",
+        "attach": f"ATTACH '{spot}' AS other",
+        "install": f"INSTALL {rng.choice(['httpfs', 'spatial', 'shellfs'])}",
+        "load": f"LOAD '{spot}'",
+        "create": rng.choice(["CREATE TABLE t AS FROM prompts", "CREATE VIEW v AS SELECT 1",
+                              f"CREATE SECRET s (TYPE s3, KEY_ID '{spot}')", "CREATE MACRO m(a) AS a"]),
+        "insert": "INSERT INTO prompts SELECT * FROM prompts",
+        "drop": rng.choice(["DROP TABLE prompts", "DROP VIEW cells"]),
+        "set": rng.choice(["SET enable_external_access = true", "SET lock_configuration = false",
+                           f"SET temp_directory = '{spot}'", "RESET enable_external_access"]),
+        "pragma": rng.choice(["PRAGMA enable_profiling", "PRAGMA version"]),
+        "call": rng.choice(["CALL duckdb_settings()", f"CALL pragma_table_info('{spot}')"]),
+        "read": f"SELECT * FROM {rng.choice(['read_text', 'read_blob', 'read_csv', 'read_parquet', 'glob', 'read_json'])}"
+                f"('{spot}')",
+        "many": "SELECT 1; " + rng.choice(["SELECT 2", f"COPY prompts TO '{spot}'", "DROP TABLE prompts"]),
+        "garbage": "".join(rng.choice("SELECT *;'\"()\x00\u2028é") for _ in range(rng.randrange(0, 40))),
+        "comment": rng.choice(["-- nothing", "/* nothing */", ";", "  "]),
+        "select": rng.choice(["SELECT * FROM cells", "FROM prompts LIMIT 3", "SELECT runtime, sum(accepted) FROM "
+                              "prompts GROUP BY ALL", "SELECT count(*) FROM prompts, cells",
+                              "WITH a AS (SELECT 1 AS x) SELECT x FROM a", "VALUES (1, 'a')"]),
+    }[kind]
+    return kind, sql
+
+
+def test_fuzzed_queries_read_the_store_alone_and_write_nothing(folder, one_cell_store):
+    target = folder / "query-target"
+    target.mkdir()
+    files = {p: p.read_bytes() for p in one_cell_store.root.rglob("*") if p.is_file()}
+    rng, runner, kinds = random.Random(SEED + 4), CliRunner(), set()
+    for case in range(QUERY_CASES):
+        kind, sql = fuzzed_query(rng, target, one_cell_store.root)
+        kinds.add(kind)
+        result = runner.invoke(main, ["sweep", "query", str(one_cell_store.root), sql])
+        context = f"case {case} ({kind}): {sql[:200]!r}"
+        if kind == "select":
+            assert result.exit_code == 0, f"{context}\n{result.output[-1000:]}"
+        else:
+            one_cell_store.query("SELECT 1")  # the store still reads
+            if kind not in ("garbage",):
+                assert result.exit_code == 1, f"{context}\n{result.output[-1000:]}"
+            if result.exit_code:
+                one_line_failure(result, context)
+        assert not list(target.iterdir()), context
+        assert {p: p.read_bytes() for p in one_cell_store.root.rglob("*") if p.is_file()} == files, context
+    assert len(kinds) == 16
+
+
+FORMATS = {"exllamav3-draft-stats-constructed.json": ("exllamav3-stats",),
+           "exllamav3-job-constructed.json": ("exllamav3-stats",),
+           "llama-server-log-pr24536.log": ("llama-server-log",),
+           "llama-server-log-tiny.log": ("llama-server-log", "--k", "4"),
+           "llama-server-metrics-after-tiny.txt": ("llama-server-metrics",),
+           "sglang-log-11948.log": ("sglang-log",),
+           "sglang-meta-info-pr13754.json": ("sglang-metrics", "--k", "4"),
+           "sglang-meta-info-pr33518.json": ("sglang-metrics",),
+           "sglang-metrics-constructed-pr13754.txt": ("sglang-metrics", "--k", "4"),
+           "vllm-log-club3090-105.log": ("vllm-log",), "vllm-log-pr24127.log": ("vllm-log",),
+           "vllm-log-vllm-ascend-13665.log": ("vllm-log",),
+           "vllm-spec-decode-example-pr43091.txt": ("vllm-metrics",)}
+NUMBER = re.compile(rb"\d+(?:\.\d+)?")
+ODD_NUMBERS = [b"-1", b"-2.00", b"1e308", b"1e29", b"nan", b"inf", b"0", b"0.0", b"188.5", b"9" * 26, b"7" * 31,
+               b"9007199254740993", b"4000000000000000000", b"1" + b"0" * 300, b"", b"x"]
+
+
+def damaged_import(rng: random.Random, data: bytes) -> tuple[str, bytes]:
+    kind = rng.choice(["number", "numbers", "truncated", "delete-line", "duplicate-line", "binary-line", "swap",
+                       "flipped", "empty"])
+    lines = data.split(b"\n")
+    if kind in ("number", "numbers"):
+        spots = list(NUMBER.finditer(data))
+        for match in sorted(rng.sample(spots, min(len(spots), 1 if kind == "number" else rng.randrange(2, 6))),
+                            key=lambda m: -m.start()):
+            data = data[:match.start()] + rng.choice(ODD_NUMBERS) + data[match.end():]
+        return kind, data
+    if kind == "truncated":
+        return kind, data[:rng.randrange(len(data))]
+    if kind == "flipped":
+        damaged = bytearray(data)
+        for _ in range(rng.randrange(1, 4)):
+            damaged[rng.randrange(len(damaged))] = rng.randrange(256)
+        return kind, bytes(damaged)
+    if kind == "empty":
+        return kind, b""
+    at = rng.randrange(len(lines))
+    if kind == "delete-line":
+        del lines[at]
+    elif kind == "duplicate-line":
+        lines.insert(at, lines[at])
+    elif kind == "binary-line":
+        lines.insert(at, bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200))))
+    elif kind == "swap":
+        other = rng.randrange(len(lines))
+        lines[at], lines[other] = lines[other], lines[at]
+    return kind, b"\n".join(lines)
+
+
+def test_fuzzed_imports_of_every_format_are_a_record_or_one_line(folder):
+    fixtures = Path(__file__).resolve().parent / "fixtures" / "import"
+    rng, runner, kinds, outcomes = random.Random(SEED + 5), CliRunner(), set(), {"record": 0, "refused": 0}
+    names = sorted(FORMATS)
+    for case in range(IMPORT_CASES):
+        name = names[case % len(names)]
+        kind, data = damaged_import(rng, (fixtures / name).read_bytes())
+        kinds.add(kind)
+        path, out = folder / f"import{case}-{name}", folder / f"import{case}.json"
+        path.write_bytes(data)
+        source, *extra = FORMATS[name]
+        start = time.perf_counter()
+        result = runner.invoke(main, ["import", str(path), "--from", source, *extra, "--out", str(out)])
+        context = f"case {case} ({kind}, {name})"
+        assert time.perf_counter() - start < BOUND_S, f"{context}: {time.perf_counter() - start:.1f} s"
+        if result.exit_code == 0:
+            load_record(out)  # whatever was kept is a valid record
+            outcomes["record"] += 1
+        else:
+            assert str(path) in one_line_failure(result, context) and not out.exists()
+            outcomes["refused"] += 1
+    assert len(kinds) == 9 and outcomes["refused"] > IMPORT_CASES // 3 and outcomes["record"] > 0, outcomes
