@@ -30,33 +30,33 @@ import math
 from typing import Mapping, Optional
 
 from crossrt.import_logs import ReadOptions
-from crossrt.imported import ImportFailure, SourceCounts
+from crossrt.imported import DIGITS, MAX_K, ImportFailure, SourceCounts, draft_length, json_count
 
 ENGINES = ("vllm",)  # engines whose counting crossrt maps (AIPerf's adapters)
 TOTALS = ("total_spec_decode_steps", "total_draft_tokens", "total_accepted_draft_tokens")
 HISTOGRAM = "pooled_spec_decode_acceptance_histogram"
-# Bounds on what a file may claim, so no input makes the reader's work or memory grow with its
-# numbers: runtimes count in 64 bits, and accepted_per_pos holds k entries.
-MAX_COUNT = 2 ** 63 - 1
-MAX_K = 4096
+EXACT_FLOAT = 2 ** 53  # the largest whole float every count below it is exact as
 
 
 def _count(value, where: str) -> int:
-    """An exact count from a JSON number (AIPerf writes sums as floats, 16.0)."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_COUNT
-            or value != int(value)):
-        raise ImportFailure(f"{where}: {str(value)[:40]!r} is not a count (a whole number from 0 to 2^63 - 1)")
-    return int(value)
+    """A count from JSON: AIPerf writes the record's fields as ints and the aggregate's sums as
+    floats (16.0), which count only when whole and within 2^53, where floats are exact."""
+    if isinstance(value, float):
+        if not (value.is_integer() and 0 <= value <= EXACT_FLOAT):
+            raise ImportFailure(f"{where} is {str(value)[:40]!r}, not a count (a whole number, exact as a float "
+                                "up to 2^53)")
+        value = int(value)
+    return json_count(value, where)
 
 
 def histogram_counts(histogram: Mapping, where: str) -> dict[int, int]:
-    """{accepted draft tokens j: steps}, keys cast from the JSON strings."""
+    """{accepted draft tokens j: steps}, keys cast from the JSON strings (0 .. MAX_K)."""
     if not isinstance(histogram, dict):
         raise ImportFailure(f"{where}: the acceptance histogram is not an object")
-    try:
-        return {int(j): _count(n, f"{where}, histogram bucket {j}") for j, n in histogram.items()}
-    except ValueError:
-        raise ImportFailure(f"{where}: histogram keys {sorted(histogram)} are not draft token counts") from None
+    keys = [j for j in histogram if not (isinstance(j, str) and DIGITS.fullmatch(j) and int(j) <= MAX_K)]
+    if keys:
+        raise ImportFailure(f"{where}: histogram key {str(keys[0])[:40]!r} is not a draft token count (0 to {MAX_K})")
+    return {int(j): _count(n, f"{where}, histogram bucket {j}") for j, n in histogram.items()}
 
 
 def per_position(histogram: Mapping[int, int], k: int) -> tuple[int, ...]:
@@ -106,9 +106,8 @@ class _Request:
             self.accepted = _count(record.get("num_accepted_draft_tokens"), f"{where}, num_accepted_draft_tokens")
             self.histogram = histogram_counts(record.get("acceptance_histogram"), where)
             if record.get("num_spec_tokens") is not None:
-                self.k = _count(record["num_spec_tokens"], f"{where}, num_spec_tokens")
-                if not 1 <= self.k <= MAX_K:
-                    raise ImportFailure(f"{where}: num_spec_tokens {self.k} is not a draft length (1 to {MAX_K})")
+                self.k = draft_length(_count(record["num_spec_tokens"], f"{where}, num_spec_tokens"),
+                                      f"{where}, num_spec_tokens")
             if record.get("completion_tokens") is not None:
                 self.completion = _count(record["completion_tokens"], f"{where}, completion_tokens")
             for name, total in (("per_step_accepted", self.accepted), ("per_step_drafted", self.drafted)):

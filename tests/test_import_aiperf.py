@@ -103,7 +103,9 @@ def test_metrics_alone_give_counts_and_left_out_requests_are_named(tmp_path):
      "acceptance length 2.25 is not 1 \\+ 18 / 8"),
     (lambda line: line["spec_decode_acceptance"].update(per_step_accepted=[2, 3]), "per_step_accepted has 2 steps"),
     (lambda line: line["spec_decode_acceptance"].update(engine="sglang"), "engine 'sglang'; crossrt maps the counting"),
-    (lambda line: line["spec_decode_acceptance"].update(num_spec_steps=8.5), "num_spec_steps: '8.5' is not a count"),
+    (lambda line: line["spec_decode_acceptance"].update(num_spec_steps=8.5), "num_spec_steps is '8.5', not a count"),
+    (lambda line: line["spec_decode_acceptance"].update(num_spec_tokens=5000), "num_spec_tokens 5000 is not a draft length"),
+    (lambda line: line["spec_decode_acceptance"]["acceptance_histogram"].update({"-1": 0}), "histogram key '-1' is not"),
 ])
 def test_inconsistent_records_are_refused(tmp_path, change, message):
     lines = request_lines()
