@@ -4,6 +4,7 @@ in silence), counts stay exact integers, and huge numbers cost no more work than
 The inputs are the recorded fixtures (tests/fixtures/import) with one line changed."""
 
 import json
+import random
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from click.testing import CliRunner
 from crossrt.cli import main
 from crossrt.import_logs import ReadOptions
 from crossrt.importer import ImportRequest, import_record
-from crossrt.imported import ImportFailure
+from crossrt.imported import ImportFailure, counts_of_rate, fitting, shown
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "import"
 # Work per input does not grow with its numbers: a case that took seconds would be a run-away.
@@ -223,3 +224,18 @@ def test_import_never_writes_over_its_input(tmp_path):
                                            "--overwrite"])
         assert result.exit_code == 1 and "is an input" in result.output, result.output
     assert path.read_bytes() == before
+
+
+def test_bisection_finds_exactly_the_counts_trying_each_finds():
+    """fitting() against the brute force it replaced, on seeded small cases of both shapes: a
+    rate c / d (growing in c) and a mean length 1 + accepted / n (falling in n)."""
+    rng = random.Random(7)
+    for _ in range(2000):
+        d, decimals = rng.randrange(1, 2000), rng.choice([1, 2, 3])
+        printed = f"{rng.randrange(d + 1) / d:.{decimals}f}"
+        assert list(counts_of_rate(printed, d)) == [c for c in range(d + 1) if shown(c / d, printed)], (d, printed)
+        accepted, low = rng.randrange(2000), rng.randrange(1, 50)
+        high = low + rng.randrange(2000)
+        mean = f"{1 + accepted / rng.randrange(low, high + 1):.2f}"
+        assert list(fitting(lambda n: 1 + accepted / n, mean, low, high)) == [
+            n for n in range(low, high + 1) if shown(1 + accepted / n, mean)], (accepted, low, high, mean)

@@ -158,6 +158,7 @@ def show(sweep_dir: Path, paths: bool) -> None:
     try:
         store = check_sweep_dir(sweep_dir)
         stored = store.stored()
+        _warn_damaged(store)
         if paths:
             for cell in stored:
                 click.echo(cell.record_path)
@@ -165,7 +166,6 @@ def show(sweep_dir: Path, paths: bool) -> None:
         records = [cell.record() for cell in stored]
     except USER_ERRORS as error:
         raise click.ClickException(str(error)) from None
-    _warn_damaged(store)
     if records:
         click.echo(format_table(summary_rows(records)))
     failures = store.failures()
