@@ -164,9 +164,10 @@ def test_rerun_does_nothing(sweep_file, local_store):
     ("[axes]\nk = [" + ", ".join(map(str, range(1, 501))) + "]\nmax_new_tokens = [" + ", ".join(
         map(str, range(1, 501))) + "]\n", "250000 cells, more than 100000"),
     ("[axes]\nk = 1\n\xff\n", "not TOML"),
+    ("[axes]\nmax_new_tokens = [8, 0]\n", "max_new_tokens = 0: expected at least 1"),
 ], ids=["empty", "comment", "axis", "runtimes", "no-axes", "empty-axes", "axes-scalar", "empty-axis", "misspelt-runtime",
         "name-path", "ray-retries", "ray-key", "threads", "resource-runtime", "exclude-in-axes", "include-threads",
-        "too-large", "not-toml"])
+        "too-large", "not-toml", "no-budget"])
 def test_a_sweep_file_crossrt_does_not_understand_is_one_line(tmp_path, text, message):
     path = tmp_path / "sweep.toml"
     path.write_text(text, encoding="utf-8", errors="surrogateescape")

@@ -125,7 +125,7 @@ def _warn_damaged(store: SweepStore) -> None:
     if damaged:
         click.echo(f"warning: {len(damaged)} cell(s) damaged and left out ({', '.join(damaged[:5])}"
                    f"{', ...' if len(damaged) > 5 else ''}): `crossrt sweep run SWEEP_FILE --dir {store.root}` "
-                   "runs them again", err=True)
+                   "runs the sweep file's cells among them again", err=True)
 
 
 @sweep.command()

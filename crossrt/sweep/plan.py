@@ -230,6 +230,9 @@ def _cell(values: dict[str, Any], threads: int) -> Cell:
         value = values[key]
         if value is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
             raise SweepError(f"{key} = {value!r}: expected {' or '.join(kind.__name__ for kind in kinds)}")
+    for key in ("max_new_tokens", "n_ctx"):
+        if values[key] < 1:
+            raise SweepError(f"{key} = {values[key]}: expected at least 1")
     values["draft_p_min"] = float(values["draft_p_min"])  # 0 and 0.0 are one setting, so one id
     if values["mode"] == "native":  # the runtime's own schedule: cells differing only there are one cell
         values["schedule"] = None
