@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from crossrt.import_logs import ReadOptions
@@ -86,53 +87,76 @@ def _checked(where: str, steps: int, drafted: int, accepted: int, histogram: Opt
         raise ImportFailure(f"{where}: draft acceptance rate {rate} is not {accepted} / {drafted}")
 
 
+def _object(value, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise ImportFailure(f"{what} is not a JSON object")
+    return value
+
+
 def _value(metrics: Mapping, tag: str):
     entry = metrics.get(tag)
     return entry.get("value") if isinstance(entry, dict) else None
 
 
-class _Request:
+@dataclass(frozen=True)
+class Request:
     """One request's counts, from its spec_decode_acceptance record or else its metrics."""
 
-    def __init__(self, line: dict, where: str):
-        record, metrics = line.get("spec_decode_acceptance"), line.get("metrics") or {}
-        self.histogram, self.k, self.completion = None, None, None
-        if isinstance(record, dict):
-            engine = record.get("engine")
-            if engine not in ENGINES:
-                raise ImportFailure(f"{where}: engine {engine!r}; crossrt maps the counting of {', '.join(ENGINES)}")
-            self.steps = _count(record.get("num_spec_steps"), f"{where}, num_spec_steps")
-            self.drafted = _count(record.get("num_draft_tokens"), f"{where}, num_draft_tokens")
-            self.accepted = _count(record.get("num_accepted_draft_tokens"), f"{where}, num_accepted_draft_tokens")
-            self.histogram = histogram_counts(record.get("acceptance_histogram"), where)
-            if record.get("num_spec_tokens") is not None:
-                self.k = draft_length(_count(record["num_spec_tokens"], f"{where}, num_spec_tokens"),
-                                      f"{where}, num_spec_tokens")
-            if record.get("completion_tokens") is not None:
-                self.completion = _count(record["completion_tokens"], f"{where}, completion_tokens")
-            for name, total in (("per_step_accepted", self.accepted), ("per_step_drafted", self.drafted)):
-                steps = record.get(name)
-                if steps is not None and (len(steps) != self.steps or sum(steps) != total):
-                    raise ImportFailure(f"{where}: {name} has {len(steps)} steps summing to {sum(steps)}, "
-                                        f"not {self.steps} steps summing to {total}")
-            _checked(where, self.steps, self.drafted, self.accepted, self.histogram,
-                     record.get("mean_acceptance_length"), record.get("draft_acceptance_rate"))
-        else:
-            self.steps = _count(_value(metrics, "spec_decode_steps"), f"{where}, spec_decode_steps")
-            self.drafted = _count(_value(metrics, "spec_decode_draft_tokens"), f"{where}, spec_decode_draft_tokens")
-            self.accepted = _count(_value(metrics, "spec_decode_accepted_draft_tokens"),
-                                   f"{where}, spec_decode_accepted_draft_tokens")
-        percent = _value(metrics, "spec_decode_draft_acceptance_rate")
-        _checked(where, self.steps, self.drafted, self.accepted, None, _value(metrics, "spec_decode_acceptance_length"),
-                 percent / 100 if isinstance(percent, (int, float)) else None)
+    steps: int
+    drafted: int
+    accepted: int
+    histogram: Optional[dict[int, int]]  # None: metrics only
+    k: Optional[int]
+    completion: Optional[int]
+
+
+def _per_step(record: dict, name: str, steps: int, total: int, where: str) -> None:
+    values = record.get(name)
+    if values is None:
+        return
+    if not isinstance(values, list):
+        raise ImportFailure(f"{where}: {name} is not a list")
+    counted = [_count(v, f"{where}, {name}") for v in values]
+    if len(counted) != steps or sum(counted) != total:
+        raise ImportFailure(f"{where}: {name} has {len(counted)} steps summing to {sum(counted)}, not {steps} steps "
+                            f"summing to {total}")
+
+
+def _request(line: dict, where: str) -> Request:
+    metrics = _object(line.get("metrics"), f"{where}: metrics")
+    record = line.get("spec_decode_acceptance")
+    if record is not None:
+        record = _object(record, f"{where}: spec_decode_acceptance")
+        if record.get("engine") not in ENGINES:
+            raise ImportFailure(f"{where}: engine {str(record.get('engine'))[:40]!r}; crossrt maps the counting of "
+                                f"{', '.join(ENGINES)}")
+        counts = [_count(record.get(name), f"{where}, {name}")
+                  for name in ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens")]
+        histogram = histogram_counts(record.get("acceptance_histogram"), where)
+        k = None if record.get("num_spec_tokens") is None else \
+            draft_length(_count(record["num_spec_tokens"], f"{where}, num_spec_tokens"), f"{where}, num_spec_tokens")
+        completion = None if record.get("completion_tokens") is None else \
+            _count(record["completion_tokens"], f"{where}, completion_tokens")
+        _per_step(record, "per_step_accepted", counts[0], counts[2], where)
+        _per_step(record, "per_step_drafted", counts[0], counts[1], where)
+        _checked(where, *counts, histogram, record.get("mean_acceptance_length"), record.get("draft_acceptance_rate"))
+    else:
+        counts = [_count(_value(metrics, tag), f"{where}, {tag}")
+                  for tag in ("spec_decode_steps", "spec_decode_draft_tokens", "spec_decode_accepted_draft_tokens")]
+        histogram = k = completion = None
+    percent = _value(metrics, "spec_decode_draft_acceptance_rate")
+    _checked(where, *counts, None, _value(metrics, "spec_decode_acceptance_length"),
+             percent / 100 if isinstance(percent, (int, float)) else None)
+    return Request(*counts, histogram, k, completion)
 
 
 def _has_stats(line: dict) -> bool:
-    return isinstance(line.get("spec_decode_acceptance"), dict) or \
-        _value(line.get("metrics") or {}, "spec_decode_steps") is not None
+    metrics = line.get("metrics")
+    return line.get("spec_decode_acceptance") is not None or \
+        (isinstance(metrics, dict) and _value(metrics, "spec_decode_steps") is not None)
 
 
-def _requests(text: str) -> tuple[list[_Request], list[str]]:
+def _requests(text: str) -> tuple[list[Request], list[str]]:
     requests, skipped = [], {"warm-up": 0, "failed": 0, "without speculative statistics": 0}
     for number, raw in enumerate(text.split("\n"), start=1):
         if not raw.strip():
@@ -144,14 +168,15 @@ def _requests(text: str) -> tuple[list[_Request], list[str]]:
             raise ImportFailure(f"{where} is not JSON ({error.msg})") from None
         if not isinstance(line, dict) or "metrics" not in line:
             raise ImportFailure(f"{where} is not an AIPerf record (no 'metrics')")
-        if (line.get("metadata") or {}).get("benchmark_phase") == "warmup":
+        metadata = line.get("metadata")
+        if isinstance(metadata, dict) and metadata.get("benchmark_phase") == "warmup":
             skipped["warm-up"] += 1
         elif line.get("error"):
             skipped["failed"] += 1
         elif not _has_stats(line):
             skipped["without speculative statistics"] += 1
         else:
-            requests.append(_Request(line, where))
+            requests.append(_request(line, where))
     return requests, [f"{n} {what}" for what, n in skipped.items() if n]
 
 
