@@ -114,3 +114,33 @@ def test_inconsistent_records_are_refused(tmp_path, change, message):
                                                  str(tmp_path / "out.json")])
     assert_clean_error(result, f"line 2[:,] {message}")
     assert not (tmp_path / "out.json").exists()
+
+
+def fields(value, path=()):
+    """Every (path) into a JSON value: object keys and list indices."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, inner in items:
+        yield (*path, key)
+        yield from fields(inner, (*path, key))
+
+
+def test_any_field_of_another_type_is_a_record_or_one_line(tmp_path):
+    """Each field of a request replaced by a value of another JSON type: the import keeps a valid
+    record (a field crossrt does not read) or is refused in one line, never a traceback."""
+    runner, refused = CliRunner(), 0
+    spots = list(fields(request_lines()[1]))
+    for number, (spot, odd) in enumerate((spot, odd) for spot in spots for odd in ("x", [], {}, None, -1)):
+        lines = request_lines()
+        inner = lines[1]
+        for key in spot[:-1]:
+            inner = inner[key]
+        inner[spot[-1]] = odd
+        out = tmp_path / f"out{number}.json"
+        result = runner.invoke(import_command, [str(written(tmp_path, lines)), "--from", "aiperf", "--out", str(out)])
+        if result.exit_code == 0:
+            load_record(out)
+        else:
+            assert isinstance(result.exception, SystemExit) and len(result.output.strip().splitlines()) == 1, \
+                (spot, odd, result.output)
+            refused += 1
+    assert refused > len(spots)  # most fields are read, and checked
