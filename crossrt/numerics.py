@@ -27,9 +27,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 # Logits below a pass's choice within which candidates are recorded. It must exceed every
-# near_tie_flip in crossrt/tolerance.py (the largest, quantized weights, is 1.0), so that a gap
-# any threshold could admit is read exactly, never bounded.
-CLOSE_WINDOW = 2.0
+# near_tie_flip in crossrt/tolerance.py (the largest, quantized weights across runtimes, is 3.0),
+# so that a gap any threshold could admit is read exactly, never bounded.
+CLOSE_WINDOW = 4.0
 CLOSE_MAX = 8  # candidates kept per pass, nearest first (a flat row would keep the vocabulary)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from crossrt.numerics import CLOSE_MAX, CLOSE_WINDOW, Gap, choose, judge, recorded_gap, rescored_gap
 from crossrt.rescore import top_k
-from crossrt.tolerance import F16_CACHE, F32_EXACT, QUANTIZED
+from crossrt.tolerance import F16_CACHE, F32_EXACT, HALF_WEIGHTS, QUANTIZED, QUANTIZED_ONE_RUNTIME
 
 
 def test_close_candidates_are_the_sorted_rows_nearest_entries():
@@ -33,6 +33,7 @@ def test_a_three_way_near_tie_is_a_near_tie():
     verdict = judge([speculative, baseline], QUANTIZED.near_tie_flip, QUANTIZED.reason)
     assert verdict.near and verdict.flip == pytest.approx(0.1309)
     assert judge([speculative, baseline], F32_EXACT.near_tie_flip, F32_EXACT.reason).near is False
+    assert judge([speculative, baseline], QUANTIZED_ONE_RUNTIME.near_tie_flip, "llama.cpp").near
 
 
 def test_a_token_outside_the_recorded_candidates_is_never_a_near_tie():
@@ -54,5 +55,5 @@ def test_rescored_gaps_ranked_the_other_way_still_bound_the_flip():
 
 
 def test_every_threshold_lies_inside_the_recorded_window():
-    for tolerance in (F32_EXACT, F16_CACHE, QUANTIZED):
+    for tolerance in (F32_EXACT, F16_CACHE, HALF_WEIGHTS, QUANTIZED, QUANTIZED_ONE_RUNTIME):
         assert tolerance.near_tie_flip < CLOSE_WINDOW
