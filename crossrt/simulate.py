@@ -65,7 +65,8 @@ def build_oracle(target: ModelSession, drafter: ModelSession, prompt_id: str, ca
                  prompt_ids: Sequence[int], max_new_tokens: int, max_k: int) -> Oracle:
     """The oracle of one prompt. The drafter scores prompt + output in one pass (the first
     draft token of every position), then, from the last position back so that each needs only
-    a truncation, continues each position one token at a time."""
+    a truncation, continues each position one token at a time, or takes the next position's
+    row where its first token is the target's."""
     prompt_ids = tuple(prompt_ids)
     # A draft from the row after the output reaches K tokens past it, and its check K + 1.
     check_prompt(prompt_ids, max_new_tokens, [target, drafter], overrun=max_k + 1)
@@ -93,6 +94,12 @@ def build_oracle(target: ModelSession, drafter: ModelSession, prompt_id: str, ca
         for offset, row in enumerate(rows):
             keep(start + offset, 0, row)
     for j in reversed(range(n)):
+        if j + 1 < n and drafts[j, 0] == output[j]:
+            # Its first token is the target's, so the rest continues prompt + output[:j + 1]:
+            # the next row, already drafted (the drafter's passes shrink by its acceptance).
+            for array in (drafts, draft_p1, draft_p10):
+                array[j, 1:] = array[j + 1, :-1]
+            continue
         drafter.truncate(base + 1 + j)
         token = int(drafts[j, 0])
         for i in range(1, max_k):

@@ -26,7 +26,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from crossrt.errors import ComparisonError, SettingsError
+from crossrt.errors import ComparisonError, CrossrtError, SettingsError
 from crossrt.runtime import ModelSession, RuntimeOptions, open_runtime
 from crossrt.schedule_sim import check_rules, record_rules, simulate_schedule
 from crossrt.schema import Counters, PromptResult, RunRecord
@@ -247,7 +247,7 @@ def parity_gaps(runs: Sequence[tuple[str, RunRecord]], threads: int = 1) -> list
             continue
         try:
             oracles = _parity_oracles([record for _, record in group if record.imported is None], threads)
-        except ComparisonError as error:
+        except CrossrtError as error:  # no model files, a model that does not load, a prompt that does not fit
             lines += [f"tau gap {a} vs {b}: not computed ({error})" for (a, _), (b, _) in pairs]
             continue
         for (label_a, a), (label_b, b) in pairs:
