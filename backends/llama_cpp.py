@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from crossrt.errors import ModelError, PromptRefused
+from crossrt.memory import check_gguf_fits
 from crossrt.runtime import ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
 from crossrt.schema import RuntimeInfo
 
@@ -137,6 +138,7 @@ class LlamaCppRuntime(Runtime):
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"model file not found: {path}")
+        check_gguf_fits([path], self.options, self.name, gpu=llama_cpp.llama_supports_gpu_offload())
         try:
             return LlamaCppSession(path, self.options, n_outputs_max)
         except ValueError as error:

@@ -21,6 +21,7 @@ from crossrt.backends.llama_server_counts import Totals, speculative_counters
 from crossrt.backends.llama_server_process import ServerError, ServerProcess, find_executable
 from crossrt.backends.llama_tools import Build, probe
 from crossrt.errors import PromptRefused, SettingsError
+from crossrt.memory import check_gguf_fits
 from crossrt.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeOptions,
                              RuntimeUnavailable)
 from crossrt.schema import RuntimeInfo
@@ -284,6 +285,9 @@ class LlamaServerRuntime(Runtime):
         for path in (target, drafter):
             if not Path(path).is_file():
                 raise FileNotFoundError(f"model file not found: {path}")
+        # The speculative server holds target and drafter, the baseline server the target again.
+        check_gguf_fits([target, drafter, target], self.options, self.name, gpu=self.options.n_gpu_layers > 0
+                        and self._has_gpu())
         model = ["-m", str(target)]
         speculative = Launcher(self.build.path, tuple(model + self._speculative_args(drafter, rules)
                                                       + self._common_args()),

@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 
 from crossrt import loop
 from crossrt.errors import ModelError, PromptRefused
+from crossrt.memory import check_gguf_fits
 from crossrt.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                              RuntimeOptions, RuntimeUnavailable)
 from crossrt.schedules import SPEC_SIMPLE, check_prompt
@@ -368,6 +369,8 @@ class LlamaSpecCliRuntime(Runtime):
         for path in (target, drafter):
             if not Path(path).is_file():
                 raise FileNotFoundError(f"model file not found: {path}")
+        # The tool holds target and drafter while the in-process baseline holds the target.
+        check_gguf_fits([target, drafter, target], self.options, self.name, gpu="(none)" not in self._devices)
         baseline_runtime = LlamaCppRuntime(replace(self.options, executable=None))
         notes = [
             f"speculative runs: {self.executable.name} (schedule {SPEC_SIMPLE}); counters from its "

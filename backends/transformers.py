@@ -1,13 +1,16 @@
 """HF transformers (torch), in-process: crossrt's driven loop over a model's forward pass, and
 HF's own assisted generation as the native mode (backends/transformers_native.py).
 
-Models load in float32 (so the KV cache is F32 too) from a transformers folder, or from a
-.gguf file through transformers' GGUF loader, which dequantizes to float. That takes ~30 s
-for a 270M-parameter model (the tokenizer alone ~half of it), so the dequantized model and its
-tokenizer are cached as a transformers folder, keyed by the GGUF's sha256 and the transformers
-version, in crossrt's cache folder ($CROSSRT_CACHE, else ~/.cache/crossrt): later loads take
-a few seconds. A session keeps one DynamicCache and evaluates tokens at explicit positions
-after it, so crossrt's loop sees the same contract as on llama.cpp.
+Models load in --dtype (float32 on the CPU by default, half precision on a GPU; the KV cache
+takes the model's dtype) from a transformers folder, or from a .gguf file through transformers'
+GGUF loader, which dequantizes to float. That takes ~30 s for a 270M-parameter model (the
+tokenizer alone ~half of it), so the dequantized model and its tokenizer are cached as a
+transformers folder, per dtype (a half-precision one is half the size), keyed by the GGUF's
+sha256 and the transformers version, in crossrt's cache folder ($CROSSRT_CACHE, else
+~/.cache/crossrt): later loads take a few seconds. A half-precision conversion is cast from
+the float32 one where that is cached (the same values: the GGUF loader dequantizes to float32
+and casts), else made from the GGUF. A session keeps one DynamicCache and evaluates tokens at
+explicit positions after it, so crossrt's loop sees the same contract as on llama.cpp.
 
 This module is crossrt.backends.transformers: `import transformers` below still means the
 installed package, because imports are absolute.
@@ -32,8 +35,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from crossrt.errors import ModelError, SettingsError
+from crossrt.memory import ALL_LAYERS, check_fits
 from crossrt.pairs import cache_dir, sha256_of
-from crossrt.runtime import DraftRules, ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
+from crossrt.runtime import DTYPES, DraftRules, ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
 from crossrt.schema import RuntimeInfo
 
 try:
@@ -43,6 +47,7 @@ try:
 except ImportError:  # reported by check_available, with the fix
     transformers = None
 
+KV_CACHE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 INSTALL_HINT = "run scripts/setup, or pip install 'crossrt[hf]' (torch, transformers, accelerate)"
 LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError)
 
@@ -76,6 +81,20 @@ def device_of(options: RuntimeOptions) -> str:
     return "cuda" if options.n_gpu_layers > 0 and torch.cuda.is_available() else "cpu"
 
 
+def dtype_of(options: RuntimeOptions) -> str:
+    """--dtype, else float32 on the CPU (half-precision matmuls are slow there, and float32 is
+    what logit parity with llama.cpp's F32 models needs) and half precision on a GPU: bfloat16
+    where it has bfloat16 kernels, float16 on older ones (a T4). One dtype serves both models
+    of a run, so the default does not read each model's config."""
+    if options.dtype is not None:
+        if options.dtype not in DTYPES:
+            raise SettingsError(f"transformers loads weights in {', '.join(DTYPES)}, not {options.dtype!r}")
+        return options.dtype
+    if device_of(options) == "cpu":
+        return "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
+
 def _ids(value) -> set[int]:
     if value is None:
         return set()
@@ -83,7 +102,8 @@ def _ids(value) -> set[int]:
 
 
 def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
-    """Load a transformers folder (config.json) or a .gguf file, float32, on the options' device.
+    """Load a transformers folder (config.json) or a .gguf file, in dtype_of(options), on the
+    options' device, once crossrt.memory has found room for it there.
 
     The model's generation_config is replaced by one holding only its special token ids, so
     model.generate() is plain greedy decoding whatever sampling or penalty settings the model
@@ -92,16 +112,24 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
-    cached = None
+    dtype, cached, tokenizer_source = dtype_of(options), None, None
     if path.suffix == ".gguf":
-        cached = dequantized_folder(path)
-        source, extra = (cached, {}) if cached.is_dir() else (path.parent, {"gguf_file": path.name})
+        cached, float32 = dequantized_folder(path, dtype), dequantized_folder(path)
+        if cached.is_dir():
+            source, extra = cached, {}
+        elif float32.is_dir():  # cast, without reading the GGUF again
+            source, extra, tokenizer_source = float32, {}, float32
+        else:
+            source, extra = path.parent, {"gguf_file": path.name}
     elif (path / "config.json").is_file():
         source, extra = path, {}
     else:
         raise ModelError(f"{path}: expected a transformers folder with config.json, or a .gguf file")
     if options.gpu_split:
         raise SettingsError("the transformers runtime runs a model on one device; --gpu-split is not supported")
+    on_gpu = device_of(options) == "cuda"  # the whole model, on the first GPU
+    check_fits([path], options.n_ctx, runtime="transformers", kv_cache=KV_CACHE[dtype], dtype=dtype,
+               gpu_layers=ALL_LAYERS if on_gpu else 0, gpu_split=(1.0,))
     torch.set_num_threads(options.threads)
     # Progress bars and load reports would interleave with crossrt's own progress output.
     transformers.utils.logging.disable_progress_bar()
@@ -111,13 +139,16 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
     try:
         # local_files_only: a path that is not a local model must fail here, never reach for a hub.
         with quiet, _each_gguf_read_once() if extra else contextlib.nullcontext():
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, local_files_only=True,
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), local_files_only=True,
                                                          **extra)
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **extra) if extra else None
+            converting = bool(extra) or tokenizer_source is not None
+            tokenizer = _folder_tokenizer(tokenizer_source) if tokenizer_source else \
+                AutoTokenizer.from_pretrained(source, local_files_only=True, **extra) if extra else None
     except LOAD_ERRORS as error:
-        via = f" from its cached conversion {cached} (delete it to convert again)" if source == cached else ""
+        via = f" from its cached conversion {source} (delete it to convert again)" \
+            if source in (cached, tokenizer_source) else ""
         raise ModelError(f"transformers could not load {path}{via}: {error}") from None
-    if extra:
+    if converting:
         save_dequantized(model, tokenizer, cached)
     model.to(device_of(options)).eval()
     shipped = model.generation_config
@@ -125,7 +156,7 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
     model.generation_config = GenerationConfig(
         bos_token_id=shipped.bos_token_id, eos_token_id=sorted(eog) or None,
         pad_token_id=shipped.pad_token_id if shipped.pad_token_id is not None else min(eog, default=None))
-    return LoadedModel(model, frozenset(eog), cached if extra else source, tokenizer)
+    return LoadedModel(model, frozenset(eog), cached if converting else source, tokenizer)
 
 
 # Files of a transformers folder that do not make its tokenizer (config.json is read for its
@@ -176,14 +207,17 @@ def _each_gguf_read_once():
         gguf.GGUFReader = make_reader
 
 
-def dequantized_folder(path: Path) -> Path:
-    """Where the GGUF file path, dequantized by this transformers version, is cached as a
-    transformers folder: keyed by the file's content, so a changed file is converted again."""
-    return cache_dir() / "hf-from-gguf" / f"transformers-{transformers.__version__}" / sha256_of(path)
+def dequantized_folder(path: Path, dtype: str = "float32") -> Path:
+    """Where the GGUF file path, dequantized by this transformers version into dtype, is cached
+    as a transformers folder: keyed by the file's content, so a changed file is converted again.
+    A float32 conversion keeps the name conversions had before dtypes (the sha256 alone)."""
+    name = sha256_of(path) if dtype == "float32" else f"{sha256_of(path)}-{dtype}"
+    return cache_dir() / "hf-from-gguf" / f"transformers-{transformers.__version__}" / name
 
 
 def save_dequantized(model, tokenizer, folder: Path) -> None:
-    """Cache a model and tokenizer loaded from a GGUF file as the transformers folder folder.
+    """Cache a model and tokenizer loaded from a GGUF file (or cast from its float32
+    conversion) as the transformers folder folder.
 
     save_pretrained refuses models loaded from GGUF, so the weights go to safetensors directly
     (stored_weights) and the config loses its GGUF quantization_config, which would send the
@@ -198,7 +232,8 @@ def save_dequantized(model, tokenizer, folder: Path) -> None:
         folder.parent.mkdir(parents=True, exist_ok=True)
         temporary = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
         config = copy.deepcopy(model.config)
-        del config.quantization_config
+        if hasattr(config, "quantization_config"):  # a cast float32 conversion has none
+            del config.quantization_config
         config.save_pretrained(temporary)
         model.generation_config.save_pretrained(temporary)
         save_file(stored_weights(model), temporary / "model.safetensors", metadata={"format": "pt"})
@@ -334,5 +369,6 @@ class TransformersRuntime(Runtime):
             device="gpu" if device_of(self.options) == "cuda" else "cpu",
             threads=self.options.threads,
             gpu_split=None,
-            kv_cache="f32",  # models load in float32, and the cache takes the model's dtype
+            kv_cache=KV_CACHE[dtype_of(self.options)],  # the cache takes the model's dtype
+            dtype=dtype_of(self.options),
         )

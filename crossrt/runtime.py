@@ -91,6 +91,9 @@ class DraftRules:
         return self.n_min == self.k and self.p_min == 0.0
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # RuntimeOptions.dtype, for the runtimes that choose one
+
+
 @dataclass(frozen=True)
 class RuntimeOptions:
     """Settings every runtime understands, normalized.
@@ -99,6 +102,9 @@ class RuntimeOptions:
     translated by each runtime into its own knob (llama.cpp's tensor_split, ...).
     f32_kv_cache: keep the KV cache in F32 for cross-runtime logit comparisons; the default
     F16 cache matches what llama.cpp's own tools use.
+    dtype: the element type transformers loads weights in ("float32", "bfloat16", "float16";
+    None: float32 on the CPU, half precision on a GPU); llama.cpp's runtimes run a GGUF's own
+    tensor types and ignore it.
     """
 
     n_ctx: int = 2048
@@ -107,6 +113,7 @@ class RuntimeOptions:
     gpu_split: Optional[tuple[float, ...]] = None
     f32_kv_cache: bool = False
     flash_attn: bool = True
+    dtype: Optional[str] = None
     executable: Optional[Path] = None  # for runtimes that run a program (llama-server, ...)
 
 

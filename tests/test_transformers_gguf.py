@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from safetensors import safe_open
 from transformers import AutoConfig
 
 from crossrt.backends.transformers import dequantized_folder
@@ -17,6 +18,7 @@ from crossrt.cli import main
 from crossrt.pairs import Pair, PairError, pair_from_paths
 from crossrt.runtime import RuntimeOptions, Rows, open_runtime
 from crossrt.record_json import load_record
+from crossrt.tolerance import QUANTIZED_HALF, tolerance_for
 
 from conftest import REPO
 
@@ -117,3 +119,35 @@ def test_a_drafter_cut_from_the_targets_conversion_is_transformers_conversion_of
     assert config["layer_types"][-1] == "sliding_attention" and config["dtype"] == "float32"
     loaded = hf_runtime.load(cut)
     assert loaded.n_vocab == 262144 and loaded.tokenize(TEXT) == [2, 818, 5279, 529, 7001, 563]
+
+
+def test_real_model_runs_in_bfloat16_from_a_half_size_conversion_within_its_parity_bounds(real_pair, cache,
+                                                                                          hf_runtime, tmp_path):
+    """The bfloat16 conversion is cast from the float32 one (made above, or here when this test
+    runs alone); the target drafts for itself, as in the CLI test above. Its logits along
+    llama.cpp's outputs meet the bounds stated for half-precision weights against a quantized
+    GGUF. Lossless is not asserted: which prompt splits where is a fact about one CPU."""
+    target = real_pair.path("target", "gguf")
+    if not dequantized_folder(target).is_dir():
+        hf_runtime.load(target)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "category": c, "prompt": p}) + "\n" for i, c, p in PROMPTS))
+    runs = {}
+    for runtime in ("transformers", "llama-cpp"):
+        runs[runtime] = tmp_path / f"{runtime}.json"
+        result = CliRunner().invoke(main, [str(a) for a in (
+            "run", "--runtime", runtime, "--target", target, "--drafter", target, "--k", 4, "--dtype", "bfloat16",
+            "--max-new-tokens", 8, "--prompts", prompts, "--out", runs[runtime])])
+        assert result.exit_code == 0, result.output
+    record = load_record(runs["transformers"])
+    assert (record.runtime.dtype, record.runtime.kv_cache) == ("bfloat16", "bf16")
+    assert all(r.ok and len(r.output_ids) == 8 for r in record.results)
+    half, full = dequantized_folder(target, "bfloat16"), dequantized_folder(target)
+    assert abs((half / "model.safetensors").stat().st_size / (full / "model.safetensors").stat().st_size - 0.5) < 0.01
+    with safe_open(half / "model.safetensors", "pt") as weights:
+        assert {weights.get_slice(name).get_dtype() for name in weights.keys()} == {"BF16"}
+
+    assert tolerance_for(load_record(runs["llama-cpp"]), record) is QUANTIZED_HALF
+    parity = CliRunner().invoke(main, ["parity", str(runs["llama-cpp"]), str(runs["transformers"])])
+    assert f"against {QUANTIZED_HALF.describe()}" in parity.output, parity.output
+    assert "logits along common outputs: 2/2 within tolerance" in parity.output, parity.output

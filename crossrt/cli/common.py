@@ -11,6 +11,7 @@ import click
 from crossrt.errors import CrossrtError
 from crossrt.pairs import Pair, load_pair, pair_from_paths
 from crossrt.prompts import sources_help
+from crossrt.runtime import DTYPES
 
 PROMPTS_HELP = sources_help()
 REPO_PAIRS = Path(__file__).resolve().parents[2] / "models" / "pairs"
@@ -62,6 +63,15 @@ def device_options(command):
     ]):
         command = option(command)
     return command
+
+
+def dtype_option(command):
+    """--dtype, for the runtimes that load weights in a dtype of their own (transformers)."""
+    return click.option(
+        "--dtype", type=click.Choice(DTYPES),
+        help="transformers: the weights' (and KV cache's) element type; a GGUF's conversion is cached per dtype. "
+        "Default: float32 on the CPU, bfloat16 on a GPU (float16 where it has no bfloat16). llama.cpp runs a "
+        "GGUF's own types and ignores it.")(command)
 
 
 class CommaChoice(click.ParamType):

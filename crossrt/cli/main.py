@@ -9,7 +9,7 @@ from typing import Sequence
 
 import click
 
-from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, device_options, resolve_pair
+from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, device_options, dtype_option, resolve_pair
 from crossrt.cli.analysis import analyze, simulate_command
 from crossrt.cli.compare import diff, distinct_records, parity
 from crossrt.cli.drafter import drafter
@@ -75,6 +75,7 @@ def main() -> None:
 @chat_options
 @device_options
 @click.option("--f32-kv-cache", is_flag=True, help="F32 KV cache, for logit comparisons across runtimes.")
+@dtype_option
 @click.option("--flash-attn/--no-flash-attn", default=True, show_default=True,
               help="llama.cpp's flash attention (on, as its own tools run). Off, with --f32-kv-cache, "
               "gives logits within ~1e-5 of transformers on F32 weights; on, ~5e-3.")
@@ -85,7 +86,7 @@ def main() -> None:
               help="llama-speculative-simple executable for --runtime llama-spec-cli (default: the "
               "one scripts/build_llama_tools built, else PATH).")
 def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_min, prompt_source,
-        max_new_tokens, out, trace, resume, overwrite, chat, chat_template, template_vars, turn, first_answers_file, threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache, flash_attn, llama_server, llama_spec) -> None:
+        max_new_tokens, out, trace, resume, overwrite, chat, chat_template, template_vars, turn, first_answers_file, threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache, flash_attn, llama_server, llama_spec, dtype) -> None:
     """Run a pair over prompts: plain greedy baseline and speculative decoding, per prompt.
 
     Writes a run record (JSON, schema in docs/schema.md) after every prompt, so an
@@ -95,7 +96,7 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft
         resolved = resolve_pair(pair, target, drafter)
         k = k or int(resolved.defaults.get("k", 4))
         options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers,
-                                 gpu_split=gpu_split, f32_kv_cache=f32_kv_cache, flash_attn=flash_attn,
+                                 gpu_split=gpu_split, f32_kv_cache=f32_kv_cache, flash_attn=flash_attn, dtype=dtype,
                                  executable={"llama-server": llama_server, "llama-spec-cli": llama_spec}.get(runtime_name))
         named_out = out or Path("runs") / f"{resolved.name}-{runtime_name}-k{k}.json"
         answers = first_answers(turn, first_answers_file, named_out.parent, resolved, options, max_new_tokens)
