@@ -28,6 +28,7 @@ RUNTIMES: dict[str, str] = {
     "llama-spec-cli": "crossrt.backends.llama_spec_cli:LlamaSpecCliRuntime",
     "transformers": "crossrt.backends.transformers:TransformersRuntime",
     "exllamav3": "crossrt.backends.exllamav3:ExllamaV3Runtime",
+    "vllm": "crossrt.backends.vllm:VllmRuntime",
 }
 
 

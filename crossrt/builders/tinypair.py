@@ -4,6 +4,8 @@
 
 - "tiny": the committed test pair (models/tiny): {target,drafter}.{f32,f16}.gguf, HF folders
   {target,drafter}-hf/ with the same F32 weights, and a README.md.
+- "tiny-hd64": the same design with head size 64 (vLLM's CPU attention refuses 16), built
+  where needed (tests/test_vllm.py), not committed: F32 GGUFs and HF folders.
 - "bench": a ~60M-parameter target and ~10M-parameter drafter, F32 GGUF only, for timings.
 The same seed and library versions (numpy, tokenizers, gguf, safetensors, and the stdlib sources
 the tokenizer trains on) give byte-identical files.
@@ -70,6 +72,11 @@ PRESETS = {
     "random": PairPreset(512, ModelSpec("target", 64, 4, 4, 2, 128, 0.0, 0.5, 2.0),
                          ModelSpec("drafter", 32, 2, 2, 1, 64, 0.0, 0.3, 2.0),
                          0.15, ("f32", "f16")),
+    # The tiny pair's design at head size 64, which vLLM's CPU attention runs (it refuses 16):
+    # HF folders for vLLM and transformers, an F32 GGUF for llama.cpp.
+    "tiny-hd64": PairPreset(512, ModelSpec("target", 128, 2, 2, 1, 256, 30.0, 0.5, 2.0),
+                            ModelSpec("drafter", 64, 1, 1, 1, 128, 30.0, 0.3, 2.0),
+                            0.15, ("f32", "hf")),
     "bench": PairPreset(512, ModelSpec("target", 640, 13, 10, 5, 1792, 30.0, 0.5, 2.0),
                         ModelSpec("drafter", 384, 6, 6, 6, 896, 30.0, 0.3, 2.0),
                         0.15, ("f32",)),

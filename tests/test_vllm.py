@@ -1,0 +1,158 @@
+"""The vllm runtime: vLLM's CPU build (scripts/setup_vllm, .venv-vllm) running its own
+draft-model speculative decoding, its statistics read into crossrt's counters.
+
+The real runs use the tiny pair's design at head size 64 (`tiny-hd64`, built here: vLLM's CPU
+attention refuses the committed pair's 16), k = 4, two prompts of 16 tokens, one thread. They
+are skipped, with the reason, where vLLM is not installed or this CPU cannot run it; what
+needs no vLLM (refusals, the folder vLLM reads, the counting) runs everywhere.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from crossrt.backends import vllm
+from crossrt.builders.tinypair import build_pair
+from crossrt.cli import main
+from crossrt.errors import SettingsError
+from crossrt.record_json import load_record
+from crossrt.runtime import DraftRules, RuntimeFailure, RuntimeOptions, RuntimeUnavailable, availability
+
+from conftest import REPO, assert_clean_error
+
+needs_vllm = pytest.mark.skipif(availability("vllm") is not None, reason=str(availability("vllm")))
+needs_transformers = pytest.mark.skipif(availability("transformers") is not None,
+                                        reason=str(availability("transformers")))
+K, MAX_NEW = 4, 16
+PROMPTS = {"code": "def fibonacci(n):\n    if n < 2:", "prose": "The river runs through the old town"}
+
+
+def test_runtimes_names_the_fix_when_vllm_is_not_installed(monkeypatch, tmp_path):
+    monkeypatch.setattr(vllm, "STAMP", tmp_path / ".venv-vllm" / "missing-stamp")
+    reason = availability("vllm")
+    assert reason is not None and "scripts/setup_vllm" in reason and vllm.VERSION in reason
+    result = CliRunner().invoke(main, ["runtimes"])
+    assert result.exit_code == 0
+    assert any(line.split()[:2] == ["vllm", "no"] and "scripts/setup_vllm" in line
+               for line in result.output.splitlines()), result.output
+    assert "vllm" not in CliRunner().invoke(main, ["runtimes", "--usable"]).output.split()
+
+
+def test_the_tiny_pairs_head_size_is_refused_before_vllm_starts(tmp_path):
+    tiny = REPO / "models" / "tiny"
+    runtime = vllm.VllmRuntime(RuntimeOptions(threads=1))
+    with pytest.raises(RuntimeUnavailable, match="head size 16"):
+        runtime.open_native(tiny / "target-hf", tiny / "drafter-hf", DraftRules(K), tmp_path)
+    assert not list(tmp_path.iterdir())  # no worker was started: no log was written
+
+
+def test_drafting_rules_vllm_lacks_are_refused(tmp_path):
+    tiny = REPO / "models" / "tiny"
+    runtime = vllm.VllmRuntime(RuntimeOptions(threads=1))
+    with pytest.raises(SettingsError, match="no n_min or p_min"):
+        runtime.open_native(tiny / "target-hf", tiny / "drafter-hf", DraftRules(K, n_min=1), tmp_path)
+
+
+@needs_transformers
+def test_a_folder_without_architectures_is_given_the_causal_lm_class(monkeypatch, tmp_path):
+    """What a GGUF conversion by transformers looks like (no `architectures`): vLLM would take
+    it for a pooling model. The folder vLLM reads names the class and links the rest."""
+    monkeypatch.setenv("CROSSRT_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "converted"
+    shutil.copytree(REPO / "models" / "tiny" / "target-hf", folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["architectures"]
+    (folder / "config.json").write_text(json.dumps(config))
+    out = vllm.vllm_folder(folder)
+    assert out != folder and json.loads((out / "config.json").read_text()) == {**config,
+                                                                                 "architectures": ["LlamaForCausalLM"]}
+    assert (out / "model.safetensors").resolve() == (folder / "model.safetensors").resolve()
+    assert vllm.vllm_folder(folder) == out  # made once
+    assert vllm.vllm_folder(REPO / "models" / "tiny" / "target-hf") == REPO / "models" / "tiny" / "target-hf"
+
+
+def reply(per_step_accepted, output_len, k=K, per_pos=None, engine_accepted=None):
+    """A worker's reply as vLLM 0.32.0 gives it, for a run of output_len tokens."""
+    accepted = sum(per_step_accepted)
+    per_pos = per_pos if per_pos is not None else [sum(1 for a in per_step_accepted if a > i) for i in range(k)]
+    return {"output_ids": list(range(output_len)), "finish_reason": "length", "prefill_s": 0.1, "decode_s": 0.2,
+            "request": {"per_step_accepted": list(per_step_accepted), "per_step_drafted": [k] * len(per_step_accepted),
+                        "num_draft_tokens": k * len(per_step_accepted), "histogram": []},
+            "totals": {"vllm:spec_decode_num_drafts": len(per_step_accepted),
+                       "vllm:spec_decode_num_draft_tokens": k * len(per_step_accepted),
+                       "vllm:spec_decode_num_accepted_tokens": accepted if engine_accepted is None else engine_accepted,
+                       "vllm:spec_decode_num_accepted_tokens_per_pos": per_pos}}
+
+
+def test_counting_first_token_from_prefill_and_the_tokens_cut_at_the_budget():
+    # 1 token from the prefill, then steps of 3, 5 and 2 (accepted + 1): 11 made, 9 kept.
+    counters = vllm.translate(reply([2, 4, 1], 9), K, tuple(range(9)))
+    assert (counters.steps, counters.drafted, counters.accepted, counters.emitted) == (3, 12, 7, 9)
+    assert (counters.unverified, counters.cut) == (1, 2)
+    assert counters.accepted_per_pos == (3, 2, 1, 1)
+    assert counters.tau == 1 + 7 / 3  # vLLM's mean acceptance length: bonus in, prefill token out
+
+
+def test_counts_that_disagree_stop_the_run():
+    with pytest.raises(RuntimeFailure, match="engine counters"):
+        vllm.translate(reply([2, 4, 1], 9, engine_accepted=6), K, tuple(range(9)))
+    with pytest.raises(RuntimeFailure, match="per position"):
+        vllm.translate(reply([2, 4, 1], 9, per_pos=[3, 3, 1, 0]), K, tuple(range(9)))
+    with pytest.raises(RuntimeFailure, match="tokens cut"):  # more cut than one step can give
+        vllm.translate(reply([4, 4, 4], 9), K, tuple(range(9)))
+
+
+@pytest.fixture(scope="module")
+def hd64_pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-hd64")
+    build_pair(folder, preset="tiny-hd64")
+    (folder / "prompts.jsonl").write_text("".join(json.dumps({"id": name, "category": name, "prompt": text}) + "\n"
+                                                  for name, text in PROMPTS.items()))
+    manifest = folder / "tiny-hd64.toml"
+    manifest.write_text('name = "tiny-hd64"\n[target]\nhf = "target-hf"\ngguf = "target.f32.gguf"\n'
+                        '[drafter]\nhf = "drafter-hf"\ngguf = "drafter.f32.gguf"\n[defaults]\nk = 4\n')
+    return manifest
+
+
+def run(pair: Path, runtime: str, mode: str, out: Path):
+    result = CliRunner().invoke(main, ["run", "--pair", str(pair), "--runtime", runtime, "--mode", mode,
+                                       "--k", str(K), "--max-new-tokens", str(MAX_NEW), "--threads", "1",
+                                       "--prompts", str(pair.parent / "prompts.jsonl"), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return load_record(out)
+
+
+@pytest.fixture(scope="module")
+def vllm_record(hd64_pair, tmp_path_factory):
+    return run(hd64_pair, "vllm", "native", tmp_path_factory.mktemp("runs") / "vllm.json")
+
+
+@needs_vllm
+def test_vllm_native_writes_per_prompt_counters_and_ids(vllm_record):
+    record = vllm_record
+    assert record.runtime.name == "vllm" and record.runtime.version == vllm.VERSION
+    assert "torch" in record.runtime.build and "vLLM kernels" in record.runtime.system_info
+    assert record.params.schedule == "vllm" and record.params.mode == "native"
+    assert [r.prompt_id for r in record.results] == list(PROMPTS)
+    for result in record.results:
+        counters = result.counters
+        assert result.ok and result.lossless, result.error
+        assert counters.identity_violations(K) == []
+        assert counters.emitted == len(result.output_ids) and counters.unverified == 1
+        assert counters.step_drafted == (K,) * counters.steps  # vLLM drafts k every step
+        assert 0 <= counters.cut <= K
+        assert result.timings.prefill_s > 0 and result.timings.decode_s > 0
+
+
+@needs_vllm
+@needs_transformers
+def test_vllm_emits_what_transformers_emits_on_the_same_weights(vllm_record, hd64_pair, tmp_path):
+    """Same F32 weights: the tiny design's margins are several logits, far above the numerics
+    of two runtimes, so greedy outputs are equal token for token."""
+    driven = run(hd64_pair, "transformers", "driven", tmp_path / "transformers.json")
+    for ours, theirs in zip(vllm_record.results, driven.results):
+        assert ours.prompt_ids == theirs.prompt_ids
+        assert ours.baseline_ids == theirs.baseline_ids and ours.output_ids == theirs.output_ids
