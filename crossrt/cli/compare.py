@@ -23,6 +23,7 @@ from crossrt.record_json import load_record
 from crossrt.schema import RecordError
 from crossrt.replay import Replayer
 from crossrt.runtime import DraftRules, RuntimeOptions, runtime_names, usable_runtimes
+from crossrt.tau_gap import parity_gaps
 from crossrt.tolerance import tolerance_for
 
 
@@ -135,7 +136,9 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
         click.echo(f"skipped {line}", err=True)
     if len(runs) < 2 and not baselines:
         click.echo("note: fewer than two runs, so nothing was compared across runs", err=True)
-    click.echo(render_text(report))
+    text = render_text(report).splitlines()
+    # Runs whose schedules differ: their tau gap in named parts, before the verdict (crossrt/tau_gap.py).
+    click.echo("\n".join(text[:-1] + parity_gaps(runs, threads) + text[-1:]))
     try:  # each file whole or not at all (a full disk, a read-only folder: one line)
         if junit:
             write_atomically(junit, render_junit(report).encode(), option="--junit")
