@@ -176,3 +176,22 @@ def test_parity_lines_for_every_two_runs_whose_schedules_differ(records):
     assert [line for line in lines if "imported" in line] == [
         f"tau gap {name} vs imported: not computed (imported: an imported record holds no prompts to simulate)"
         for name in records]
+
+
+def test_parity_prints_the_tau_gap_before_its_verdict(records, tmp_path):
+    from click.testing import CliRunner
+    from crossrt.cli.compare import parity
+    from crossrt.record_json import save_record
+
+    paths = []
+    for name in ("crossrt", "server"):
+        paths.append(tmp_path / f"{name}.json")
+        save_record(records[name], paths[-1])
+    result = CliRunner().invoke(parity, [str(p) for p in paths] + ["--no-logits"])
+    lines = result.output.strip().splitlines()
+    gap = [line for line in lines if line.startswith("tau gap ")]
+    assert result.exit_code == 0 and lines[-1] == "parity: OK", result.output
+    assert gap[0].startswith("tau gap llama-cpp/driven (crossrt.json) (crossrt) vs llama-cpp/driven (server.json) "
+                             "(llama-server), ALL (")
+    assert " + schedule and rules " in gap[0] and " + residual +0.00" in gap[0]
+    assert len(gap) == 1 + len({p.category for p in PROMPTS})
