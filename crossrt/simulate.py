@@ -6,7 +6,8 @@ The oracle of a prompt is the target's greedy output, and from every position j 
 the one after its end) the drafter's greedy continuation of prompt + output[:j], K tokens,
 with the target's greedy tokens past the output's end (past the budget or the EOS: schedules
 that verify drafts there count them). Greedy decoding makes every schedule a function of these
-alone (the other schedules: crossrt/schedule_sim.py). For the crossrt schedule: at emitted count e a step drafts row e, the target's choice at draft position i is
+alone (the other schedules: crossrt/schedule_sim.py). For the crossrt schedule: at emitted
+count e a step drafts row e (cut to the budget), the target's choice at draft position i is
 output[e + i] while the draft so far matched, so the step accepts the longest prefix of row e
 equal to output[e:] that holds no EOS, and emits one more token of output. The simulated
 steps, draft and accepted lengths are therefore those of a real run at any k <= K, exactly,

@@ -242,7 +242,8 @@ def parity_gaps(runs: Sequence[tuple[str, RunRecord]], threads: int = 1) -> list
         by_pair.setdefault((record.pair.name, record.pair.target and record.pair.target.sha256), []).append(
             (label, record))
     for group in by_pair.values():
-        pairs = [(a, b) for i, a in enumerate(group) for b in group[i + 1:] if a[1].params.schedule != b[1].params.schedule]
+        pairs = [(a, b) for i, a in enumerate(group) for b in group[i + 1:]
+                 if a[1].params.schedule != b[1].params.schedule]
         if not pairs:
             continue
         try:

@@ -240,7 +240,8 @@ def test_vllm_drafts_k_after_the_prefill_token_and_counts_before_the_stop(genera
             assert vllm.output == oracle.output and set(vllm.step_drafted) <= {k} and vllm.unverified == 1
             emitted, y = 1, oracle.extended
             for step, accepted in enumerate(vllm.step_accepted):
-                assert 0 <= accepted <= k and list(oracle.drafts[emitted, :accepted]) == list(y[emitted:emitted + accepted])
+                assert 0 <= accepted <= k
+                assert list(oracle.drafts[emitted, :accepted]) == list(y[emitted:emitted + accepted])
                 if emitted + k + 1 < oracle.max_new_tokens and not set(y[emitted:emitted + k + 1]) & oracle.eog_ids:
                     assert server.step_accepted[step] == accepted and server.step_drafted[step] == k
                 emitted += accepted + 1
@@ -273,6 +274,7 @@ def test_native_llama_tools_equal_their_simulation(tiny_pair, tiny_sessions, tmp
                 names = ["steps", "drafted", "accepted", "emitted", "unverified", "cut", "accepted_per_pos"]
                 if counters.step_drafted is not None:
                     names += ["step_drafted", "step_accepted"]
-                assert {n: getattr(counters, n) for n in names} == {n: getattr(simulated, n) for n in names}, (rules, ids)
+                assert {n: getattr(counters, n) for n in names} == {n: getattr(simulated, n) for n in names}, \
+                    (rules, ids)
         finally:
             session.close()

@@ -233,8 +233,8 @@ def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
               help="Also run each --tree for real on llama-cpp, step for step against the simulator and timed "
               "against plain greedy. Exit code 1 where a lossless run's steps differ from the simulation.")
 def simulate_command(pair, target, drafter, runtime_name, prompt_source, max_k, max_new_tokens, thresholds, records,
-                     schedules, draft_n_min, draft_p_min, out, threads, n_ctx, n_gpu_layers, f32_kv_cache, flash_attn, tree_specs, ceiling_k, tree_budget,
-                     top_b, run_trees_too) -> None:
+                     schedules, draft_n_min, draft_p_min, out, threads, n_ctx, n_gpu_layers, f32_kv_cache, flash_attn,
+                     tree_specs, ceiling_k, tree_budget, top_b, run_trees_too) -> None:
     """What-if runs of the crossrt schedule: tau at every k up to --max-k per category, the
     best k per category, drafter-confidence cut-offs, and speedups predicted from measured
     pass times; with --schedule, any other schedule and its drafting rules (crossrt simulate
