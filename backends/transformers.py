@@ -148,6 +148,8 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
         via = f" from its cached conversion {source} (delete it to convert again)" \
             if source in (cached, tokenizer_source) else ""
         raise ModelError(f"transformers could not load {path}{via}: {error}") from None
+    if dtype == "float16":
+        _check_float16_range(model.eval(), path)  # before caching a conversion that cannot run
     if converting:
         save_dequantized(model, tokenizer, cached)
     model.to(device_of(options)).eval()
@@ -157,6 +159,19 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
         bos_token_id=shipped.bos_token_id, eos_token_id=sorted(eog) or None,
         pad_token_id=shipped.pad_token_id if shipped.pad_token_id is not None else min(eog, default=None))
     return LoadedModel(model, frozenset(eog), cached if converting else source, tokenizer)
+
+
+def _check_float16_range(model, path: Path) -> None:
+    """Refuse a model whose activations pass float16's range (65,504): its logits are NaN and
+    every greedy token would be id 0. Gemma 3 270M does at its 9th block on the BOS token alone
+    (docs/real-models.md), so one BOS forward finds such a model before any prompt runs."""
+    bos = model.config.get_text_config().bos_token_id
+    probe = torch.tensor([[bos if isinstance(bos, int) else 0]], device=model.device)
+    with torch.inference_mode():
+        logits = model(input_ids=probe).logits
+    if not torch.isfinite(logits).all():
+        raise ModelError(f"{path} overflows float16 (its activations pass 65,504: the logits are NaN); "
+                         "use --dtype bfloat16, or float32")
 
 
 # Files of a transformers folder that do not make its tokenizer (config.json is read for its

@@ -15,6 +15,7 @@ from transformers import AutoConfig
 from crossrt.backends.transformers import dequantized_folder
 from crossrt.builders.layer_skip import layer_skip_folder
 from crossrt.cli import main
+from crossrt.errors import ModelError
 from crossrt.pairs import Pair, PairError, pair_from_paths
 from crossrt.runtime import RuntimeOptions, Rows, open_runtime
 from crossrt.record_json import load_record
@@ -151,3 +152,14 @@ def test_real_model_runs_in_bfloat16_from_a_half_size_conversion_within_its_pari
     parity = CliRunner().invoke(main, ["parity", str(runs["llama-cpp"]), str(runs["transformers"])])
     assert f"against {QUANTIZED_HALF.describe()}" in parity.output, parity.output
     assert "logits along common outputs: 2/2 within tolerance" in parity.output, parity.output
+
+
+def test_a_model_that_overflows_float16_is_refused_at_load(real_pair, cache, hf_runtime):
+    """Gemma 3's activations pass float16's range: its logits would be NaN, every token id 0."""
+    target = real_pair.path("target", "gguf")
+    if not dequantized_folder(target).is_dir():
+        hf_runtime.load(target)
+    runtime = open_runtime("transformers", RuntimeOptions(n_ctx=512, threads=1, dtype="float16"))
+    with pytest.raises(ModelError, match=r"overflows float16 .* use --dtype bfloat16, or float32$"):
+        runtime.load(target)
+    assert not dequantized_folder(target, "float16").exists()  # a conversion that cannot run is not kept
