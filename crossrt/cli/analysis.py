@@ -201,7 +201,8 @@ def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
 @click.option("--thresholds", type=Increasing(), default="0.5,0.9,0.99,0.999,0.9999", show_default=True,
               help="Drafter-confidence cut-offs to simulate at k = --max-k.")
 @click.option("--against", "records", multiple=True, type=click.Path(path_type=Path, dir_okay=False),
-              help="A crossrt-schedule run record to check the simulation against, step for step "
+              help="A run record (driven or native, of any simulated schedule) to check against its "
+              "schedule's simulation with its drafting rules, step for step where it has per-step lengths "
               "(same prompts and token budget); repeatable. Exit code 1 on a difference.")
 @click.option("--schedule", "schedules", multiple=True, type=click.Choice(SIMULATED),
               help="Also simulate this schedule at every k up to --max-k (tau, alpha and steps per category), "
@@ -209,7 +210,7 @@ def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
               "(docs/analysis.md).")
 @click.option("--draft-n-min", type=click.IntRange(min=0),
               help="n_min for the llama-* --schedule simulations: drafts shorter than this are dropped. "
-              "Default: k (no draft dropped).")
+              "Default: k, as crossrt runs llama.cpp's tools (a draft the budget cuts short is dropped).")
 @click.option("--draft-p-min", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
               help="p_min for the llama-* --schedule simulations: drafting stops before a token whose "
               "top-10 softmax probability is below it.")
