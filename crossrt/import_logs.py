@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from crossrt.imported import (ImportFailure, SourceCounts, count, draft_length, drafts_behind, fitting, shown,
+from crossrt.imported import (MAX_K, ImportFailure, SourceCounts, count, draft_length, drafts_behind, fitting, shown,
                               summed)
 
 
@@ -148,8 +148,9 @@ def _sglang_windows(text: str, interval: int) -> tuple[list[_Window], int]:
                                 f"...{_excerpt(line)}")
         decodes += 1
         running, length, rate = count(match.group(1), f"line {number}: #running-req"), match.group(2), match.group(3)
-        if float(length) < 1:
-            raise ImportFailure(f"line {number}: accept len {length} is below 1 (each verify pass emits a token)")
+        if not 1 <= float(length) <= MAX_K + 1:
+            raise ImportFailure(f"line {number}: accept len {length[:40]} is not between 1 (each verify pass emits a "
+                                f"token) and {MAX_K + 1} (a whole draft and its bonus)")
         if running and previous.get(rank) == running:
             verifies = interval * running
             excess, unit = float(length) - 1, 10.0 ** -len(length.partition(".")[2])

@@ -477,7 +477,7 @@ FORMATS = {"exllamav3-draft-stats-constructed.json": ("exllamav3-stats",),
            "vllm-spec-decode-example-pr43091.txt": ("vllm-metrics",)}
 NUMBER = re.compile(rb"\d+(?:\.\d+)?")
 ODD_NUMBERS = [b"-1", b"-2.00", b"1e308", b"1e29", b"nan", b"inf", b"0", b"0.0", b"188.5", b"9" * 26, b"7" * 31,
-               b"9007199254740993", b"4000000000000000000", b"1" + b"0" * 300, b"", b"x"]
+               b"9007199254740993", b"4000000000000000000", b"1" + b"0" * 300, b"9" * 400 + b".00", b"", b"x"]
 
 
 def damaged_import(rng: random.Random, data: bytes) -> tuple[str, bytes]:

@@ -78,8 +78,9 @@ SGLANG_LINE = "accept len: 1.95, accept rate: 0.49"
 @pytest.mark.parametrize("new, message", [
     ("accept len: -2.00, accept rate: 0.49", "line 7: a decode line without a readable"),
     ("accept len: 1e308, accept rate: 0.49", "line 7: a decode line without a readable"),
-    ("accept len: 0.50, accept rate: 0.49", "line 7: accept len 0.50 is below 1"),
-], ids=["negative", "exponent", "below-one"])
+    ("accept len: 0.50, accept rate: 0.49", "line 7: accept len 0.50 is not between 1"),
+    ("accept len: " + "9" * 400 + ".00, accept rate: 0.49", "line 7: accept len 99999"),
+], ids=["negative", "exponent", "below-one", "400-digits"])
 def test_sglang_decode_lines_are_read_whole_or_refused_by_number(tmp_path, new, message):
     assert message in refused(changed(tmp_path, "sglang-log-11948.log", SGLANG_LINE, new), "sglang-log")
 
