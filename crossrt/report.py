@@ -2,8 +2,9 @@
 Markdown with the same tables (docs/report.md).
 
 The report is built once as sections of plain text, tables and charts (record_sections), joined
-into a page (crossrt/report_page.py: page, where other readers' sections join them) and
-rendered (to_html, to_markdown), so both formats hold the same numbers. Every number comes
+into a page with the parity sections of crossrt/report_parity.py (crossrt/report_page.py: page,
+where other readers' sections join them) and rendered (to_html, to_markdown), so both formats
+hold the same numbers. Every number comes
 from the record's summary or from crossrt/analysis.py, formatted as `crossrt show` and
 `crossrt analyze` print it; the step-coloured output texts are crossrt/report_steps.py.
 """
@@ -19,7 +20,7 @@ from crossrt import analysis
 from crossrt.importer import import_summary
 from crossrt.parity import run_label
 # to_html and to_markdown too: the command renders through this module
-from crossrt.report_page import Report, Section, Table, page, to_html, to_markdown
+from crossrt.report_page import Section, Table, to_html, to_markdown
 from crossrt.report_steps import steps_section
 from crossrt.schema import RecordError, RunRecord
 from crossrt.record_json import load_record
@@ -65,14 +66,20 @@ def load_runs(paths: Sequence[Path]) -> list[ReportRun]:
             raise RecordError(f"{paths[index]} is given twice")
     records = [load_record(path) for path in paths]
     labels = run_labels(records, [str(path) for path in paths])
-    runs = []
-    for index, (path, record, label) in enumerate(zip(paths, records, labels, strict=True)):
-        try:
-            trace, problem = analysis.load_trace(path, record), None
-        except RecordError as error:
-            trace, problem = {}, str(error)
-        runs.append(ReportRun(label, str(path), record, trace, problem, palette_color(index)))
-    return runs
+    return [report_run(label, path, record, index)
+            for index, (path, record, label) in enumerate(zip(paths, records, labels, strict=True))]
+
+
+def report_run(label: str, path: Optional[Path], record: RunRecord, index: int) -> ReportRun:
+    """A run of the report, the index-th: its trace read where the record has a path (the runs
+    of a `crossrt parity --pair` matrix are passed in memory, without one)."""
+    if path is None:
+        return ReportRun(label, "(run by this command)", record, {}, None, palette_color(index))
+    try:
+        trace, problem = analysis.load_trace(path, record), None
+    except RecordError as error:
+        trace, problem = {}, str(error)
+    return ReportRun(label, str(path), record, trace, problem, palette_color(index))
 
 
 def _categories(runs: Sequence[ReportRun]) -> list[Optional[str]]:
@@ -266,7 +273,3 @@ def record_sections(runs: Sequence[ReportRun], edges: Sequence[float] = analysis
             entropy_section(runs, edges), entropy_by_type_section(runs, edges), speedup_section(runs),
             iid_section(runs)]
 
-
-def build_report(runs: Sequence[ReportRun], edges: Sequence[float] = analysis.ENTROPY_BUCKETS,
-                 title: str = "crossrt report") -> Report:
-    return page(title, record_sections(runs, edges))

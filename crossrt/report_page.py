@@ -21,6 +21,7 @@ class Table:
     header: tuple[str, ...]
     rows: tuple[tuple[str, ...], ...]
     keys: int  # leading label columns; the others hold numbers (right-aligned)
+    caption: str = ""  # what the table holds, where a section has several
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class Section:
     # Pre-rendered, escaped XHTML drawn after the chart (the step-coloured texts of
     # crossrt/report_steps.py); HTML only, like the chart, with its numbers in the tables.
     figures: tuple[str, ...] = ()
+    # "fail" or "note": a finding's section, drawn apart (its title says which in Markdown too).
+    mark: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ section { margin-bottom: 2.5em; }
 figure.steps p { white-space: pre-wrap; font-family: monospace; font-size: 13px; line-height: 1.7; margin: 0.3em 0; }
 figure.steps span.step { border-radius: 2px; box-shadow: inset -1px 0 0 rgba(0, 0, 0, 0.3); }
 p.swatches span { display: inline-block; padding: 0 0.6em; margin-right: 0.3em; font-family: monospace; }
+caption { text-align: left; font-weight: bold; padding: 2px 0; }
+section.fail { border-left: 6px solid #c62828; background: #fff4f4; padding: 0.2em 1em; }
+section.note { border-left: 6px solid #e0a800; background: #fffbea; padding: 0.2em 1em; }
 """
 
 
@@ -71,7 +77,8 @@ def _html_table(table: Table) -> str:
     cells = ("<td>{}</td>",) * table.keys + ('<td class="num">{}</td>',) * (len(table.header) - table.keys)
     body = "".join("<tr>" + "".join(form.format(escape(cell)) for form, cell in zip(cells, row, strict=True))
                    + "</tr>\n" for row in table.rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>\n{body}</tbody></table>"
+    caption = f"<caption>{escape(table.caption)}</caption>" if table.caption else ""
+    return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>\n{body}</tbody></table>"
 
 
 def to_html(report: Report) -> str:
@@ -81,7 +88,8 @@ def to_html(report: Report) -> str:
              f"<title>{escape(report.title)}</title><style>{STYLE}</style></head><body>",
              f"<h1>{escape(report.title)}</h1>"]
     for section in report.sections:
-        parts.append(f'<section id="{section.id}"><h2>{escape(section.title)}</h2><p>{escape(section.intro)}</p>')
+        mark = f' class="{section.mark}"' if section.mark else ""
+        parts.append(f'<section id="{section.id}"{mark}><h2>{escape(section.title)}</h2><p>{escape(section.intro)}</p>')
         if section.chart:
             parts.append(f"<figure>{section.chart}</figure>")
         parts += section.figures
@@ -104,7 +112,8 @@ def markdown_text(text: str) -> str:
 
 
 def _markdown_table(table: Table) -> str:
-    lines = ["| " + " | ".join(markdown_text(cell) for cell in table.header) + " |",
+    lines = [f"**{markdown_text(table.caption)}**", ""] if table.caption else []
+    lines += ["| " + " | ".join(markdown_text(cell) for cell in table.header) + " |",
              "|" + "|".join("---" if i < table.keys else "---:" for i in range(len(table.header))) + "|"]
     lines += ["| " + " | ".join(markdown_text(cell) for cell in row) + " |" for row in table.rows]
     return "\n".join(lines)

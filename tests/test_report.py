@@ -2,6 +2,7 @@
 hold the records' numbers, the step-coloured output texts follow the records' steps and read as
 llama.cpp reads the tokens, record text is escaped, bad input gives a message."""
 
+import itertools
 import json
 import re
 import shutil
@@ -73,7 +74,8 @@ def html_rows(section):
 def markdown_table(text, title):
     """(header, rows) of the first table after the `## title` heading, cells unescaped."""
     lines = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0].splitlines()
-    table = [line for line in lines if line.startswith("|")]
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = list(itertools.takewhile(lambda line: line.startswith("|"), lines[start:]))
     cells = [[re.sub(r"\\(.)", r"\1", c.strip()) for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in table]
     return cells[0], cells[2:]
 
@@ -112,7 +114,9 @@ def test_html_report_charts_and_tables_hold_the_records_numbers(runs, tmp_path):
     result = invoke(runs[0][0], runs[1][0], "-o", out)
     assert result.exit_code == 0, result.output
     root, sections = html_sections(out)
-    assert list(sections) == list(SECTIONS)
+    # Two records: their parity after the runs (its splits, if any, vary by machine: test_report_parity.py).
+    assert list(sections)[:2] == ["runs", "parity"]
+    assert [name for name in sections if name != "parity" and not name.startswith("split-")] == list(SECTIONS)
     for name in CHARTED:
         assert len(list(sections[name].iter(SVG + "svg"))) == 1, name
     assert not list(sections["runs"].iter(SVG + "svg")) and not list(sections["steps"].iter(SVG + "svg"))

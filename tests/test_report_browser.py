@@ -17,11 +17,15 @@ import time
 import pytest
 from click.testing import CliRunner
 
+from crossrt.cli import main
 from crossrt.cli.report import report
 from crossrt.driver import RunRequest, run_pair
+from crossrt.pairs import pair_from_paths
 from crossrt.prompts import load_prompts
 from crossrt.report_steps import load_vocab, token_texts
 from crossrt.runtime import DraftRules, RuntimeOptions
+
+from conftest import REPO
 
 CHROMIUM = shutil.which("chromium")
 # A fresh profile and nothing a headless run does not need: no sandbox (tests run as root), no
@@ -46,6 +50,9 @@ READ_PAGE = """(() => {
     sections: [...document.querySelectorAll("section")].map(s => ({
       id: s.id,
       title: s.querySelector("h2").innerText,
+      mark: s.className,
+      shown: shown(s),
+      background: getComputedStyle(s).backgroundColor,
       charts: count(s, "svg.chart"),
       marks: count(s, "svg.chart rect.bar, svg.chart circle.point, svg.chart polyline.line"),
       figures: [...s.querySelectorAll("figure.steps")].filter(shown).map(f => ({
@@ -177,8 +184,11 @@ def test_the_rendered_page_shows_every_section_table_chart_and_step_text(runs, t
     seen, errors = read_page(out, tmp_path)
     assert errors == []
     assert seen["title"] == "seen"
-    sections = {s["id"]: s for s in seen["sections"]}
-    assert [s["title"] for s in seen["sections"]] == [
+    # Two runs: their parity after the runs section (its splits vary by machine: the test below).
+    assert [s["id"] for s in seen["sections"]][:2] == ["runs", "parity"]
+    records = [s for s in seen["sections"] if s["id"] != "parity" and not s["id"].startswith("split-")]
+    sections = {s["id"]: s for s in records}
+    assert [s["title"] for s in records] == [
         "Runs", "Tau per category", "Acceptance per draft position", "Accepted length per step, in the output text",
         "Acceptance by target entropy", "Acceptance by target entropy, per content type", "Speedup",
         "i.i.d. fit per category"]
@@ -229,3 +239,51 @@ def test_console_errors_and_missing_resources_are_seen(tmp_path):
     assert "from the page" in errors
     assert any("undefined_call" in error for error in errors)
     assert any("missing.png" in error or "ERR_FILE_NOT_FOUND" in error for error in errors), errors
+
+
+@pytest.fixture(scope="module")
+def swapped(tmp_path_factory):
+    """The tiny drafter standing in as the target over the same prompts as runs' k = 4: a different
+    model, so its baselines part from the tiny pair's on some prompt, beyond any near-tie."""
+    drafter = REPO / "models" / "tiny" / "drafter.f32.gguf"
+    path = tmp_path_factory.mktemp("swapped") / "swapped.json"
+    request = RunRequest(pair_from_paths(drafter, drafter), "llama-cpp", RuntimeOptions(n_ctx=256, threads=1),
+                         DraftRules(4), 24, path)
+    run_pair(request, load_prompts("builtin"))
+    return path
+
+
+def test_the_parity_verdicts_and_every_split_are_on_screen(runs, swapped, tmp_path):
+    out = tmp_path / "parity.html"
+    paths = (runs[0][0], swapped)
+    assert CliRunner().invoke(report, [*map(str, paths), "-o", str(out)]).exit_code == 0
+    seen, errors = read_page(out, tmp_path)
+    assert errors == []
+    by_id = {s["id"]: s for s in seen["sections"]}
+    parity = by_id["parity"]
+    assert parity["shown"] and parity["title"] == "Parity: where the runs part, and why"
+
+    # The verdict table as it reads: one row per pair of runs, failures as crossrt parity counts them.
+    header, *rows = parity["tables"][0]
+    assert header == ["run A", "run B", "counters", "prompts", "identical", "explained (by cause)", "failed"]
+    assert len(rows) == 3  # each run's lossless check, and the two runs
+    assert all(int(row[3]) == int(row[4]) + int(row[5].split()[0]) + int(row[6]) for row in rows)
+    checked = CliRunner().invoke(main, ["parity", *map(str, paths), "--no-logits"])
+    assert checked.exit_code == 1
+    fails = [line for line in checked.output.splitlines() if line.startswith("FAIL ")]
+    assert sum(int(row[6]) for row in rows) == len(fails) > 0
+
+    # Every split a section on screen, as many as the index lists, each with its verdict, marked
+    # FAIL or NOTE in its title and drawn apart by its colour.
+    splits = [s for s in seen["sections"] if s["id"].startswith("split-")]
+    index = parity["tables"][1][1:]
+    assert len([s for s in splits if s["shown"]]) == len(splits) == len(index) > 0
+    backgrounds = {}
+    for section, row in zip(splits, index, strict=True):
+        status = row[1]
+        assert section["title"].startswith(f"{status} split ") and section["mark"] == status.lower()
+        verdict_header, verdict = section["tables"][0]
+        assert verdict_header[0] == "verdict" and verdict[0].startswith(f"{status}: ")
+        assert backgrounds.setdefault(status, section["background"]) == section["background"]
+    assert "FAIL" in backgrounds and "rgba(0, 0, 0, 0)" not in backgrounds.values()
+    assert len(set(backgrounds.values())) == len(backgrounds)

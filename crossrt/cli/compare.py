@@ -22,6 +22,7 @@ from crossrt.prompts import load_prompts
 from crossrt.record_json import load_record
 from crossrt.schema import RecordError
 from crossrt.replay import Replayer
+from crossrt.report_parity import parity_html
 from crossrt.runtime import DraftRules, RuntimeOptions, runtime_names, usable_runtimes
 from crossrt.tau_gap import parity_gaps
 from crossrt.tolerance import tolerance_for
@@ -75,11 +76,13 @@ def distinct_records(paths: Sequence[Path]) -> None:
               "other). Cells that run at once share the machine, so their timings do too.")
 @click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), help="Write a JUnit XML report.")
 @click.option("--markdown", type=click.Path(path_type=Path, dir_okay=False), help="Write a markdown summary.")
+@click.option("--html", type=click.Path(path_type=Path, dir_okay=False),
+              help="Write crossrt report's page of the runs with every split explained (docs/report.md).")
 @chat_options
 @device_options
 def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max_new_tokens, out_dir, f32_kv_cache,
            flash_attn, baselines, counter_tolerance, logit_tolerance, strict, no_logits, no_rescore, jobs, junit,
-           markdown,
+           markdown, html,
            chat, chat_template, template_vars, turn, first_answers_file, threads, n_ctx, n_gpu_layers,
            gpu_split, dtype) -> None:
     """Check that runs agree: same token ids over the full length, counters equal between runs
@@ -144,6 +147,9 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
             write_atomically(junit, render_junit(report).encode(), option="--junit")
         if markdown:
             write_atomically(markdown, render_markdown(report).encode(), option="--markdown")
+        if html:
+            page = parity_html(runs, report, list(records) or [None] * len(runs), not no_rescore, strict)
+            write_atomically(html, page.encode(), option="--html")
     except USER_ERRORS as error:
         raise click.ClickException(str(error)) from None
     sys.exit(0 if report.ok else 1)

@@ -14,7 +14,9 @@ from crossrt.ceiling import ceiling_section, load_ceilings
 from crossrt.cli.analysis import Increasing
 from crossrt.cli.common import USER_ERRORS
 from crossrt.journal import write_atomically
-from crossrt.report import build_report, load_runs, to_html, to_markdown
+from crossrt.report import load_runs, record_sections, to_html, to_markdown
+from crossrt.report_page import page
+from crossrt.report_parity import report_parity, with_parity
 
 # The output format follows the file name, so `-o report.md` cannot silently be HTML.
 FORMATS = {".html": to_html, ".htm": to_html, ".md": to_markdown, ".markdown": to_markdown}
@@ -59,11 +61,15 @@ def _writer(path: Path):
               help="Group prompts by their own category or by crossrt's content type of it (docs/prompts.md).")
 @click.option("--ceiling", "ceiling_path", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               help="A `crossrt simulate --tree ... --out` result: add its per-category ceiling (docs/ceiling.md).")
+@click.option("--no-rescore", is_flag=True, help="Explain the parity section's splits only from what the runs "
+              "recorded (as `crossrt parity --no-rescore`): a native run's split with no driven twin stays "
+              "unexplained instead of being re-scored in-process.")
 def report(records: Sequence[Path], out: Optional[Path], markdown_out: Optional[Path], title: str,
-           entropy_buckets, grouping, ceiling_path) -> None:
+           entropy_buckets, grouping, ceiling_path, no_rescore: bool) -> None:
     """One report over any number of run records (runtimes, modes, schedules, k, pairs): the
-    runs, tau per category, acceptance per draft position, acceptance by target entropy (runs
-    with --trace), speedup, and the i.i.d. model's fit (docs/report.md).
+    runs, with two or more their parity (where they part and why), tau per category, acceptance
+    per draft position, acceptance by target entropy (runs with --trace), speedup, and the
+    i.i.d. model's fit (docs/report.md).
 
     \b
       crossrt report runs/*.json -o report.html
@@ -77,8 +83,10 @@ def report(records: Sequence[Path], out: Optional[Path], markdown_out: Optional[
     refuse_inputs_as_outputs({option: path for path, _, option in outputs},
                              [*records, *([ceiling_path] if ceiling_path else [])])
     try:
-        runs = [dataclasses.replace(run, record=analysis.grouped(run.record, grouping)) for run in load_runs(records)]
-        built = build_report(runs, entropy_buckets, title)
+        loaded = load_runs(records)
+        parity = report_parity(loaded, rescore=not no_rescore)  # on the records as run, before any regrouping
+        runs = [dataclasses.replace(run, record=analysis.grouped(run.record, grouping)) for run in loaded]
+        built = page(title, with_parity(record_sections(runs, entropy_buckets), parity))
         if ceiling_path:
             built = dataclasses.replace(built, sections=built.sections + (
                 ceiling_section(load_ceilings(ceiling_path), str(ceiling_path)),))

@@ -1,0 +1,144 @@
+"""The parity sections of `crossrt report` and `crossrt parity --html`, on real llama.cpp runs of
+the tiny pair and of a run whose target is the tiny drafter (a different model: its baselines
+part from the tiny pair's, a disagreement, whatever the machine). Which prompts split, where and
+how is up to this CPU: every assertion holds for each split the page shows, whichever they are."""
+
+import dataclasses
+import xml.etree.ElementTree as ET
+
+import pytest
+from click.testing import CliRunner
+
+from crossrt.cli import main
+from crossrt.diagnosis import NUMERICS
+from crossrt.driver import RunRequest, run_pair
+from crossrt.pairs import pair_from_paths
+from crossrt.parity import compare_all
+from crossrt.prompts import load_prompts
+from crossrt.replay import Replayer
+from crossrt.report import load_runs
+from crossrt.report_parity import compare_runs, parity_sections, report_parity, shown_splits, visible
+from crossrt.report_steps import load_vocab, token_texts
+from crossrt.runtime import DraftRules, RuntimeOptions
+
+from conftest import REPO
+
+XHTML = "{http://www.w3.org/1999/xhtml}"
+PROMPTS = load_prompts("builtin")[:5]
+
+
+def make(pair, path):
+    run_pair(RunRequest(pair, "llama-cpp", RuntimeOptions(n_ctx=256, threads=1), DraftRules(4), 24, path), PROMPTS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_pair, tmp_path_factory):
+    """The tiny pair, and the tiny drafter standing in as target (same vocabulary)."""
+    folder = tmp_path_factory.mktemp("parity-page")
+    drafter = REPO / "models" / "tiny" / "drafter.f32.gguf"
+    return make(tiny_pair, folder / "tiny.json"), make(pair_from_paths(drafter, drafter), folder / "swapped.json")
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def fail_lines(output):
+    return [line for line in output.splitlines() if line.startswith("FAIL ")]
+
+
+def test_sections_show_every_split_once_with_its_verdict_and_tokens(paths):
+    runs = load_runs(paths)
+    labelled = [(run.label, run.record) for run in runs]
+    with Replayer() as replay:
+        report, notes = compare_runs(labelled, replay)
+        direct = compare_all(labelled, replay=replay)
+    assert report.comparisons == tuple(direct) and notes == []  # one vocabulary: compare_all as it is
+    sections = parity_sections(labelled, report, rescored=True)
+    overview, splits = sections[0], sections[1:]
+    assert overview.id == "parity" and [s.id for s in splits] == [f"split-{n}" for n in range(1, len(splits) + 1)]
+
+    # The verdict table: one row per pair of runs, its failed count as parity counts it.
+    verdicts, index = overview.tables[0], overview.tables[1]
+    failed = {(row[0], row[1]): int(row[6]) for row in verdicts.rows}
+    for (run_a, run_b), count in failed.items():
+        assert count == sum(not c.ok for c in direct if (c.run_a, c.run_b) == (run_a, run_b))
+    assert failed[(runs[0].label, runs[1].label)] > 0  # another model: its outputs part on some prompt
+
+    # Every split of every comparison shown once, naming each comparison that holds it.
+    assert sum(len(row[4].split("; ")) for row in index.rows) == sum(len(c.splits) for c in direct)
+    assert len({split for c in direct for split in c.splits}) == len(splits) > 0
+
+    vocab, _ = load_vocab(runs[0].record)
+    with_candidates = 0
+    for section, shown, row in zip(splits, shown_splits(report, labelled), index.rows, strict=True):
+        status = "FAIL" if shown.failed else "NOTE"
+        assert shown.failed == (shown.split.kind not in NUMERICS)
+        assert section.title.startswith(f"{status} {section.id.replace('-', ' ')}: {shown.split.prompt_id}")
+        assert section.mark == status.lower() and row[1] == status
+        verdict = section.tables[0]
+        assert verdict.header[0] == "verdict" and verdict.rows[0][0].startswith(f"{status}: {shown.split.kind}")
+        if shown.split.verdict is not None:  # a near-tie reads flip <= threshold, a finding flip > threshold
+            assert verdict.rows[0][3] == ("<=" if shown.split.verdict.near else ">")
+            assert verdict.rows[0][4] == f"{shown.split.verdict.threshold:g}"
+        tables = {table.header[0]: table for table in section.tables}
+        for side in shown.split.sides:  # the emitted tokens decoded as llama.cpp's vocabulary reads them
+            cells = next(r for r in tables["side"].rows if r[0] == side.label)
+            assert cells[1] == f'{side.token} "{visible(token_texts(vocab, [side.token])[0])}"'
+            assert cells[4] == side.gap.describe()
+        if shown.sequences is not None and shown.sequences.sides:
+            # Side by side from the split on: the first tokens differ (or one side has ended).
+            first = tables["from the split"].rows[0][1:]
+            assert first[0] != first[1]
+            context = tables["text before the split"].rows[0]
+            assert context[1] == " ".join(map(str, shown.sequences.prefix[-12:]))
+            assert context[0] == visible("".join(token_texts(vocab, shown.sequences.prefix)[-12:]))
+        if "side" in tables and any(shown.sequences.views if shown.sequences else ()):
+            # Driven runs record their passes: each side's candidates start with its emitted token.
+            candidates = tables["pass of"].rows
+            for side in shown.split.sides:
+                mine = [r for r in candidates if r[0] == side.label]
+                assert mine[0][1:] == (f'{side.token} "{visible(token_texts(vocab, [side.token])[0])}"', "emitted",
+                                       "1", "0")
+            with_candidates += 1
+    assert with_candidates > 0  # the other model's splits at least: driven runs, recorded passes
+
+
+def test_report_and_parity_html_show_the_same_splits_and_failures(paths, tmp_path):
+    assert cli("report", *paths, "-o", tmp_path / "r.html", "--markdown", tmp_path / "r.md").exit_code == 0
+    parity = cli("parity", *paths, "--no-logits", "--html", tmp_path / "p.html")
+    assert parity.exit_code == 1
+    titles = {}
+    for name in ("r", "p"):
+        root = ET.parse(tmp_path / f"{name}.html").getroot()
+        sections = list(root.iter(XHTML + "section"))
+        assert [s.get("id") for s in sections][:2] == ["runs", "parity"]
+        titles[name] = [s.find(XHTML + "h2").text for s in sections if s.get("id").startswith("split-")]
+        rows = [[td.text for td in tr.iter(XHTML + "td")]
+                for tr in next(sections[1].iter(XHTML + "tbody")).iter(XHTML + "tr")]
+        assert sum(int(row[6]) for row in rows) == len(fail_lines(parity.output))
+        assert all(s.get("class") in ("fail", "note") for s in sections if s.get("id").startswith("split-"))
+    assert titles["r"] == titles["p"] and titles["r"]
+    markdown = (tmp_path / "r.md").read_text()
+    assert [line[3:] for line in markdown.splitlines() if line.startswith("## FAIL ") or line.startswith("## NOTE ")] \
+        == titles["r"]
+
+
+def test_without_rescoring_the_page_says_so_and_one_record_has_no_parity(paths, tmp_path):
+    runs = load_runs(paths)
+    sections = report_parity(runs, rescore=False)
+    assert "Re-scoring was off (--no-rescore)" in sections[0].intro
+    assert report_parity(runs[:1]) == []
+    assert cli("report", paths[0], "-o", tmp_path / "one.html").exit_code == 0
+    assert 'id="parity"' not in (tmp_path / "one.html").read_text()
+
+
+def test_runs_of_another_vocabulary_are_left_out_and_named(paths):
+    runs = load_runs(paths)
+    record = runs[1].record
+    target = dataclasses.replace(record.pair.target, vocab_fingerprint="another vocabulary")
+    foreign = dataclasses.replace(record, pair=dataclasses.replace(record.pair, target=target))
+    report, notes = compare_runs([(runs[0].label, runs[0].record), (runs[1].label, foreign)], None)
+    assert len(notes) == 1 and "different vocabularies" in notes[0] and runs[1].label in notes[0]
+    assert {c.run_b for c in report.comparisons} == {"its baseline"}  # each run's own lossless check only
