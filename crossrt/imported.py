@@ -194,7 +194,7 @@ def drafts_behind(where: str, accepted: int, drafted: int, mean_length: str, rat
 
     found = [n for n in by_mean if fits_rates(n)] if len(by_mean) <= MAX_TRIED else None
     if found == []:
-        raise ImportFailure(f"{where}: no number of drafts gives mean length {mean_length} for {accepted} accepted "
+        raise ImportFailure(f"{where}: no number of drafts gives mean length {mean_length[:40]} for {accepted} accepted "
                             f"of {drafted} drafted tokens" + (" and the per-position rates" if rates else ""))
     candidates = found if found is not None else by_mean
     full = drafted // k if k and drafted % k == 0 else None
