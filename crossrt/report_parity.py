@@ -126,11 +126,12 @@ def _placed(comparison: PromptParity, runs: dict[str, RunRecord]) -> list[tuple[
         if result.lossless is False:
             placed.append((runs[label], _lossless(label, result, first_divergence(result.output_ids,
                                                                                   result.baseline_ids))))
-        if label == a and first_divergence(result_a.baseline_ids, result_b.baseline_ids) is not None:
-            at = first_divergence(result_a.baseline_ids, result_b.baseline_ids)
+        at = first_divergence(result_a.baseline_ids, result_b.baseline_ids) if label == a else None
+        if at is not None:
             placed.append((record_a, Sequences(
                 tuple(result_a.prompt_ids) + tuple(result_a.baseline_ids[:at]),
-                ((f"{a} baseline", tuple(result_a.baseline_ids[at:])), (f"{b} baseline", tuple(result_b.baseline_ids[at:]))),
+                ((f"{a} baseline", tuple(result_a.baseline_ids[at:])),
+                 (f"{b} baseline", tuple(result_b.baseline_ids[at:]))),
                 (result_a.baseline_view, result_b.baseline_view))))
     return placed
 

@@ -142,3 +142,16 @@ def test_runs_of_another_vocabulary_are_left_out_and_named(paths):
     report, notes = compare_runs([(runs[0].label, runs[0].record), (runs[1].label, foreign)], None)
     assert len(notes) == 1 and "different vocabularies" in notes[0] and runs[1].label in notes[0]
     assert {c.run_b for c in report.comparisons} == {"its baseline"}  # each run's own lossless check only
+
+
+def test_a_parity_matrix_writes_its_page_without_record_paths(tmp_path):
+    result = cli("parity", "--pair", REPO / "models" / "pairs" / "tiny.toml", "--max-new-tokens", 8, "--no-logits",
+                 "--out-dir", tmp_path / "runs", "--html", tmp_path / "m.html")
+    assert result.exit_code in (0, 1), result.output
+    root = ET.parse(tmp_path / "m.html").getroot()
+    sections = {s.get("id"): s for s in root.iter(XHTML + "section")}
+    runs = [[td.text for td in tr.iter(XHTML + "td")] for tr in next(sections["runs"].iter(XHTML + "tbody"))]
+    assert [row[5] for row in runs] == ["(run by this command)"]  # the matrix's one run, held in memory
+    verdicts = [[td.text for td in tr.iter(XHTML + "td")] for tr in next(sections["parity"].iter(XHTML + "tbody"))]
+    assert [row[:2] for row in verdicts] == [["llama-cpp/driven", "its baseline"]]
+    assert sum(int(row[6]) for row in verdicts) == len(fail_lines(result.output))
