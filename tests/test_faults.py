@@ -323,6 +323,25 @@ def test_no_report_output_is_one_of_its_inputs(small_record, tmp_path):
     assert {p: p.read_bytes() for p in before} == before and not (tmp_path / "r.html").exists()
 
 
+
+def test_no_parity_or_simulate_output_is_one_of_its_inputs(small_record, tmp_path):
+    record, baseline = tmp_path / "a.json", tmp_path / "b.json"
+    for path in (record, baseline):
+        path.write_bytes(small_record.read_bytes())
+    before = {p: p.read_bytes() for p in (record, baseline)}
+    simulate = ["simulate", "--pair", TINY_PAIR, "--prompts", "code", "--max-k", "2", "--max-new-tokens", "4"]
+    for command, message in [
+            (["parity", "--no-logits", record, "--junit", record], f"--junit {record} is an input"),
+            (["parity", "--no-logits", record, "--markdown", "./a.json"], "--markdown a.json is an input"),
+            (["parity", "--no-logits", record, "--against", baseline, "--html", baseline],
+             f"--html {baseline} is an input"),
+            (["parity", "--no-logits", record, "--junit", tmp_path / "p.out", "--markdown", tmp_path / "p.out"],
+             "--markdown and --junit name the same file"),
+            ([*simulate, "--against", record, "--out", record], f"--out {record} is an input")]:
+        assert message in output_error(crossrt(*command, cwd=tmp_path))
+    assert {p: p.read_bytes() for p in before} == before and not (tmp_path / "p.out").exists()
+
+
 # ---- sweeps: one writer per directory, a killed driver ----------------------------------------
 
 SWEEP = """name = "faults"

@@ -15,7 +15,7 @@ import click
 
 from crossrt import analysis
 from crossrt.ceiling import load_ceilings
-from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, resolve_pair
+from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, refuse_inputs_as_outputs, resolve_pair
 from crossrt.cli.trees import max_tree_rows, render_ceiling, render_section, run_trees, tree_section
 from crossrt.errors import PromptRefused
 from crossrt.errors import SettingsError
@@ -242,6 +242,8 @@ def simulate_command(pair, target, drafter, runtime_name, prompt_source, max_k, 
     --schedule llama-server --draft-n-min 2). Computed exactly (greedy) from an oracle: the
     target's greedy output and the drafter's greedy continuation from every position of it
     (docs/analysis.md). --against checks a record of any simulated schedule, step for step."""
+    if out:  # before the models load; a --tree may name a choice-list file
+        refuse_inputs_as_outputs({"--out": out}, [*records, *(Path(s) for s in tree_specs if Path(s).is_file())])
     with contextlib.ExitStack() as stack:  # the sessions, freed however the block ends
         try:
             resolved = resolve_pair(pair, target, drafter)

@@ -3,8 +3,9 @@ users as messages rather than tracebacks."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import click
 
@@ -90,3 +91,22 @@ class CommaChoice(click.ParamType):
         if unknown or not names:
             self.fail(f"{value!r}: choose from {', '.join(self.choices)}", param, ctx)
         return names
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)  # links and hard links too
+    return a.resolve() == b.resolve()
+
+
+def refuse_inputs_as_outputs(outputs: Mapping[str, Path], inputs: Sequence[Path]) -> None:
+    """ClickException (one line) when an output (option -> path) is one of the inputs or another output: no
+    command writes over what it reads, or writes one file twice."""
+    named = list(outputs.items())
+    for index, (option, path) in enumerate(named):
+        for source in inputs:
+            if _same_file(Path(path), Path(source)):
+                raise click.ClickException(f"{option} {path} is an input ({source}): name another file")
+        for other, earlier in named[:index]:
+            if _same_file(Path(path), Path(earlier)):
+                raise click.ClickException(f"{option} and {other} name the same file {path}: name two files")

@@ -9,7 +9,8 @@ from typing import Sequence
 
 import click
 
-from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, CommaChoice, device_options, dtype_option, resolve_pair
+from crossrt.cli.common import (PROMPTS_HELP, USER_ERRORS, CommaChoice, device_options, dtype_option,
+                                 refuse_inputs_as_outputs, resolve_pair)
 from crossrt.cli.prompt_options import chat_options, fed_prompts, first_answers
 from crossrt.diagnosis import Explainer, explain_record
 from crossrt.diff import diff_records, render_diff, render_record_splits
@@ -95,6 +96,9 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
 
     Exit code 0 only when everything agrees; 1 when something differs or could not run.
     """
+    written = {option: path for option, path in (("--junit", junit), ("--markdown", markdown), ("--html", html))
+               if path}
+    refuse_inputs_as_outputs(written, [*records, *baselines])  # before anything runs
     try:
         not_run, skipped = [], []
         if records:

@@ -7,8 +7,7 @@ from typing import Optional
 
 import click
 
-from crossrt.cli.common import USER_ERRORS, resolve_pair
-from crossrt.cli.report import refuse_inputs_as_outputs
+from crossrt.cli.common import USER_ERRORS, refuse_inputs_as_outputs, resolve_pair
 from crossrt.import_logs import ReadOptions
 from crossrt.imported import MAX_K
 from crossrt.importer import AGGREGATE, FORMATS, ImportRequest, import_record, import_summary

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 import click
 
 from crossrt import analysis
 from crossrt.ceiling import ceiling_section, load_ceilings
 from crossrt.cli.analysis import Increasing
-from crossrt.cli.common import USER_ERRORS
+from crossrt.cli.common import USER_ERRORS, refuse_inputs_as_outputs
 from crossrt.journal import write_atomically
 from crossrt.report import load_runs, record_sections, to_html, to_markdown
 from crossrt.report_page import page
@@ -20,25 +19,6 @@ from crossrt.report_parity import report_parity, with_parity
 
 # The output format follows the file name, so `-o report.md` cannot silently be HTML.
 FORMATS = {".html": to_html, ".htm": to_html, ".md": to_markdown, ".markdown": to_markdown}
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    if a.exists() and b.exists():
-        return os.path.samefile(a, b)  # links and hard links too
-    return a.resolve() == b.resolve()
-
-
-def refuse_inputs_as_outputs(outputs: Mapping[str, Path], inputs: Sequence[Path]) -> None:
-    """ClickException (one line) when an output (option -> path) is one of the inputs or another output: no
-    command writes over what it reads, or writes one file twice."""
-    named = list(outputs.items())
-    for index, (option, path) in enumerate(named):
-        for source in inputs:
-            if _same_file(Path(path), Path(source)):
-                raise click.ClickException(f"{option} {path} is an input ({source}): name another file")
-        for other, earlier in named[:index]:
-            if _same_file(Path(path), Path(earlier)):
-                raise click.ClickException(f"{option} and {other} name the same file {path}: name two files")
 
 
 def _writer(path: Path):
