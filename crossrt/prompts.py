@@ -299,6 +299,9 @@ def load_prompts(source: str) -> list[Prompt]:
                 for prompt in parse_prompts(_builtin_text(name), f"built-in suite {name!r}")]
     scheme, raw_path = split_source(source)
     path = Path(raw_path)
+    if path.is_dir():  # a benchmark's checkout, say: its question file lies inside
+        raise PromptError(f"{path} is a folder, not a prompt file: name the file in it, as "
+                          f"{READERS[scheme].help}")
     if not path.is_file():
         raise PromptError(f"prompt file not found: {path} (built-in suites: {', '.join(BUILTIN_SUITES)}; "
                           f"file formats: {', '.join(f'{name}:PATH' for name in READERS)})")

@@ -124,6 +124,19 @@ def test_fuzzed_prompt_files_are_one_line_before_any_model_loads(folder, monkeyp
     assert len(kinds) == 16
 
 
+
+@pytest.mark.parametrize("scheme, expected", [("", "as PATH or jsonl:PATH (id, category, prompt"),
+                                              ("specbench:", "as specbench:PATH (Spec-Bench question.jsonl")])
+def test_prompts_naming_a_folder_say_it_is_one_and_what_file_is_expected(folder, monkeypatch, scheme, expected):
+    monkeypatch.setattr("crossrt.driver.open_runtime", lambda *a, **k: pytest.fail("a runtime was opened"))
+    checkout = folder / "a-benchmark-checkout"
+    checkout.mkdir(exist_ok=True)
+    result = CliRunner().invoke(main, ["run", "--pair", str(TINY_PAIR), "--threads", "1", "--prompts",
+                                       f"{scheme}{checkout}", "--out", str(folder / "folder-run.json")])
+    line = one_line_failure(result, scheme)
+    assert f"{checkout} is a folder, not a prompt file: name the file in it, {expected}" in line, line
+    assert "not found" not in line and not (folder / "folder-run.json").exists()
+
 def test_a_prompt_file_with_unicode_line_separators_inside_strings_reads(folder):
     from crossrt.prompts import load_prompts
 
