@@ -28,7 +28,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from crossrt.numerics import Gap, NearTie, judge, recorded_gap, rescored_gap
+from crossrt.numerics import Gap, NearTie, Noise, gap_shifts, judge, recorded_gap, rescored_gap
 from crossrt.schema import PassView, PromptResult, RunRecord
 from crossrt.tolerance import tolerance_for
 
@@ -158,20 +158,21 @@ def template_split(label: str, result: PromptResult, detokenize: Detokenize) -> 
 Twins = dict[tuple, tuple[str, PromptResult]]
 
 
-def twins_of(runs: Sequence[tuple[str, Sequence[PromptResult]]]) -> Twins:
+def twins_of(runs: Sequence[tuple[str, RunRecord]]) -> Twins:
     """Results that recorded pass views, by everything a run of the same schedule would share
-    with them (prompt, prompt ids, output and baseline ids): a native run that produced exactly
-    these tokens is explained by its driven twin's views."""
+    with them (schedule, k, prompt, prompt ids, output and baseline ids): a native run that
+    produced exactly these tokens under the same schedule is explained by its driven twin's views."""
     found: Twins = {}
-    for label, results in runs:
-        for result in results:
+    for label, record in runs:
+        for result in record.results:
             if result.ok and result.output_view is not None:
-                found.setdefault(_twin_key(result), (label, result))
+                found.setdefault(_twin_key(record, result), (label, result))
     return found
 
 
-def _twin_key(result: PromptResult) -> tuple:
-    return result.prompt_id, result.prompt_ids, result.output_ids, result.baseline_ids
+def _twin_key(record: RunRecord, result: PromptResult) -> tuple:
+    return (record.params.schedule, record.params.k, result.prompt_id, result.prompt_ids, result.output_ids,
+            result.baseline_ids)
 
 
 class Replay(Protocol):
@@ -206,10 +207,10 @@ class Explainer:
     def _threshold(self, a: RunRecord, b: RunRecord):
         return tolerance_for(a, b, self.logit_tolerance)
 
-    def _views(self, result: PromptResult) -> tuple[Optional[PassView], Optional[PassView], str]:
+    def _views(self, record: RunRecord, result: PromptResult) -> tuple[Optional[PassView], Optional[PassView], str]:
         if result.output_view is not None:
             return result.output_view, result.baseline_view, "the run's own passes"
-        twin = self.twins.get(_twin_key(result)) if result.ok else None
+        twin = self.twins.get(_twin_key(record, result)) if result.ok else None
         if twin is not None:
             return (twin[1].output_view, twin[1].baseline_view,
                     f"seen in {twin[0]}, which emitted the same tokens with pass views")
@@ -223,7 +224,7 @@ class Explainer:
         index = first_divergence(out, base)
         if index >= min(len(out), len(base)):
             return Split(result.prompt_id, STOP, index, (), "one output ends here (an EOS emitted by one run only)")
-        output_view, baseline_view, how = self._views(result)
+        output_view, baseline_view, how = self._views(record, result)
         spec_label, base_label = f"{label} speculative", f"{label} baseline"
         if output_view is not None and baseline_view is not None:
             sides = (recorded_side(spec_label, out, output_view, index, base[index], self.detokenize),
@@ -273,7 +274,7 @@ class Explainer:
             return Split(prompt_id, STOP, index, (), "one baseline ends here (an EOS emitted by one run only)")
         sides, hows = [], set()
         for label, record, result, own, other in zip(labels, records, results, ids, reversed(ids)):
-            _, baseline_view, how = self._views(result)
+            _, baseline_view, how = self._views(record, result)
             if baseline_view is not None:
                 sides.append(recorded_side(f"{label} baseline", own, baseline_view, index, other[index],
                                            self.detokenize))
@@ -317,13 +318,25 @@ class Explainer:
         rows = [self.replay.drafter_rows(record, result.prompt_ids, output) for record, result in zip(records, results)]
         positions = [p for p in (window or range(len(output))) if p < len(output)]
         tolerance = self._threshold(*records)
+        # Both drafters' rows along the whole output are in hand: their noise is measured, not
+        # assumed (a layer-skip drafter's uncalibrated logits move by more than the target's).
+        noise = Noise.of(*gap_shifts(rows[0], rows[1]))
+        same_drafter = records[0].pair.drafter.sha256 == records[1].pair.drafter.sha256
+        # One drafter file on two kernels (flash attention on and off, say) computes one function,
+        # however coarsely one kernel rounds; two files that far apart are two drafters.
+        if noise is not None and noise.broadly_different and not same_drafter:
+            return Split(prompt_id, COUNTERS_UNEXPLAINED, None, (), f"counts differ with identical outputs{where}, and "
+                         f"the two drafters do not compute the same function (gap shifts of {noise.p90:.3g} against a "
+                         f"typical margin of {noise.median_margin:.3g})")
+        threshold = noise.threshold(tolerance.near_tie_flip) if noise is not None else tolerance.near_tie_flip
+        reason = f"{tolerance.reason}; the drafters' measured noise p90 {noise.p90:.3g}" if noise else tolerance.reason
         differing = []
         for p in positions:
             top = [int(np.argmax(r[p])) for r in rows]
             if top[0] != top[1]:
                 gaps = [rescored_gap(rows[0][p], top[0], top[1], f"{labels[0]} drafter"),
                         rescored_gap(rows[1][p], top[1], top[0], f"{labels[1]} drafter")]
-                differing.append((p, top, judge(gaps, tolerance.near_tie_flip, tolerance.reason)))
+                differing.append((p, top, judge(gaps, threshold, reason)))
         beyond = [d for d in differing if not d[2].near]
         if beyond:
             p, top, verdict = beyond[0]
@@ -335,13 +348,17 @@ class Explainer:
             return Split(prompt_id, DRAFTER_NUMERICS, p, (), f"counts differ with identical outputs{where}: the two "
                          f"drafters' top candidates differ at output token(s) {', '.join(str(d[0]) for d in differing)}, "
                          f"each a near-tie (widest: {self._pair_text(top)} at {p}, {verdict.describe()})", verdict)
+        if _same_computation(*records):
+            return Split(prompt_id, COUNTERS_UNEXPLAINED, window[0] if window else None, (),
+                         f"counts differ with identical outputs{where}, though both runs ran the same runtime, "
+                         "files and numerics (drafts cannot differ by rounding): a schedule or counting bug")
         near = [(p, min(_margin(r[p]) for r in rows)) for p in positions]
-        near = [(p, m) for p, m in near if m <= tolerance.near_tie_flip]
+        near = [(p, m) for p, m in near if m <= threshold]
         if near:
             p, margin = min(near, key=lambda n: n[1])
             return Split(prompt_id, DRAFTER_NUMERICS, p, (), f"counts differ with identical outputs{where}: "
                          f"re-scored in one pass the drafters agree, but their top two lie within "
-                         f"{tolerance.near_tie_flip:g} ({tolerance.reason}) at output token(s) "
+                         f"{threshold:.3g} ({reason}) at output token(s) "
                          f"{', '.join(str(n[0]) for n in near)} (closest {margin:.3g} at {p}): a draft decoded in "
                          "another batch shape breaks such a tie either way")
         p_min = records[0].params.draft_p_min or 0.0
@@ -357,6 +374,16 @@ class Explainer:
     def _pair_text(self, tokens: Sequence[int]) -> str:
         texts = [self.detokenize([t]) for t in tokens]
         return " vs ".join(_token(t, text) for t, text in zip(tokens, texts))
+
+
+def _same_computation(a: RunRecord, b: RunRecord) -> bool:
+    """Both runs computed the same passes in the same shapes: runtime, build, threads, numerics
+    and model files alike, so their drafts cannot differ by rounding."""
+    def key(record: RunRecord) -> tuple:
+        runtime = record.runtime
+        return (runtime.name, runtime.version, runtime.build, runtime.device, runtime.threads, runtime.kv_cache,
+                runtime.flash_attn, runtime.system_info, record.pair.target.sha256, record.pair.drafter.sha256)
+    return key(a) == key(b)
 
 
 def _margin(row: np.ndarray) -> float:

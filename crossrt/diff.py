@@ -29,13 +29,12 @@ import numpy as np
 
 from crossrt.diagnosis import (DISAGREEMENT, Explainer, Split, first_divergence, own_tokenization, template_split,
                                tokenization_split, twins_of)
+from crossrt.numerics import BROAD_DISAGREEMENT, NOISE_PERCENTILE, gap_shifts
 from crossrt.replay import Replayer
 from crossrt.rescore import score, top_k
 from crossrt.runtime import ModelSession
 from crossrt.schema import PromptResult, RunRecord
 
-NOISE_PERCENTILE = 90
-BROAD_DISAGREEMENT = 0.25  # noise above this share of the median top-2 margin: not numerics
 
 
 @dataclass(frozen=True)
@@ -73,17 +72,6 @@ class Divergence:
 def softmax(logits: np.ndarray) -> np.ndarray:
     shifted = np.exp(logits - logits.max())
     return shifted / shifted.sum()
-
-
-def gap_shifts(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row: runtime A's top-2 margin, and how much that gap moves in runtime B."""
-    if len(a) == 0:
-        return np.zeros(0), np.zeros(0)
-    top2 = top_k(a, 2)
-    rows = np.arange(len(a))
-    gap_a = a[rows, top2[:, 0]] - a[rows, top2[:, 1]]
-    gap_b = b[rows, top2[:, 0]] - b[rows, top2[:, 1]]
-    return gap_a, np.abs(gap_a - gap_b)
 
 
 def _view(label: str, row: np.ndarray, chosen: int, detokenize) -> RuntimeView:
@@ -167,7 +155,7 @@ def diff_records(label_a: str, a: RunRecord, label_b: str, b: RunRecord) -> Diff
     are re-scored in the runtime's own pass shapes."""
     with Replayer() as replay:
         scorers = (replay.session(a, "target"), replay.session(b, "target"))
-        explainer = Explainer(twins_of([(label_a, a.results), (label_b, b.results)]), replay,
+        explainer = Explainer(twins_of([(label_a, a), (label_b, b)]), replay,
                               scorers[0].detokenize)
         return _diff((label_a, label_b), (a, b), scorers, explainer)
 

@@ -135,3 +135,46 @@ class NearTie:
 def judge(gaps: Sequence[Gap], threshold: float, threshold_reason: str) -> NearTie:
     """The one near-tie verdict (module docstring)."""
     return NearTie(tuple(gaps), threshold, threshold_reason)
+
+
+# How two runs' logits move against each other, measured where both scored the same rows: per
+# row, how far the gap between A's top-2 tokens moves in B. Its 90th percentile is the noise (the
+# max would let one outlier excuse everything); noise above a quarter of the median top-2 margin
+# means the two do not compute the same function at all (another model, a convention bug).
+NOISE_PERCENTILE = 90
+NOISE_FACTOR = 3.0  # a flip within 3x the measured noise is numerics, where the noise is measured
+BROAD_DISAGREEMENT = 0.25
+
+
+def gap_shifts(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: A's top-2 margin, and how much that gap moves in B."""
+    if len(a) == 0:
+        return np.zeros(0), np.zeros(0)
+    choices = choose(np.asarray(a, dtype=np.float64))
+    rows = np.arange(len(a))
+    gap_b = b[rows, choices.best] - b[rows, choices.second]
+    return choices.margins, np.abs(choices.margins - gap_b)
+
+
+@dataclass(frozen=True)
+class Noise:
+    """Gap shifts between two runs on rows both scored (gap_shifts), summarized."""
+
+    p90: float
+    max: float
+    median_margin: float
+
+    @classmethod
+    def of(cls, margins: np.ndarray, shifts: np.ndarray) -> Optional["Noise"]:
+        if not len(shifts):
+            return None
+        return cls(float(np.percentile(shifts, NOISE_PERCENTILE)), float(shifts.max()), float(np.median(margins)))
+
+    @property
+    def broadly_different(self) -> bool:
+        return self.p90 > BROAD_DISAGREEMENT * self.median_margin
+
+    def threshold(self, floor: float) -> float:
+        """The near-tie threshold where this noise is measured: the class's, or 3x the noise."""
+        return max(floor, NOISE_FACTOR * self.p90)
+

@@ -53,6 +53,7 @@ class PromptParity:
     explained: tuple[str, ...] = ()
     # The kind of each split found (crossrt/diagnosis.py), explained or not: the headline counts them.
     causes: tuple[str, ...] = ()
+    splits: tuple[Split, ...] = ()  # those splits themselves: sides, gaps, verdicts (for the report)
 
     @property
     def identical(self) -> bool:
@@ -93,12 +94,13 @@ def compare_prompt(a: RunRecord, b: RunRecord, result_a: PromptResult, result_b:
         at = first_divergence(result_a.prompt_ids, result_b.prompt_ids)
         problems.append(f"prompt token ids differ at position {at}")
     divergence = first_divergence(result_a.output_ids, result_b.output_ids)
-    explained, causes = [], []
+    explained, causes, found = [], [], []
     records, results = (a, b), (result_a, result_b)
     if divergence is not None and not problems:
         parted = f"outputs part at token {divergence} (lengths {len(result_a.output_ids)} and {len(result_b.output_ids)})"
         links = explainer.outputs(labels, records, results)
         causes.extend(link.kind for link in links)
+        found.extend(links)
         reason = "; ".join(f"{link.sides[0].label.rsplit(' ', 1)[0] if link.sides else 'link'}: {_split_line(link)}"
                            for link in links) or "no link of the chain output - baseline - baseline - output parts"
         if not links or not all(link.numerics for link in links) or strict:
@@ -114,10 +116,11 @@ def compare_prompt(a: RunRecord, b: RunRecord, result_a: PromptResult, result_b:
         counted = "; ".join(f"{gap.name}: {gap.a} vs {gap.b}" for gap in gaps)
         split = explainer.counters(labels, records, results)
         causes.append(split.kind)
+        found.append(split)
         line = f"{counted}: {split.kind}: {split.detail}"
         (explained if split.numerics and not strict else problems).append(line)
     return PromptParity(result_a.prompt_id, *labels, tuple(problems), divergence, gaps, compared, tuple(explained),
-                        tuple(causes))
+                        tuple(causes), tuple(found))
 
 
 def compare_records(a: RunRecord, b: RunRecord, counter_tolerance: float = 0.0,
@@ -207,7 +210,7 @@ def lossless_checks(label: str, record: RunRecord, explainer: Explainer, strict:
             causes.append(template.kind)
         checks.append(PromptParity(result.prompt_id, label, OWN_BASELINE, tuple(problems),
                                    split.index if split is not None else None, (), False, tuple(explained),
-                                   tuple(causes)))
+                                   tuple(causes), tuple(s for s in (split, template) if s is not None)))
     return checks
 
 
@@ -217,7 +220,7 @@ def compare_all(runs: Sequence[tuple[str, RunRecord]], counter_tolerance: float 
     Native runs borrow the pass views of a driven twin that emitted the same ids; replay
     (crossrt/replay.py's Replayer) re-scores the splits neither explains (None: they stay
     unexplained and fail)."""
-    twins = twins_of([(label, record.results) for label, record in runs])
+    twins = twins_of(runs)
     explainer = Explainer(twins, replay, logit_tolerance=logit_tolerance)
     checks = [check for label, record in runs for check in lossless_checks(label, record, explainer, strict)]
     return checks + [comparison
@@ -227,7 +230,7 @@ def compare_all(runs: Sequence[tuple[str, RunRecord]], counter_tolerance: float 
 
 
 def compare_against(runs: Sequence[tuple[str, RunRecord]], baselines: Sequence[RunRecord],
-                    counter_tolerance: float = 0.0) -> list[PromptParity]:
+                    counter_tolerance: float = 0.0, replay=None) -> list[PromptParity]:
     """Each record against the saved baseline of the same runtime, mode and k: a runtime
     upgrade that changes outputs or acceptance shows up here. A record with no baseline, or a
     baseline with no new record, is a problem too."""
@@ -243,7 +246,8 @@ def compare_against(runs: Sequence[tuple[str, RunRecord]], baselines: Sequence[R
                                             None, (), False))
             continue
         labels = (f"{run_label(baseline)} (saved)", label)
-        comparisons.extend(compare_records(baseline, record, counter_tolerance, labels))
+        explainer = Explainer(twins_of([(labels[0], baseline), (label, record)]), replay)
+        comparisons.extend(compare_records(baseline, record, counter_tolerance, labels, explainer))
     comparisons.extend(PromptParity("*", f"{run_label(record)} (saved)", "new runs", ("not run this time",),
                                     None, (), False) for record in saved.values())
     return comparisons

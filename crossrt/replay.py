@@ -33,6 +33,7 @@ class Replayer:
     def __init__(self):
         self._stack = contextlib.ExitStack()
         self._sessions: dict[tuple, ModelSession] = {}
+        self._gaps: dict[tuple, Gap] = {}  # a split is asked for by its lossless check and its cross-run links
         self.passes = 0  # re-scored passes run, for the report of what explaining cost
 
     def __enter__(self) -> "Replayer":
@@ -41,11 +42,15 @@ class Replayer:
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
-    def session(self, record: RunRecord, role: str) -> ModelSession:
+    @staticmethod
+    def _key(record: RunRecord, role: str) -> tuple:
         model = record.pair.target if role == "target" else record.pair.drafter
+        return (scoring_runtime(record.runtime.name), getattr(model, "path", None), record.runtime.kv_cache,
+                record.runtime.flash_attn, record.runtime.threads or 1, record.params.n_ctx)
+
+    def session(self, record: RunRecord, role: str) -> ModelSession:
+        key = self._key(record, role)
         threads = record.runtime.threads or 1
-        key = (scoring_runtime(record.runtime.name), getattr(model, "path", None), record.runtime.kv_cache,
-               record.runtime.flash_attn, threads, record.params.n_ctx)
         if key not in self._sessions:
             self._sessions[key] = self._stack.enter_context(open_scorer(record, role, threads))
         return self._sessions[key]
@@ -57,9 +62,12 @@ class Replayer:
             emitted: int, other: int) -> Gap:
         """How far a pass of shape tokens (crossrt.rescore.row_in_pass) on the record's target
         puts other below emitted after prefix."""
-        self.passes += 1
-        row = row_in_pass(self.session(record, "target"), prefix, following, shape)
-        return rescored_gap(row, emitted, other, f"re-scored {_shape(shape, len(prefix))}")
+        key = (self._key(record, "target"), tuple(prefix), tuple(following[:shape - 1]), shape, emitted, other)
+        if key not in self._gaps:
+            self.passes += 1
+            row = row_in_pass(self.session(record, "target"), prefix, following, shape)
+            self._gaps[key] = rescored_gap(row, emitted, other, f"re-scored {_shape(shape, len(prefix))}")
+        return self._gaps[key]
 
     def drafter_rows(self, record: RunRecord, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> np.ndarray:
         """The record's drafter's logits rows predicting each output token, in one pass."""

@@ -1,7 +1,9 @@
 """The real public model (Gemma 3 270M Q4_K_M, fetched by scripts/setup, with its layer-skip
-drafter) through the llama.cpp runtimes, and a diagnosis that names the cause of each split:
-a batch-shape near-tie inside llama.cpp, a tokenization split (a run of spaces), a swapped
-model. One thread, a few prompts, short outputs."""
+drafter) through the llama.cpp runtimes, and a diagnosis that names the cause of every split.
+Which prompt splits where depends on the CPU, threads and kernels (near-ties break differently
+on AVX2 and AVX-512), so nothing here names a split: every split found must have a numerics
+cause, a swapped model must not, and a tokenization split (a run of spaces) is one everywhere.
+One thread, a few prompts, short outputs."""
 
 import json
 
@@ -9,18 +11,17 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.cli import main
-from crossrt.diagnosis import BATCH_SHAPE, explain_record
+from crossrt.diagnosis import NUMERICS, Explainer, explain_record
 from crossrt.pairs import load_pair
 from crossrt.record_json import load_record
+from crossrt.replay import Replayer
 
 from conftest import REPO
 
 PAIR = REPO / "models" / "pairs" / "gemma3-270m.toml"
-# Found on this model at k = 7: llama.cpp's 8-token verification batch and its one-token decode
-# swap 'Apple' and 'Mango' at output token 2 of the first prompt (crossrt's schedule), and two
-# candidates at token 9 of the second (crossrt's and llama-server's schedules).
 PROMPTS = [{"id": "fruits", "category": "structured", "prompt": "Here is a list of five fruits:\n1."},
-           {"id": "science", "category": "prose", "prompt": "Photosynthesis is the process by which plants"}]
+           {"id": "science", "category": "prose", "prompt": "Photosynthesis is the process by which plants"},
+           {"id": "story", "category": "prose", "prompt": "Once upon a time, in a small village by the sea,"}]
 
 
 def run(*args):
@@ -51,36 +52,44 @@ def driven(real_pair, prompts, tmp_path_factory):
     return out
 
 
-def test_a_lossless_failure_is_explained_as_batch_shape_numerics(driven):
+def test_every_lossless_failure_has_a_numerics_cause(driven):
     record = load_record(driven)
-    splits = explain_record("llama-cpp/driven", record.results, lambda ids: "")
-    assert [(s.prompt_id, s.kind, s.index) for s in splits] == [("fruits", BATCH_SHAPE, 2), ("science", BATCH_SHAPE, 9)]
-    speculative, baseline = splits[0].sides
-    # Each pass's choice is the other's runner-up, both within a logit: a near-tie.
-    assert (speculative.runner_up, baseline.runner_up) == (baseline.token, speculative.token)
-    assert 0 < speculative.margin < 1 and 0 < baseline.margin < 1
-    assert (speculative.pass_tokens, baseline.pass_tokens) == (8, 1)  # k = 7 verification batch
-
+    with Replayer() as replay:
+        splits = explain_record("llama-cpp/driven", record, Explainer(replay=replay))
+    assert len(splits) == sum(not r.lossless for r in record.results)
+    for split in splits:
+        assert split.numerics, split.render()
+        assert split.verdict.near and all(side.gap is not None and not side.gap.at_least for side in split.sides)
+        speculative, baseline = split.sides
+        assert baseline.pass_tokens == 1  # the baseline decodes one token at a time
+        assert (speculative.token, speculative.other) == (baseline.other, baseline.token)
     report = run("diff", driven)
     assert report.exit_code == 0
-    assert "fruits: batch-shape numerics at token 2" in report.output
-    assert "'Mango'" in report.output and "'Apple'" in report.output and "in a one-token decode" in report.output
+    assert report.output.count("verdict: batch-shape numerics") == len(splits)
 
 
-def test_parity_explains_the_near_tie_and_strict_fails_it(driven):
+def test_parity_notes_every_split_and_strict_fails_exactly_those(driven):
+    record = load_record(driven)
+    split = [r.prompt_id for r in record.results if not r.lossless]
     explained = run("parity", driven, "--no-logits")
     assert explained.exit_code == 0, explained.output
-    assert "NOTE llama-cpp/driven vs its baseline, fruits: not lossless" in explained.output
-    assert "batch-shape numerics" in explained.output
+    assert f"vs its baseline: 3 prompts: {3 - len(split)} identical, {len(split)} explained" in explained.output
+    assert explained.output.count("NOTE ") == len(split) and "FAIL" not in explained.output
     strict = run("parity", driven, "--no-logits", "--strict")
-    assert strict.exit_code == 1 and "FAIL llama-cpp/driven vs its baseline, fruits" in strict.output
+    assert strict.exit_code == (1 if split else 0)
+    assert sorted(line.split(", ")[1].split(":")[0] for line in strict.output.splitlines()
+                  if line.startswith("FAIL")) == sorted(split)
 
 
-def test_llama_server_finishes_every_prompt_and_its_splits_are_explained_by_its_driven_twin(
-        real_pair, prompts, driven, tmp_path):
+def _honest(output: str) -> None:
+    assert "FAIL" not in output and "unexplained" not in output and "disagreement" not in output, output
+
+
+def test_llama_server_finishes_every_prompt_and_every_split_is_explained(real_pair, prompts, driven, tmp_path):
     """llama-server on a sliding-window model: with its prompt in one decode (--swa-full, as the
-    in-process cache), its counts fit its schedule; the driven llama-server schedule emits the
-    same ids and counts, and its pass views explain the native run's lossless failures."""
+    in-process cache), its counts fit its schedule. Its splits are explained by the driven
+    llama-server schedule's pass views where that twin emitted the same ids, and by its passes
+    re-scored in-process where no twin did (against crossrt's own schedule)."""
     native, twin = tmp_path / "native.json", tmp_path / "twin.json"
     assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--runtime", "llama-server",
                "--mode", "native", "--out", native).exit_code == 0
@@ -88,22 +97,25 @@ def test_llama_server_finishes_every_prompt_and_its_splits_are_explained_by_its_
                "--out", twin).exit_code == 0
     record = load_record(native)
     assert all(r.ok and r.unfit_counts is None and r.counters.identity_violations(7) == [] for r in record.results)
-    report = run("parity", native, twin, "--no-logits")
-    assert report.exit_code == 0, report.output
-    assert "llama-server/native vs llama-cpp/driven: 2 prompts: 2 identical, 0 explained, 0 failed; counters compared" in report.output
-    assert "NOTE llama-server/native vs its baseline, science: not lossless" in report.output
-    assert "seen in llama-cpp/driven, which emitted the same tokens with pass views" in report.output
+    for others in ((twin,), (driven,)):
+        report = run("parity", native, *others, "--no-logits")
+        assert report.exit_code == 0, report.output
+        _honest(report.output)
+        assert "llama-server/native vs its baseline: 3 prompts:" in report.output and ", 0 failed" in report.output
+    assert "counters compared" in run("parity", native, twin, "--no-logits").output
 
 
-def test_llama_spec_cli_equals_its_driven_schedule_on_the_real_model(real_pair, prompts, tmp_path):
+def test_llama_spec_cli_equals_its_driven_schedule_on_the_real_model(real_pair, prompts, driven, tmp_path):
     native, twin = tmp_path / "native.json", tmp_path / "twin.json"
     assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--runtime", "llama-spec-cli",
                "--mode", "native", "--out", native).exit_code == 0
     assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--schedule",
                "llama-spec-simple", "--out", twin).exit_code == 0
-    report = run("parity", native, twin, "--no-logits")
+    report = run("parity", native, twin, driven, "--no-logits")
     assert report.exit_code == 0, report.output
-    assert "llama-spec-cli/native vs llama-cpp/driven: 2 prompts: 2 identical, 0 explained, 0 failed; counters compared" in report.output
+    _honest(report.output)
+    assert "llama-spec-cli/native vs llama-cpp/driven (twin.json): 3 prompts:" in report.output
+    assert "counters compared" in report.output
 
 
 def test_a_swapped_model_is_a_disagreement(real_pair, prompts, driven, tmp_path):

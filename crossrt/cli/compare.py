@@ -124,11 +124,12 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
             started = time.perf_counter()
             comparisons = compare_all(runs, counter_tolerance, logit_tolerance, strict,
                                       replay=None if no_rescore else replay)
+            if baselines:
+                comparisons += compare_against(runs, [load_record(path) for path in baselines], counter_tolerance,
+                                               None if no_rescore else replay)
             if replay.passes:
                 click.echo(f"explaining: {replay.passes} passes re-scored in {time.perf_counter() - started:.1f} s",
                            err=True)
-        if baselines:
-            comparisons += compare_against(runs, [load_record(path) for path in baselines], counter_tolerance)
         by_label = dict(runs)
 
         def tolerance(label_a: str, label_b: str):
