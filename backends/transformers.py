@@ -129,7 +129,7 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
         raise SettingsError("the transformers runtime runs a model on one device; --gpu-split is not supported")
     on_gpu = device_of(options) == "cuda"  # the whole model, on the first GPU
     check_fits([path], options.n_ctx, runtime="transformers", kv_cache=KV_CACHE[dtype], dtype=dtype,
-               gpu_layers=ALL_LAYERS if on_gpu else 0, gpu_split=(1.0,))
+               gpu_layers=ALL_LAYERS if on_gpu else 0, gpu_split=(1.0,), converting=bool(extra))
     torch.set_num_threads(options.threads)
     # Progress bars and load reports would interleave with crossrt's own progress output.
     transformers.utils.logging.disable_progress_bar()

@@ -47,7 +47,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 SMALLER_DTYPE = {"float32": "bfloat16"}
 GIB = 2 ** 30
-MIN_CTX = 16  # the smallest --n-ctx the CLI takes
+# transformers' GGUF loader holds about 2.4 float32 copies of the weights at its peak, whatever
+# dtype the model ends in: 3.23 GB of RSS converting Gemma 3 270M (1.07 GB of float32 weights)
+# in float32 or in bfloat16, against 1.74 GB loading the float32 conversion (docs/real-models.md).
+CONVERSION_PEAK = 2.4
+MIN_CTX = 256  # a smaller context than this holds no real prompt and answer: not offered as a fit
 ALL_LAYERS = 1 << 30  # gpu_layers for a runtime that puts a whole model on a GPU, as a large -ngl does
 
 
@@ -68,10 +72,12 @@ class Footprint:
         return self.weights + n_ctx * self.kv_per_token
 
 
-def _gguf_footprint(path: Path, dtype: Optional[str], kv_bytes: int) -> Footprint:
+def _gguf_footprint(path: Path, dtype: Optional[str], kv_bytes: int, converting: bool) -> Footprint:
     stat = path.stat()
     n_layer, kv_elements, stored, elements = _gguf_counts(str(path), stat.st_size, stat.st_mtime_ns)
     weights = stored if dtype is None else elements * DTYPE_BYTES[dtype]
+    if converting:
+        weights = int(elements * DTYPE_BYTES["float32"] * CONVERSION_PEAK)
     return Footprint(path.name, weights, kv_elements * kv_bytes, n_layer)
 
 
@@ -120,14 +126,15 @@ def _folder_footprint(folder: Path, dtype: str, kv_bytes: int) -> Footprint:
     return Footprint(folder.name, elements * DTYPE_BYTES[dtype], kv, n_layer)
 
 
-def footprint(path: Path, dtype: Optional[str], kv_cache: str) -> Footprint:
+def footprint(path: Path, dtype: Optional[str], kv_cache: str, converting: bool = False) -> Footprint:
     """What path (a GGUF file, or a transformers folder) holds loaded: weights as stored
-    (dtype None, GGUF only) or in dtype, and a KV cache of element type kv_cache."""
+    (dtype None, GGUF only) or in dtype, and a KV cache of element type kv_cache; converting:
+    a GGUF being dequantized (CONVERSION_PEAK), whatever dtype it ends in."""
     path = Path(path)
     try:
         if path.is_dir():
             return _folder_footprint(path, dtype or "float32", KV_BYTES[kv_cache])
-        return _gguf_footprint(path, dtype, KV_BYTES[kv_cache])
+        return _gguf_footprint(path, dtype, KV_BYTES[kv_cache], converting)
     except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
         # The runtime's own load says what is wrong with the file; the check only cannot count it.
         raise _Uncounted(f"{path}: {error}") from None
@@ -228,14 +235,19 @@ def _largest_ctx(models: Sequence[Footprint], gpu_layers: int, shares: Sequence[
 
 
 def check_fits(paths: Sequence[Path], n_ctx: int, *, runtime: str, kv_cache: str, dtype: Optional[str] = None,
-               gpu_layers: int = 0, gpu_split: Optional[Sequence[float]] = None) -> None:
+               gpu_layers: int = 0, gpu_split: Optional[Sequence[float]] = None, converting: bool = False) -> None:
     """Raise MemoryShort when the models at paths, loaded together by runtime, do not fit.
 
     dtype: the element type the runtime loads weights in (None: a GGUF's own tensors);
     kv_cache: the KV cache's element type; gpu_layers: blocks of each model offloaded to GPUs
-    (0: all in RAM), shared across GPUs by gpu_split (None: by their free memory)."""
+    (0: all in RAM), shared across GPUs by gpu_split (None: by their free memory); converting:
+    the GGUFs are dequantized first, in RAM (footprint)."""
+    if converting and gpu_layers > 0:  # dequantized in RAM first, then moved to the GPUs
+        check_fits(paths, n_ctx, runtime=runtime, kv_cache=kv_cache, dtype=dtype, gpu_layers=gpu_layers,
+                   gpu_split=gpu_split)
+        gpu_layers = 0
     try:
-        models = [footprint(path, dtype, kv_cache) for path in paths]
+        models = [footprint(path, dtype, kv_cache, converting) for path in paths]
     except _Uncounted:
         return
     devices = {device.label: device for device in ([ram()] + (gpus() if gpu_layers > 0 else [])) if device}
@@ -252,11 +264,11 @@ def check_fits(paths: Sequence[Path], n_ctx: int, *, runtime: str, kv_cache: str
     what = " + ".join(model.name for model in models)
     weights = sum(model.weights for model in models)
     kv = sum(model.kv_per_token for model in models) * n_ctx
-    where = f"on {runtime}" + (f" in {dtype}" if dtype else "")
+    where = f"on {runtime}" + (f" in {dtype}" if dtype else "") + (", converting the GGUF" if converting else "")
     fits = []
     smaller = SMALLER_DTYPE.get(dtype or "")
     if smaller:
-        halved = [footprint(path, smaller, "bf16" if kv_cache == "f32" else kv_cache) for path in paths]
+        halved = [footprint(path, smaller, "bf16" if kv_cache == "f32" else kv_cache, converting) for path in paths]
         if not _plan(halved, n_ctx, gpu_layers, shares).short(devices):
             fits.append(f"--dtype {smaller} ({_gib(sum(m.need(n_ctx) for m in halved))})")
     n_fit = _largest_ctx(models, gpu_layers, shares, devices)

@@ -101,14 +101,23 @@ def test_a_context_too_big_for_ram_is_refused_before_llama_cpp_loads(tmp_path):
 
 
 def test_a_conversion_too_big_is_refused_before_transformers_reads_the_gguf(tmp_path, monkeypatch):
-    """In float32 (the CPU's default) it needs twice what bfloat16 does: a limit between the two."""
+    """Dequantizing a GGUF peaks at CONVERSION_PEAK float32 copies of the weights: a limit the
+    conversion passes but its cached result fits is refused the first time only."""
     monkeypatch.setenv("CROSSRT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv(LIMIT_ENV, str(int(footprint(TARGET, "float32", "f32").need(4096) * 0.75)))
-    runtime = open_runtime("transformers", RuntimeOptions(n_ctx=4096, threads=1))
-    with pytest.raises(MemoryShort, match=r"^not enough memory for target.f32.gguf on transformers in float32: .* "
-                                          r"would fit: --dtype bfloat16 \(.*\), --n-ctx \d+ or less$"):
-        runtime.load(TARGET)
+    loaded, converting = (footprint(TARGET, "float32", "f32", c).need(256) for c in (False, True))
+    assert converting > 2 * loaded
+    options = RuntimeOptions(n_ctx=256, threads=1)
+    monkeypatch.setenv(LIMIT_ENV, str((loaded + converting) // 2))
+    with pytest.raises(MemoryShort, match=r"^not enough memory for target.f32.gguf on transformers in float32, "
+                                          r"converting the GGUF: .* short; nothing smaller"):
+        open_runtime("transformers", options).load(TARGET)
     assert not (tmp_path / "cache" / "hf-from-gguf").exists()  # nothing converted
+    monkeypatch.delenv(LIMIT_ENV)
+    with open_runtime("transformers", options).load(TARGET):
+        pass
+    monkeypatch.setenv(LIMIT_ENV, str((loaded + converting) // 2))
+    with open_runtime("transformers", options).load(TARGET):  # from its conversion: fits
+        pass
 
 
 @pytest.mark.parametrize("runtime_name", ["llama-cpp", "llama-server", "llama-spec-cli", "transformers"])
