@@ -15,7 +15,7 @@ import typing
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import jsonschema
 
@@ -172,9 +172,15 @@ def _result_from_entry(line: str, record_data: dict[str, Any], record: RunRecord
     return result
 
 
-def load_record(path: Path) -> RunRecord:
+# What makes a damaged record anew, for the commands that read records without writing them
+# (show, parity, report...): they have no --overwrite of their own, so the hint names who has.
+REMAKE = "write it again with the `crossrt run` or `crossrt import` that made it, passing --overwrite"
+
+
+def load_record(path: Path, remake: Optional[str] = REMAKE) -> RunRecord:
     """The record at path, validated whole, with the prompts its journal holds (a run in
-    progress, or one killed) folded in, each validated alone; a torn last line is left out."""
+    progress, or one killed) folded in, each validated alone; a torn last line is left out.
+    remake: what the reading command's user does to make a damaged record anew (None: no hint)."""
     path = Path(path)
     if not path.is_file():
         raise RecordError(f"no run record at {path}")
@@ -182,7 +188,8 @@ def load_record(path: Path) -> RunRecord:
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, nested too deep (a damaged file)
-        raise RecordError(f"{path} is not JSON: {error} (a damaged record: run it again with --overwrite)") from None
+        raise RecordError(f"{path} is not JSON: {error} (a damaged record{f': {remake}' if remake else ''})") \
+            from None
     try:
         record = record_from_json(data)
     except RecordError as error:

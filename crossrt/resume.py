@@ -32,7 +32,9 @@ def starting_record(out: Path, fresh: RunRecord, resume: bool, overwrite: bool) 
         return fresh
     if not resume:
         raise RecordError(f"{out} exists: pass --resume to continue it or --overwrite to replace it")
-    previous = load_record(out)
+    # Read by crossrt run --resume and crossrt reproduce --resume: each starts a record anew its own way.
+    previous = load_record(out, remake="start it anew instead of resuming it (crossrt run --overwrite; "
+                                       "crossrt reproduce without --resume)")
     if previous.imported:
         raise RecordError(f"cannot resume {out}: it was imported (crossrt import), not run")
     for name, before, now in (("runtime", previous.runtime, fresh.runtime),

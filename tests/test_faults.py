@@ -5,6 +5,8 @@ with no process left behind; the same for llama-server's native mode; and a stop
 (docs/reliability.md lists each case)."""
 
 import dataclasses
+import hashlib
+import json
 import os
 import random
 import shlex
@@ -342,6 +344,26 @@ def test_no_parity_or_simulate_output_is_one_of_its_inputs(small_record, tmp_pat
     assert {p: p.read_bytes() for p in before} == before and not (tmp_path / "p.out").exists()
 
 
+# ---- a damaged record: the hint names what makes it anew for the command in hand ------------
+
+READER_HINT = "write it again with the `crossrt run` or `crossrt import` that made it, passing --overwrite"
+
+
+def test_a_damaged_records_hint_names_what_makes_it_anew_for_each_command(small_record, tmp_path):
+    damaged = tmp_path / "cut.json"
+    damaged.write_bytes(small_record.read_bytes()[:300])
+    claims = Path(__file__).resolve().parents[1] / "models" / "claims" / "community.toml"
+    for command, hint in [
+            (["show", damaged], READER_HINT), (["report", damaged, "-o", tmp_path / "r.md"], READER_HINT),
+            (["reproduce", claims, "--claim", "tiny-llama-cpp-k4", "--measured", f"tiny-llama-cpp-k4={damaged}"],
+             "make it again (its crossrt import or run, with --overwrite), or drop --measured tiny-llama-cpp-k4=... "
+             "so reproduce runs the claim"),
+            ([*RUN[:-1], "2", "--prompts", "code", "--resume", "--out", damaged],
+             "start it anew instead of resuming it (crossrt run --overwrite; crossrt reproduce without --resume)")]:
+        line = output_error(crossrt(*command, cwd=tmp_path))
+        assert f"{damaged} is not JSON" in line and f"(a damaged record: {hint})" in line, line
+
+
 # ---- sweeps: one writer per directory, a killed driver ----------------------------------------
 
 SWEEP = """name = "faults"
@@ -376,3 +398,23 @@ def test_a_second_sweep_run_is_refused_and_a_killed_one_leaves_no_lock(tmp_path)
     done = crossrt("sweep", "run", sweep, "--dir", out, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "3 cells: 0 to run, 3 done" in crossrt("sweep", "plan", sweep, "--dir", out, cwd=tmp_path).stdout
+
+
+def test_a_sweep_cell_that_does_not_read_names_what_runs_it_again(tmp_path):
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text(SWEEP.replace("k = [1, 2, 3]", "k = 1").replace("max_new_tokens = 16", "max_new_tokens = 4"))
+    out = tmp_path / "out"
+    assert crossrt("sweep", "run", sweep, "--dir", out, cwd=tmp_path).returncode == 0
+    (meta,) = (out / "cells").glob("*.cell.json")
+    record = meta.with_name(meta.name.replace(".cell.json", ".json"))
+    # Written over by hand, its meta made to name the new bytes: the store takes the cell as done.
+    record.write_bytes(record.read_bytes()[:300])
+    fields = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**fields, "record_sha256": hashlib.sha256(record.read_bytes()).hexdigest()}))
+    line = output_error(crossrt("sweep", "show", out, cwd=tmp_path))
+    assert f"{record} is not JSON" in line and "--overwrite" not in line, line
+    assert f"(a damaged record); delete {meta} and `crossrt sweep run` runs the cell again" in line, line
+    meta.unlink()
+    assert crossrt("sweep", "run", sweep, "--dir", out, cwd=tmp_path).returncode == 0
+    done = crossrt("sweep", "show", out, cwd=tmp_path)
+    assert done.returncode == 0 and load_record(record).results, done.stderr

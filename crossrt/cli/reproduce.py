@@ -149,6 +149,12 @@ def _measured(item: str) -> tuple[str, Path]:
     return claim_id, Path(path)
 
 
+def _measured_record(claim_id: str, path: Path) -> RunRecord:
+    """The --measured record of claim_id; a damaged one is named with what makes it anew here."""
+    return load_record(path, remake=f"make it again (its crossrt import or run, with --overwrite), or drop "
+                                    f"--measured {claim_id}=... so reproduce runs the claim")
+
+
 @click.command()
 @click.argument("claims_files", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--claim", "only", multiple=True, help="Only the claim with this id; repeatable.")
@@ -193,7 +199,7 @@ def reproduce(claims_files: Sequence[Path], only, prompt_source, max_new_tokens,
             raise ClaimError(f"no claim {', '.join(map(repr, unknown))} (claims: {', '.join(ids)})")
         options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, gpu_split=gpu_split)
         settings = Settings(options, max_new_tokens, prompt_source, out_dir, hardware, resume)
-        outcomes = [Outcome(claim, check_record(claim, load_record(given[claim.id]), hardware),
+        outcomes = [Outcome(claim, check_record(claim, _measured_record(claim.id, given[claim.id]), hardware),
                             record=given[claim.id], measured=True) if claim.id in given
                     else reproduce_claim(claim, settings) for claim in claims if not only or claim.id in only]
     except USER_ERRORS as error:

@@ -75,7 +75,14 @@ class StoredCell:
     record_path: Path
 
     def record(self) -> RunRecord:
-        return load_record(self.record_path)
+        """The cell's record; SweepError where it does not read though its meta names its digest
+        (written over by hand): `sweep run` skips such a cell until its meta is gone."""
+        try:
+            return load_record(self.record_path, remake=None)
+        except RecordError as error:
+            meta = self.record_path.with_name(f"{self.meta['id']}.cell.json")
+            raise SweepError(f"sweep cell {self.meta['id']}: {error}; delete {meta} and `crossrt sweep run` "
+                             "runs the cell again") from None
 
 
 def _sql_text(path: Path) -> str:
@@ -204,10 +211,7 @@ class SweepStore:
 
     def rows(self, stored: Sequence[StoredCell]) -> Iterator[tuple]:
         for cell in stored:
-            try:
-                record = cell.record()
-            except RecordError as error:
-                raise SweepError(f"sweep cell {cell.meta['id']}: {error}") from None
+            record = cell.record()
             params = cell.meta["params"]
             split = params["gpu_split"]
             settings = (cell.meta["id"], cell.meta["name"], *(params[name] for name, _ in CELL_COLUMNS[2:15]),
