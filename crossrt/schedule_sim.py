@@ -16,7 +16,11 @@ rule with the source line it comes from.
   crossrt's exllamav3 runtime runs it): prefill prompt[:-1], every round verifies a window of k
   (never cut to the budget); position by position the target's token is checked for a stop
   token and the budget first, then against the draft; a stop ends the round and the window's
-  unresolved positions count as rejected.
+  unresolved positions count as rejected. exllamav3-dynamic: the same with
+  dynamic_draft_tokens on (draft_confidence 0.4, its default), so a draft stops once the running
+  product of per-position acceptance estimates falls below 0.4; the estimates come from an
+  online calibrator of the drafter's top logit against the verified outcomes (DraftCalibration),
+  new for each prompt, as crossrt's runtime starts a Generator per generation.
 - vllm (vLLM 0.32's draft-model proposer under its v1 scheduler, synchronous): the first token
   comes from the prefill step, with no draft; every later step verifies k draft tokens (the
   drafter's argmax, no EOS stop, no cut near max_tokens); the greedy rejection sampler accepts
@@ -26,6 +30,7 @@ rule with the source line it comes from.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -39,9 +44,11 @@ from crossrt.schema import Counters, RunRecord
 from crossrt.simulate import Oracle, Policy, simulate
 
 EXLLAMAV3 = "exllamav3"
+EXLLAMAV3_DYNAMIC = "exllamav3-dynamic"
 VLLM = "vllm"
 LLAMA = (SPEC_SIMPLE, SERVER)
-SIMULATED = (loop.SCHEDULE, loop.HF_SCHEDULE, SPEC_SIMPLE, SERVER, EXLLAMAV3, VLLM)
+SIMULATED = (loop.SCHEDULE, loop.HF_SCHEDULE, SPEC_SIMPLE, SERVER, EXLLAMAV3, EXLLAMAV3_DYNAMIC, VLLM)
+DRAFT_CONFIDENCE = 0.4  # exllamav3 1.6.5's Generator default (generator.py:67)
 
 
 @dataclass(frozen=True)
@@ -184,6 +191,70 @@ def _exllamav3(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
     return _run(oracle, y, [k] * len(accepted), accepted)
 
 
+class DraftCalibration:
+    """exllamav3 1.6.5's mapping from a drafter's confidence score to an acceptance estimate
+    (generator/draft_confidence.py, DraftConfidenceCalibrator, at its defaults): scores fall in
+    bins of width 1, each holding decayed (tested, accepted) counts; every count decays by
+    0.995 per round. Before 64 labels in all, or with no bin of 8 tested, the estimate is 1; then
+    it is the acceptance rate of the nearest bin of 8 or more at or below the score, else of the
+    lowest such bin."""
+
+    WIDTH, DECAY, MIN_COUNT, BURN_IN = 1.0, 0.995, 8.0, 64.0
+
+    def __init__(self):
+        self.bins: dict[int, list[float]] = {}
+        self.total = 0.0
+
+    def label(self, score: float, accepted: bool) -> None:
+        counts = self.bins.setdefault(math.floor(score / self.WIDTH), [0.0, 0.0])
+        counts[0] += 1.0
+        counts[1] += float(accepted)
+        self.total += 1.0
+
+    def decay(self) -> None:
+        for counts in self.bins.values():
+            counts[0] *= self.DECAY
+            counts[1] *= self.DECAY
+        self.total *= self.DECAY
+
+    def estimate(self, score: float) -> float:
+        populated = sorted(b for b, (tested, _) in self.bins.items() if tested >= self.MIN_COUNT)
+        if self.total < self.BURN_IN or not populated:
+            return 1.0
+        below = [b for b in populated if b <= math.floor(score / self.WIDTH)]
+        tested, accepted = self.bins[below[-1] if below else populated[0]]
+        return accepted / tested
+
+
+def _exllamav3_dynamic(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
+    """generator.py:1129-1145 cuts the window, 2018-2039 labels the verified positions."""
+    y, budget, eog, k = oracle.output, oracle.max_new_tokens, oracle.eog_ids, rules.k
+    calibration = DraftCalibration()
+    drafted, accepted = [], []
+    e = 0
+    while e < len(y):
+        scores = [float(score) for score in oracle.draft_top[e, :k]]
+        window, reach = k, 1.0
+        for index, score in enumerate(scores):
+            reach *= calibration.estimate(score)
+            if index + 1 < window and reach < DRAFT_CONFIDENCE:
+                window = index + 1
+                break
+        draft = oracle.drafts[e, :window]
+        n = 0  # as _exllamav3, in the cut window
+        while n < window and y[e + n] not in eog and e + n + 1 < budget and draft[n] == y[e + n]:
+            n += 1
+        for score in scores[:n]:
+            calibration.label(score, True)
+        if n < window:  # the position that ended the round: its draft token against what was emitted there
+            calibration.label(scores[n], draft[n] == y[e + n])
+        calibration.decay()
+        drafted.append(window)
+        accepted.append(n)
+        e += n + 1
+    return _run(oracle, y, drafted, accepted)
+
+
 def _vllm(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
     y, k = oracle.extended, rules.k
     output, cut = _first_from_prefill(oracle)
@@ -200,7 +271,7 @@ def _vllm(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
 
 
 _SIMULATORS = {loop.HF_SCHEDULE: _hf, SPEC_SIMPLE: _spec_simple, SERVER: _server, EXLLAMAV3: _exllamav3,
-               VLLM: _vllm}
+               EXLLAMAV3_DYNAMIC: _exllamav3_dynamic, VLLM: _vllm}
 
 
 def record_rules(record: RunRecord) -> DraftRules:

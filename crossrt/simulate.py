@@ -51,6 +51,8 @@ class Oracle:
     beyond: tuple[int, ...] = ()
     # float32, as drafts: llama.cpp's top-10 softmax probability of each (its p_min test)
     draft_p10: Optional[np.ndarray] = None
+    # float32, as drafts: the drafter's top logit at each (exllamav3's draft confidence score)
+    draft_top: Optional[np.ndarray] = None
 
     @property
     def max_k(self) -> int:
@@ -79,11 +81,13 @@ def build_oracle(target: ModelSession, drafter: ModelSession, prompt_id: str, ca
     drafts = np.full((n, max_k), -1, dtype=np.int32)
     draft_p1 = np.full((n, max_k), np.nan, dtype=np.float32)
     draft_p10 = np.full((n, max_k), np.nan, dtype=np.float32)
+    draft_top = np.full((n, max_k), np.nan, dtype=np.float32)
 
     def keep(j: int, i: int, row: np.ndarray) -> int:
         drafts[j, i] = int(row.argmax())
         draft_p1[j, i] = top1_probability(row)
         draft_p10[j, i] = top_probability(row)
+        draft_top[j, i] = row[drafts[j, i]]
         return int(drafts[j, i])
 
     base = len(prompt_ids) - 1
@@ -98,7 +102,7 @@ def build_oracle(target: ModelSession, drafter: ModelSession, prompt_id: str, ca
         if j + 1 < n and drafts[j, 0] == output[j]:
             # Its first token is the target's, so the rest continues prompt + output[:j + 1]:
             # the next row, already drafted (the drafter's passes shrink by its acceptance).
-            for array in (drafts, draft_p1, draft_p10):
+            for array in (drafts, draft_p1, draft_p10, draft_top):
                 array[j, 1:] = array[j + 1, :-1]
             continue
         drafter.truncate(base + 1 + j)
@@ -106,7 +110,7 @@ def build_oracle(target: ModelSession, drafter: ModelSession, prompt_id: str, ca
         for i in range(1, max_k):
             token = keep(j, i, drafter.eval((token,), Rows.LAST)[0])
     return Oracle(prompt_id, category, prompt_ids, max_new_tokens, output, drafts, draft_p1, target.eog_ids,
-                  tuple(beyond), draft_p10)
+                  tuple(beyond), draft_p10, draft_top)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The what-if simulator against real driven runs of the tiny pair in llama.cpp."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -12,7 +13,8 @@ from crossrt.cli.analysis import simulate_command
 from crossrt.driver import RunRequest, run_pair
 from crossrt.prompts import load_prompts
 from crossrt.runtime import DraftRules, Rows, RuntimeOptions, availability, open_runtime
-from crossrt.schedule_sim import EXLLAMAV3, LLAMA, VLLM, compare_with_record, simulate_schedule
+from crossrt.schedule_sim import (EXLLAMAV3, EXLLAMAV3_DYNAMIC, LLAMA, VLLM, DraftCalibration, compare_with_record,
+                                  simulate_schedule)
 from crossrt.simulate import CostModel, Policy, build_oracle, measure_costs, simulate, simulate_suite
 from crossrt.schedules import top_probability
 
@@ -227,6 +229,46 @@ def test_exllamav3_verifies_full_windows_and_accepts_as_crossrt(generated):
             crossrt = simulate(oracle, Policy(k))
             assert_simulated(oracle, EXLLAMAV3, DraftRules(k), oracle.output, [k] * crossrt.steps,
                              crossrt.step_accepted, 0, 0)
+
+
+def test_draft_calibration_estimates_from_decayed_bins():
+    calibration = DraftCalibration()
+    for accepted in [True] * 10 + [False] * 30:
+        calibration.label(2.2, accepted)
+    assert calibration.estimate(2.0) == 1.0  # 40 labels: under the burn-in of 64
+    for _ in range(40):
+        calibration.label(5.5, True)
+    calibration.decay()
+    assert calibration.total == pytest.approx(80 * 0.995)
+    assert calibration.estimate(5.9) == 1.0 and calibration.estimate(9.0) == 1.0  # bin 5, and the nearest below
+    assert calibration.estimate(3.0) == pytest.approx(0.25)  # bin 3 is empty: bin 2 below it
+    assert calibration.estimate(-4.0) == pytest.approx(0.25)  # nothing below: the lowest populated bin
+    for _ in range(45):
+        calibration.decay()
+    assert calibration.total < 64 and calibration.estimate(3.0) == 1.0  # decayed under the burn-in again
+
+
+def test_exllamav3_dynamic_cuts_windows_once_calibrated(tiny_sessions):
+    """Until 64 labels the estimates are 1 and every window is k; then windows shrink, and each
+    round accepts what the fixed window would, up to its cut."""
+    target, drafter = tiny_sessions
+    cut = 0
+    for ids in generated_prompts(target.tokenize, count=3):
+        oracle = build_oracle(target, drafter, "long", "generated", ids, 200, MAX_K)
+        run = simulate_schedule(oracle, EXLLAMAV3_DYNAMIC, DraftRules(MAX_K))
+        assert run.output == oracle.output and run.counters(MAX_K).identity_violations(MAX_K) == []
+        emitted, labels = 0, 0.0
+        for window, accepted in zip(run.step_drafted, run.step_accepted):
+            rest = dataclasses.replace(oracle, output=oracle.output[emitted:], drafts=oracle.drafts[emitted:],
+                                       max_new_tokens=oracle.max_new_tokens - emitted)
+            full = simulate_schedule(rest, EXLLAMAV3, DraftRules(MAX_K))
+            assert 1 <= window <= MAX_K and accepted == min(full.step_accepted[0], window)
+            if labels < DraftCalibration.BURN_IN:
+                assert window == MAX_K
+            labels = (labels + accepted + (accepted < window)) * DraftCalibration.DECAY
+            cut += window < MAX_K
+            emitted += accepted + 1
+    assert cut > 0
 
 
 def test_vllm_drafts_k_after_the_prefill_token_and_counts_before_the_stop(generated):
