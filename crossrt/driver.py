@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from crossrt import loop
+from crossrt.baselines import BaselineStore, RunBaselines, run_key
 from crossrt.chat_template import ChatRendering, with_template_ids
 from crossrt.errors import PromptRefused, SettingsError
 from crossrt.journal import storage_error
@@ -49,6 +50,17 @@ class RunRequest:
     # Record per-token traces (driven mode, crossrt and hf-assisted schedules) in
     # <out stem>.trace.npz beside the record.
     trace: bool = False
+    # The baseline store (crossrt/baselines.py): None decodes every baseline and keeps none; the
+    # record names each baseline's source either way.
+    baselines: Optional[BaselineStore] = None
+
+
+def _baseline(baselines: Optional[RunBaselines], prompt_ids: tuple[int, ...], max_new_tokens: int,
+              whole_prompt: bool, decode: Callable[[], object]):
+    """(the prompt's baseline, its BaselineSource): decoded, or from the run's store."""
+    if baselines is None:  # a caller outside run_pair: decoded, and no source to name
+        return decode(), None
+    return baselines.get(prompt_ids, max_new_tokens, whole_prompt, decode)
 
 
 def _prompt_ids(tokenize: Callable[[str], list[int]], prompt: Prompt,
@@ -62,14 +74,17 @@ def _prompt_ids(tokenize: Callable[[str], list[int]], prompt: Prompt,
 
 def run_prompt(target: ModelSession, drafter: ModelSession, prompt: Prompt, rules: DraftRules,
                max_new_tokens: int, schedule: str = loop.SCHEDULE,
-               shared_ids: Optional[Sequence[int]] = None, trace: Optional[TraceRecorder] = None) -> PromptResult:
+               shared_ids: Optional[Sequence[int]] = None, trace: Optional[TraceRecorder] = None,
+               baselines: Optional[RunBaselines] = None) -> PromptResult:
     """Baseline then speculative run of one prompt; a prompt that cannot run (too long for
     the context, a decode error) becomes a failed result with the reason. trace, when given,
-    records the speculative run."""
+    records the speculative run; baselines, when given, holds the baseline decoded once."""
     prompt_ids: tuple[int, ...] = ()
     try:
         prompt_ids, own_ids = _prompt_ids(target.tokenize, prompt, shared_ids)
-        baseline = loop.greedy_generate(target, prompt_ids, max_new_tokens, whole_prompt=schedule == SERVER)
+        whole_prompt = schedule == SERVER
+        baseline, source = _baseline(baselines, prompt_ids, max_new_tokens, whole_prompt, lambda: loop.greedy_generate(
+            target, prompt_ids, max_new_tokens, whole_prompt=whole_prompt))
         speculative = loop.speculative_generate(target, drafter, prompt_ids, rules, max_new_tokens, schedule, trace)
     except PromptRefused as error:
         return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
@@ -78,17 +93,19 @@ def run_prompt(target: ModelSession, drafter: ModelSession, prompt: Prompt, rule
     timings = Timings(speculative.prefill_s, speculative.decode_s, baseline.prefill_s, baseline.decode_s)
     return PromptResult(prompt.id, prompt.category, "ok", None, prompt_ids, speculative.output_ids,
                         baseline.output_ids, speculative.stop_reason, counters, timings, own_ids,
-                        output_view=speculative.view, baseline_view=baseline.view)
+                        output_view=speculative.view, baseline_view=baseline.view, baseline_source=source)
 
 
 def run_prompt_native(session: NativeSession, prompt: Prompt, max_new_tokens: int, k: int,
-                      shared_ids: Optional[Sequence[int]] = None) -> PromptResult:
+                      shared_ids: Optional[Sequence[int]] = None,
+                      baselines: Optional[RunBaselines] = None) -> PromptResult:
     """The runtime's own plain and speculative generation of one prompt. A prompt that cannot
     run becomes a failed result; a runtime that breaks (RuntimeFailure) ends the run."""
     prompt_ids: tuple[int, ...] = ()
     try:
         prompt_ids, own_ids = _prompt_ids(session.tokenize, prompt, shared_ids)
-        baseline = session.generate(prompt_ids, max_new_tokens, speculative=False)
+        baseline, source = _baseline(baselines, prompt_ids, max_new_tokens, False,
+                                     lambda: session.generate(prompt_ids, max_new_tokens, speculative=False))
         speculative = session.generate(prompt_ids, max_new_tokens, speculative=True)
     except PromptRefused as error:
         return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
@@ -100,7 +117,7 @@ def run_prompt_native(session: NativeSession, prompt: Prompt, max_new_tokens: in
     timings = Timings(speculative.prefill_s, speculative.decode_s, baseline.prefill_s, baseline.decode_s)
     return PromptResult(prompt.id, prompt.category, "ok", None, prompt_ids, speculative.output_ids,
                         baseline.output_ids, speculative.stop_reason, speculative.counters, timings, own_ids,
-                        unfit_counts=speculative.unfit_counts)
+                        unfit_counts=speculative.unfit_counts, baseline_source=source)
 
 
 def _starting_traces(request: RunRequest, record: RunRecord) -> dict[str, PromptTrace]:
@@ -158,16 +175,18 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
         except OSError as error:
             raise storage_error(work_dir, error) from None
         session = stack.enter_context(runtime.open_native(paths["target"], paths["drafter"], request.rules, work_dir))
-        return (lambda prompt, _: run_prompt_native(session, prompt, request.max_new_tokens, request.rules.k,
-                                                   shared(prompt))), session, session
+        return (lambda prompt, _, baselines: run_prompt_native(session, prompt, request.max_new_tokens,
+                                                              request.rules.k, shared(prompt), baselines)), \
+            session, session
     request.rules.require_drafter_model("crossrt's driven loop")
     if models is not None:
         target, drafter = models.load(runtime, paths["target"]), models.load(runtime, paths["drafter"])
     else:
         target = stack.enter_context(runtime.load(paths["target"]))
         drafter = stack.enter_context(runtime.load(paths["drafter"]))
-    return (lambda prompt, trace: run_prompt(target, drafter, prompt, request.rules, request.max_new_tokens,
-                                             request.schedule, shared(prompt), trace)), None, target
+    return (lambda prompt, trace, baselines: run_prompt(target, drafter, prompt, request.rules,
+                                                        request.max_new_tokens, request.schedule, shared(prompt),
+                                                        trace, baselines)), None, target
 
 
 def run_pair(request: RunRequest, prompts: Sequence[Prompt],
@@ -191,7 +210,10 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
                            mode=request.mode, spec_type=request.rules.spec_type,
                            schedule=native.schedule if native else request.schedule, n_ctx=request.options.n_ctx,
                            draft_n_min=request.rules.n_min, draft_p_min=request.rules.p_min)
-        fresh = RunRecord(runtime.info(), info, params, notes=native.notes if native else ())
+        runtime_info = runtime.info()
+        fresh = RunRecord(runtime_info, info, params, notes=native.notes if native else ())
+        baselines = RunBaselines(request.baselines, run_key(runtime_info, request.options, info.target.sha256,
+                                                            request.mode))
         record = check_prompts(request.out, starting_record(request.out, fresh, request.resume, request.overwrite),
                                prompts, prompt_session.tokenize)
         # How this run feeds its prompts; a resumed one whose rendering changed was refused by digest.
@@ -207,7 +229,8 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
                 result = None
                 if prompt.id not in done:
                     recorder = TraceRecorder() if request.trace else None
-                    result = dataclasses.replace(run_one(prompt, recorder), prompt_sha256=prompt_sha256(prompt))
+                    result = dataclasses.replace(run_one(prompt, recorder, baselines),
+                                                 prompt_sha256=prompt_sha256(prompt))
                     result = with_template_ids(result, prompt_session, prompt, request.chat)
                     writer.add(result, recorder.finish() if recorder is not None and result.ok else None)
                 if on_prompt is not None:

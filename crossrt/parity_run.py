@@ -12,6 +12,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from crossrt.baselines import BaselineStore
 from crossrt.chat_template import ChatRendering
 from crossrt.driver import RunRequest, run_pair
 from crossrt.pairs import Pair
@@ -41,7 +42,7 @@ def _run_cell(matrix: Matrix, name: str, mode: str, prompts: Sequence[Prompt],
     out = matrix.out_dir / f"{matrix.pair.name}-{name}-{mode}-k{matrix.rules.k}.json"
     request = RunRequest(matrix.pair, name, matrix.options, matrix.rules, matrix.max_new_tokens,
                          out, mode=mode, overwrite=True, shared_prompt_ids=shared_ids,
-                         chat=matrix.chat, prompt_format=matrix.prompt_format)
+                         chat=matrix.chat, prompt_format=matrix.prompt_format, baselines=BaselineStore.default())
     try:
         return run_pair(request, prompts)
     except RuntimeUnavailable as error:

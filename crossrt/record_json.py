@@ -52,7 +52,8 @@ def record_to_json(record: RunRecord) -> dict[str, Any]:
     if record.runtime.dtype is None:
         del data["runtime"]["dtype"]  # optional: a llama.cpp record reads as before dtypes existed
     for result_data in data["results"]:  # optional too: absent reads as None
-        for name in ("output_view", "baseline_view", "unfit_counts", "prompt_sha256", "template_ids"):
+        for name in ("output_view", "baseline_view", "unfit_counts", "prompt_sha256", "template_ids",
+                     "baseline_source"):
             if result_data[name] is None:
                 del result_data[name]
         for view in (result_data.get("output_view"), result_data.get("baseline_view")):

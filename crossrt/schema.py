@@ -196,6 +196,21 @@ class PassView:
 
 
 @dataclass(frozen=True)
+class BaselineSource:
+    """Where a prompt's plain greedy baseline came from (crossrt/baselines.py): decoded in this
+    run ("decoded") or taken from the baseline store ("store"), the store key's digest (the
+    same digest: the same runtime, build, target file, numerics, machine, prompt and budget),
+    and when, where and under what load its timings were measured: a speedup over a stored
+    baseline divides by that timing."""
+
+    origin: str  # "decoded" or "store"
+    key_sha256: str
+    timed_at: str  # ISO 8601, UTC
+    host: str
+    load_1m: Optional[float]  # the machine's 1-minute load average then (None: not known)
+
+
+@dataclass(frozen=True)
 class UnfitCounts:
     """A native runtime's numbers that did not fit its schedule as crossrt reads it. The prompt
     is kept: its counters take the runtime's steps, drafted and accepted as reported, with
@@ -232,6 +247,7 @@ class PromptResult:
     # The runtime's own chat-template rendering of the prompt, tokenized, kept only where it
     # differs from prompt_ids (crossrt's rendering): a template split (crossrt/chat_template.py).
     template_ids: Optional[tuple[int, ...]] = None
+    baseline_source: Optional[BaselineSource] = None  # None in records written before the store
 
     @property
     def ok(self) -> bool:

@@ -47,8 +47,9 @@ CASES = [(sig, *point) for sig in (signal.SIGINT, signal.SIGKILL) for point in f
 
 
 def comparable(record) -> list:
-    """Everything a result holds but its timings: token ids, counters, views, status."""
-    return [dataclasses.replace(r, timings=None) for r in record.results]
+    """Everything a result holds but its timings and when its baseline was timed (decoded, or read
+    from the baseline store): token ids, counters, views, status."""
+    return [dataclasses.replace(r, timings=None, baseline_source=None) for r in record.results]
 
 
 def crossrt(*args, cwd) -> subprocess.CompletedProcess:

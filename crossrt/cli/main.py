@@ -11,6 +11,7 @@ import click
 
 from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, device_options, dtype_option, resolve_pair
 from crossrt.cli.analysis import analyze, simulate_command
+from crossrt.cli.cache import cache, stored_baselines_note
 from crossrt.cli.compare import diff, distinct_records, parity
 from crossrt.cli.drafter import drafter
 from crossrt.cli.imports import import_command
@@ -18,6 +19,7 @@ from crossrt.cli.prompt_options import chat_options, fed_prompts, first_answers
 from crossrt.cli.report import report
 from crossrt.cli.reproduce import reproduce
 from crossrt.cli.sweep import sweep
+from crossrt.baselines import BaselineStore
 from crossrt.driver import RunRequest, run_pair
 from crossrt.importer import import_summary
 from crossrt.loop import SCHEDULE, SCHEDULES
@@ -85,8 +87,10 @@ def main() -> None:
 @click.option("--llama-spec", "llama_spec", type=click.Path(path_type=Path, dir_okay=False),
               help="llama-speculative-simple executable for --runtime llama-spec-cli (default: the "
               "one scripts/build_llama_tools built, else PATH).")
+@click.option("--fresh-baseline", is_flag=True, help="Decode every plain baseline here and now (and replace its "
+              "baseline store entry) instead of taking it from the store (crossrt cache ls).")
 def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_min, prompt_source,
-        max_new_tokens, out, trace, resume, overwrite, chat, chat_template, template_vars, turn, first_answers_file, threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache, flash_attn, llama_server, llama_spec, dtype) -> None:
+        max_new_tokens, out, trace, resume, overwrite, chat, chat_template, template_vars, turn, first_answers_file, threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache, flash_attn, llama_server, llama_spec, fresh_baseline, dtype) -> None:
     """Run a pair over prompts: plain greedy baseline and speculative decoding, per prompt.
 
     Writes a run record (JSON, schema in docs/schema.md) after every prompt, so an
@@ -105,7 +109,8 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft
         out = named_out
         rules = DraftRules(k, draft_n_min, draft_p_min, spec_type or str(resolved.defaults.get("spec_type", "draft")))
         request = RunRequest(resolved, runtime_name, options, rules, max_new_tokens, out, mode, schedule,
-                             resume, overwrite, trace=trace, chat=rendering, prompt_format=prompt_format)
+                             resume, overwrite, trace=trace, chat=rendering, prompt_format=prompt_format,
+                             baselines=BaselineStore.default(refresh=fresh_baseline))
         # llama.cpp's runtimes and schedules drop drafts shorter than n_min, and a draft is at most
         # max_new_tokens - 1 long: with n_min at k (its default), a large k drafts nothing.
         llama_rules = runtime_name.startswith("llama") if mode == "native" else schedule != SCHEDULE
@@ -128,6 +133,9 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft
                    f"  {resume_command(out)}", err=True)
         sys.exit(130)  # the shell's code for a run ended by SIGINT
     click.echo(format_table(summary_rows([record])))
+    note = stored_baselines_note(record)
+    if note:
+        click.echo(note, err=True)
     for line in record_notes([record]):
         click.echo(line, err=True)
     if gpu_split and record.runtime.device == "cpu":
@@ -190,3 +198,4 @@ main.add_command(report)
 main.add_command(drafter)
 main.add_command(import_command)
 main.add_command(sweep)
+main.add_command(cache)

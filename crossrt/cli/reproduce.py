@@ -16,12 +16,14 @@ import click
 from crossrt.chat_template import ChatTemplateError, apply_template
 from crossrt.claims import Claim, ClaimError, Outcome, check_record, exit_code, load_claims, render
 from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, device_options, resolve_pair
+from crossrt.baselines import BaselineStore
 from crossrt.driver import RunRequest, run_pair
 from crossrt.loop import SCHEDULE
 from crossrt.pairs import ROLES, Pair, PairError
 from crossrt.prompts import Prompt, PromptError, load_prompts, relabel, source_relative_to
 from crossrt.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, availability, runtime_class
 from crossrt.record_json import load_record
+from crossrt.schema import RunRecord
 
 @dataclass(frozen=True)
 class Settings:
@@ -124,7 +126,7 @@ def plan_claim(claim: Claim, settings: Settings) -> tuple[Optional[Plan], list[s
     request = RunRequest(pair, claim.crossrt_runtime, settings.options, DraftRules(claim.k, spec_type=claim.spec_type),
                          claim.max_new_tokens or settings.max_new_tokens, settings.out_dir / f"{claim.id}.json",
                          mode, claim.schedule or SCHEDULE, resume=settings.resume, overwrite=not settings.resume,
-                         chat=rendering, prompt_format=prompt_format)
+                         chat=rendering, prompt_format=prompt_format, baselines=BaselineStore.default())
     return Plan(request, tuple(prompts)), []
 
 

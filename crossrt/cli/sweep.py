@@ -81,8 +81,10 @@ def plan(sweep_file: Path, sweep_dir: Optional[Path]) -> None:
               help="Ray: a task per cell, or an actor per (runtime, pair). Default: the sweep file's [ray] strategy.")
 @click.option("--max-retries", type=click.IntRange(min=0),
               help="Ray: runs of a cell whose worker died. Default: the sweep file's [ray] max_retries (2).")
+@click.option("--fresh-baseline", is_flag=True, help="Every cell decodes its plain baselines (replacing their "
+              "baseline store entries) instead of the first cell decoding each and the others reading it.")
 def run_command(sweep_file: Path, sweep_dir: Optional[Path], ray_address: Optional[str], thread_budget: Optional[int],
-                strategy: Optional[str], max_retries: Optional[int]) -> None:
+                strategy: Optional[str], max_retries: Optional[int], fresh_baseline: bool) -> None:
     """Run the cells of SWEEP_FILE not finished in the sweep directory (finished cells are
     skipped, failed ones tried again), keeping each as it finishes; Ctrl-C keeps them too."""
     try:
@@ -106,7 +108,8 @@ def run_command(sweep_file: Path, sweep_dir: Optional[Path], ray_address: Option
             click.echo(f"[{position}/{total}] {cell.id} {cell.name}  {status}  ({outcome.get('wall_s', 0):.1f} s)",
                        err=True)
 
-        progress = run_sweep(loaded, store, Executor(ray_address, thread_budget, strategy, max_retries), line)
+        progress = run_sweep(loaded, store, Executor(ray_address, thread_budget, strategy, max_retries), line,
+                             fresh_baseline)
     except USER_ERRORS as error:
         raise click.ClickException(str(error)) from None
     except KeyboardInterrupt:

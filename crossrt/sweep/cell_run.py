@@ -1,7 +1,9 @@
 """Running one cell wherever it lands (this process, a local worker process, a Ray worker): the
 same run as `crossrt run` with the cell's settings, written in a temporary folder on that machine,
 and handed back as JSON-ready data, so the sweep's driver alone writes the store and no shared
-file system is needed."""
+file system is needed. Baselines come from that machine's baseline store (crossrt/baselines.py):
+the first cell of a (runtime, numerics, prompt, budget) decodes each one, later cells read it,
+and cells running at once on one machine wait on the key's lock rather than decode it twice."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from crossrt import loop
+from crossrt.baselines import BaselineStore
 from crossrt.chat_template import apply_template
 from crossrt.driver import LoadedModels, RunRequest, run_pair
 from crossrt.prompts import Prompt, load_prompts
@@ -31,10 +34,12 @@ class CellJob:
     cell: Cell
     pair: str
     prompts: str
+    # Decode every baseline (and replace its store entry) rather than take it from the store.
+    fresh_baseline: bool = False
 
     @classmethod
-    def of(cls, sweep: Sweep, cell: Cell) -> "CellJob":
-        return cls(cell, sweep.resolve(cell.pair), sweep.resolve(cell.prompts))
+    def of(cls, sweep: Sweep, cell: Cell, fresh_baseline: bool = False) -> "CellJob":
+        return cls(cell, sweep.resolve(cell.pair), sweep.resolve(cell.prompts), fresh_baseline)
 
 
 def run_job(job: CellJob, on_prompt: Optional[Callable[[Prompt, Optional[PromptResult]], None]] = None,
@@ -56,7 +61,8 @@ def run_job(job: CellJob, on_prompt: Optional[Callable[[Prompt, Optional[PromptR
         rules = DraftRules(cell.k, cell.draft_n_min, cell.draft_p_min, cell.spec_type)
         with tempfile.TemporaryDirectory(prefix=f"crossrt-cell-{cell.id}-") as work:
             request = RunRequest(pair, cell.runtime, options, rules, cell.max_new_tokens, Path(work) / "record.json",
-                                 cell.mode, cell.schedule or loop.SCHEDULE, chat=rendering, prompt_format=prompt_format)
+                                 cell.mode, cell.schedule or loop.SCHEDULE, chat=rendering, prompt_format=prompt_format,
+                                 baselines=BaselineStore.default(refresh=job.fresh_baseline))
             record = run_pair(request, prompts, on_prompt, models)
     except USER_ERRORS as error:
         return {"error": str(error), "wall_s": time.perf_counter() - start, **where}

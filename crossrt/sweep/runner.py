@@ -37,15 +37,17 @@ class Progress:
 OnCell = Callable[[int, int, Cell, Optional[RunRecord], dict[str, Any]], None]
 
 
-def run_sweep(sweep: Sweep, store: SweepStore, executor: Executor, on_cell: Optional[OnCell] = None) -> Progress:
+def run_sweep(sweep: Sweep, store: SweepStore, executor: Executor, on_cell: Optional[OnCell] = None,
+              fresh_baseline: bool = False) -> Progress:
     """Run what is left of sweep into store, holding its lock (SweepError at once if another
     run holds it). Cells come back one by one and are kept at once, so Ctrl-C or a lost driver
-    keeps the finished ones; failed and damaged cells are tried again next time."""
+    keeps the finished ones; failed and damaged cells are tried again next time. fresh_baseline:
+    every cell decodes its baselines instead of taking them from the baseline store."""
     with store.writing():
         done = store.done()
         todo = [cell for cell in sweep.runnable() if cell.id not in done]
         progress = Progress(len(todo))
-        jobs = [CellJob.of(sweep, cell) for cell in todo]
+        jobs = [CellJob.of(sweep, cell, fresh_baseline) for cell in todo]
 
         def keep(cell: Cell, outcome: dict[str, Any], where: str) -> None:
             record = store.put(cell, outcome, where)
