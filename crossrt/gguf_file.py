@@ -13,10 +13,14 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGUFValueType as Kind
 
-# GGUF value types (gguf.GGUFValueType) that are scalars, as struct formats; 8 is a string, 9 an array.
-SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-STRING, ARRAY = 8, 9
+# GGUF value types that are scalars, as struct formats, by gguf-py's names (not raw numbers).
+SCALARS = {Kind.UINT8: "B", Kind.INT8: "b", Kind.UINT16: "H", Kind.INT16: "h", Kind.UINT32: "I",
+           Kind.INT32: "i", Kind.FLOAT32: "f", Kind.BOOL: "?", Kind.UINT64: "Q", Kind.INT64: "q",
+           Kind.FLOAT64: "d"}
+STRING, ARRAY = Kind.STRING, Kind.ARRAY
+SUPPORTED_VERSIONS = (2, 3)  # as gguf-py's reader: version 1 laid counts out as 32-bit
 DEFAULT_ALIGNMENT = 32  # when general.alignment is absent
 
 
@@ -62,10 +66,14 @@ def read_layout(data, tensors: bool = True) -> Layout:
     # Versions are small numbers, so a big-endian file shows its version in the high bytes.
     order = "<" if struct.unpack_from("<I", data, 4)[0] & 0xFFFF else ">"
     version, n_tensors, n_kv = struct.unpack_from(order + "IQQ", data, 4)
+    if version not in SUPPORTED_VERSIONS:
+        raise ValueError(f"GGUF version {version} is not supported (versions {SUPPORTED_VERSIONS})")
     offset, fields = 24, {}
     for _ in range(n_kv):
         start = offset
         key, offset = _string(data, offset, order)
+        if key in fields:  # a later pair must not silently replace the first (gguf-py refuses it too)
+            raise ValueError(f"duplicate key {key} at byte {start}")
         value_type = struct.unpack_from(order + "I", data, offset)[0]
         item_type = struct.unpack_from(order + "I", data, offset + 4)[0] if value_type == ARRAY else None
         value, offset = _value(data, offset + 4, value_type, order)

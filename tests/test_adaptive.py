@@ -20,7 +20,9 @@ POLICIES = [DraftPolicy("fixed 3", 3), DraftPolicy("content", 2, {"code": 5, "pr
 @pytest.fixture(scope="module")
 def oracles(tiny_sessions):
     target, drafter = tiny_sessions
-    return [build_oracle(target, drafter, p.id, p.category, target.tokenize(p.text), MAX_NEW, MAX_K) for p in PROMPTS]
+    found = [build_oracle(target, drafter, p.id, p.category, target.tokenize(p.text), MAX_NEW, MAX_K) for p in PROMPTS]
+    assert found, "no prompts: every loop over the oracles would pass vacuously"
+    return found
 
 
 def test_content_types():

@@ -2,6 +2,7 @@
 same tensors at the same places; a damaged file is a ValueError naming where it stops."""
 
 import mmap
+import struct
 
 import numpy as np
 import pytest
@@ -39,3 +40,18 @@ def test_damaged_files_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="GGUF magic invalid"):
         read_layout(b"GGML" + whole[4:])
     assert read_layout(whole[:-4096], tensors=False).fields["general.architecture"].value == "llama"
+
+
+def _pairs(version: int, *pairs: tuple[str, int]) -> bytes:
+    """A tensor-less GGUF header of uint32 key/value pairs, little-endian."""
+    head = b"GGUF" + struct.pack("<IQQ", version, 0, len(pairs))
+    return head + b"".join(struct.pack("<Q", len(key)) + key.encode() + struct.pack("<II", 4, value)
+                           for key, value in pairs)
+
+
+def test_unsupported_versions_and_duplicate_keys_are_refused():
+    assert read_layout(_pairs(3, ("a", 1), ("b", 2)), tensors=False).fields["b"].value == 2
+    with pytest.raises(ValueError, match="GGUF version 1 is not supported"):
+        read_layout(_pairs(1, ("a", 1)), tensors=False)
+    with pytest.raises(ValueError, match="duplicate key a"):
+        read_layout(_pairs(3, ("a", 1), ("a", 2)), tensors=False)

@@ -128,6 +128,10 @@ def test_a_swapped_model_is_a_disagreement(real_pair, prompts, driven, tmp_path)
     assert report.exit_code == 0
     assert "part at baseline token" in report.output
     assert "verdict: disagreement" in report.output and "near-tie" not in report.output
+    parity = run("parity", driven, swapped)
+    assert parity.exit_code == 1
+    logits = [line for line in parity.output.splitlines() if line.startswith("FAIL") and ": logits: " in line]
+    assert len(logits) == len(PROMPTS), parity.output  # every prompt's distributions far apart
 
 
 def test_llama_cpp_and_transformers_agree_in_distribution_and_a_run_of_spaces_splits_tokenization(

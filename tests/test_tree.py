@@ -28,6 +28,7 @@ TREES = [Tree.of("medusa-like", [[0], [0, 0], [1], [0, 1]]), Tree.full(2, 3), Tr
 def oracles(tiny_sessions):
     target, drafter = tiny_sessions
     chains = [build_oracle(target, drafter, p.id, p.category, target.tokenize(p.text), MAX_NEW, MAX_K) for p in PROMPTS]
+    assert chains, "no prompts: every loop over the oracles would pass vacuously"
     return chains, [build_rank_oracle(drafter, chain, TOP_B) for chain in chains]
 
 
