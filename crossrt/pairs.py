@@ -73,6 +73,17 @@ class Pair:
         return path
 
 
+REPO_PAIRS = Path(__file__).resolve().parents[1] / "models" / "pairs"
+
+
+def manifest_path(name: str) -> Path:
+    """The manifest a --pair names: a path, else a name under models/pairs (tiny)."""
+    path = Path(name)
+    if not path.exists() and (REPO_PAIRS / f"{name}.toml").is_file():
+        return REPO_PAIRS / f"{name}.toml"
+    return path
+
+
 def load_pair(manifest: Path) -> Pair:
     manifest = Path(manifest)
     if not manifest.is_file():

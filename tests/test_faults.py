@@ -419,3 +419,19 @@ def test_a_sweep_cell_that_does_not_read_names_what_runs_it_again(tmp_path):
     assert crossrt("sweep", "run", sweep, "--dir", out, cwd=tmp_path).returncode == 0
     done = crossrt("sweep", "show", out, cwd=tmp_path)
     assert done.returncode == 0 and load_record(record).results, done.stderr
+
+
+def test_two_names_of_one_pair_are_planned_once(tmp_path):
+    (tmp_path / "mine.toml").symlink_to(TINY_PAIR)  # named beside the sweep file
+    names = ["tiny", str(TINY_PAIR), "mine.toml", "tiny-f16"]
+    sweep, alone = tmp_path / "sweep.toml", tmp_path / "alone.toml"
+    sweep.write_text(f"[axes]\npair = {json.dumps(names)}\nruntime = \"llama-cpp\"\nk = [1, 2]\n")
+    alone.write_text("[axes]\npair = \"tiny\"\nruntime = \"llama-cpp\"\nk = [1, 2]\n")
+    planned, once = (crossrt("sweep", "plan", path, cwd=tmp_path) for path in (sweep, alone))
+    assert planned.returncode == 0 and "4 cells: 4 to run" in planned.stdout, planned.stderr
+    for alias in names[1:3]:
+        assert f"warning: pair {alias!r} and 'tiny' name one manifest ({TINY_PAIR.resolve()}): planned once, " \
+               "as 'tiny'" in planned.stderr, planned.stderr
+    assert "tiny-f16" not in planned.stderr  # another manifest: its own cells
+    ids = {line.split()[0] for line in once.stdout.splitlines() if line.endswith("to run")}
+    assert len(ids) == 2 and all(cell in planned.stdout for cell in ids)

@@ -10,12 +10,11 @@ from typing import Mapping, Optional, Sequence
 import click
 
 from crossrt.errors import CrossrtError
-from crossrt.pairs import Pair, load_pair, pair_from_paths
+from crossrt.pairs import Pair, load_pair, manifest_path, pair_from_paths
 from crossrt.prompts import sources_help
 from crossrt.runtime import DTYPES
 
 PROMPTS_HELP = sources_help()
-REPO_PAIRS = Path(__file__).resolve().parents[2] / "models" / "pairs"
 # crossrt's own errors (crossrt/errors.py) and a missing file: one line each. Anything else is a
 # bug, and keeps its traceback.
 USER_ERRORS = (CrossrtError, FileNotFoundError)
@@ -44,11 +43,7 @@ def resolve_pair(pair: Optional[str], target: Optional[Path] = None, drafter: Op
         if not (target and drafter) or pair:
             raise click.UsageError("give either --pair, or both --target and --drafter")
         return pair_from_paths(target, drafter)
-    pair = pair or "tiny"
-    path = Path(pair)
-    if not path.exists() and (REPO_PAIRS / f"{pair}.toml").is_file():
-        path = REPO_PAIRS / f"{pair}.toml"
-    return load_pair(path)
+    return load_pair(manifest_path(pair or "tiny"))
 
 
 def device_options(command):

@@ -25,7 +25,7 @@ A sweep file (TOML, models/sweeps/*.toml, docs/scale.md):
 
 Anything else is refused: a top-level key other than these six, a file without [axes], an
 axis without values, a runtime crossrt does not know, a product above MAX_CELLS cells.
-Duplicates, k at or above the token budget and very large plans are planned, with a warning.
+Duplicates (also two names of one pair manifest), k at or above the token budget and very large plans are planned, with a warning.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from crossrt import loop
 from crossrt.errors import CrossrtError, SettingsError
+from crossrt.pairs import manifest_path
 from crossrt.runtime import DraftRules, RuntimeUnavailable, runtime_class, runtime_names
 
 try:
@@ -168,12 +169,36 @@ class Sweep:
     def resolve(self, value: str) -> str:
         """A pair or prompt file named relative to the sweep file, as an absolute path; names
         (a pair under models/pairs, a built-in suite, specbench:PATH...) as they are."""
-        kind, sep, rest = value.rpartition(":")
-        path = Path(rest if sep else value)
-        if path.is_absolute() or not (self.source.parent / path).exists():
-            return value
-        resolved = str((self.source.parent / path).resolve())
-        return f"{kind}:{resolved}" if sep else resolved
+        return _beside(self.source, value)
+
+
+def _beside(source: Path, value: str) -> str:
+    kind, sep, rest = value.rpartition(":")
+    path = Path(rest if sep else value)
+    if path.is_absolute() or not (source.parent / path).exists():
+        return value
+    resolved = str((source.parent / path).resolve())
+    return f"{kind}:{resolved}" if sep else resolved
+
+
+def _one_name_per_pair(values: list[dict[str, Any]], source: Path) -> list[str]:
+    """Each value's pair renamed to the first name given for its manifest (`tiny` and
+    models/pairs/tiny.toml are one file), so its cells are planned once; a warning per alias."""
+    first: dict[Path, str] = {}
+    names: dict[str, tuple[str, Path]] = {}  # a name -> the first name of its manifest, and the manifest
+    for value in values:
+        name = value["pair"]
+        if isinstance(name, str):  # another type is _cell's to refuse
+            if name not in names:
+                try:  # a name no file can have (a NUL, too long) names no manifest: the cell's run says so
+                    manifest = manifest_path(_beside(source, name)).resolve()
+                    found = manifest.is_file()
+                except (OSError, ValueError):
+                    manifest, found = None, False
+                names[name] = (first.setdefault(manifest, name) if found else name, manifest)
+            value["pair"] = names[name][0]
+    return [f"pair {alias!r} and {name!r} name one manifest ({manifest}): planned once, as {name!r}"
+            for alias, (name, manifest) in names.items() if alias != name]
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -358,6 +383,7 @@ def parse_sweep(data: Mapping[str, Any], source: Path) -> Sweep:
     values = [v for v in _product(axes, DEFAULTS) if not any(_matches(v, rule) for rule in rules["exclude"])]
     for rule in rules["include"]:
         values += _product(rule, {**DEFAULTS, **{k: _as_list(v)[0] for k, v in single.items()}})
+    aliases = _one_name_per_pair(values, source)
     planned: dict[str, Planned] = {}
     seen: set[str] = set()
     duplicates = 0
@@ -370,7 +396,7 @@ def parse_sweep(data: Mapping[str, Any], source: Path) -> Sweep:
         planned.setdefault(cell.id, Planned(cell, skip_reason(cell)))
     cells = tuple(planned.values())
     return Sweep(_name(data, source), source, cells, resources, strategy, max_retries,
-                 _warnings(cells, axes, duplicates))
+                 (*aliases, *_warnings(cells, axes, duplicates)))
 
 
 def load_sweep(path: Path) -> Sweep:
