@@ -1,4 +1,4 @@
-"""Whether a run's models fit in memory, checked before any of them loads.
+"""Whether a run's models fit in memory, checked where they are about to load.
 
 A model that does not fit is otherwise found out by the kernel's OOM killer (or a CUDA
 out-of-memory error) minutes into a load. Every runtime calls check_fits where its models are
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from crossrt.errors import CrossrtError
+from crossrt.errors import CrossrtError, SettingsError
 from crossrt.gguf_file import read_layout
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ class Device:
 def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
     if not match:
-        raise CrossrtError(f"{LIMIT_ENV}={text!r} is not a size: give bytes, or a number with K, M, G or T (e.g. 4G)")
+        raise SettingsError(f"{LIMIT_ENV}={text!r} is not a size: give bytes, or a number with K, M, G or T (e.g. 4G)")
     return int(float(match.group(1)) * 1024 ** "_KMGT".index((match.group(2) or "_").upper()))
 
 
@@ -167,7 +167,7 @@ def ram() -> Optional[Device]:
     """RAM free for a new model: MemAvailable (free memory plus what the kernel can reclaim)."""
     limit = _limit()
     if limit is not None:
-        return Device("RAM", limit, f"{LIMIT_ENV}")
+        return Device("RAM", limit, LIMIT_ENV)
     try:
         text = Path("/proc/meminfo").read_text()
     except OSError:
