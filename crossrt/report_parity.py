@@ -140,19 +140,21 @@ def shown_splits(report: ParityReport, runs: Sequence[tuple[str, RunRecord]], st
     """Every split of the report once, with the comparisons that hold it. A split fails unless it
     is numerics (a near-tie), and numerics fail too under --strict, as crossrt parity counts."""
     by_label = dict(runs)
-    found: dict[Split, ShownSplit] = {}
+    # One split seen again with the same tokens around it (a lossless failure in each of its run's
+    # comparisons) is one finding; the same verdict on other tokens is another.
+    found: dict[tuple[Split, Optional[Sequences]], ShownSplit] = {}
     for comparison in report.comparisons:
         placed = _placed(comparison, by_label)
         if len(placed) != len(comparison.splits):  # splits this module cannot place: shown without their text
             placed = [(by_label.get(comparison.run_b, by_label.get(comparison.run_a)), None)] * len(comparison.splits)
         name = f"{comparison.run_a} vs {comparison.run_b}"
         for split, (record, sequences) in zip(comparison.splits, placed):
-            known = found.get(split)
+            known = found.get((split, sequences))
             if known is None:
-                found[split] = ShownSplit(split, record, sequences, (name,), strict or not split.numerics)
+                found[split, sequences] = ShownSplit(split, record, sequences, (name,), strict or not split.numerics)
             elif name not in known.comparisons:
-                found[split] = ShownSplit(split, known.record, known.sequences, known.comparisons + (name,),
-                                          known.failed)
+                found[split, sequences] = ShownSplit(split, known.record, known.sequences,
+                                                     known.comparisons + (name,), known.failed)
     return list(found.values())
 
 
