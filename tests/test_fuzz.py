@@ -212,8 +212,8 @@ def damaged_record(rng: random.Random, record: bytes, journal: bytes) -> tuple[s
         header, *entries = journal.decode().splitlines()
         at = rng.randrange(len(entries))
         entry = json.loads(entries[at])
-        if kind == "journal-bad-line":
-            entries[at] = entries[at][:rng.randrange(len(entries[at]))] + "}"
+        if kind == "journal-bad-line":  # cut before the closing "}}": a cut at the last "}" gives the line back
+            entries[at] = entries[at][:rng.randrange(len(entries[at]) - 1)] + "}"
         elif kind in ("journal-retype", "journal-delete"):
             path, _ = rng.choice(list(_paths(entry))[1:])
             _set(entry, path, _DELETE if kind == "journal-delete" else rng.choice(ODD_VALUES))

@@ -25,7 +25,8 @@ A sweep file (TOML, models/sweeps/*.toml, docs/scale.md):
 
 Anything else is refused: a top-level key other than these six, a file without [axes], an
 axis without values, a runtime crossrt does not know, a product above MAX_CELLS cells.
-Duplicates (also two names of one pair manifest), k at or above the token budget and very large plans are planned, with a warning.
+Duplicates (two names of one pair manifest too), k at or above the token budget and very
+large plans are planned, with a warning.
 """
 
 from __future__ import annotations
