@@ -49,6 +49,20 @@ def test_the_tiny_pairs_head_size_is_refused_before_vllm_starts(tmp_path):
     assert not list(tmp_path.iterdir())  # no worker was started: no log was written
 
 
+def test_run_on_the_tiny_pair_is_one_line_naming_why(tmp_path):
+    result = CliRunner().invoke(main, ["run", "--pair", "tiny", "--runtime", "vllm", "--mode", "native",
+                                       "--max-new-tokens", "4", "--out", str(tmp_path / "tiny.json")])
+    # Where vLLM is installed, the head size; where not, the fix.
+    assert_clean_error(result, "head size 16" if availability("vllm") is None else "scripts/setup_vllm")
+
+
+def test_gpu_options_and_other_dtypes_are_refused():
+    with pytest.raises(RuntimeUnavailable, match="CPU build"):
+        vllm.VllmRuntime(RuntimeOptions(n_gpu_layers=99))
+    with pytest.raises(SettingsError, match="float32"):
+        vllm.VllmRuntime(RuntimeOptions(dtype="int8"))
+
+
 def test_drafting_rules_vllm_lacks_are_refused(tmp_path):
     tiny = REPO / "models" / "tiny"
     runtime = vllm.VllmRuntime(RuntimeOptions(threads=1))
