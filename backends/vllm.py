@@ -164,6 +164,8 @@ class Worker:
         return self._reply(LOAD_TIMEOUT_S, "loading")
 
     def _reply(self, timeout: float, doing: str) -> dict:
+        # select sees the pipe, not the reader's buffer: safe because the worker writes exactly
+        # one line per request, so no second line can wait in the buffer unseen.
         deadline = time.monotonic() + timeout
         stdout = self._process.stdout
         while True:
