@@ -9,6 +9,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Optional, Sequence
 
+from crossrt.driver import LoadedModels
 from crossrt.sweep.cell_run import CellJob, run_job
 from crossrt.sweep.plan import Cell, Resources, SweepError
 
@@ -16,9 +17,20 @@ OnDone = Callable[[Cell, dict[str, Any], str], None]
 
 
 def run_in_order(jobs: Sequence[CellJob], on_done: OnDone) -> None:
-    """Each cell in this process, in plan order: the reference a sweep elsewhere is checked against."""
-    for job in jobs:
-        on_done(job.cell, run_job(job), "local")
+    """Each cell in this process, in plan order: the reference a sweep elsewhere is checked against.
+    Consecutive cells of one (runtime, pair) keep their driven sessions loaded (LoadedModels, as a
+    Ray actor does): a k sweep then costs its runs, not a model load per cell; they are closed
+    when the next cell needs other models, so one group's models are in memory at a time."""
+    models = LoadedModels()
+    group = None
+    try:
+        for job in jobs:
+            if (job.cell.runtime, job.pair) != group:
+                models.close()
+                group = (job.cell.runtime, job.pair)
+            on_done(job.cell, run_job(job, models=models), "local")
+    finally:
+        models.close()
 
 
 def run_in_parallel(jobs: Sequence[CellJob], on_done: OnDone, needs: Callable[[Cell], Resources],
