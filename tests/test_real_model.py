@@ -130,8 +130,10 @@ def test_a_swapped_model_is_a_disagreement(real_pair, prompts, driven, tmp_path)
     assert "verdict: disagreement" in report.output and "near-tie" not in report.output
     parity = run("parity", driven, swapped)
     assert parity.exit_code == 1
-    logits = [line for line in parity.output.splitlines() if line.startswith("FAIL") and ": logits: " in line]
-    assert len(logits) == len(PROMPTS), parity.output  # every prompt's distributions far apart
+    failed = {line.split(", ")[1].split(":")[0] for line in parity.output.splitlines()
+              if line.startswith("FAIL") and "(swapped.json)" in line}
+    assert failed == {p["id"] for p in PROMPTS}, parity.output  # a disagreement or far logits, every prompt
+    assert not [line for line in parity.output.splitlines() if line.startswith("NOTE") and " vs llama-cpp/driven (sw" in line]
 
 
 def test_llama_cpp_and_transformers_agree_in_distribution_and_a_run_of_spaces_splits_tokenization(
