@@ -50,6 +50,12 @@ NUMERICS_VARIANTS = (
     Variant("server", "llama-server", "native"),
 )
 TWO_THREADS = Variant("2-threads", "llama-cpp", "driven", ("--threads", "2"))
+# llama.cpp's own tools under the other numerics: each a native run with its own baseline.
+MORE_NATIVE = (
+    Variant("server-f32-kv", "llama-server", "native", ("--f32-kv-cache",)),
+    Variant("server-no-flash", "llama-server", "native", ("--no-flash-attn",)),
+    Variant("spec-cli", "llama-spec-cli", "native"),
+)
 
 
 def generated_prompts(seed: int, count: int, words: Sequence[str] = WORDS) -> list[dict]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 from click.testing import CliRunner
 
-from crossrt.census import NUMERICS_VARIANTS, TWO_THREADS, take_census
+from crossrt.census import MORE_NATIVE, NUMERICS_VARIANTS, TWO_THREADS, take_census
 from crossrt.cli import main
 from crossrt.record_json import load_record
 
@@ -33,7 +33,9 @@ from crossrt.record_json import load_record
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=48, show_default=True)
 @click.option("--k", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--two-threads", is_flag=True, help="Add a 2-thread variant (on an idle machine: ggml threads busy-wait).")
-def census(pair, target, drafter, batch, batches, max_new_tokens, k, two_threads):
+@click.option("--more-native", is_flag=True, help="Add llama-server under an F32 cache and without flash attention, "
+              "and llama-speculative-simple: more native splits per prompt.")
+def census(pair, target, drafter, batch, batches, max_new_tokens, k, two_threads, more_native):
     models = ["--pair", pair] if pair else ["--target", target, "--drafter", drafter]
 
     def run_one(variant, prompts, out):
@@ -45,7 +47,7 @@ def census(pair, target, drafter, batch, batches, max_new_tokens, k, two_threads
         return load_record(out)
 
     with tempfile.TemporaryDirectory() as folder:
-        variants = NUMERICS_VARIANTS + ((TWO_THREADS,) if two_threads else ())
+        variants = NUMERICS_VARIANTS + ((TWO_THREADS,) if two_threads else ()) + (MORE_NATIVE if more_native else ())
         found = take_census(run_one, Path(folder), variants, batch=batch, max_batches=batches,
                             on_batch=lambda c: click.echo(f"{c.prompts} prompts: {dict(c.kinds)}", err=True))
     click.echo(found.render())
