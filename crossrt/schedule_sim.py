@@ -34,8 +34,6 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import numpy as np
-
 from crossrt import loop
 from crossrt.errors import ComparisonError, SettingsError
 from crossrt.runtime import DraftRules
@@ -113,15 +111,14 @@ def _hf(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
 def _llama_draft(oracle: Oracle, e: int, rules: DraftRules, limit: int) -> list[int]:
     """schedules.llama_draft's rules on the oracle's row e: stop before a token below p_min
     (top-10 softmax, float32 as llama.cpp), at k or at a limit above 0; drop one below n_min."""
-    p_min = np.float32(rules.p_min)
     n = 0
     while True:
-        if p_min > 0 and oracle.draft_p10[e, n] < p_min:
+        if rules.unsure(oracle.draft_p10[e, n]):
             break
         n += 1
-        if n >= rules.k or 0 < limit <= n:
+        if rules.full(n, limit):
             break
-    return [int(t) for t in oracle.drafts[e, :n]] if n >= rules.n_min else []
+    return [int(t) for t in oracle.drafts[e, :n]] if rules.kept(n) else []
 
 
 def _emit(output: list[int], ids: Sequence[int], budget: int, eog: frozenset[int]) -> Optional[int]:

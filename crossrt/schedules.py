@@ -128,19 +128,18 @@ def top_probability(logits: np.ndarray) -> np.float32:
 
 def llama_draft(drafter: ModelSession, last: int, rules: DraftRules, limit: int) -> list[int]:
     """One draft-simple draft after last; the drafter's cache holds the context before last."""
-    p_min = np.float32(rules.p_min)
     draft: list[int] = []
     pending = last
     while True:
         logits = drafter.eval((pending,), Rows.LAST)[0]
         token = int(logits.argmax())
-        if p_min > 0 and top_probability(logits) < p_min:
+        if rules.unsure(top_probability(logits)):
             break
         draft.append(token)
-        if len(draft) >= rules.k or 0 < limit <= len(draft):
+        if rules.full(len(draft), limit):
             break
         pending = token
-    return draft if len(draft) >= rules.n_min else []
+    return draft if rules.kept(len(draft)) else []
 
 
 def verify(choices: np.ndarray, draft: Sequence[int], eog: frozenset[int]) -> list[int]:
