@@ -40,8 +40,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from crossrt.errors import ModelError, SettingsError
-from crossrt.runtime import DraftRules, ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
-from crossrt.schema import RuntimeInfo
+from crossrt.run.runtime import DraftRules, ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
+from crossrt.records.schema import RuntimeInfo
 
 PINNED_VERSION = "1.6.5"
 PAGE_SIZE = 256  # exllamav3/constants.py:2; a Cache holds a multiple of it (cache/cache.py:117)

@@ -34,12 +34,12 @@ from typing import Sequence
 from crossrt.backends.exllamav3 import (PINNED_VERSION, Placement, TextModel, build_model, check_options,
                                         chunk_size, load_with_cache, page_round, text_model)
 from crossrt.errors import SettingsError
-from crossrt.runtime import DraftRules, NativeGeneration, NativeSession, RuntimeFailure, RuntimeOptions
-from crossrt.schedules import check_fits
-from crossrt.schema import Counters, CountsDoNotAddUp
+from crossrt.run.runtime import DraftRules, NativeGeneration, NativeSession, RuntimeFailure, RuntimeOptions
+from crossrt.run.schedules import check_fits
+from crossrt.records.schema import Counters, CountsDoNotAddUp
 
 SCHEDULE = "exllamav3"
-# crossrt spec types (crossrt/runtime.py SPEC_TYPES) that exllamav3 drafts with a drafter model
+# crossrt spec types (crossrt/run/runtime.py SPEC_TYPES) that exllamav3 drafts with a drafter model
 SPEC_TYPES = ("draft", "dflash", "dflash2", "mtp", "dspark")
 # Drafters that are a component of the target's own checkpoint: the drafter folder is the target's.
 TARGET_COMPONENT_SPEC_TYPES = ("mtp", "dspark")

@@ -16,9 +16,9 @@ from typing import Sequence
 import numpy as np
 
 from crossrt.errors import ModelError, PromptRefused
-from crossrt.memory import check_gguf_fits
-from crossrt.runtime import ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
-from crossrt.schema import RuntimeInfo
+from crossrt.run.memory import check_gguf_fits
+from crossrt.run.runtime import ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
+from crossrt.records.schema import RuntimeInfo
 
 # Where scripts/build_llama_tools builds llama.cpp once, for this binding and the native tools.
 BUILD_BIN = Path(__file__).resolve().parents[1] / ".cache" / "llama-tools" / "build" / "bin"
@@ -65,7 +65,7 @@ class LlamaCppSession(ModelSession):
         context_params.n_outputs_max = n_outputs_max
         context_params.n_outputs_max_per_seq = n_outputs_max
         if n_seq_max > 1:
-            # Tree verification (crossrt/tree_loop.py): a token shared by several draft paths
+            # Tree verification (crossrt/run/tree_loop.py): a token shared by several draft paths
             # belongs to all their sequences at once, which needs one KV stream for them all.
             context_params.n_seq_max = n_seq_max
             context_params.kv_unified = True

@@ -1,4 +1,4 @@
-"""A llama.cpp session that verifies a draft tree in one batch (crossrt/tree_loop.py).
+"""A llama.cpp session that verifies a draft tree in one batch (crossrt/run/tree_loop.py).
 
 As llama.cpp's examples/speculative does with several draft sequences: the cached context is
 sequence 0; a tree step first copies it to one sequence per leaf (llama_memory_seq_cp, which in
@@ -19,7 +19,7 @@ import numpy as np
 
 from crossrt.backends.llama_cpp import LlamaCppRuntime, LlamaCppSession, llama_cpp
 from crossrt.errors import ModelError, PromptRefused, SettingsError
-from crossrt.runtime import RuntimeOptions
+from crossrt.run.runtime import RuntimeOptions
 
 
 class LlamaCppTreeSession(LlamaCppSession):

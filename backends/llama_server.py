@@ -21,10 +21,10 @@ from crossrt.backends.llama_server_counts import Totals, speculative_counters
 from crossrt.backends.llama_server_process import ServerError, ServerProcess, find_executable
 from crossrt.backends.llama_tools import Build, probe
 from crossrt.errors import PromptRefused, SettingsError
-from crossrt.memory import check_gguf_fits
-from crossrt.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeOptions,
+from crossrt.run.memory import check_gguf_fits
+from crossrt.run.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeOptions,
                              RuntimeUnavailable)
-from crossrt.schema import RuntimeInfo
+from crossrt.records.schema import RuntimeInfo
 
 SCHEDULE = "llama-server"
 # /metrics prints counters through a C++ stream with 6 significant digits: restart the server

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from crossrt.schema import Counters, UnfitCounts
+from crossrt.records.schema import Counters, UnfitCounts
 
 METRIC = re.compile(r'^llamacpp:(\w+)(?:\{position="(\d+)"\})? (\S+)$', re.M)
 

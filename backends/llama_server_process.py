@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from crossrt.backends.llama_tools import BUILD_BIN, find_tool, log_tail
-from crossrt.journal import storage_error
-from crossrt.runtime import RuntimeFailure
+from crossrt.records.journal import storage_error
+from crossrt.run.runtime import RuntimeFailure
 
 BUILT_EXECUTABLE = BUILD_BIN / "llama-server"
 HOST = "127.0.0.1"

@@ -30,13 +30,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from crossrt import loop
+from crossrt.run import loop
 from crossrt.errors import ModelError, PromptRefused
-from crossrt.memory import check_gguf_fits
-from crossrt.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
+from crossrt.run.memory import check_gguf_fits
+from crossrt.run.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                              RuntimeOptions, RuntimeUnavailable)
-from crossrt.schedules import SPEC_SIMPLE, check_prompt
-from crossrt.schema import Counters, CountsDoNotAddUp, RuntimeInfo
+from crossrt.run.schedules import SPEC_SIMPLE, check_prompt
+from crossrt.records.schema import Counters, CountsDoNotAddUp, RuntimeInfo
 # _internals: llama_cpp's module, None where llama_cpp did not import (reported by check_available)
 from crossrt.backends.llama_cpp import LlamaCppRuntime, _internals, llama_cpp
 from crossrt.backends.llama_tools import BUILD_BIN, find_tool, log_tail, probe

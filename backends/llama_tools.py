@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from crossrt.backends.llama_cpp import BUILD_BIN, VENDORED_COMMIT, system_info
-from crossrt.runtime import RuntimeUnavailable
+from crossrt.run.runtime import RuntimeUnavailable
 
 # Built by scripts/build_llama_tools from scripts/llama_system_info.c: preloaded into a tool, it
 # prints the tool's llama_print_system_info() and ends the run before any model loads.

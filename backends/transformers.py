@@ -35,10 +35,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from crossrt.errors import ModelError, SettingsError
-from crossrt.memory import ALL_LAYERS, check_fits
-from crossrt.pairs import cache_dir, sha256_of
-from crossrt.runtime import DTYPES, DraftRules, ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
-from crossrt.schema import RuntimeInfo
+from crossrt.run.memory import ALL_LAYERS, check_fits
+from crossrt.inputs.pairs import cache_dir, sha256_of
+from crossrt.run.runtime import DTYPES, DraftRules, ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
+from crossrt.records.schema import RuntimeInfo
 
 try:
     import torch
@@ -103,7 +103,7 @@ def _ids(value) -> set[int]:
 
 def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
     """Load a transformers folder (config.json) or a .gguf file, in dtype_of(options), on the
-    options' device, once crossrt.memory has found room for it there.
+    options' device, once crossrt.run.memory has found room for it there.
 
     The model's generation_config is replaced by one holding only its special token ids, so
     model.generate() is plain greedy decoding whatever sampling or penalty settings the model

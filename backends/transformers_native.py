@@ -38,9 +38,9 @@ import transformers
 
 from crossrt.backends.transformers import LoadedModel, synchronize, tokenize
 from crossrt.errors import SettingsError
-from crossrt.runtime import DraftRules, NativeGeneration, NativeSession, RuntimeFailure, RuntimeOptions
-from crossrt.schedules import check_fits
-from crossrt.schema import Counters, CountsDoNotAddUp
+from crossrt.run.runtime import DraftRules, NativeGeneration, NativeSession, RuntimeFailure, RuntimeOptions
+from crossrt.run.schedules import check_fits
+from crossrt.records.schema import Counters, CountsDoNotAddUp
 
 SCHEDULE = "hf-assisted"
 NOTES = (

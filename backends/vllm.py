@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from crossrt.errors import ModelError, SettingsError
-from crossrt.pairs import cache_dir
-from crossrt.runtime import (DTYPES, DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
+from crossrt.inputs.pairs import cache_dir
+from crossrt.run.runtime import (DTYPES, DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                              RuntimeOptions, RuntimeUnavailable)
-from crossrt.schedules import check_fits
-from crossrt.schema import Counters, CountsDoNotAddUp, RuntimeInfo
+from crossrt.run.schedules import check_fits
+from crossrt.records.schema import Counters, CountsDoNotAddUp, RuntimeInfo
 from crossrt.backends.llama_server_process import _LIBC, _die_with_parent
 from crossrt.backends.llama_tools import log_tail
 

@@ -35,11 +35,11 @@ from pathlib import Path
 
 import numpy as np
 
-from crossrt import loop
+from crossrt.run import loop
 from crossrt.backends import llama_cpp as backend
-from crossrt.pairs import load_pair
-from crossrt.runtime import DraftRules, Rows, RuntimeOptions, open_runtime
-from crossrt.schedules import SPEC_SIMPLE, ViewRecorder, top_two
+from crossrt.inputs.pairs import load_pair
+from crossrt.run.runtime import DraftRules, Rows, RuntimeOptions, open_runtime
+from crossrt.run.schedules import SPEC_SIMPLE, ViewRecorder, top_two
 from crossrt.builders.tinypair import build_pair
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ saving path is timed, no generation. For each size n, medians over --reps:
 - whole: how the driver saved before journals, after every prompt: `with_result` then
   `save_record` (validate and write the whole record) of the record holding n prompts, plus
   `save_traces` of n traces with --trace. The cost of saving the n-th prompt.
-- journal: how it saves now (crossrt/run_writer.py). `add`: RunWriter.add of the n-th prompt,
+- journal: how it saves now (crossrt/run/run_writer.py). `add`: RunWriter.add of the n-th prompt,
   the writer holding n - 1 (median of the last min(5, n) adds of the run): the entry validated
   alone and appended to the journal(s). `per prompt in all`: the whole run's saving (start,
   n adds, the end's fold into the record) divided by n. `fold`: the end's fold alone.
@@ -28,14 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from crossrt.driver import run_prompt
-from crossrt.pairs import load_pair, pair_info
-from crossrt.prompts import load_prompts
-from crossrt.run_writer import RunWriter
-from crossrt.runtime import DraftRules, RuntimeOptions, open_runtime
-from crossrt.schema import RunParams, RunRecord
-from crossrt.record_json import save_record
-from crossrt.trace import TraceRecorder, save_traces, trace_path
+from crossrt.run.driver import run_prompt
+from crossrt.inputs.pairs import load_pair, pair_info
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.run_writer import RunWriter
+from crossrt.run.runtime import DraftRules, RuntimeOptions, open_runtime
+from crossrt.records.schema import RunParams, RunRecord
+from crossrt.records.record_json import save_record
+from crossrt.records.trace import TraceRecorder, save_traces, trace_path
 
 REPO = Path(__file__).resolve().parent.parent
 K = 4

@@ -21,14 +21,14 @@ import statistics
 import sys
 from pathlib import Path
 
-from crossrt import loop
-from crossrt.adaptive import DraftPolicy, policy_generate, simulate_policy
-from crossrt.pairs import load_pair
-from crossrt.prompts import Prompt, load_prompts
-from crossrt.relaxed import relaxed_run
-from crossrt.runtime import RuntimeOptions, open_runtime
-from crossrt.simulate import build_oracle, measure_costs, simulate_suite
-from crossrt.tables import format_table
+from crossrt.run import loop
+from crossrt.run.adaptive import DraftPolicy, policy_generate, simulate_policy
+from crossrt.inputs.pairs import load_pair
+from crossrt.inputs.prompts import Prompt, load_prompts
+from crossrt.run.relaxed import relaxed_run
+from crossrt.run.runtime import RuntimeOptions, open_runtime
+from crossrt.run.simulate import build_oracle, measure_costs, simulate_suite
+from crossrt.records.tables import format_table
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_K = 8

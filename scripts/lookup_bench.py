@@ -1,4 +1,4 @@
-"""Prompt-lookup drafting (crossrt/lookup.py) in the driven loop, per category (docs/ceiling.md).
+"""Prompt-lookup drafting (crossrt/run/lookup.py) in the driven loop, per category (docs/ceiling.md).
 
     .venv/bin/python scripts/lookup_bench.py --pair gemma3-270m [--prompts categories] [--limit 4]
         [--max-new 64] [--k 7] [--out results.json]
@@ -18,14 +18,14 @@ import json
 import sys
 from pathlib import Path
 
-from crossrt import loop
-from crossrt.adaptive import DraftPolicy, policy_generate, simulate_policy
-from crossrt.lookup import PromptLookupSession
-from crossrt.pairs import load_pair
-from crossrt.prompts import load_prompts
-from crossrt.runtime import RuntimeOptions, open_runtime
-from crossrt.simulate import Policy, build_oracle, simulate
-from crossrt.tables import format_table
+from crossrt.run import loop
+from crossrt.run.adaptive import DraftPolicy, policy_generate, simulate_policy
+from crossrt.run.lookup import PromptLookupSession
+from crossrt.inputs.pairs import load_pair
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.runtime import RuntimeOptions, open_runtime
+from crossrt.run.simulate import Policy, build_oracle, simulate
+from crossrt.records.tables import format_table
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_K = 8

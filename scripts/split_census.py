@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate splits on purpose and print how crossrt explained them (crossrt/census.py).
+"""Generate splits on purpose and print how crossrt explained them (crossrt/compare/census.py).
 
     .venv/bin/python scripts/split_census.py --pair trained --batches 3
     .venv/bin/python scripts/split_census.py --target t.gguf --drafter d.gguf --max-new-tokens 48
@@ -19,9 +19,9 @@ from pathlib import Path
 import click
 from click.testing import CliRunner
 
-from crossrt.census import MORE_NATIVE, NUMERICS_VARIANTS, TWO_THREADS, take_census
+from crossrt.compare.census import MORE_NATIVE, NUMERICS_VARIANTS, TWO_THREADS, take_census
 from crossrt.cli import main
-from crossrt.record_json import load_record
+from crossrt.records.record_json import load_record
 
 
 @click.command()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from crossrt.pairs import PairError, load_pair
-from crossrt.runtime import RuntimeOptions, open_runtime
+from crossrt.inputs.pairs import PairError, load_pair
+from crossrt.run.runtime import RuntimeOptions, open_runtime
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_PAIR = REPO / "models" / "pairs" / "tiny.toml"

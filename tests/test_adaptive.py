@@ -4,10 +4,10 @@ exact greedy at top-m 1 and measures its drift otherwise."""
 
 import pytest
 
-from crossrt.adaptive import DraftPolicy, content_type, policy_generate, simulate_policy
-from crossrt.prompts import load_prompts
-from crossrt.relaxed import drift, relaxed_run
-from crossrt.simulate import Policy, build_oracle, simulate
+from crossrt.run.adaptive import DraftPolicy, content_type, policy_generate, simulate_policy
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.relaxed import drift, relaxed_run
+from crossrt.run.simulate import Policy, build_oracle, simulate
 
 PROMPTS = load_prompts("builtin")
 MAX_NEW = 40
@@ -79,7 +79,7 @@ def test_drift():
 def test_a_prompt_lookup_drafter_runs_as_simulated(tiny_sessions):
     """The prompt-lookup session in the driven loop: greedy output, and the chain simulator's
     steps on an oracle built with it, drafting only while it finds a match."""
-    from crossrt.lookup import PromptLookupSession
+    from crossrt.run.lookup import PromptLookupSession
 
     target, _ = tiny_sessions
     lookup = PromptLookupSession(target.n_vocab, target.n_ctx, target.eog_ids, target.tokenize, target.detokenize)

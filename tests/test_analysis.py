@@ -6,12 +6,12 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from crossrt import analysis
+from crossrt.analyze import analysis
 from crossrt.cli.analysis import analyze
-from crossrt.driver import RunRequest, run_pair
-from crossrt.pairs import pair_from_paths
-from crossrt.prompts import load_prompts
-from crossrt.runtime import DraftRules, RuntimeOptions
+from crossrt.run.driver import RunRequest, run_pair
+from crossrt.inputs.pairs import pair_from_paths
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.runtime import DraftRules, RuntimeOptions
 
 from conftest import REPO
 

@@ -1,4 +1,4 @@
-"""The baseline store (crossrt/baselines.py) on real runs of the tiny pair (llama.cpp in-process,
+"""The baseline store (crossrt/run/baselines.py) on real runs of the tiny pair (llama.cpp in-process,
 llama-server native; 1 thread, 8 new tokens): a k sweep decodes each baseline once and gives the
 ids and counters a sweep without the store gives; damaged entries and other keys' entries are
 never used; two writers at once leave whole entries; `crossrt cache` and `run --fresh-baseline`."""
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from crossrt.baselines import Baseline, BaselineStore, baseline_of, key_sha256, prompt_key
+from crossrt.run.baselines import Baseline, BaselineStore, baseline_of, key_sha256, prompt_key
 from crossrt.cli import main
-from crossrt.driver import RunRequest, run_pair
-from crossrt.pairs import load_pair
-from crossrt.prompts import load_prompts
-from crossrt.runtime import DraftRules, RuntimeOptions
+from crossrt.run.driver import RunRequest, run_pair
+from crossrt.inputs.pairs import load_pair
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.runtime import DraftRules, RuntimeOptions
 from crossrt.sweep.plan import load_sweep
 from crossrt.sweep.runner import Executor, run_sweep
 from crossrt.sweep.store import SweepStore
@@ -135,7 +135,7 @@ def test_every_part_of_the_key_changes_its_digest():
 WRITER = """
 import sys, time
 from pathlib import Path
-from crossrt.baselines import Baseline, BaselineStore, baseline_of
+from crossrt.run.baselines import Baseline, BaselineStore, baseline_of
 store, key, me = BaselineStore(Path(sys.argv[1])), {"k": "shared"}, int(sys.argv[2])
 def decode():
     with open(Path(sys.argv[1]) / "decodes.log", "a") as log:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from crossrt.chat_template import apply_template
-from crossrt.driver import RunRequest, run_pair
-from crossrt.prompts import (CATEGORIES, SPEEDBENCH_PLACEHOLDER, PromptError, by_content_type, content_type,
+from crossrt.inputs.chat_template import apply_template
+from crossrt.run.driver import RunRequest, run_pair
+from crossrt.inputs.prompts import (CATEGORIES, SPEEDBENCH_PLACEHOLDER, PromptError, by_content_type, content_type,
                              load_prompts)
-from crossrt.runtime import DraftRules, RuntimeOptions
+from crossrt.run.runtime import DraftRules, RuntimeOptions
 
 from conftest import REPO
 

@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from crossrt.chat_template import (ChatRendering, ChatTemplateError, apply_template, find_template, template_variables,
+from crossrt.inputs.chat_template import (ChatRendering, ChatTemplateError, apply_template, find_template, template_variables,
                                    user_turn)
 from crossrt.cli import main
-from crossrt.diagnosis import TEMPLATE, Explainer, explain_record
-from crossrt.diff import diff_records, render_diff
-from crossrt.driver import RunRequest, run_pair
-from crossrt.pairs import load_pair
-from crossrt.parity import compare_all
-from crossrt.prompts import Prompt, PromptError, load_prompts
-from crossrt.record_json import load_record
-from crossrt.runtime import DraftRules, RuntimeOptions, availability
-from crossrt.schema import RecordError
+from crossrt.compare.diagnosis import TEMPLATE, Explainer, explain_record
+from crossrt.compare.diff import diff_records, render_diff
+from crossrt.run.driver import RunRequest, run_pair
+from crossrt.inputs.pairs import load_pair
+from crossrt.compare.parity import compare_all
+from crossrt.inputs.prompts import Prompt, PromptError, load_prompts
+from crossrt.records.record_json import load_record
+from crossrt.run.runtime import DraftRules, RuntimeOptions, availability
+from crossrt.records.schema import RecordError
 
 from conftest import REPO, TINY_PAIR
 

@@ -5,9 +5,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from crossrt.claims import ClaimError, Tolerance, load_claims
+from crossrt.analyze.claims import ClaimError, Tolerance, load_claims
 from crossrt.cli.reproduce import reproduce
-from crossrt.record_json import load_record
+from crossrt.records.record_json import load_record
 
 from conftest import REPO, TINY_PAIR
 

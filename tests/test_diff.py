@@ -7,9 +7,9 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.cli import main
-from crossrt.diff import diff_records
-from crossrt.parity import compare_records
-from crossrt.record_json import load_record
+from crossrt.compare.diff import diff_records
+from crossrt.compare.parity import compare_records
+from crossrt.records.record_json import load_record
 from crossrt.builders.tinypair import build_pair
 
 from conftest import REPO
@@ -73,7 +73,7 @@ def test_a_different_model_is_a_disagreement(tmp_path):
 
 
 def test_diff_and_parity_give_one_verdict(random_records):
-    """The same near-tie verdict (crossrt/numerics.py) in both commands, on the same runs."""
+    """The same near-tie verdict (crossrt/run/numerics.py) in both commands, on the same runs."""
     a, b = (load_record(path) for path in random_records)
     report = diff_records("f32", a, "f16", b)
     comparisons = {c.prompt_id: c for c in compare_records(a, b, labels=("f32", "f16"))}

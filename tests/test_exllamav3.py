@@ -15,14 +15,14 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.errors import SettingsError
-from crossrt import loop
+from crossrt.run import loop
 from crossrt.backends.exllamav3 import adds_bos, chunk_size, missing_requirements, page_round
 from crossrt.backends.exllamav3_native import check_rules, counters_from_rounds, drafting_kind
 from crossrt.cli import main
-from crossrt.prompts import load_prompts
-from crossrt.runtime import (DraftRules, RuntimeFailure, RuntimeOptions, RuntimeUnavailable, Rows, availability,
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.runtime import (DraftRules, RuntimeFailure, RuntimeOptions, RuntimeUnavailable, Rows, availability,
                              open_runtime, runtime_class)
-from crossrt.record_json import load_record
+from crossrt.records.record_json import load_record
 
 from conftest import REPO
 
@@ -46,7 +46,7 @@ def crossrt_cli(*args):
 
 @only_without_exllamav3
 def test_check_available_names_what_is_missing_and_imports_nothing():
-    code = ("import sys; from crossrt.runtime import availability; print(availability('exllamav3')); "
+    code = ("import sys; from crossrt.run.runtime import availability; print(availability('exllamav3')); "
             "print('exllamav3' in sys.modules)")
     reason, imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                       check=True).stdout.strip().splitlines()
@@ -59,7 +59,7 @@ def test_check_available_names_what_is_missing_and_imports_nothing():
 
 
 def test_missing_torch_is_named_before_anything_is_imported():
-    code = ("import sys; sys.modules['torch'] = None; from crossrt.runtime import availability; "
+    code = ("import sys; sys.modules['torch'] = None; from crossrt.run.runtime import availability; "
             "print(availability('exllamav3'))")
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "torch is not installed" in output

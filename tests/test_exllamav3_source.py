@@ -24,7 +24,7 @@ import pytest
 from crossrt.errors import SettingsError
 from crossrt.backends import exllamav3 as backend
 from crossrt.backends import exllamav3_native as native
-from crossrt.runtime import DraftRules, RuntimeOptions, Rows
+from crossrt.run.runtime import DraftRules, RuntimeOptions, Rows
 
 from conftest import REPO
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from crossrt.journal import journal_path
-from crossrt.record_json import load_record
-from crossrt.run_writer import lock_path
-from crossrt.runtime import availability
+from crossrt.records.journal import journal_path
+from crossrt.records.record_json import load_record
+from crossrt.run.run_writer import lock_path
+from crossrt.run.runtime import availability
 
 from conftest import TINY_PAIR, with_sigint
 
@@ -182,10 +182,10 @@ def test_an_interrupted_native_run_leaves_no_server_and_resumes(tmp_path, sig):
 ], ids=["stopped-probes", "timeout"])
 def test_a_stopped_spec_tool_is_a_failure_that_keeps_finished_prompts(tmp_path, monkeypatch, settings, message):
     from crossrt.backends import llama_spec_cli
-    from crossrt.driver import RunRequest, run_pair
-    from crossrt.pairs import load_pair
-    from crossrt.prompts import load_prompts
-    from crossrt.runtime import DraftRules, RuntimeFailure, RuntimeOptions
+    from crossrt.run.driver import RunRequest, run_pair
+    from crossrt.inputs.pairs import load_pair
+    from crossrt.inputs.prompts import load_prompts
+    from crossrt.run.runtime import DraftRules, RuntimeFailure, RuntimeOptions
 
     for name, value in settings.items():
         monkeypatch.setattr(llama_spec_cli, name, value)

@@ -20,9 +20,9 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.cli import main
-from crossrt.journal import Journal
-from crossrt.record_json import load_record, result_entry, save_record
-from crossrt.schema import RecordError
+from crossrt.records.journal import Journal
+from crossrt.records.record_json import load_record, result_entry, save_record
+from crossrt.records.schema import RecordError
 
 from conftest import TINY_PAIR
 
@@ -109,7 +109,7 @@ def one_line_failure(result, context: str) -> str:
 
 def test_fuzzed_prompt_files_are_one_line_before_any_model_loads(folder, monkeypatch):
     # Opening a runtime would load models: a prompt file must be refused before that.
-    monkeypatch.setattr("crossrt.driver.open_runtime", lambda *a, **k: pytest.fail("a runtime was opened"))
+    monkeypatch.setattr("crossrt.run.driver.open_runtime", lambda *a, **k: pytest.fail("a runtime was opened"))
     rng, runner, kinds = random.Random(SEED), CliRunner(), set()
     for case in range(PROMPT_CASES):
         kind, data = damaged_prompt_file(rng)
@@ -128,7 +128,7 @@ def test_fuzzed_prompt_files_are_one_line_before_any_model_loads(folder, monkeyp
 @pytest.mark.parametrize("scheme, expected", [("", "as PATH or jsonl:PATH (id, category, prompt"),
                                               ("specbench:", "as specbench:PATH (Spec-Bench question.jsonl")])
 def test_prompts_naming_a_folder_say_it_is_one_and_what_file_is_expected(folder, monkeypatch, scheme, expected):
-    monkeypatch.setattr("crossrt.driver.open_runtime", lambda *a, **k: pytest.fail("a runtime was opened"))
+    monkeypatch.setattr("crossrt.run.driver.open_runtime", lambda *a, **k: pytest.fail("a runtime was opened"))
     checkout = folder / "a-benchmark-checkout"
     checkout.mkdir(exist_ok=True)
     result = CliRunner().invoke(main, ["run", "--pair", str(TINY_PAIR), "--threads", "1", "--prompts",
@@ -138,7 +138,7 @@ def test_prompts_naming_a_folder_say_it_is_one_and_what_file_is_expected(folder,
     assert "not found" not in line and not (folder / "folder-run.json").exists()
 
 def test_a_prompt_file_with_unicode_line_separators_inside_strings_reads(folder):
-    from crossrt.prompts import load_prompts
+    from crossrt.inputs.prompts import load_prompts
 
     path = folder / "separators.jsonl"
     texts = ["a\u2028b", "c\x85d", "e\x1cf\x0bg"]

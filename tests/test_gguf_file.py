@@ -1,4 +1,4 @@
-"""crossrt.gguf_file against gguf-py's own reader on the tiny target: the same metadata, the
+"""crossrt.inputs.gguf_file against gguf-py's own reader on the tiny target: the same metadata, the
 same tensors at the same places; a damaged file is a ValueError naming where it stops."""
 
 import mmap
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from crossrt.gguf_file import encode_field, read_layout
+from crossrt.inputs.gguf_file import encode_field, read_layout
 
 from conftest import REPO
 

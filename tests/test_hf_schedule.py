@@ -6,7 +6,7 @@ import json
 from click.testing import CliRunner
 
 from crossrt.cli import main
-from crossrt.record_json import load_record
+from crossrt.records.record_json import load_record
 
 from conftest import TINY_PAIR
 

@@ -5,7 +5,7 @@ import sys
 
 
 def test_import_crossrt_imports_no_runtime():
-    code = ("import sys, crossrt, crossrt.cli, crossrt.schema, crossrt.runtime, crossrt.pairs; "
+    code = ("import sys, crossrt, crossrt.cli, crossrt.records.schema, crossrt.run.runtime, crossrt.inputs.pairs; "
             "print(sorted(m for m in ('llama_cpp', 'torch', 'transformers', 'exllamav3') if m in sys.modules))")
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert output.strip() == "[]"

@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.cli.imports import import_command
-from crossrt.record_json import load_record
-from crossrt.schema import accepted_per_position
+from crossrt.records.record_json import load_record
+from crossrt.records.schema import accepted_per_position
 
 from conftest import assert_clean_error
 

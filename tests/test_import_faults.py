@@ -12,9 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.cli import main
-from crossrt.import_logs import ReadOptions
-from crossrt.importer import ImportRequest, import_record
-from crossrt.imported import ImportFailure, counts_of_rate, fitting, shown
+from crossrt.imports.logs import ReadOptions
+from crossrt.imports.importer import ImportRequest, import_record
+from crossrt.imports.imported import ImportFailure, counts_of_rate, fitting, shown
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "import"
 # Work per input does not grow with its numbers: a case that took seconds would be a run-away.

@@ -12,11 +12,11 @@ from click.testing import CliRunner
 
 from crossrt.backends.exllamav3_native import counters_from_rounds
 from crossrt.cli import main
-from crossrt.import_exllamav3 import json_body
-from crossrt.import_logs import ReadOptions
-from crossrt.imported import ImportFailure
-from crossrt.importer import FORMATS, ImportRequest, import_record
-from crossrt.record_json import load_record
+from crossrt.imports.exllamav3 import json_body
+from crossrt.imports.logs import ReadOptions
+from crossrt.imports.imported import ImportFailure
+from crossrt.imports.importer import FORMATS, ImportRequest, import_record
+from crossrt.records.record_json import load_record
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "import"
 

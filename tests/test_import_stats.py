@@ -12,14 +12,14 @@ from click.testing import CliRunner
 
 from crossrt.backends.llama_server import Launcher
 from crossrt.cli import main
-from crossrt.driver import RunRequest, run_pair
-from crossrt.import_logs import ReadOptions
-from crossrt.importer import ImportRequest, import_record
-from crossrt.pairs import load_pair
-from crossrt.prompts import load_prompts
-from crossrt.runtime import DraftRules, RuntimeOptions, availability
-from crossrt.schema import RecordError
-from crossrt.record_json import load_record, record_from_json
+from crossrt.run.driver import RunRequest, run_pair
+from crossrt.imports.logs import ReadOptions
+from crossrt.imports.importer import ImportRequest, import_record
+from crossrt.inputs.pairs import load_pair
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.runtime import DraftRules, RuntimeOptions, availability
+from crossrt.records.schema import RecordError
+from crossrt.records.record_json import load_record, record_from_json
 
 from conftest import TINY_PAIR, assert_clean_error
 

@@ -14,10 +14,10 @@ import pytest
 from click.testing import CliRunner
 from gguf import GGUFReader
 
-from crossrt import loop
+from crossrt.run import loop
 from crossrt.cli import main
-from crossrt.pairs import gguf_metadata, pair_from_paths, pair_info
-from crossrt.runtime import DraftRules, Rows
+from crossrt.inputs.pairs import gguf_metadata, pair_from_paths, pair_info
+from crossrt.run.runtime import DraftRules, Rows
 
 from conftest import REPO, assert_clean_error
 
@@ -132,7 +132,7 @@ def test_cutting_a_transformers_conversion_gives_the_conversion_of_the_cut(hf_ca
 
     from crossrt.backends.transformers import dequantized_folder, load_model
     from crossrt.builders.layer_skip import layer_skip_folder as cut_folder
-    from crossrt.runtime import RuntimeOptions
+    from crossrt.run.runtime import RuntimeOptions
 
     cut = hf_cache / "blocks2.gguf"
     layer_skip(TINY, cut, "--blocks", 2)
@@ -152,7 +152,7 @@ def test_cutting_a_transformers_conversion_gives_the_conversion_of_the_cut(hf_ca
 def test_cutting_a_transformers_folder_refuses_bad_arguments(hf_cache):
     from crossrt.backends.transformers import dequantized_folder, load_model
     from crossrt.builders.layer_skip import LayerSkipError, layer_skip_folder as cut_folder
-    from crossrt.runtime import RuntimeOptions
+    from crossrt.run.runtime import RuntimeOptions
 
     load_model(TINY, RuntimeOptions(threads=1))
     source = dequantized_folder(TINY)

@@ -13,15 +13,15 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.errors import PromptRefused
-from crossrt import loop
+from crossrt.run import loop
 from crossrt.cli import main
-from crossrt.driver import RunRequest, run_pair
-from crossrt.pairs import load_pair
-from crossrt.prompts import load_prompts
-from crossrt.runtime import (DraftRules, NativeGeneration, RuntimeFailure, RuntimeOptions, RuntimeUnavailable,
+from crossrt.run.driver import RunRequest, run_pair
+from crossrt.inputs.pairs import load_pair
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.runtime import (DraftRules, NativeGeneration, RuntimeFailure, RuntimeOptions, RuntimeUnavailable,
                              availability, open_runtime)
-from crossrt.schema import accepted_per_position
-from crossrt.record_json import load_record
+from crossrt.records.schema import accepted_per_position
+from crossrt.records.record_json import load_record
 
 from conftest import TINY_PAIR
 

@@ -11,15 +11,15 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.errors import PromptRefused
-from crossrt import loop
+from crossrt.run import loop
 from crossrt.backends.llama_spec_cli import TOOL, parse_log
 from crossrt.backends.llama_tools import Flags
 from crossrt.cli import main
-from crossrt.driver import run_prompt_native
-from crossrt.prompts import Prompt, load_prompts
-from crossrt.runtime import DraftRules, RuntimeFailure, RuntimeOptions, RuntimeUnavailable, availability, open_runtime
-from crossrt.schedules import SPEC_SIMPLE
-from crossrt.record_json import load_record
+from crossrt.run.driver import run_prompt_native
+from crossrt.inputs.prompts import Prompt, load_prompts
+from crossrt.run.runtime import DraftRules, RuntimeFailure, RuntimeOptions, RuntimeUnavailable, availability, open_runtime
+from crossrt.run.schedules import SPEC_SIMPLE
+from crossrt.records.record_json import load_record
 
 from conftest import TINY_PAIR
 

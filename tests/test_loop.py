@@ -3,9 +3,9 @@
 import pytest
 
 from crossrt.errors import PromptRefused, SettingsError
-from crossrt import loop
-from crossrt.runtime import DraftRules
-from crossrt.prompts import load_prompts
+from crossrt.run import loop
+from crossrt.run.runtime import DraftRules
+from crossrt.inputs.prompts import load_prompts
 
 PROMPTS = load_prompts("builtin")
 K = 4

@@ -1,4 +1,4 @@
-"""The memory check before loading (crossrt/memory.py): its counts are what the runtimes hold
+"""The memory check before loading (crossrt/run/memory.py): its counts are what the runtimes hold
 (llama.cpp's own model size, transformers' parameters and KV cache), a model too big for the
 machine is refused before it loads on every runtime that has the check, in one line that says
 what would fit, and each suggestion does fit. Too big honestly: a context whose KV cache
@@ -13,9 +13,9 @@ from click.testing import CliRunner
 
 from crossrt.cli import main
 from crossrt.errors import CrossrtError
-from crossrt.memory import LIMIT_ENV, Device, MemoryShort, check_fits, footprint, parse_size
-from crossrt.pairs import gguf_metadata
-from crossrt.runtime import RuntimeOptions, Rows, open_runtime
+from crossrt.run.memory import LIMIT_ENV, Device, MemoryShort, check_fits, footprint, parse_size
+from crossrt.inputs.pairs import gguf_metadata
+from crossrt.run.runtime import RuntimeOptions, Rows, open_runtime
 
 from conftest import REPO, assert_clean_error
 
@@ -156,9 +156,9 @@ def test_the_limit_override_replaces_measured_memory_and_each_suggestion_fits(mo
 
 
 def test_gpu_shares_are_checked_per_gpu_and_a_split_by_free_memory_is_suggested(monkeypatch):
-    """This machine has no GPU, so the GPUs' free memory is given (crossrt.memory.gpus, the
+    """This machine has no GPU, so the GPUs' free memory is given (crossrt.run.memory.gpus, the
     one function that reads it); the arithmetic per GPU is what is tested. RAM is not short."""
-    import crossrt.memory as memory
+    import crossrt.run.memory as memory
 
     need = footprint(TARGET, None, "f16").need(4096)
     monkeypatch.setattr(memory, "gpus", lambda: [Device("GPU 0", int(need * 0.7), "given"),

@@ -1,5 +1,5 @@
-"""One list of metrics (crossrt/metrics.py), and the record's three descriptions held to each
-other: the dataclasses (crossrt/schema.py), the JSON Schema (crossrt/data/run-record.schema.json)
+"""One list of metrics (crossrt/records/metrics.py), and the record's three descriptions held to each
+other: the dataclasses (crossrt/records/schema.py), the JSON Schema (crossrt/data/run-record.schema.json)
 and docs/schema.md. Adding a field or a metric without the others fails here."""
 
 import dataclasses
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from crossrt import metrics, schema
+from crossrt.records import metrics, schema
 
 from conftest import REPO
 

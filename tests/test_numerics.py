@@ -1,12 +1,12 @@
-"""The one near-tie verdict (crossrt/numerics.py): gaps between the two emitted tokens, whatever
+"""The one near-tie verdict (crossrt/run/numerics.py): gaps between the two emitted tokens, whatever
 lies between them, and the close candidates a pass records, against a full sort of the row."""
 
 import numpy as np
 import pytest
 
-from crossrt.numerics import CLOSE_MAX, CLOSE_WINDOW, Gap, choose, judge, recorded_gap, rescored_gap
-from crossrt.rescore import top_k
-from crossrt.tolerance import F16_CACHE, F32_EXACT, HALF_WEIGHTS, QUANTIZED, QUANTIZED_ONE_RUNTIME
+from crossrt.run.numerics import CLOSE_MAX, CLOSE_WINDOW, Gap, choose, judge, recorded_gap, rescored_gap
+from crossrt.compare.rescore import top_k
+from crossrt.compare.tolerance import F16_CACHE, F32_EXACT, HALF_WEIGHTS, QUANTIZED, QUANTIZED_ONE_RUNTIME
 
 
 def test_close_candidates_are_the_sorted_rows_nearest_entries():

@@ -6,7 +6,7 @@ import gguf
 import pytest
 from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 
-from crossrt.pairs import PairError, check_compatible, pair_info, read_vocabulary, sha256_of
+from crossrt.inputs.pairs import PairError, check_compatible, pair_info, read_vocabulary, sha256_of
 
 from conftest import assert_clean_error
 

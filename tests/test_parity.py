@@ -8,12 +8,12 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.cli import main
-from crossrt.driver import RunRequest, run_pair
-from crossrt.pairs import load_pair, pair_from_paths
-from crossrt.parity import compare_all, first_divergence, labelled
-from crossrt.prompts import load_prompts
-from crossrt.runtime import DraftRules, RuntimeOptions
-from crossrt.record_json import save_record
+from crossrt.run.driver import RunRequest, run_pair
+from crossrt.inputs.pairs import load_pair, pair_from_paths
+from crossrt.compare.parity import compare_all, first_divergence, labelled
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.runtime import DraftRules, RuntimeOptions
+from crossrt.records.record_json import save_record
 
 from conftest import REPO, TINY_PAIR
 
@@ -85,7 +85,7 @@ def test_saved_baseline_guards_an_upgrade(records):
 
 
 def test_non_lossless_run_and_missing_prompt_are_reported(records, tmp_path):
-    from crossrt.record_json import load_record
+    from crossrt.records.record_json import load_record
 
     record = load_record(records["f32"])
     first = record.results[0]
@@ -98,7 +98,7 @@ def test_non_lossless_run_and_missing_prompt_are_reported(records, tmp_path):
 
 
 def test_problems_name_both_runs(records):
-    from crossrt.record_json import load_record
+    from crossrt.records.record_json import load_record
 
     runs = labelled([load_record(records["f32"]), load_record(records["swapped"])], ["a", "b"])
     failing = [c for c in compare_all(runs) if not c.ok]

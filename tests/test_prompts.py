@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from crossrt.prompts import (BUILTIN_SUITES, CATEGORIES, PromptError, load_prompts, relabel,
+from crossrt.inputs.prompts import (BUILTIN_SUITES, CATEGORIES, PromptError, load_prompts, relabel,
                              source_relative_to, split_source)
 
 SPEC_BENCH = [

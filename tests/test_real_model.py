@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.cli import main
-from crossrt.diagnosis import NUMERICS, Explainer, explain_record
-from crossrt.pairs import load_pair
-from crossrt.record_json import load_record
-from crossrt.replay import Replayer
+from crossrt.compare.diagnosis import NUMERICS, Explainer, explain_record
+from crossrt.inputs.pairs import load_pair
+from crossrt.records.record_json import load_record
+from crossrt.compare.replay import Replayer
 
 from conftest import REPO
 

@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from crossrt import record_json
+from crossrt.records import record_json
 from crossrt.cli import main
-from crossrt.driver import run_prompt
-from crossrt.journal import Journal, journal_path
-from crossrt.pairs import pair_info
-from crossrt.prompts import load_prompts
-from crossrt.run_writer import RunWriter
-from crossrt.runtime import DraftRules
-from crossrt.schema import RecordError, RunParams, RunRecord
-from crossrt.record_json import load_record, save_record
-from crossrt.trace import TraceRecorder, load_trace, read_traces, trace_entry, trace_path
+from crossrt.run.driver import run_prompt
+from crossrt.records.journal import Journal, journal_path
+from crossrt.inputs.pairs import pair_info
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.run_writer import RunWriter
+from crossrt.run.runtime import DraftRules
+from crossrt.records.schema import RecordError, RunParams, RunRecord
+from crossrt.records.record_json import load_record, save_record
+from crossrt.records.trace import TraceRecorder, load_trace, read_traces, trace_entry, trace_path
 
 from conftest import REPO, TINY_PAIR
 
@@ -132,7 +132,7 @@ def test_a_journal_belongs_to_the_record_it_was_started_beside(header, finished,
             raise KeyboardInterrupt
         return Journal(base, base_bytes)
 
-    monkeypatch.setattr("crossrt.run_writer.Journal", journal_or_killed)
+    monkeypatch.setattr("crossrt.run.run_writer.Journal", journal_or_killed)
     with pytest.raises(KeyboardInterrupt):
         if continues:
             RunWriter(load_record(out), out, {"no-prompt": finished[0][1]}, continues=True)

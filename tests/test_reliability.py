@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from crossrt.run_writer import lock_path
-from crossrt.record_json import load_record
+from crossrt.run.run_writer import lock_path
+from crossrt.records.record_json import load_record
 
 from conftest import REPO, TINY_PAIR, with_sigint
 
@@ -248,10 +248,10 @@ def test_gpu_split_without_a_gpu_warns(tmp_path):
 ], ids=["health-probes", "request-timeout"])
 def test_a_stopped_llama_server_is_a_failure_that_keeps_finished_prompts(tmp_path, monkeypatch, settings, message):
     from crossrt.backends import llama_server_process
-    from crossrt.driver import RunRequest, run_pair
-    from crossrt.pairs import load_pair
-    from crossrt.prompts import load_prompts
-    from crossrt.runtime import DraftRules, RuntimeFailure, RuntimeOptions
+    from crossrt.run.driver import RunRequest, run_pair
+    from crossrt.inputs.pairs import load_pair
+    from crossrt.inputs.prompts import load_prompts
+    from crossrt.run.runtime import DraftRules, RuntimeFailure, RuntimeOptions
 
     for name, value in settings.items():
         monkeypatch.setattr(llama_server_process, name, value)

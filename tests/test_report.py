@@ -11,16 +11,16 @@ import xml.etree.ElementTree as ET
 import pytest
 from click.testing import CliRunner
 
-from crossrt import analysis
+from crossrt.analyze import analysis
 from crossrt.cli.report import report
-from crossrt.driver import RunRequest, run_pair
+from crossrt.run.driver import RunRequest, run_pair
 from crossrt.errors import CrossrtError
-from crossrt.prompts import Prompt, content_type, load_prompts
-from crossrt.report_page import Section, page
-from crossrt.pairs import read_vocabulary
-from crossrt.report_steps import load_vocab, step_spans, token_texts, vocab_at
-from crossrt.runtime import DraftRules, RuntimeOptions
-from crossrt.svg import Bars, bar_chart, nice_ticks
+from crossrt.inputs.prompts import Prompt, content_type, load_prompts
+from crossrt.report.page import Section, page
+from crossrt.inputs.pairs import read_vocabulary
+from crossrt.report.steps import load_vocab, step_spans, token_texts, vocab_at
+from crossrt.run.runtime import DraftRules, RuntimeOptions
+from crossrt.report.svg import Bars, bar_chart, nice_ticks
 
 from conftest import assert_clean_error
 

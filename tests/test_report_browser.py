@@ -19,11 +19,11 @@ from click.testing import CliRunner
 
 from crossrt.cli import main
 from crossrt.cli.report import report
-from crossrt.driver import RunRequest, run_pair
-from crossrt.pairs import pair_from_paths
-from crossrt.prompts import load_prompts
-from crossrt.report_steps import load_vocab, token_texts
-from crossrt.runtime import DraftRules, RuntimeOptions
+from crossrt.run.driver import RunRequest, run_pair
+from crossrt.inputs.pairs import pair_from_paths
+from crossrt.inputs.prompts import load_prompts
+from crossrt.report.steps import load_vocab, token_texts
+from crossrt.run.runtime import DraftRules, RuntimeOptions
 
 from conftest import REPO
 

@@ -10,16 +10,16 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.cli import main
-from crossrt.diagnosis import NUMERICS
-from crossrt.driver import RunRequest, run_pair
-from crossrt.pairs import pair_from_paths
-from crossrt.parity import compare_all
-from crossrt.prompts import load_prompts
-from crossrt.replay import Replayer
-from crossrt.report import load_runs
-from crossrt.report_parity import compare_runs, parity_sections, report_parity, shown_splits, visible
-from crossrt.report_steps import load_vocab, token_texts
-from crossrt.runtime import DraftRules, RuntimeOptions
+from crossrt.compare.diagnosis import NUMERICS
+from crossrt.run.driver import RunRequest, run_pair
+from crossrt.inputs.pairs import pair_from_paths
+from crossrt.compare.parity import compare_all
+from crossrt.inputs.prompts import load_prompts
+from crossrt.compare.replay import Replayer
+from crossrt.report.build import load_runs
+from crossrt.report.parity import compare_runs, parity_sections, report_parity, shown_splits, visible
+from crossrt.report.steps import load_vocab, token_texts
+from crossrt.run.runtime import DraftRules, RuntimeOptions
 
 from conftest import REPO
 

@@ -1,11 +1,11 @@
-"""crossrt.rescore's statistics: top_k is the order a stable argsort of -rows gives (highest
+"""crossrt.compare.rescore's statistics: top_k is the order a stable argsort of -rows gives (highest
 first, ties to the lower index, NaN last), without sorting whole rows."""
 
 import numpy as np
 import pytest
 
 from crossrt.errors import ComparisonError
-from crossrt.rescore import ScoredRows, agreement, top_k
+from crossrt.compare.rescore import ScoredRows, agreement, top_k
 
 
 @pytest.mark.parametrize("seed", range(5))

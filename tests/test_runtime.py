@@ -1,4 +1,4 @@
-"""The session contract of crossrt/runtime.py, one test over every driven runtime (llama-cpp,
+"""The session contract of crossrt/run/runtime.py, one test over every driven runtime (llama-cpp,
 transformers, exllamav3 on a GPU), each on the tiny pair's own files for that runtime: which
 logits rows eval returns, where truncate cuts the cache, the context limit, and a lifetime
 that ends once, in close() or a with block."""
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from crossrt.errors import PromptRefused
-from crossrt.prompts import load_prompts
-from crossrt.runtime import Rows, RuntimeOptions, availability, open_runtime
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.runtime import Rows, RuntimeOptions, availability, open_runtime
 
 
 PROMPT = load_prompts("builtin")[0]

@@ -1,6 +1,6 @@
 """llama.cpp's schedules in the driven loop, on real llama.cpp with the tiny pair.
 
-Exact step lists below follow from the rules in crossrt/schedules.py; agreement with the native
+Exact step lists below follow from the rules in crossrt/run/schedules.py; agreement with the native
 tool itself is in test_llama_spec_cli.py. The tiny pair's drafter is very sure of itself (its
 top-10 probability is below 0.9999 at about 10% of positions and below 0.5 at 0.1%), so a
 p_min that stops drafts here has to be close to 1.
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from crossrt.errors import PromptRefused
-from crossrt import loop, schedules
-from crossrt.prompts import load_prompts
-from crossrt.runtime import DraftRules
+from crossrt.run import loop, schedules
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.runtime import DraftRules
 
 PROMPTS = load_prompts("builtin")
 LLAMA = (schedules.SPEC_SIMPLE, schedules.SERVER)

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from crossrt.driver import run_prompt
-from crossrt.pairs import pair_info
-from crossrt.prompts import load_prompts
-from crossrt.runtime import DraftRules
-from crossrt.schema import Counters, CountsDoNotAddUp, RecordError, RunParams, RunRecord
-from crossrt.record_json import load_record, record_from_json, record_to_json, save_record
+from crossrt.run.driver import run_prompt
+from crossrt.inputs.pairs import pair_info
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.runtime import DraftRules
+from crossrt.records.schema import Counters, CountsDoNotAddUp, RecordError, RunParams, RunRecord
+from crossrt.records.record_json import load_record, record_from_json, record_to_json, save_record
 
 
 @pytest.fixture(scope="module")

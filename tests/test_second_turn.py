@@ -1,4 +1,4 @@
-"""MT-Bench's second turn (crossrt/second_turn.py) on the real tiny pair: the first answer is
+"""MT-Bench's second turn (crossrt/run/second_turn.py) on the real tiny pair: the first answer is
 the target's own greedy output on turn 1 (the baseline of a turn-1 run), made once into the
 first-answers file and reused, a file made for something else refused, and `parity --turn 2`
 feeding llama-cpp and transformers the same ids from one rendering of the whole conversation."""
@@ -9,13 +9,13 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from crossrt.chat_template import ChatRendering, apply_template, find_template, prompt_messages
+from crossrt.inputs.chat_template import ChatRendering, apply_template, find_template, prompt_messages
 from crossrt.cli import main
-from crossrt.pairs import load_pair
-from crossrt.prompts import load_prompts
-from crossrt.record_json import load_record
-from crossrt.runtime import RuntimeOptions, availability
-from crossrt.second_turn import FirstAnswers, second_turn_prompts
+from crossrt.inputs.pairs import load_pair
+from crossrt.inputs.prompts import load_prompts
+from crossrt.records.record_json import load_record
+from crossrt.run.runtime import RuntimeOptions, availability
+from crossrt.run.second_turn import FirstAnswers, second_turn_prompts
 
 from conftest import REPO, TINY_PAIR, assert_clean_error
 

@@ -1,4 +1,4 @@
-"""Splits generated on purpose, and every one given a cause (crossrt/census.py).
+"""Splits generated on purpose, and every one given a cause (crossrt/compare/census.py).
 
 No prompt here is "the one that splits": which prompts split, and where, changes with the CPU,
 threads and kernels. Generated prompts run through llama.cpp under numerics variants (F16 and
@@ -23,10 +23,10 @@ from click.testing import CliRunner
 
 from crossrt.backends.llama_cpp import LlamaCppSession
 from crossrt.builders.tinypair import build_pair
-from crossrt.census import NUMERICS_VARIANTS, Variant, generated_prompts, take_census
+from crossrt.compare.census import NUMERICS_VARIANTS, Variant, generated_prompts, take_census
 from crossrt.cli import main
-from crossrt.diagnosis import COUNTERS_UNEXPLAINED, INSIDE_DISAGREEMENT, NUMERICS
-from crossrt.record_json import load_record, save_record
+from crossrt.compare.diagnosis import COUNTERS_UNEXPLAINED, INSIDE_DISAGREEMENT, NUMERICS
+from crossrt.records.record_json import load_record, save_record
 
 from conftest import REPO
 

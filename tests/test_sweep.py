@@ -10,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.cli import main
-from crossrt.prompts import load_prompts
-from crossrt.driver import LoadedModels
-from crossrt.record_json import load_record, record_from_json
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.driver import LoadedModels
+from crossrt.records.record_json import load_record, record_from_json
 from crossrt.sweep.cell_run import CellJob, run_job
 from crossrt.sweep.plan import SweepError, load_sweep
 from crossrt.sweep.runner import Executor, run_sweep

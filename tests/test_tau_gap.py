@@ -7,13 +7,13 @@ from fractions import Fraction
 
 import pytest
 
-from crossrt.driver import RunRequest, run_pair
+from crossrt.run.driver import RunRequest, run_pair
 from crossrt.errors import ComparisonError
-from crossrt.prompts import Prompt, load_prompts
-from crossrt.runtime import DraftRules, RuntimeOptions, availability
-from crossrt.schedule_sim import summarize_schedule
-from crossrt.schema import ImportInfo
-from crossrt.tau_gap import METRICS, PARTS, Totals, build_oracles, parity_gaps, tau_gap
+from crossrt.inputs.prompts import Prompt, load_prompts
+from crossrt.run.runtime import DraftRules, RuntimeOptions, availability
+from crossrt.run.schedule_sim import summarize_schedule
+from crossrt.records.schema import ImportInfo
+from crossrt.compare.tau_gap import METRICS, PARTS, Totals, build_oracles, parity_gaps, tau_gap
 
 PROMPTS = load_prompts("builtin")[::2]
 BUDGET = 24
@@ -181,7 +181,7 @@ def test_parity_lines_for_every_two_runs_whose_schedules_differ(records):
 def test_parity_prints_the_tau_gap_before_its_verdict(records, tmp_path):
     from click.testing import CliRunner
     from crossrt.cli.compare import parity
-    from crossrt.record_json import save_record
+    from crossrt.records.record_json import save_record
 
     paths = []
     for name in ("crossrt", "server"):

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from crossrt.errors import SettingsError
-from crossrt import loop
-from crossrt.driver import RunRequest, run_pair
-from crossrt.prompts import load_prompts
-from crossrt.runtime import DraftRules, Rows, RuntimeOptions
-from crossrt.schema import RecordError
-from crossrt.record_json import load_record
-from crossrt.trace import TraceRecorder, load_trace, read_traces, row_stats, save_traces, trace_path
+from crossrt.run import loop
+from crossrt.run.driver import RunRequest, run_pair
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.runtime import DraftRules, Rows, RuntimeOptions
+from crossrt.records.schema import RecordError
+from crossrt.records.record_json import load_record
+from crossrt.records.trace import TraceRecorder, load_trace, read_traces, row_stats, save_traces, trace_path
 
 PROMPTS = load_prompts("builtin")[:3]
 K = 4

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from crossrt.builders import tinytrain
-from crossrt.driver import run_prompt
+from crossrt.run.driver import run_prompt
 from crossrt.builders.model_files import LlamaShape
-from crossrt.pairs import load_pair
-from crossrt.prompts import load_prompts
-from crossrt.runtime import DraftRules, RuntimeOptions, Rows, open_runtime
-from crossrt.schema import Summary
+from crossrt.inputs.pairs import load_pair
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.runtime import DraftRules, RuntimeOptions, Rows, open_runtime
+from crossrt.records.schema import Summary
 
 from conftest import REPO
 

@@ -11,11 +11,11 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.errors import ModelError, PromptRefused, SettingsError
-from crossrt import loop
+from crossrt.run import loop
 from crossrt.cli import main
-from crossrt.prompts import load_prompts
-from crossrt.runtime import DraftRules, RuntimeOptions, Rows, open_runtime
-from crossrt.record_json import load_record
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.runtime import DraftRules, RuntimeOptions, Rows, open_runtime
+from crossrt.records.record_json import load_record
 
 from conftest import REPO, TINY_PAIR
 
@@ -178,7 +178,7 @@ def test_load_errors_are_clear(hf_runtime, tmp_path):
 
 def test_missing_transformers_names_the_install_command():
     code = ("import sys; sys.modules['transformers'] = None; "
-            "from crossrt.runtime import availability; print(availability('transformers'))")
+            "from crossrt.run.runtime import availability; print(availability('transformers'))")
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "pip install 'crossrt[hf]'" in output
 

@@ -1,7 +1,7 @@
 """transformers in half precision (--dtype, tiny pair): a GGUF's conversion cached per dtype,
 half the size, and the same whether cast from the float32 conversion or made from the GGUF;
 records that name the dtype (and a resume that refuses another); parity's bounds for
-half-precision weights (crossrt/tolerance.py) met against llama.cpp's F32 run. The real model
+half-precision weights (crossrt/compare/tolerance.py) met against llama.cpp's F32 run. The real model
 in bfloat16: tests/test_transformers_gguf.py. 1 thread."""
 
 import json
@@ -14,9 +14,9 @@ from safetensors import safe_open
 
 from crossrt.backends.transformers import dequantized_folder
 from crossrt.cli import main
-from crossrt.record_json import load_record
-from crossrt.runtime import RuntimeOptions, Rows, open_runtime
-from crossrt.tolerance import HALF_WEIGHTS, tolerance_for
+from crossrt.records.record_json import load_record
+from crossrt.run.runtime import RuntimeOptions, Rows, open_runtime
+from crossrt.compare.tolerance import HALF_WEIGHTS, tolerance_for
 
 from conftest import REPO
 

@@ -16,10 +16,10 @@ from crossrt.backends.transformers import dequantized_folder
 from crossrt.builders.layer_skip import layer_skip_folder
 from crossrt.cli import main
 from crossrt.errors import ModelError
-from crossrt.pairs import Pair, PairError, pair_from_paths
-from crossrt.runtime import RuntimeOptions, Rows, open_runtime
-from crossrt.record_json import load_record
-from crossrt.tolerance import QUANTIZED_HALF, tolerance_for
+from crossrt.inputs.pairs import Pair, PairError, pair_from_paths
+from crossrt.run.runtime import RuntimeOptions, Rows, open_runtime
+from crossrt.records.record_json import load_record
+from crossrt.compare.tolerance import QUANTIZED_HALF, tolerance_for
 
 from conftest import REPO
 

@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from crossrt import loop
+from crossrt.run import loop
 from crossrt.backends.llama_cpp_tree import load_tree_session
 from crossrt.errors import SettingsError
-from crossrt.prompts import load_prompts
-from crossrt.runtime import DraftRules, RuntimeOptions
-from crossrt.simulate import Policy, build_oracle, simulate
-from crossrt.tree import Tree, best_tree, build_rank_oracle, simulate_top_b, simulate_tree
-from crossrt.tree_loop import tree_generate
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.runtime import DraftRules, RuntimeOptions
+from crossrt.run.simulate import Policy, build_oracle, simulate
+from crossrt.run.tree import Tree, best_tree, build_rank_oracle, simulate_top_b, simulate_tree
+from crossrt.run.tree_loop import tree_generate
 
 from conftest import REPO
 
@@ -101,8 +101,8 @@ PRECISE = RuntimeOptions(n_ctx=256, threads=1, f32_kv_cache=True, flash_attn=Fal
 
 @pytest.fixture(scope="module")
 def trained_runs():
-    from crossrt.pairs import load_pair
-    from crossrt.runtime import open_runtime
+    from crossrt.inputs.pairs import load_pair
+    from crossrt.run.runtime import open_runtime
     pair = load_pair(REPO / "models" / "pairs" / "trained.toml")
     with open_runtime("llama-cpp", PRECISE).load(pair.path("target", "gguf")) as target, \
             open_runtime("llama-cpp", PRECISE).load(pair.path("drafter", "gguf")) as drafter, \

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from crossrt.errors import CrossrtError
-from crossrt.gguf_file import Layout, Tensor, aligned, encode_field, encode_string, read_layout
-from crossrt.pairs import PairError, gguf_metadata
+from crossrt.inputs.gguf_file import Layout, Tensor, aligned, encode_field, encode_string, read_layout
+from crossrt.inputs.pairs import PairError, gguf_metadata
 
 BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")
 
@@ -70,7 +70,7 @@ def layer_skip(source: Path, output: Path, blocks: int, overwrite: bool = False)
     Per-layer arrays under the architecture's keys (one value per block, as some architectures
     store head counts) are cut to N values too. The file is written beside output and renamed
     into place, so an interrupted write never leaves a partial model at output. Read with
-    crossrt.gguf_file, not gguf-py's reader, which takes ~20 s to open a 262,144-token
+    crossrt.inputs.gguf_file, not gguf-py's reader, which takes ~20 s to open a 262,144-token
     vocabulary: a cut of Gemma 3 270M takes about a second.
     """
     source, output = Path(source), Path(output)

@@ -13,21 +13,21 @@ from typing import Optional, Sequence
 
 import click
 
-from crossrt import analysis
-from crossrt.ceiling import load_ceilings
+from crossrt.analyze import analysis
+from crossrt.report.ceiling import load_ceilings
 from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, refuse_inputs_as_outputs, resolve_pair
 from crossrt.cli.trees import max_tree_rows, render_ceiling, render_section, run_trees, tree_section
 from crossrt.errors import PromptRefused
 from crossrt.errors import SettingsError
-from crossrt.journal import write_atomically
-from crossrt.pairs import ROLES, pair_info
-from crossrt.prompts import load_prompts
-from crossrt.record_json import load_record
-from crossrt.runtime import DraftRules, RuntimeOptions, open_runtime, runtime_names
-from crossrt.schema import RunRecord
-from crossrt.schedule_sim import LLAMA, SIMULATED, ScheduleResult, compare_with_record, summarize_schedule
-from crossrt.simulate import Oracle, Policy, Simulation, build_oracle, measure_costs, simulate, simulate_suite
-from crossrt.tables import format_table
+from crossrt.records.journal import write_atomically
+from crossrt.inputs.pairs import ROLES, pair_info
+from crossrt.inputs.prompts import load_prompts
+from crossrt.records.record_json import load_record
+from crossrt.run.runtime import DraftRules, RuntimeOptions, open_runtime, runtime_names
+from crossrt.records.schema import RunRecord
+from crossrt.run.schedule_sim import LLAMA, SIMULATED, ScheduleResult, compare_with_record, summarize_schedule
+from crossrt.run.simulate import Oracle, Policy, Simulation, build_oracle, measure_costs, simulate, simulate_suite
+from crossrt.records.tables import format_table
 
 ALL = "ALL"
 

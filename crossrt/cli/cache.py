@@ -1,4 +1,4 @@
-"""`crossrt cache`: the baseline store (crossrt/baselines.py) shown and cleared."""
+"""`crossrt cache`: the baseline store (crossrt/run/baselines.py) shown and cleared."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from typing import Optional
 
 import click
 
-from crossrt.baselines import BaselineStore
-from crossrt.schema import RunRecord
-from crossrt.tables import format_table
+from crossrt.run.baselines import BaselineStore
+from crossrt.records.schema import RunRecord
+from crossrt.records.tables import format_table
 
 
 @click.group()

@@ -10,9 +10,9 @@ from typing import Mapping, Optional, Sequence
 import click
 
 from crossrt.errors import CrossrtError
-from crossrt.pairs import Pair, load_pair, manifest_path, pair_from_paths
-from crossrt.prompts import sources_help
-from crossrt.runtime import DTYPES
+from crossrt.inputs.pairs import Pair, load_pair, manifest_path, pair_from_paths
+from crossrt.inputs.prompts import sources_help
+from crossrt.run.runtime import DTYPES
 
 PROMPTS_HELP = sources_help()
 # crossrt's own errors (crossrt/errors.py) and a missing file: one line each. Anything else is a

@@ -12,21 +12,21 @@ import click
 from crossrt.cli.common import (PROMPTS_HELP, USER_ERRORS, CommaChoice, device_options, dtype_option,
                                  refuse_inputs_as_outputs, resolve_pair)
 from crossrt.cli.prompt_options import chat_options, fed_prompts, first_answers
-from crossrt.diagnosis import Explainer, explain_record
-from crossrt.diff import diff_records, render_diff, render_record_splits
+from crossrt.compare.diagnosis import Explainer, explain_record
+from crossrt.compare.diff import diff_records, render_diff, render_record_splits
 from crossrt.errors import ComparisonError
-from crossrt.journal import write_atomically
-from crossrt.parity import compare_against, compare_all, labelled
-from crossrt.parity_report import ParityReport, logit_checks, render_junit, render_markdown, render_text
-from crossrt.parity_run import Matrix, run_matrix, score_records
-from crossrt.prompts import load_prompts
-from crossrt.record_json import load_record
-from crossrt.schema import RecordError
-from crossrt.replay import Replayer
-from crossrt.report_parity import parity_html
-from crossrt.runtime import DraftRules, RuntimeOptions, runtime_names, usable_runtimes
-from crossrt.tau_gap import parity_gaps
-from crossrt.tolerance import tolerance_for
+from crossrt.records.journal import write_atomically
+from crossrt.compare.parity import compare_against, compare_all, labelled
+from crossrt.compare.parity_report import ParityReport, logit_checks, render_junit, render_markdown, render_text
+from crossrt.compare.parity_run import Matrix, run_matrix, score_records
+from crossrt.inputs.prompts import load_prompts
+from crossrt.records.record_json import load_record
+from crossrt.records.schema import RecordError
+from crossrt.compare.replay import Replayer
+from crossrt.report.parity import parity_html
+from crossrt.run.runtime import DraftRules, RuntimeOptions, runtime_names, usable_runtimes
+from crossrt.compare.tau_gap import parity_gaps
+from crossrt.compare.tolerance import tolerance_for
 
 
 def distinct_records(paths: Sequence[Path]) -> None:
@@ -145,7 +145,7 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
     if len(runs) < 2 and not baselines:
         click.echo("note: fewer than two runs, so nothing was compared across runs", err=True)
     text = render_text(report).splitlines()
-    # Runs whose schedules differ: their tau gap in named parts, before the verdict (crossrt/tau_gap.py).
+    # Runs whose schedules differ: their tau gap in named parts, before the verdict (crossrt/compare/tau_gap.py).
     click.echo("\n".join(text[:-1] + parity_gaps(runs, threads) + text[-1:]))
     try:  # each file whole or not at all (a full disk, a read-only folder: one line)
         if junit:

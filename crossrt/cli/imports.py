@@ -8,12 +8,12 @@ from typing import Optional
 import click
 
 from crossrt.cli.common import USER_ERRORS, refuse_inputs_as_outputs, resolve_pair
-from crossrt.import_logs import ReadOptions
-from crossrt.imported import MAX_K
-from crossrt.importer import AGGREGATE, FORMATS, ImportRequest, import_record, import_summary
-from crossrt.runtime import SPEC_TYPES
-from crossrt.record_json import save_record
-from crossrt.tables import format_table, summary_rows
+from crossrt.imports.logs import ReadOptions
+from crossrt.imports.imported import MAX_K
+from crossrt.imports.importer import AGGREGATE, FORMATS, ImportRequest, import_record, import_summary
+from crossrt.run.runtime import SPEC_TYPES
+from crossrt.records.record_json import save_record
+from crossrt.records.tables import format_table, summary_rows
 
 
 @click.command("import")

@@ -19,14 +19,14 @@ from crossrt.cli.prompt_options import chat_options, fed_prompts, first_answers
 from crossrt.cli.report import report
 from crossrt.cli.reproduce import reproduce
 from crossrt.cli.sweep import sweep
-from crossrt.baselines import BaselineStore
-from crossrt.driver import RunRequest, run_pair
-from crossrt.importer import import_summary
-from crossrt.loop import SCHEDULE, SCHEDULES
-from crossrt.prompts import load_prompts
-from crossrt.runtime import SPEC_TYPES, DraftRules, RuntimeOptions, availability, runtime_names, usable_runtimes
-from crossrt.record_json import load_record
-from crossrt.tables import format_table, record_notes, summary_rows
+from crossrt.run.baselines import BaselineStore
+from crossrt.run.driver import RunRequest, run_pair
+from crossrt.imports.importer import import_summary
+from crossrt.run.loop import SCHEDULE, SCHEDULES
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.runtime import SPEC_TYPES, DraftRules, RuntimeOptions, availability, runtime_names, usable_runtimes
+from crossrt.records.record_json import load_record
+from crossrt.records.tables import format_table, record_notes, summary_rows
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="crossrt")

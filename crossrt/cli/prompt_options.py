@@ -1,6 +1,6 @@
 """The options that say how prompts are fed (raw text or through a chat template; the first or
-second user turn), as `run` and `parity` take them (crossrt/chat_template.py,
-crossrt/second_turn.py, docs/prompts.md)."""
+second user turn), as `run` and `parity` take them (crossrt/inputs/chat_template.py,
+crossrt/run/second_turn.py, docs/prompts.md)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from typing import Optional, Sequence
 
 import click
 
-from crossrt.chat_template import ChatRendering, apply_template
-from crossrt.pairs import Pair
-from crossrt.prompts import Prompt
-from crossrt.runtime import RuntimeOptions
-from crossrt.schema import PromptFormat
-from crossrt.second_turn import FirstAnswerError, FirstAnswers, default_path, second_turn_prompts
+from crossrt.inputs.chat_template import ChatRendering, apply_template
+from crossrt.inputs.pairs import Pair
+from crossrt.inputs.prompts import Prompt
+from crossrt.run.runtime import RuntimeOptions
+from crossrt.records.schema import PromptFormat
+from crossrt.run.second_turn import FirstAnswerError, FirstAnswers, default_path, second_turn_prompts
 
 
 def chat_options(command):

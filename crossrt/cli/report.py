@@ -8,14 +8,14 @@ from typing import Optional, Sequence
 
 import click
 
-from crossrt import analysis
-from crossrt.ceiling import ceiling_section, load_ceilings
+from crossrt.analyze import analysis
+from crossrt.report.ceiling import ceiling_section, load_ceilings
 from crossrt.cli.analysis import Increasing
 from crossrt.cli.common import USER_ERRORS, refuse_inputs_as_outputs
-from crossrt.journal import write_atomically
-from crossrt.report import load_runs, record_sections, to_html, to_markdown
-from crossrt.report_page import page
-from crossrt.report_parity import report_parity, with_parity
+from crossrt.records.journal import write_atomically
+from crossrt.report.build import load_runs, record_sections, to_html, to_markdown
+from crossrt.report.page import page
+from crossrt.report.parity import report_parity, with_parity
 
 # The output format follows the file name, so `-o report.md` cannot silently be HTML.
 FORMATS = {".html": to_html, ".htm": to_html, ".md": to_markdown, ".markdown": to_markdown}

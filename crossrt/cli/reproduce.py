@@ -13,17 +13,17 @@ from typing import Optional, Sequence
 
 import click
 
-from crossrt.chat_template import ChatTemplateError, apply_template
-from crossrt.claims import Claim, ClaimError, Outcome, check_record, exit_code, load_claims, render
+from crossrt.inputs.chat_template import ChatTemplateError, apply_template
+from crossrt.analyze.claims import Claim, ClaimError, Outcome, check_record, exit_code, load_claims, render
 from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, device_options, resolve_pair
-from crossrt.baselines import BaselineStore
-from crossrt.driver import RunRequest, run_pair
-from crossrt.loop import SCHEDULE
-from crossrt.pairs import ROLES, Pair, PairError
-from crossrt.prompts import Prompt, PromptError, load_prompts, relabel, source_relative_to
-from crossrt.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, availability, runtime_class
-from crossrt.record_json import load_record
-from crossrt.schema import RunRecord
+from crossrt.run.baselines import BaselineStore
+from crossrt.run.driver import RunRequest, run_pair
+from crossrt.run.loop import SCHEDULE
+from crossrt.inputs.pairs import ROLES, Pair, PairError
+from crossrt.inputs.prompts import Prompt, PromptError, load_prompts, relabel, source_relative_to
+from crossrt.run.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, availability, runtime_class
+from crossrt.records.record_json import load_record
+from crossrt.records.schema import RunRecord
 
 @dataclass(frozen=True)
 class Settings:

@@ -13,7 +13,7 @@ from crossrt.cli.common import USER_ERRORS
 from crossrt.sweep.plan import STRATEGIES, SweepError, load_sweep, plan_rows
 from crossrt.sweep.runner import Executor, run_sweep
 from crossrt.sweep.store import INDEX, SweepStore, check_sweep_dir, table_rows
-from crossrt.tables import format_table, summary_rows
+from crossrt.records.tables import format_table, summary_rows
 
 SWEEP_FILE = click.Path(path_type=Path, dir_okay=False)
 SWEEP_DIR = click.Path(path_type=Path, file_okay=False)

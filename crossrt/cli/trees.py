@@ -1,6 +1,6 @@
 """`crossrt simulate --tree`'s part: rank oracles, tree what-ifs, the ceiling table, and real
 tree-verification runs checked against the simulator (`--run-trees`); `crossrt analyze
---ceiling`'s table. Printing only: the numbers come from crossrt/tree.py and ceiling.py."""
+--ceiling`'s table. Printing only: the numbers come from crossrt/run/tree.py and ceiling.py."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from crossrt import loop
-from crossrt.ceiling import Ceiling, ceilings, check_chain, parse_tree, tree_results
-from crossrt.runtime import ModelSession, RuntimeOptions
-from crossrt.simulate import Oracle, Simulation
-from crossrt.tables import format_table
-from crossrt.tree import RankOracle, Tree, build_rank_oracle, simulate_tree
-from crossrt.tree_loop import tree_generate
+from crossrt.run import loop
+from crossrt.report.ceiling import Ceiling, ceilings, check_chain, parse_tree, tree_results
+from crossrt.run.runtime import ModelSession, RuntimeOptions
+from crossrt.run.simulate import Oracle, Simulation
+from crossrt.records.tables import format_table
+from crossrt.run.tree import RankOracle, Tree, build_rank_oracle, simulate_tree
+from crossrt.run.tree_loop import tree_generate
 
 
 def _n(value: Optional[float], digits: int = 2) -> str:

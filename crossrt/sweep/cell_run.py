@@ -1,7 +1,7 @@
 """Running one cell wherever it lands (this process, a local worker process, a Ray worker): the
 same run as `crossrt run` with the cell's settings, written in a temporary folder on that machine,
 and handed back as JSON-ready data, so the sweep's driver alone writes the store and no shared
-file system is needed. Baselines come from that machine's baseline store (crossrt/baselines.py):
+file system is needed. Baselines come from that machine's baseline store (crossrt/run/baselines.py):
 the first cell of a (runtime, numerics, prompt, budget) decodes each one, later cells read it,
 and cells running at once on one machine wait on the key's lock rather than decode it twice."""
 
@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from crossrt import loop
-from crossrt.baselines import BaselineStore
-from crossrt.chat_template import apply_template
-from crossrt.driver import LoadedModels, RunRequest, run_pair
-from crossrt.prompts import Prompt, load_prompts
-from crossrt.record_json import record_to_json
-from crossrt.runtime import DraftRules, RuntimeOptions
-from crossrt.schema import PromptResult
+from crossrt.run import loop
+from crossrt.run.baselines import BaselineStore
+from crossrt.inputs.chat_template import apply_template
+from crossrt.run.driver import LoadedModels, RunRequest, run_pair
+from crossrt.inputs.prompts import Prompt, load_prompts
+from crossrt.records.record_json import record_to_json
+from crossrt.run.runtime import DraftRules, RuntimeOptions
+from crossrt.records.schema import PromptResult
 from crossrt.sweep.plan import Cell, Sweep
 
 

@@ -9,7 +9,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Optional, Sequence
 
-from crossrt.driver import LoadedModels
+from crossrt.run.driver import LoadedModels
 from crossrt.sweep.cell_run import CellJob, run_job
 from crossrt.sweep.plan import Cell, Resources, SweepError
 

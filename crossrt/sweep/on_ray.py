@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from crossrt.driver import LoadedModels
+from crossrt.run.driver import LoadedModels
 from crossrt.sweep.cell_run import CellJob, run_job
 from crossrt.sweep.local import OnDone
 from crossrt.sweep.plan import Cell, Resources, SweepError

@@ -42,10 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from crossrt import loop
+from crossrt.run import loop
 from crossrt.errors import CrossrtError, SettingsError
-from crossrt.pairs import manifest_path
-from crossrt.runtime import DraftRules, RuntimeUnavailable, runtime_class, runtime_names
+from crossrt.inputs.pairs import manifest_path
+from crossrt.run.runtime import DraftRules, RuntimeUnavailable, runtime_class, runtime_names
 
 try:
     import tomllib

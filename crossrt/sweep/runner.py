@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from crossrt.schema import RunRecord
+from crossrt.records.schema import RunRecord
 from crossrt.sweep.cell_run import CellJob
 from crossrt.sweep.local import run_local
 from crossrt.sweep.plan import Cell, Sweep

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from crossrt.journal import write_atomically
-from crossrt.record_json import load_record, record_from_json, save_record
-from crossrt.run_writer import RecordBusy, lock_path, record_lock
-from crossrt.schema import RecordError, RunRecord
+from crossrt.records.journal import write_atomically
+from crossrt.records.record_json import load_record, record_from_json, save_record
+from crossrt.run.run_writer import RecordBusy, lock_path, record_lock
+from crossrt.records.schema import RecordError, RunRecord
 from crossrt.sweep.plan import Cell, SweepError
 
 INDEX = "index.parquet"

@@ -1,0 +1,257 @@
+"""What a run record (and its trace) says about acceptance: the numbers `crossrt analyze`
+prints, and the public API the report builds on. Formulas and rules: docs/analysis.md.
+
+Public API (stable; every result is a frozen dataclass, rates are None where their
+denominator is 0, and `category=None` means every finished prompt of the record):
+
+    category_stats(record) -> list[CategoryStats]
+        one entry per category (sorted), then one for all prompts (category None)
+    position_acceptance(record, category=None) -> list[PositionAcceptance]
+        one entry per draft position 0 .. k-1: P(accept position i | reached i)
+    entropy_acceptance(record, trace, buckets=ENTROPY_BUCKETS, category=None) -> list[EntropyBucket]
+        acceptance of the draft tokens the target reached, by the target's entropy there
+    confidence_acceptance(record, trace, buckets=CONFIDENCE_BUCKETS, category=None) -> list[ConfidenceBucket]
+        the same, by the drafter's top-1 probability
+    iid_fit(record) -> list[IidFit]
+        the i.i.d. model's tau against the measured tau, per category then overall
+    expected_tokens(a, k) -> float
+        (1 - a^(k+1)) / (1 - a): tokens per step with i.i.d. acceptance a and k-token drafts
+    load_trace(record_path, record=None) -> dict[str, PromptTrace]
+        a record's traces by prompt id ({} when it has none); `trace` arguments take this
+
+A draft position is *reached* in a step when every draft token before it was accepted: the
+target then judged the draft token there on the target's own context. Reached positions are
+the accepted draft tokens plus each step's first rejection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+from crossrt.inputs.prompts import content_type
+from crossrt.records.schema import PromptResult, RunRecord, accepted_per_position
+from crossrt.records.trace import PromptTrace, load_trace
+
+__all__ = ["CategoryStats", "PositionAcceptance", "EntropyBucket", "ConfidenceBucket", "IidFit",
+           "ENTROPY_BUCKETS", "CONFIDENCE_BUCKETS", "category_stats", "position_acceptance",
+           "entropy_acceptance", "confidence_acceptance", "iid_fit", "expected_tokens", "load_trace"]
+
+# Bucket edges, lower edge included. Entropy in nats: exp(H) is the effective number of
+# choices, so 0.001 nats is a near-certain target and 2 nats about 7 equally likely tokens.
+ENTROPY_BUCKETS = (0.0, 0.001, 0.01, 0.1, 0.5, 1.0, 2.0, 4.0, math.inf)
+CONFIDENCE_BUCKETS = (0.0, 0.5, 0.8, 0.9, 0.99, 0.999, 1.0 + 1e-6)
+
+
+def _rate(numerator: float, denominator: float) -> Optional[float]:
+    return numerator / denominator if denominator else None
+
+
+def _finished(record: RunRecord, category: Optional[str]) -> list[PromptResult]:
+    return [r for r in record.results if r.ok and (category is None or r.category == category)]
+
+
+def _reached(result: PromptResult, k: int) -> Optional[list[int]]:
+    """Steps that reached each draft position, from the per-step lists (None without them)."""
+    counters = result.counters
+    if counters.step_drafted is None or counters.step_accepted is None:
+        return None
+    drafted = np.asarray(counters.step_drafted)
+    accepted = np.asarray(counters.step_accepted)
+    return [int(np.sum((accepted >= i) & (drafted > i))) for i in range(k)]
+
+
+
+GROUPINGS = ("category", "content-type")
+
+
+def grouped(record: RunRecord, by: str = "category") -> RunRecord:
+    """The record with its results filed by their own category, or by crossrt's content type of
+    it (code, prose, structured, math, chat: prompts.CONTENT_TYPES maps benchmark categories such
+    as Spec-Bench's `coding` or SPEED-Bench's `rag`; a category it does not know stays itself)."""
+    if by == "category":
+        return record
+    return dataclasses.replace(record, results=tuple(
+        dataclasses.replace(r, category=content_type(r.category) or r.category) for r in record.results))
+
+@dataclass(frozen=True)
+class PositionAcceptance:
+    position: int  # 0-based draft position
+    reached: int  # steps whose draft reached it
+    accepted: int  # steps that accepted the draft token there
+    rate: Optional[float]  # accepted / reached
+
+
+def position_acceptance(record: RunRecord, category: Optional[str] = None) -> list[PositionAcceptance]:
+    """P(accept position i | reached i) for i in 0 .. k-1. Reached counts come from the
+    per-step lists; a result without them counts steps that accepted at least i tokens
+    (accepted_per_pos[i - 1], all steps at i = 0), which overcounts drafts cut short. A result
+    reporting neither per-step lists nor accepted_per_pos is left out."""
+    k = record.params.k
+    reached = [0] * k
+    accepted = [0] * k
+    for result in _finished(record, category):
+        counters = result.counters
+        per_pos = counters.accepted_per_pos
+        if per_pos is None and counters.step_accepted is not None:
+            per_pos = accepted_per_position(counters.step_accepted, k)
+        if per_pos is None:
+            continue
+        exact = _reached(result, k)
+        for i in range(k):
+            accepted[i] += per_pos[i]
+            reached[i] += exact[i] if exact is not None else (counters.steps if i == 0 else per_pos[i - 1])
+    return [PositionAcceptance(i, reached[i], accepted[i], _rate(accepted[i], reached[i])) for i in range(k)]
+
+
+@dataclass(frozen=True)
+class CategoryStats:
+    category: Optional[str]  # None: every finished prompt
+    prompts: int  # finished prompts
+    steps: int
+    drafted: int
+    accepted: int
+    emitted: int
+    reached: int  # draft positions reached (accepted + first rejections)
+    tau: Optional[float]  # 1 + accepted / steps
+    alpha: Optional[float]  # accepted / drafted
+    # accepted / reached (over the results that report positions): per-token acceptance where
+    # the target judged a draft token on its own context, the i.i.d. model's a
+    accept_rate: Optional[float]
+
+
+def _category_stats(record: RunRecord, category: Optional[str]) -> CategoryStats:
+    summary = record.summary(category)
+    positions = position_acceptance(record, category)
+    reached = sum(p.reached for p in positions)
+    return CategoryStats(category, summary.prompts - summary.failed, summary.steps, summary.drafted,
+                         summary.accepted, summary.emitted, reached, summary.tau, summary.alpha,
+                         _rate(sum(p.accepted for p in positions), reached))
+
+
+def _groups(record: RunRecord) -> list[Optional[str]]:
+    return [*record.categories(), None]
+
+
+def category_stats(record: RunRecord) -> list[CategoryStats]:
+    return [_category_stats(record, category) for category in _groups(record)]
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Leviathan et al.'s expected tokens per step, bonus included: sum of a^i, i = 0 .. k."""
+    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+@dataclass(frozen=True)
+class IidFit:
+    """The i.i.d. model against one group's measured tau.
+
+    predicted_tau: expected_tokens(alpha, k), the model as usually applied (a = alpha).
+    predicted_tau_reached: with a = accept_rate (the maximum-likelihood a of the model given
+    the steps) and each step's own draft length (budget-cut and EOS-cut drafts included), the
+    mean over steps of expected_tokens(a, drafted_s); it isolates the i.i.d. assumption.
+    Errors are predicted minus measured."""
+
+    category: Optional[str]
+    k: int
+    measured_tau: Optional[float]
+    alpha: Optional[float]
+    predicted_tau: Optional[float]
+    error: Optional[float]
+    accept_rate: Optional[float]
+    predicted_tau_reached: Optional[float]
+    error_reached: Optional[float]
+
+
+def _fit(record: RunRecord, stats: CategoryStats) -> IidFit:
+    k = record.params.k
+    measured = stats.tau
+    predicted = expected_tokens(stats.alpha, k) if stats.alpha is not None else None
+    lengths = [n for r in _finished(record, stats.category) for n in (r.counters.step_drafted or ())]
+    reached = None
+    if stats.accept_rate is not None and len(lengths) == stats.steps and lengths:
+        reached = sum(expected_tokens(stats.accept_rate, n) for n in lengths) / len(lengths)
+
+    def error(value: Optional[float]) -> Optional[float]:
+        return value - measured if value is not None and measured is not None else None
+
+    return IidFit(stats.category, k, measured, stats.alpha, predicted, error(predicted), stats.accept_rate,
+                  reached, error(reached))
+
+
+def iid_fit(record: RunRecord) -> list[IidFit]:
+    return [_fit(record, stats) for stats in category_stats(record)]
+
+
+@dataclass(frozen=True)
+class EntropyBucket:
+    low: float  # nats, included
+    high: float  # nats, excluded
+    tokens: int  # reached draft positions whose target entropy falls here
+    accepted: int
+    rate: Optional[float]
+    mean_entropy: Optional[float]
+
+    @property
+    def branching_low(self) -> float:
+        """exp(low): the effective number of choices at the bucket's lower edge."""
+        return math.exp(self.low)
+
+    @property
+    def branching_high(self) -> float:
+        return math.exp(self.high)
+
+
+@dataclass(frozen=True)
+class ConfidenceBucket:
+    low: float  # drafter top-1 probability, included
+    high: float  # excluded
+    tokens: int
+    accepted: int
+    rate: Optional[float]
+    mean_p1: Optional[float]
+
+
+def _reached_tokens(record: RunRecord, trace: Mapping[str, PromptTrace], category: Optional[str],
+                    field: str) -> tuple[np.ndarray, np.ndarray]:
+    """(value of field, accepted) for every reached draft position of the traced prompts: the
+    emitted tokens the drafter proposed a token for."""
+    values, accepted = [np.empty(0, np.float32)], [np.empty(0, bool)]
+    for result in _finished(record, category):
+        prompt_trace = trace.get(result.prompt_id)
+        if prompt_trace is not None:
+            proposed = prompt_trace.proposed()
+            values.append(getattr(prompt_trace, field)[proposed])
+            accepted.append(prompt_trace.accepted()[proposed])
+    return np.concatenate(values), np.concatenate(accepted)
+
+
+def _bucketed(values: np.ndarray, accepted: np.ndarray, edges: Sequence[float]) -> list[tuple]:
+    rows = []
+    for low, high in zip(edges, edges[1:]):
+        inside = (values >= low) & (values < high)
+        n = int(inside.sum())
+        hits = int(accepted[inside].sum())
+        rows.append((low, high, n, hits, _rate(hits, n), float(values[inside].mean()) if n else None))
+    return rows
+
+
+def entropy_acceptance(record: RunRecord, trace: Mapping[str, PromptTrace],
+                       buckets: Sequence[float] = ENTROPY_BUCKETS,
+                       category: Optional[str] = None) -> list[EntropyBucket]:
+    """Acceptance of reached draft positions by the target's entropy there (trace needed);
+    buckets are edges in nats, lower edge included."""
+    values, accepted = _reached_tokens(record, trace, category, "target_entropy")
+    return [EntropyBucket(*row) for row in _bucketed(values, accepted, buckets)]
+
+
+def confidence_acceptance(record: RunRecord, trace: Mapping[str, PromptTrace],
+                          buckets: Sequence[float] = CONFIDENCE_BUCKETS,
+                          category: Optional[str] = None) -> list[ConfidenceBucket]:
+    """Acceptance of reached draft positions by the drafter's top-1 probability there."""
+    values, accepted = _reached_tokens(record, trace, category, "drafter_p1")
+    return [ConfidenceBucket(*row) for row in _bucketed(values, accepted, buckets)]

@@ -1,0 +1,253 @@
+"""Parity between runs: do two records of the same pair agree, prompt by prompt?
+
+Pure comparisons of records. Token ids are compared over their full length (a length
+mismatch is a divergence at the shorter length: never a `zip` that drops the tail).
+Counters are compared only between runs that followed the same schedule and draft rules:
+two runtimes with different schedules legitimately count differently (docs/schema.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from crossrt.compare.diagnosis import Explainer, Split, first_divergence, template_split, twins_of
+from crossrt.errors import ComparisonError
+from crossrt.records.schema import PromptResult, RunRecord
+
+OWN_BASELINE = "its baseline"  # run_b of a run's lossless check against its own greedy baseline
+COMPARED_COUNTERS = ("steps", "drafted", "accepted", "emitted", "unverified", "cut")
+
+
+def run_label(record: RunRecord) -> str:
+    return f"{record.runtime.name}/{record.params.mode}"
+
+
+def labelled(records: Sequence[RunRecord], sources: Sequence[str]) -> list[tuple[str, RunRecord]]:
+    """Records named runtime/mode, with their source (e.g. file name) added where two would
+    otherwise share a name."""
+    names = [run_label(record) for record in records]
+    return [(name if names.count(name) == 1 else f"{name} ({source})", record)
+            for name, record, source in zip(names, records, sources, strict=True)]
+
+
+@dataclass(frozen=True)
+class CounterGap:
+    name: str
+    a: int
+    b: int
+
+
+@dataclass(frozen=True)
+class PromptParity:
+    """One prompt, two runs."""
+
+    prompt_id: str
+    run_a: str
+    run_b: str
+    problems: tuple[str, ...]
+    divergence: Optional[int]  # index in output_ids where the runs part, None if equal
+    counter_gaps: tuple[CounterGap, ...]
+    counters_compared: bool
+    # Divergences explained as numerics (a near-tie swap), which do not fail parity unless strict.
+    explained: tuple[str, ...] = ()
+    # The kind of each split found (crossrt/compare/diagnosis.py), explained or not: the headline counts them.
+    causes: tuple[str, ...] = ()
+    splits: tuple[Split, ...] = ()  # those splits themselves: sides, gaps, verdicts (for the report)
+
+    @property
+    def identical(self) -> bool:
+        """Nothing parted: same ids (and counts, where compared), no split of any kind."""
+        return self.ok and not self.causes and self.divergence is None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _counter_gaps(a: PromptResult, b: PromptResult, tolerance: float) -> tuple[CounterGap, ...]:
+    gaps = []
+    for name in COMPARED_COUNTERS:
+        value_a, value_b = getattr(a.counters, name), getattr(b.counters, name)
+        if abs(value_a - value_b) > tolerance * max(value_a, value_b):
+            gaps.append(CounterGap(name, value_a, value_b))
+    return tuple(gaps)
+
+
+def _same_counting(a: RunRecord, b: RunRecord) -> bool:
+    keys = ("k", "schedule", "draft_n_min", "draft_p_min", "max_new_tokens")
+    return all(getattr(a.params, key) == getattr(b.params, key) for key in keys)
+
+
+def _split_line(split: Split) -> str:
+    return f"{split.kind} at token {split.index}: {split.detail}"
+
+
+def compare_prompt(a: RunRecord, b: RunRecord, result_a: PromptResult, result_b: PromptResult,
+                   counter_tolerance: float, labels: tuple[str, str], explainer: Explainer,
+                   strict: bool = False) -> PromptParity:
+    problems = [f"{label} failed: {result.error}"
+                for label, result in zip(labels, (result_a, result_b), strict=True) if not result.ok]
+    if problems:
+        return PromptParity(result_a.prompt_id, *labels, tuple(problems), None, (), False)
+    if result_a.prompt_ids != result_b.prompt_ids:
+        at = first_divergence(result_a.prompt_ids, result_b.prompt_ids)
+        problems.append(f"prompt token ids differ at position {at}")
+    divergence = first_divergence(result_a.output_ids, result_b.output_ids)
+    explained, causes, found = [], [], []
+    records, results = (a, b), (result_a, result_b)
+    if divergence is not None and not problems:
+        parted = f"outputs part at token {divergence} (lengths {len(result_a.output_ids)} and {len(result_b.output_ids)})"
+        links = explainer.outputs(labels, records, results)
+        causes.extend(link.kind for link in links)
+        found.extend(links)
+        reason = "; ".join(f"{link.sides[0].label.rsplit(' ', 1)[0] if link.sides else 'link'}: {_split_line(link)}"
+                           for link in links) or "no link of the chain output - baseline - baseline - output parts"
+        if not links or not all(link.numerics for link in links) or strict:
+            problems.append(f"{parted}: {reason}")
+        else:
+            explained.append(f"{parted}: {reason}")
+    elif divergence is not None:
+        problems.append(f"outputs part at token {divergence}")
+    # Counters of runs whose outputs part count different tokens: not compared.
+    compared = _same_counting(a, b) and divergence is None
+    gaps = _counter_gaps(result_a, result_b, counter_tolerance) if compared else ()
+    if gaps:
+        counted = "; ".join(f"{gap.name}: {gap.a} vs {gap.b}" for gap in gaps)
+        split = explainer.counters(labels, records, results)
+        causes.append(split.kind)
+        found.append(split)
+        line = f"{counted}: {split.kind}: {split.detail}"
+        (explained if split.numerics and not strict else problems).append(line)
+    return PromptParity(result_a.prompt_id, *labels, tuple(problems), divergence, gaps, compared, tuple(explained),
+                        tuple(causes), tuple(found))
+
+
+def compare_records(a: RunRecord, b: RunRecord, counter_tolerance: float = 0.0,
+                    labels: Optional[tuple[str, str]] = None, explainer: Optional[Explainer] = None,
+                    strict: bool = False) -> list[PromptParity]:
+    """Every prompt of either record, compared; a prompt only one record holds is a problem.
+    Outputs that part at a near-tie (crossrt/run/numerics.py; crossrt/compare/tolerance.py sets how near for
+    the two runs) are explained, not failed, unless strict."""
+    labels = labels or (run_label(a), run_label(b))
+    explainer = explainer or Explainer()
+    if a.imported or b.imported:
+        return [compare_aggregates(a, b, counter_tolerance, labels)]
+    if a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
+        raise ComparisonError(f"{labels[0]} and {labels[1]} ran pairs with different vocabularies: "
+                         "their token ids cannot be compared")
+    results_b = {r.prompt_id: r for r in b.results}
+    comparisons = []
+    for result_a in a.results:
+        result_b = results_b.pop(result_a.prompt_id, None)
+        if result_b is None:
+            comparisons.append(PromptParity(result_a.prompt_id, *labels, (f"missing from {labels[1]}",),
+                                            None, (), False))
+        else:
+            comparisons.append(compare_prompt(a, b, result_a, result_b, counter_tolerance, labels, explainer,
+                                              strict))
+    comparisons.extend(PromptParity(prompt_id, *labels, (f"missing from {labels[0]}",), None, (), False)
+                       for prompt_id in results_b)
+    return comparisons
+
+
+def _gives(record: RunRecord, counter: str) -> bool:
+    return record.imported is None or counter in record.imported.given
+
+
+def compare_aggregates(a: RunRecord, b: RunRecord, counter_tolerance: float, labels: tuple[str, str]) -> PromptParity:
+    """Runs of which one or both are imported (crossrt import): no token ids to compare, so
+    the counters both give, summed over each run's finished prompts, when both count the same
+    way (k, schedule, draft rules, budget: an import that does not state them is not compared)."""
+    if a.pair.target and b.pair.target and a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
+        raise ComparisonError(f"{labels[0]} and {labels[1]} ran pairs with different vocabularies")
+    notes = [f"{label}: imported from {record.imported.format}: no token ids, outputs not compared"
+             for label, record in zip(labels, (a, b)) if record.imported]
+    names = [name for name in COMPARED_COUNTERS if _gives(a, name) and _gives(b, name)]
+    sums = [{name: sum(getattr(r.counters, name) for r in record.results if r.ok) for name in names}
+            for record in (a, b)]
+    compared = _same_counting(a, b)
+    gaps = tuple(CounterGap(name, sums[0][name], sums[1][name]) for name in names if compared
+                 and abs(sums[0][name] - sums[1][name]) > counter_tolerance * max(sums[0][name], sums[1][name]))
+    if not compared:
+        notes.append("counters not compared: the runs count differently, or an import does not state how "
+                     "(k, schedule, draft_n_min, draft_p_min, max_new_tokens)")
+    else:
+        notes.append(f"counters compared on sums over all prompts: {', '.join(names)}"
+                     + ("" if a.pair.target and b.pair.target else "; an imported run names no pair files"))
+    prompt_id = next(record.results[0].prompt_id for record in (a, b) if record.imported)
+    return PromptParity(prompt_id, *labels, tuple(f"{gap.name}: {gap.a} vs {gap.b}" for gap in gaps), None, gaps,
+                        compared, tuple(notes))
+
+
+def lossless_checks(label: str, record: RunRecord, explainer: Explainer, strict: bool = False) -> list[PromptParity]:
+    """Each finished prompt of one run against its own plain greedy baseline. A departure the
+    Explainer finds to be numerics (a batch-shape near-tie, from the run's pass views, a driven
+    twin's or passes re-scored) is explained, not failed, unless strict."""
+    if record.imported:
+        return [PromptParity(r.prompt_id, label, OWN_BASELINE, (), None, (), False,
+                             (f"imported from {record.imported.format}: no token ids, no lossless check",))
+                for r in record.results]
+    checks = []
+    for result in record.results:
+        problems, explained, causes = [], [], []
+        split = explainer.lossless(label, record, result)
+        if split is not None:
+            causes.append(split.kind)
+            line = f"not lossless: speculative output leaves the greedy baseline at token {split.index}: " \
+                   f"{split.kind}: {split.detail}"
+            (explained if split.numerics and not strict else problems).append(line)
+        if result.unfit_counts is not None:
+            explained.append(result.unfit_counts.describe())
+            causes.append("counts did not fit")
+        if result.own_prompt_ids is not None:
+            at = first_divergence(result.own_prompt_ids, result.prompt_ids)
+            problems.append(f"tokenizes the prompt text differently from the shared ids, from position {at}")
+            causes.append("tokenization")
+        template = template_split(label, result, explainer.detokenize)
+        if template is not None:
+            problems.append(f"{template.kind} split: {template.detail}")
+            causes.append(template.kind)
+        checks.append(PromptParity(result.prompt_id, label, OWN_BASELINE, tuple(problems),
+                                   split.index if split is not None else None, (), False, tuple(explained),
+                                   tuple(causes), tuple(s for s in (split, template) if s is not None)))
+    return checks
+
+
+def compare_all(runs: Sequence[tuple[str, RunRecord]], counter_tolerance: float = 0.0,
+                logit_tolerance: Optional[float] = None, strict: bool = False, replay=None) -> list[PromptParity]:
+    """Every (label, record) run against its own baseline, then every pair of runs, every prompt.
+    Native runs borrow the pass views of a driven twin that emitted the same ids; replay
+    (crossrt/compare/replay.py's Replayer) re-scores the splits neither explains (None: they stay
+    unexplained and fail)."""
+    twins = twins_of(runs)
+    explainer = Explainer(twins, replay, logit_tolerance=logit_tolerance)
+    checks = [check for label, record in runs for check in lossless_checks(label, record, explainer, strict)]
+    return checks + [comparison
+                     for i, (label_a, a) in enumerate(runs) for label_b, b in runs[i + 1:]
+                     for comparison in compare_records(a, b, counter_tolerance, (label_a, label_b), explainer,
+                                                       strict)]
+
+
+def compare_against(runs: Sequence[tuple[str, RunRecord]], baselines: Sequence[RunRecord],
+                    counter_tolerance: float = 0.0, replay=None) -> list[PromptParity]:
+    """Each record against the saved baseline of the same runtime, mode and k: a runtime
+    upgrade that changes outputs or acceptance shows up here. A record with no baseline, or a
+    baseline with no new record, is a problem too."""
+    def key(record: RunRecord):
+        return record.runtime.name, record.params.mode, record.params.k
+
+    saved = {key(record): record for record in baselines}
+    comparisons = []
+    for label, record in runs:
+        baseline = saved.pop(key(record), None)
+        if baseline is None:
+            comparisons.append(PromptParity("*", label, "saved baseline", ("no saved baseline for this run",),
+                                            None, (), False))
+            continue
+        labels = (f"{run_label(baseline)} (saved)", label)
+        explainer = Explainer(twins_of([(labels[0], baseline), (label, record)]), replay)
+        comparisons.extend(compare_records(baseline, record, counter_tolerance, labels, explainer))
+    comparisons.extend(PromptParity("*", f"{run_label(record)} (saved)", "new runs", ("not run this time",),
+                                    None, (), False) for record in saved.values())
+    return comparisons

@@ -1,0 +1,187 @@
+"""A parity verdict and its renderings: terminal text, markdown for CI summaries, JUnit XML."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from crossrt.compare.parity import OWN_BASELINE, PromptParity
+from crossrt.compare.rescore import LogitAgreement, ScoredRows, agreement
+from crossrt.compare.tolerance import Tolerance
+
+
+@dataclass(frozen=True)
+class LogitCheck:
+    prompt_id: str
+    run_a: str
+    run_b: str
+    agreement: LogitAgreement
+    tolerance: Tolerance
+
+    @property
+    def problems(self) -> list[str]:
+        return self.tolerance.problems(self.agreement)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class NotRun:
+    run: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    comparisons: tuple[PromptParity, ...]
+    logit_checks: tuple[LogitCheck, ...] = ()
+    not_run: tuple[NotRun, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return (all(c.ok for c in self.comparisons) and all(c.ok for c in self.logit_checks)
+                and not self.not_run)
+
+    def failures(self) -> list[str]:
+        lines = [f"{c.run_a} vs {c.run_b}, {c.prompt_id}: {'; '.join(c.problems)}"
+                 for c in self.comparisons if not c.ok]
+        lines += [f"{c.run_a} vs {c.run_b}, {c.prompt_id}: logits: {'; '.join(c.problems)} "
+                  f"(tolerance for {c.tolerance.reason})" for c in self.logit_checks if not c.ok]
+        lines += [f"{n.run}: not run: {n.reason}" for n in self.not_run]
+        return lines
+
+
+def explained(report: ParityReport) -> list[str]:
+    """Divergences explained as numerics, and counts that did not fit: reported, not failed."""
+    return [f"{c.run_a} vs {c.run_b}, {c.prompt_id}: {line}" for c in report.comparisons for line in c.explained]
+
+
+def _pairs(report: ParityReport) -> list[tuple[str, str]]:
+    return sorted({(c.run_a, c.run_b) for c in report.comparisons})
+
+
+def _counting(group: Sequence[PromptParity]) -> str:
+    if group[0].run_b == OWN_BASELINE:
+        return "lossless check"
+    return "counters compared" if any(c.counters_compared for c in group) else "counters not compared (schedules differ)"
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One pair of runs, counted honestly: prompts identical, explained (by cause) and failed."""
+
+    prompts: int
+    identical: int
+    explained: tuple[tuple[str, int], ...]  # (cause, prompts explained by it), by cause; a prompt may count twice
+    explained_prompts: int
+    failed: int
+
+    @classmethod
+    def of(cls, group: Sequence[PromptParity]) -> "Headline":
+        explained = [c for c in group if c.ok and not c.identical]
+        causes: dict[str, int] = {}
+        for comparison in explained:
+            for cause in dict.fromkeys(comparison.causes or ("noted",)):
+                causes[cause] = causes.get(cause, 0) + 1
+        return cls(len(group), sum(c.identical for c in group), tuple(sorted(causes.items())), len(explained),
+                   sum(not c.ok for c in group))
+
+    def by_cause(self) -> str:
+        return ", ".join(f"{cause} {n}" for cause, n in self.explained)
+
+    def describe(self) -> str:
+        return (f"{self.prompts} prompts: {self.identical} identical, {self.explained_prompts} explained"
+                + (f" ({self.by_cause()})" if self.explained else "") + f", {self.failed} failed")
+
+
+def headlines(report: ParityReport) -> list[tuple[str, str, Headline, str]]:
+    """(run A, run B, its headline, how counters were compared) per pair of runs."""
+    found = []
+    for run_a, run_b in _pairs(report):
+        group = [c for c in report.comparisons if (c.run_a, c.run_b) == (run_a, run_b)]
+        found.append((run_a, run_b, Headline.of(group), _counting(group)))
+    return found
+
+
+def render_text(report: ParityReport) -> str:
+    lines = [f"{run_a} vs {run_b}: {headline.describe()}; {counting}"
+             for run_a, run_b, headline, counting in headlines(report)]
+    checks = report.logit_checks
+    if checks:
+        worst = max(checks, key=lambda c: c.agreement.max_abs_diff)
+        lines.append(f"logits along common outputs: {sum(c.ok for c in checks)}/{len(checks)} within tolerance; "
+                     f"worst {worst.agreement.max_abs_diff:.3g} ({worst.run_a} vs {worst.run_b}, {worst.prompt_id}), "
+                     f"top-1 agreement {min(c.agreement.top1_agreement for c in checks):.3f} at worst")
+        for tolerance in sorted({c.tolerance for c in checks}, key=lambda t: t.reason):
+            group = [c.agreement for c in checks if c.tolerance == tolerance]
+            lines.append(f"  {len(group)} checks against {tolerance.describe()}: mean KL "
+                         f"{max(g.kl_mean for g in group):.3g}, p99 KL {max(g.kl_p99 for g in group):.3g}, "
+                         f"max KL {max(g.kl_max for g in group):.3g}, RMS dp {max(g.rms_delta_p for g in group):.3g} "
+                         "(worst prompt each)")
+    lines += [f"NOTE {line}" for line in explained(report)]
+    lines += [f"FAIL {line}" for line in report.failures()]
+    lines.append("parity: OK" if report.ok else "parity: FAILED")
+    return "\n".join(lines)
+
+
+def render_markdown(report: ParityReport) -> str:
+    lines = ["## crossrt parity: " + ("passed" if report.ok else "FAILED"), "",
+             "| run A | run B | prompts | identical | explained (by cause) | failed | first divergences | counters |",
+             "|---|---|---|---|---|---|---|---|"]
+    for run_a, run_b, headline, counting in headlines(report):
+        group = [c for c in report.comparisons if (c.run_a, c.run_b) == (run_a, run_b)]
+        parted = ", ".join(f"{c.prompt_id}@{c.divergence}" for c in group if c.divergence is not None) or "none"
+        causes = headline.by_cause()
+        lines.append(f"| {run_a} | {run_b} | {headline.prompts} | {headline.identical} | {headline.explained_prompts}"
+                     f"{f' ({causes})' if causes else ''} | {headline.failed} | {parted} | {counting} |")
+    if report.logit_checks:
+        lines += ["", "| run A | run B | prompt | max abs logit diff | same top-1 | top-5 overlap | KL mean | "
+                  "KL median | KL p99 | KL max | RMS dp | tolerance |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {c.run_a} | {c.run_b} | {c.prompt_id} | {c.agreement.max_abs_diff:.3g} | "
+                  f"{c.agreement.top1_agreement:.3f} | {c.agreement.top5_overlap:.3f} | {c.agreement.kl_mean:.3g} | "
+                  f"{c.agreement.kl_median:.3g} | {c.agreement.kl_p99:.3g} | {c.agreement.kl_max:.3g} | "
+                  f"{c.agreement.rms_delta_p:.3g} | {c.tolerance.describe()} |" for c in report.logit_checks]
+    notes = explained(report)
+    if notes:
+        lines += ["", "### Explained (numerics, not failures)", ""] + [f"- {line}" for line in notes]
+    failures = report.failures()
+    if failures:
+        lines += ["", "### Failures", ""] + [f"- {line}" for line in failures]
+    return "\n".join(lines) + "\n"
+
+
+def render_junit(report: ParityReport) -> str:
+    suite = ElementTree.Element("testsuite", name="crossrt-parity")
+    cases = [(f"{c.run_a} vs {c.run_b}", c.prompt_id, c.ok, "; ".join(c.problems)) for c in report.comparisons]
+    cases += [(f"logits {c.run_a} vs {c.run_b}", c.prompt_id, c.ok, "; ".join(c.problems))
+              for c in report.logit_checks]
+    cases += [(n.run, "run", False, f"not run: {n.reason}") for n in report.not_run]
+    for classname, name, ok, message in cases:
+        case = ElementTree.SubElement(suite, "testcase", classname=classname, name=name)
+        if not ok:
+            ElementTree.SubElement(case, "failure", message=message).text = message
+    suite.set("tests", str(len(cases)))
+    suite.set("failures", str(sum(1 for case in cases if not case[2])))
+    return ElementTree.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def logit_checks(comparisons: Sequence[PromptParity], scored: dict[tuple[str, str], np.ndarray],
+                 tolerance: Callable[[str, str], Tolerance]) -> tuple[LogitCheck, ...]:
+    """LogitChecks for the comparisons whose both runs were scored: scored maps
+    (run label, prompt id) -> logits rows along that run's output; tolerance(run_a, run_b)
+    gives the bounds for that pair of runs (crossrt/compare/tolerance.py)."""
+    checks = []
+    rows = {key: ScoredRows(logits) for key, logits in scored.items()}  # each run's rows analysed once
+    for comparison in comparisons:
+        a, b = rows.get((comparison.run_a, comparison.prompt_id)), rows.get((comparison.run_b, comparison.prompt_id))
+        if a is None or b is None:
+            continue
+        common = comparison.divergence if comparison.divergence is not None else min(len(a), len(b))
+        checks.append(LogitCheck(comparison.prompt_id, comparison.run_a, comparison.run_b,
+                                 agreement(a, b, length=common), tolerance(comparison.run_a, comparison.run_b)))
+    return tuple(checks)

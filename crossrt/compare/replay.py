@@ -1,0 +1,81 @@
+"""Passes a run did not record, reproduced in-process: how crossrt explains native runs itself.
+
+A native runtime (llama-server, llama-speculative-simple, transformers' assisted generation)
+reports tokens and counts, not the logits of the passes that chose them. When such a run leaves
+its baseline or parts from another run, crossrt re-scores the context where it split on the
+runtime's scoring sibling (the same llama.cpp commit in-process, or transformers itself), in
+the pass shapes the native schedule used there: a verification batch of 1 + k tokens for the
+speculative side, a one-token decode (or, for llama-server's first token, the prompt pass) for
+the plain side; with the record's KV cache type, flash attention and threads. The two emitted
+tokens' logits in those passes are then judged like recorded ones (crossrt/run/numerics.py).
+A native output whose re-scored passes put its token far below the other is not reproduced:
+that is reported as a finding about the runtime, never excused.
+
+Models load once per (runtime, file, numerics) and stay loaded until the Replayer closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import numpy as np
+
+from crossrt.run.numerics import Gap, rescored_gap
+from crossrt.compare.rescore import open_scorer, row_in_pass, score, scoring_runtime
+from crossrt.run.runtime import ModelSession
+from crossrt.records.schema import RunRecord
+
+
+class Replayer:
+    """Re-scored passes for crossrt/compare/diagnosis.py's Explainer; a context manager."""
+
+    def __init__(self):
+        self._stack = contextlib.ExitStack()
+        self._sessions: dict[tuple, ModelSession] = {}
+        self._gaps: dict[tuple, Gap] = {}  # a split is asked for by its lossless check and its cross-run links
+        self.passes = 0  # re-scored passes run, for the report of what explaining cost
+
+    def __enter__(self) -> "Replayer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    @staticmethod
+    def _key(record: RunRecord, role: str) -> tuple:
+        model = record.pair.target if role == "target" else record.pair.drafter
+        return (scoring_runtime(record.runtime.name), getattr(model, "path", None), record.runtime.kv_cache,
+                record.runtime.flash_attn, record.runtime.threads or 1, record.params.n_ctx)
+
+    def session(self, record: RunRecord, role: str) -> ModelSession:
+        key = self._key(record, role)
+        threads = record.runtime.threads or 1
+        if key not in self._sessions:
+            self._sessions[key] = self._stack.enter_context(open_scorer(record, role, threads))
+        return self._sessions[key]
+
+    def scorer_name(self, record: RunRecord) -> str:
+        return scoring_runtime(record.runtime.name)
+
+    def gap(self, record: RunRecord, prefix: Sequence[int], following: Sequence[int], shape: int,
+            emitted: int, other: int) -> Gap:
+        """How far a pass of shape tokens (crossrt.compare.rescore.row_in_pass) on the record's target
+        puts other below emitted after prefix."""
+        key = (self._key(record, "target"), tuple(prefix), tuple(following[:shape - 1]), shape, emitted, other)
+        if key not in self._gaps:
+            self.passes += 1
+            row = row_in_pass(self.session(record, "target"), prefix, following, shape)
+            self._gaps[key] = rescored_gap(row, emitted, other, f"re-scored {_shape(shape, len(prefix))}")
+        return self._gaps[key]
+
+    def drafter_rows(self, record: RunRecord, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> np.ndarray:
+        """The record's drafter's logits rows predicting each output token, in one pass."""
+        self.passes += 1
+        return score(self.session(record, "drafter"), prompt_ids, output_ids)
+
+
+def _shape(shape: int, prefix: int) -> str:
+    if shape >= prefix:
+        return "prompt pass"
+    return "one-token decode" if shape == 1 else f"{shape}-token batch"

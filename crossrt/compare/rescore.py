@@ -1,0 +1,163 @@
+"""Re-scoring a token sequence on the runtime that produced a record, to compare logits.
+
+Greedy tokens can agree while logits do not (a wrong rope permutation still gives ~95% equal
+argmax on small models), so parity and diff look at the logits themselves: the target scores
+prompt + output in one pass and the rows that predicted each output token are compared.
+Native-only runtimes are scored by their in-process sibling at the same commit.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from crossrt.errors import ComparisonError
+from crossrt.run.runtime import ModelSession, Rows, RuntimeOptions, RuntimeUnavailable, open_runtime, runtime_class
+from crossrt.records.schema import RunRecord
+
+
+def scoring_runtime(name: str) -> str:
+    """The runtime whose forward pass scores sequences for records of runtime name."""
+    cls = runtime_class(name)
+    if "driven" in cls.modes:
+        return name
+    if cls.scored_by is None:
+        raise RuntimeUnavailable(f"runtime {name!r} cannot re-score outputs and names no in-process "
+                                 "sibling that can: pass --no-logits")
+    return cls.scored_by
+
+
+def open_scorer(record: RunRecord, role: str = "target", threads: int = 1) -> ModelSession:
+    """The record's target (or drafter) loaded on its scoring runtime, with the record's KV
+    cache type and flash attention."""
+    name = scoring_runtime(record.runtime.name)
+    model = record.pair.target if role == "target" else record.pair.drafter
+    if model is None:
+        raise ComparisonError(f"{record.runtime.name}'s record names no {role} model file to re-score with")
+    options = RuntimeOptions(n_ctx=record.params.n_ctx, threads=threads,
+                             f32_kv_cache=record.runtime.kv_cache == "f32",
+                             flash_attn=record.runtime.flash_attn is not False, dtype=record.runtime.dtype)
+    return open_runtime(name, options).load(Path(model.path))
+
+
+def score(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> np.ndarray:
+    """Logits rows that predict each of output_ids after prompt_ids: shape (len(output_ids), vocab).
+    The last output token is not fed: no row needs it."""
+    session.truncate(0)
+    sequence = list(prompt_ids) + list(output_ids[:-1])
+    rows = session.eval(sequence, Rows.ALL)
+    return np.array(rows[len(prompt_ids) - 1:], dtype=np.float64)
+
+
+def row_in_pass(session: ModelSession, prefix: Sequence[int], following: Sequence[int], shape: int) -> np.ndarray:
+    """The logits row predicting the token after prefix, computed as the first row of a pass of
+    shape tokens (prefix[-1] then following[:shape - 1]) after the rest of prefix is cached:
+    shape 1 is a one-token decode, shape 1 + k a verification batch of k drafts; a shape of at
+    least len(prefix) is one pass over the whole prefix (a prompt pass), its last row. Rows
+    after the first do not change it but for rounding: the batch shape is what is reproduced."""
+    session.truncate(0)
+    if shape >= len(prefix):
+        return np.array(session.eval(list(prefix), Rows.LAST)[0], dtype=np.float64)
+    if len(prefix) > 1:
+        session.eval(list(prefix[:-1]), Rows.NONE)
+    batch = [prefix[-1]] + list(following[:shape - 1])
+    return np.array(session.eval(batch, Rows.ALL)[0], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class LogitAgreement:
+    """How closely two runtimes' logits agree over the same positions: the absolute logit
+    differences, and the statistics llama.cpp's `llama-perplexity --kl-divergence` prints when
+    two builds or quantizations are compared (tools/perplexity/perplexity.cpp): KL divergence
+    of B's token distribution from A's (A the reference), and the change of the probability of
+    the emitted token (Δp = p_B - p_A)."""
+
+    positions: int
+    max_abs_diff: float
+    mean_abs_diff: float
+    top1_agreement: float  # share of positions with the same argmax ("Same top p")
+    top5_overlap: float  # mean share of the top-5 tokens both runtimes rank in their top 5
+    kl_mean: float = 0.0
+    kl_median: float = 0.0
+    kl_p99: float = 0.0
+    kl_max: float = 0.0
+    rms_delta_p: float = 0.0
+
+
+def top_k(rows: np.ndarray, k: int) -> np.ndarray:
+    """The k highest entries' indices of each row, highest first, ties to the lower index: what a
+    stable argsort of -rows gives, without sorting a whole row (a 262,144-entry vocabulary made
+    the full sort most of `parity`'s logit checks on a real model)."""
+    rows = np.asarray(rows)
+    flat = rows.reshape(-1, rows.shape[-1])
+    k = min(k, flat.shape[-1])
+    if len(flat) == 0 or k == 0:
+        return np.zeros(rows.shape[:-1] + (k,), dtype=np.intp)
+    kth = np.partition(flat, flat.shape[-1] - k, axis=-1)[:, -k]  # each row's k-th highest value
+    out = np.empty((len(flat), k), dtype=np.intp)
+    for i, (row, threshold) in enumerate(zip(flat, kth)):
+        candidates = np.flatnonzero(row >= threshold)  # every tie at the threshold, so the order is exact
+        if len(candidates) < k:  # NaNs in the row: sort it whole, as argsort places them
+            out[i] = np.argsort(-row, kind="stable")[:k]
+            continue
+        out[i] = candidates[np.lexsort((candidates, -row[candidates]))[:k]]
+    return out.reshape(rows.shape[:-1] + (k,))
+
+
+def log_softmax(rows: np.ndarray) -> np.ndarray:
+    shifted = rows - rows.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+class ScoredRows:
+    """One run's logits rows with what agreement reads of each row computed once, on first
+    use: its top 5 and its log-probabilities. A parity of n runs compares each run's rows with
+    n - 1 others; every statistic is per row, so a prefix of the rows (the positions two runs
+    share) reads a prefix of these."""
+
+    def __init__(self, logits: np.ndarray):
+        self.logits = np.asarray(logits)
+
+    def __len__(self) -> int:
+        return len(self.logits)
+
+    @functools.cached_property
+    def top5(self) -> np.ndarray:
+        return top_k(self.logits, 5)
+
+    @functools.cached_property
+    def log_probs(self) -> np.ndarray:
+        return log_softmax(self.logits)
+
+    @functools.cached_property
+    def probs(self) -> np.ndarray:
+        return np.exp(self.log_probs)
+
+
+def agreement(a, b, tokens: Optional[Sequence[int]] = None, length: Optional[int] = None) -> LogitAgreement:
+    """The agreement of rows a and b (arrays, or ScoredRows to reuse what was computed of them),
+    over their first length rows (default all). tokens: the token emitted at each position
+    (for Δp); default A's top-1."""
+    a, b = (rows if isinstance(rows, ScoredRows) else ScoredRows(rows) for rows in (a, b))
+    if a.logits.shape[1:] != b.logits.shape[1:] or (length is None and len(a) != len(b)):
+        raise ComparisonError(f"logit shapes differ: {a.logits.shape} vs {b.logits.shape} "
+                              "(different vocabulary sizes?)")
+    n = len(a) if length is None else length
+    if n == 0:
+        return LogitAgreement(0, 0.0, 0.0, 1.0, 1.0)
+    difference = np.abs(a.logits[:n] - b.logits[:n])
+    top_a, top_b = a.top5[:n], b.top5[:n]
+    overlap = np.mean([len(set(x) & set(y)) / 5 for x, y in zip(top_a, top_b, strict=True)])
+    log_a, log_b = a.log_probs[:n], b.log_probs[:n]
+    kl = np.maximum((a.probs[:n] * (log_a - log_b)).sum(axis=-1), 0.0)  # rounding can dip below 0
+    emitted = np.asarray(tokens if tokens is not None else top_a[:, 0])
+    rows = np.arange(n)
+    delta_p = np.exp(log_b[rows, emitted]) - a.probs[rows, emitted]  # b's whole probs only if b is ever A
+    return LogitAgreement(n, float(difference.max()), float(difference.mean()),
+                          float(np.mean(top_a[:, 0] == top_b[:, 0])), float(overlap),
+                          float(kl.mean()), float(np.median(kl)), float(np.percentile(kl, 99)), float(kl.max()),
+                          float(np.sqrt(np.mean(delta_p ** 2))))

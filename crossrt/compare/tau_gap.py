@@ -1,0 +1,285 @@
+"""Why tau differs between two records of the same pair and prompts: the gap in tau (and alpha
+and steps) as a sum of named parts, each the difference of one quantity computed on two sets of
+per-prompt counts that differ in one respect only (docs/analysis.md):
+
+    native A - native B
+      = counting     (A's native figure - A's normalized) - (B's native - B's normalized)
+      + residual     (A - hybrid A) - (B - hybrid B)
+      + numerics     (hybrid A - sim A on A's oracle) - (hybrid B - sim B on B's oracle)
+      + schedule     sim A on A's oracle - sim B on A's oracle (A's schedule and rules vs B's)
+      + rendering    sim B on A's oracle - sim B on B's oracle (A's prompt ids vs B's)
+
+"sim X on an oracle" is X's schedule with X's drafting rules simulated on the oracle of those
+prompt ids (crossrt/run/schedule_sim.py); "hybrid X" takes, per prompt, the simulation where the run
+emitted the oracle's greedy output and the run's own counts where it did not. So numerics is
+what runs that left the greedy output (other tokens accepted) change, and residual what the
+simulation misses on runs that did not leave it: drafts changed by near-ties in the drafter, or
+a rule the simulation does not model. The sum telescopes, and every figure is an exact
+fraction, so the parts add up to the gap exactly; the residual is shown, never folded in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+from crossrt.errors import ComparisonError, CrossrtError, SettingsError
+from crossrt.run.runtime import ModelSession, RuntimeOptions, open_runtime
+from crossrt.run.schedule_sim import check_rules, record_rules, simulate_schedule
+from crossrt.records.schema import Counters, PromptResult, RunRecord
+from crossrt.run.simulate import Oracle, build_oracle
+
+PARTS = ("counting", "rendering", "schedule and rules", "numerics", "residual")
+# Schedules whose runtimes print tokens per step as emitted / steps (first token and cut tokens
+# in): exllamav3's new_tokens / rounds, SGLang's completion_tokens / verify_ct (docs/schema.md).
+# Every other runtime prints 1 + accepted / steps, as the record's tau.
+EMITTED_PER_STEP = ("exllamav3", "sglang")
+METRICS = ("tau", "alpha", "steps")
+
+Figure = Optional[Fraction]
+
+
+@dataclass(frozen=True)
+class Totals:
+    steps: int
+    drafted: int
+    accepted: int
+    emitted: int
+
+    @classmethod
+    def of(cls, counters: Sequence[Counters]) -> "Totals":
+        return cls(*(sum(getattr(c, name) for c in counters) for name in ("steps", "drafted", "accepted", "emitted")))
+
+    def figures(self, native_schedule: Optional[str] = None) -> dict[str, Figure]:
+        """tau, alpha and steps; native_schedule: tau as that schedule's runtime prints it."""
+        tau = None
+        if self.steps:
+            per_step = self.emitted if native_schedule in EMITTED_PER_STEP else self.steps + self.accepted
+            tau = Fraction(per_step, self.steps)
+        return {"tau": tau, "alpha": Fraction(self.accepted, self.drafted) if self.drafted else None,
+                "steps": Fraction(self.steps)}
+
+
+def _minus(a: Figure, b: Figure) -> Figure:
+    return None if a is None or b is None else a - b
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    value: dict[str, Figure]  # per metric: this part's share of the gap
+    # per metric, the two runs' own shares (numerics and residual: A's, and B's subtracted)
+    by_run: Optional[tuple[dict[str, Figure], dict[str, Figure]]] = None
+
+
+@dataclass(frozen=True)
+class TauGap:
+    run_a: str
+    run_b: str
+    schedule_a: str
+    schedule_b: str
+    category: Optional[str]  # None: every common prompt
+    prompts: int
+    native_a: dict[str, Figure]
+    native_b: dict[str, Figure]
+    parts: tuple[Part, ...]
+
+    def gap(self, metric: str) -> Figure:
+        return _minus(self.native_a[metric], self.native_b[metric])
+
+    def lines(self, alpha_and_steps: bool = True) -> list[str]:
+        """The gap, its parts and the residual: one line for tau, one for alpha and steps."""
+        def said(metric: str, digits: int) -> str:
+            sign = "{:+.%df}" % digits
+            parts = " + ".join(f"{p.name} {_shown(p.value[metric], sign)}" for p in self.parts)
+            return (f"{_shown(self.native_a[metric], '{:.%df}' % digits)} - "
+                    f"{_shown(self.native_b[metric], '{:.%df}' % digits)} = {_shown(self.gap(metric), sign)} = {parts}")
+        where = "ALL" if self.category is None else self.category
+        lines = [f"tau gap {self.run_a} ({self.schedule_a}) vs {self.run_b} ({self.schedule_b}), {where} "
+                 f"({self.prompts} prompts): {said('tau', 2)}"]
+        return lines + ([f"  alpha {said('alpha', 3)}; steps {said('steps', 0)}"] if alpha_and_steps else [])
+
+    def as_json(self) -> dict:
+        def figures(values: dict[str, Figure]) -> dict:
+            return {metric: None if value is None else float(value) for metric, value in values.items()}
+        return {"run_a": self.run_a, "run_b": self.run_b, "schedule_a": self.schedule_a,
+                "schedule_b": self.schedule_b, "category": self.category, "prompts": self.prompts,
+                "native_a": figures(self.native_a), "native_b": figures(self.native_b),
+                "gap": {metric: None if self.gap(metric) is None else float(self.gap(metric)) for metric in METRICS},
+                "parts": {p.name: {**figures(p.value), **({"a": figures(p.by_run[0]), "b": figures(p.by_run[1])}
+                                                          if p.by_run else {})} for p in self.parts}}
+
+
+def _shown(value: Figure, form: str) -> str:
+    return "-" if value is None else form.format(float(value))
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """One common prompt's counts, each under one set of conditions (module docstring)."""
+
+    category: str
+    real_a: Counters
+    real_b: Counters
+    hybrid_a: Counters
+    hybrid_b: Counters
+    sim_a: Counters  # A's schedule on A's oracle
+    sim_b: Counters  # B's schedule on B's oracle
+    sim_b_on_a: Counters  # B's schedule on A's oracle
+
+
+def _counts(record: RunRecord, result: PromptResult, oracle: Oracle) -> tuple[Counters, Counters]:
+    """(the simulation of record's schedule on oracle, the hybrid for this prompt)."""
+    rules = record_rules(record)
+    simulated = simulate_schedule(oracle, record.params.schedule, rules).counters(rules.k)
+    return simulated, simulated if tuple(result.output_ids) == oracle.output else result.counters
+
+
+def _check(record: RunRecord, label: str) -> None:
+    if record.imported is not None:
+        raise ComparisonError(f"{label}: an imported record holds no prompts to simulate")
+    try:
+        check_rules(record.params.schedule, record_rules(record))
+    except SettingsError as error:
+        raise ComparisonError(f"{label}: {error}") from None
+
+
+def tau_gap(a: RunRecord, b: RunRecord, oracles: Mapping[tuple[int, ...], Oracle], label_a: str = "A",
+            label_b: str = "B") -> list[TauGap]:
+    """The gap between a and b decomposed, per category (sorted) and then over every prompt
+    both finished; oracles maps prompt ids to their oracle (build_oracles)."""
+    _check(a, label_a)
+    _check(b, label_b)
+    if a.params.max_new_tokens != b.params.max_new_tokens:
+        raise ComparisonError(f"{label_a} and {label_b} ran other token budgets "
+                              f"({a.params.max_new_tokens} and {b.params.max_new_tokens})")
+    b_results = {r.prompt_id: r for r in b.results if r.ok}
+    prompts = []
+    for result_a in a.results:
+        result_b = b_results.get(result_a.prompt_id)
+        if not result_a.ok or result_b is None:
+            continue
+        oracle_a = _oracle(oracles, result_a, a.params.max_new_tokens)
+        oracle_b = _oracle(oracles, result_b, b.params.max_new_tokens)
+        sim_a, hybrid_a = _counts(a, result_a, oracle_a)
+        sim_b, hybrid_b = _counts(b, result_b, oracle_b)
+        rules_b = record_rules(b)
+        sim_b_on_a = simulate_schedule(oracle_a, b.params.schedule, rules_b).counters(rules_b.k)
+        prompts.append(_Prompt(result_a.category, result_a.counters, result_b.counters, hybrid_a, hybrid_b,
+                               sim_a, sim_b, sim_b_on_a))
+    if not prompts:
+        raise ComparisonError(f"{label_a} and {label_b} finished no prompt in common")
+    categories = sorted({p.category for p in prompts})
+    return [_decompose(a, b, label_a, label_b, category,
+                       [p for p in prompts if category is None or p.category == category])
+            for category in [*categories, None]]
+
+
+def _oracle(oracles: Mapping[tuple[int, ...], Oracle], result: PromptResult, budget: Optional[int]) -> Oracle:
+    oracle = oracles.get(tuple(result.prompt_ids))
+    if oracle is None or oracle.max_new_tokens != budget:
+        raise ComparisonError(f"{result.prompt_id}: no oracle of these prompt ids and a budget of {budget}")
+    return oracle
+
+
+def _decompose(a: RunRecord, b: RunRecord, label_a: str, label_b: str, category: Optional[str],
+               prompts: Sequence[_Prompt]) -> TauGap:
+    def figures(pick: Callable[[_Prompt], Counters], native: Optional[str] = None) -> dict[str, Figure]:
+        return Totals.of([pick(p) for p in prompts]).figures(native)
+
+    def difference(x: dict[str, Figure], y: dict[str, Figure]) -> dict[str, Figure]:
+        return {metric: _minus(x[metric], y[metric]) for metric in METRICS}
+
+    real_a, real_b = figures(lambda p: p.real_a), figures(lambda p: p.real_b)
+    native_a = figures(lambda p: p.real_a, a.params.schedule)
+    native_b = figures(lambda p: p.real_b, b.params.schedule)
+    hybrid_a, hybrid_b = figures(lambda p: p.hybrid_a), figures(lambda p: p.hybrid_b)
+    sim_a, sim_b, sim_b_on_a = figures(lambda p: p.sim_a), figures(lambda p: p.sim_b), figures(lambda p: p.sim_b_on_a)
+    numerics = (difference(hybrid_a, sim_a), difference(hybrid_b, sim_b))
+    residual = (difference(real_a, hybrid_a), difference(real_b, hybrid_b))
+    parts = (Part("counting", difference(difference(native_a, real_a), difference(native_b, real_b))),
+             Part("rendering", difference(sim_b_on_a, sim_b)),
+             Part("schedule and rules", difference(sim_a, sim_b_on_a)),
+             Part("numerics", difference(*numerics), numerics),
+             Part("residual", difference(*residual), residual))
+    return TauGap(label_a, label_b, a.params.schedule, b.params.schedule, category, len(prompts), native_a, native_b,
+                  parts)
+
+
+def build_oracles(target: ModelSession, drafter: ModelSession,
+                  records: Sequence[RunRecord]) -> dict[tuple[int, ...], Oracle]:
+    """One oracle per distinct prompt ids the records finished, at their common token budget,
+    with drafts as long as the largest k among them."""
+    budgets = {record.params.max_new_tokens for record in records}
+    if len(budgets) != 1 or None in budgets:
+        raise ComparisonError(f"the records ran other or unknown token budgets ({sorted(map(str, budgets))})")
+    budget = budgets.pop()
+    max_k = max(record.params.k for record in records)
+    oracles: dict[tuple[int, ...], Oracle] = {}
+    for record in records:
+        for result in record.results:
+            ids = tuple(result.prompt_ids)
+            if result.ok and ids not in oracles:
+                oracles[ids] = build_oracle(target, drafter, result.prompt_id, result.category, ids, budget, max_k)
+    return oracles
+
+
+ORACLE_RUNTIME = "llama-cpp"
+
+
+def parity_gaps(runs: Sequence[tuple[str, RunRecord]], threads: int = 1) -> list[str]:
+    """`crossrt parity`'s tau gap lines: for every two runs of one pair whose schedules differ,
+    the gap overall (tau, then alpha and steps) and per category (tau), or why it was not
+    computed. One oracle set per pair, built in-process on llama.cpp from the records' GGUF
+    files at the runs' context size (its default F16 KV cache and flash attention, as
+    llama.cpp's tools run)."""
+    lines: list[str] = []
+    by_pair: dict[tuple, list[tuple[str, RunRecord]]] = {}
+    for label, record in runs:
+        by_pair.setdefault((record.pair.name, record.pair.target and record.pair.target.sha256), []).append(
+            (label, record))
+    for group in by_pair.values():
+        pairs = [(a, b) for i, a in enumerate(group) for b in group[i + 1:]
+                 if a[1].params.schedule != b[1].params.schedule]
+        if not pairs:
+            continue
+        try:
+            oracles = _parity_oracles([record for _, record in group if record.imported is None], threads)
+        except CrossrtError as error:  # no model files, a model that does not load, a prompt that does not fit
+            lines += [f"tau gap {a} vs {b}: not computed ({error})" for (a, _), (b, _) in pairs]
+            continue
+        for (label_a, a), (label_b, b) in pairs:
+            try:
+                gaps = tau_gap(a, b, oracles, label_a, label_b)
+            except ComparisonError as error:
+                lines.append(f"tau gap {label_a} vs {label_b}: not computed ({error})")
+                continue
+            lines += gaps[-1].lines() + [line for gap in gaps[:-1] for line in gap.lines(alpha_and_steps=False)]
+    return lines
+
+
+def _parity_oracles(records: Sequence[RunRecord], threads: int) -> dict[tuple[int, ...], Oracle]:
+    files = next(((Path(r.pair.target.path), Path(r.pair.drafter.path)) for r in records
+                  if r.pair.target and r.pair.drafter and r.pair.target.format == r.pair.drafter.format == "gguf"
+                  and Path(r.pair.target.path).is_file() and Path(r.pair.drafter.path).is_file()), None)
+    if files is None:
+        raise ComparisonError("no record names GGUF files of the pair to build the oracle from")
+    # The oracle drafts K tokens from one position past the output and checks them there.
+    n_ctx = max(len(result.prompt_ids) + (r.params.max_new_tokens or 0) + r.params.k + 2
+                for r in records for result in r.results)
+    runtime = open_runtime(ORACLE_RUNTIME, RuntimeOptions(n_ctx=n_ctx, threads=threads))
+    with contextlib.ExitStack() as stack:
+        target, drafter = (stack.enter_context(runtime.load(path)) for path in files)
+        simulated = [r for r in records if _simulated(r)]
+        return build_oracles(target, drafter, simulated) if simulated else {}
+
+
+def _simulated(record: RunRecord) -> bool:
+    try:
+        _check(record, "")
+    except ComparisonError:
+        return False
+    return True

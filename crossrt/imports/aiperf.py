@@ -1,0 +1,239 @@
+"""NVIDIA AIPerf's speculative decoding statistics as `crossrt import --from aiperf` reads them.
+
+AIPerf (ai-dynamo/aiperf) is a benchmark client: for each request it turns the engine's
+per-request statistics into one engine-neutral `SpecDecodeAcceptanceRecord`
+(src/aiperf/common/models/spec_decode_models.py; docs/reference/spec-decode-acceptance.md): its
+`num_spec_steps`, `num_draft_tokens`, `num_accepted_draft_tokens` (bonus excluded),
+`acceptance_histogram` {accepted draft tokens j: steps accepting exactly j} (bonus excluded,
+JSON keys are strings), `mean_acceptance_length` = 1 + accepted / steps (bonus included),
+`draft_acceptance_rate` = accepted / drafted (a fraction here, a percent in its metrics),
+`num_spec_tokens` (k, where the engine has one), `completion_tokens` (the response's usage) and,
+at vLLM's `detailed` level, `per_step_accepted` / `per_step_drafted`. Its only adapter is vLLM's
+(`--per-request-spec-decode-stats`), so the counts follow vLLM's counting.
+
+crossrt reads either export:
+- `profile_export.jsonl`, one `MetricRecordInfo` per request: `metrics` {tag: {"value", "unit"}}
+  with `spec_decode_steps`, `spec_decode_draft_tokens`, `spec_decode_accepted_draft_tokens`,
+  `spec_decode_acceptance_length`, `spec_decode_draft_acceptance_rate` (percent), and, at
+  `--export-level records`, the whole record under `spec_decode_acceptance`;
+- `profile_export_aiperf.json`, the run's aggregate: `total_spec_decode_steps`,
+  `total_draft_tokens`, `total_accepted_draft_tokens` (each {"avg": sum, ...}) and
+  `pooled_spec_decode_acceptance_histogram`.
+Warm-up requests (metadata.benchmark_phase "warmup"), failed ones and those without statistics
+are left out, as AIPerf's own profiling metrics leave them out. docs/import.md maps every field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from crossrt.imports.logs import ReadOptions
+from crossrt.imports.imported import DIGITS, MAX_K, ImportFailure, SourceCounts, draft_length, json_count
+
+ENGINES = ("vllm",)  # engines whose counting crossrt maps (AIPerf's adapters)
+TOTALS = ("total_spec_decode_steps", "total_draft_tokens", "total_accepted_draft_tokens")
+HISTOGRAM = "pooled_spec_decode_acceptance_histogram"
+EXACT_FLOAT = 2 ** 53  # the largest whole float every count below it is exact as
+
+
+def _count(value, where: str) -> int:
+    """A count from JSON: AIPerf writes the record's fields as ints and the aggregate's sums as
+    floats (16.0), which count only when whole and within 2^53, where floats are exact."""
+    if isinstance(value, float):
+        if not (value.is_integer() and 0 <= value <= EXACT_FLOAT):
+            raise ImportFailure(f"{where} is {str(value)[:40]!r}, not a count (a whole number, exact as a float "
+                                "up to 2^53)")
+        value = int(value)
+    return json_count(value, where)
+
+
+def histogram_counts(histogram: Mapping, where: str) -> dict[int, int]:
+    """{accepted draft tokens j: steps}, keys cast from the JSON strings (0 .. MAX_K)."""
+    if not isinstance(histogram, dict):
+        raise ImportFailure(f"{where}: the acceptance histogram is not an object")
+    keys = [j for j in histogram if not (isinstance(j, str) and DIGITS.fullmatch(j) and int(j) <= MAX_K)]
+    if keys:
+        raise ImportFailure(f"{where}: histogram key {str(keys[0])[:40]!r} is not a draft token count (0 to {MAX_K})")
+    return {int(j): _count(n, f"{where}, histogram bucket {j}") for j, n in histogram.items()}
+
+
+def per_position(histogram: Mapping[int, int], k: int) -> tuple[int, ...]:
+    """accepted_per_pos[i] = steps accepting more than i draft tokens: bucket j counts steps that
+    accepted exactly j, so it adds to positions 0 .. j-1 (bucket 0 to none)."""
+    return tuple(sum(n for j, n in histogram.items() if j > i) for i in range(k))
+
+
+def _close(given, computed: float) -> bool:
+    return isinstance(given, (int, float)) and math.isclose(given, computed, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def _checked(where: str, steps: int, drafted: int, accepted: int, histogram: Optional[dict[int, int]],
+             length=None, rate=None) -> None:
+    """The identities AIPerf's record validator enforces, and its printed rates against the counts."""
+    if accepted > drafted:
+        raise ImportFailure(f"{where}: {accepted} accepted of {drafted} drafted tokens")
+    if histogram is not None:
+        if sum(histogram.values()) != steps:
+            raise ImportFailure(f"{where}: the histogram counts {sum(histogram.values())} steps, not {steps}")
+        if sum(j * n for j, n in histogram.items()) != accepted:
+            raise ImportFailure(f"{where}: the histogram accepts {sum(j * n for j, n in histogram.items())} "
+                                f"draft tokens, not {accepted}")
+    if length is not None and steps and not _close(length, 1 + accepted / steps):
+        raise ImportFailure(f"{where}: acceptance length {length} is not 1 + {accepted} / {steps}")
+    if rate is not None and drafted and not _close(rate, accepted / drafted):
+        raise ImportFailure(f"{where}: draft acceptance rate {rate} is not {accepted} / {drafted}")
+
+
+def _object(value, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise ImportFailure(f"{what} is not a JSON object")
+    return value
+
+
+def _value(metrics: Mapping, tag: str):
+    entry = metrics.get(tag)
+    return entry.get("value") if isinstance(entry, dict) else None
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request's counts, from its spec_decode_acceptance record or else its metrics."""
+
+    steps: int
+    drafted: int
+    accepted: int
+    histogram: Optional[dict[int, int]]  # None: metrics only
+    k: Optional[int]
+    completion: Optional[int]
+
+
+def _per_step(record: dict, name: str, steps: int, total: int, where: str) -> None:
+    values = record.get(name)
+    if values is None:
+        return
+    if not isinstance(values, list):
+        raise ImportFailure(f"{where}: {name} is not a list")
+    counted = [_count(v, f"{where}, {name}") for v in values]
+    if len(counted) != steps or sum(counted) != total:
+        raise ImportFailure(f"{where}: {name} has {len(counted)} steps summing to {sum(counted)}, not {steps} steps "
+                            f"summing to {total}")
+
+
+def _request(line: dict, where: str) -> Request:
+    metrics = _object(line.get("metrics"), f"{where}: metrics")
+    record = line.get("spec_decode_acceptance")
+    if record is not None:
+        record = _object(record, f"{where}: spec_decode_acceptance")
+        if record.get("engine") not in ENGINES:
+            raise ImportFailure(f"{where}: engine {str(record.get('engine'))[:40]!r}; crossrt maps the counting of "
+                                f"{', '.join(ENGINES)}")
+        counts = [_count(record.get(name), f"{where}, {name}")
+                  for name in ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens")]
+        histogram = histogram_counts(record.get("acceptance_histogram"), where)
+        k = None if record.get("num_spec_tokens") is None else \
+            draft_length(_count(record["num_spec_tokens"], f"{where}, num_spec_tokens"), f"{where}, num_spec_tokens")
+        completion = None if record.get("completion_tokens") is None else \
+            _count(record["completion_tokens"], f"{where}, completion_tokens")
+        _per_step(record, "per_step_accepted", counts[0], counts[2], where)
+        _per_step(record, "per_step_drafted", counts[0], counts[1], where)
+        _checked(where, *counts, histogram, record.get("mean_acceptance_length"), record.get("draft_acceptance_rate"))
+    else:
+        counts = [_count(_value(metrics, tag), f"{where}, {tag}")
+                  for tag in ("spec_decode_steps", "spec_decode_draft_tokens", "spec_decode_accepted_draft_tokens")]
+        histogram = k = completion = None
+    percent = _value(metrics, "spec_decode_draft_acceptance_rate")
+    _checked(where, *counts, None, _value(metrics, "spec_decode_acceptance_length"),
+             percent / 100 if isinstance(percent, (int, float)) else None)
+    return Request(*counts, histogram, k, completion)
+
+
+def _has_stats(line: dict) -> bool:
+    metrics = line.get("metrics")
+    return line.get("spec_decode_acceptance") is not None or \
+        (isinstance(metrics, dict) and _value(metrics, "spec_decode_steps") is not None)
+
+
+def _requests(text: str) -> tuple[list[Request], list[str]]:
+    requests, skipped = [], {"warm-up": 0, "failed": 0, "without speculative statistics": 0}
+    for number, raw in enumerate(text.split("\n"), start=1):
+        if not raw.strip():
+            continue
+        where = f"line {number}"
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise ImportFailure(f"{where} is not JSON ({error.msg})") from None
+        if not isinstance(line, dict) or "metrics" not in line:
+            raise ImportFailure(f"{where} is not an AIPerf record (no 'metrics')")
+        metadata = line.get("metadata")
+        if isinstance(metadata, dict) and metadata.get("benchmark_phase") == "warmup":
+            skipped["warm-up"] += 1
+        elif line.get("error"):
+            skipped["failed"] += 1
+        elif not _has_stats(line):
+            skipped["without speculative statistics"] += 1
+        else:
+            requests.append(_request(line, where))
+    return requests, [f"{n} {what}" for what, n in skipped.items() if n]
+
+
+def _from_records(text: str, options: ReadOptions) -> SourceCounts:
+    requests, skipped = _requests(text)
+    if not requests:
+        raise ImportFailure("no request with speculative decoding statistics" +
+                            (f" ({', '.join(skipped)} left out)" if skipped else ""))
+    steps, drafted, accepted = (sum(getattr(r, name) for r in requests) for name in ("steps", "drafted", "accepted"))
+    ks = {r.k for r in requests if r.k is not None}
+    if len(ks) > 1:
+        raise ImportFailure(f"requests drafted with num_spec_tokens {sorted(ks)}: import each run on its own")
+    k = options.k or (ks.pop() if ks else None)
+    notes = [f"aiperf: {len(requests)} request(s) summed: steps = num_spec_steps, drafted = num_draft_tokens, "
+             "accepted = num_accepted_draft_tokens (bonus excluded)" +
+             (f"; left out: {', '.join(skipped)}" if skipped else "")]
+    per_pos = emitted = unverified = None
+    if k is not None and all(r.histogram is not None for r in requests):
+        if any(j > k for r in requests for j in r.histogram):
+            raise ImportFailure(f"a step accepted more than k = {k} draft tokens")
+        per_pos = tuple(map(sum, zip(*(per_position(r.histogram, k) for r in requests))))
+        notes.append("aiperf: accepted_per_pos[i] = steps whose histogram bucket j (exactly j accepted) is above i")
+    if all(r.completion is not None for r in requests):
+        # Per request, the tokens beyond its steps' (first token from the prefill, plain decodes)
+        # are unverified and a shortfall is cut (a step's tokens dropped at a stop).
+        emitted = sum(r.completion for r in requests)
+        unverified = sum(max(0, r.completion - r.steps - r.accepted) for r in requests)
+        notes.append("aiperf: emitted = usage completion_tokens; per request, tokens beyond steps + accepted are "
+                     "unverified (vLLM's first token comes from the prefill) and a shortfall is cut")
+    return SourceCounts(steps, drafted, accepted, per_pos, emitted, unverified, k, notes=tuple(notes))
+
+
+def _from_aggregate(data: dict, options: ReadOptions) -> SourceCounts:
+    missing = [name for name in TOTALS if not isinstance(data.get(name), dict)]
+    if missing:
+        raise ImportFailure(f"an AIPerf aggregate without {', '.join(missing)} (speculative decoding was off)")
+    steps, drafted, accepted = (_count(data[name].get("avg"), f"{name}.avg") for name in TOTALS)
+    histogram = histogram_counts(data[HISTOGRAM], HISTOGRAM) if HISTOGRAM in data else None
+    _checked("aggregate", steps, drafted, accepted, histogram)
+    notes = ["aiperf: aggregate profile_export_aiperf.json: steps, drafted, accepted from total_spec_decode_steps, "
+             "total_draft_tokens, total_accepted_draft_tokens"]
+    per_pos = None
+    if histogram is not None and options.k is not None:
+        if max(histogram, default=0) > options.k:
+            raise ImportFailure(f"--k {options.k}, but a step accepted {max(histogram)} draft tokens")
+        per_pos = per_position(histogram, options.k)
+        notes.append(f"aiperf: accepted_per_pos from {HISTOGRAM} (bucket j: steps accepting exactly j)")
+    return SourceCounts(steps, drafted, accepted, per_pos, k=options.k, notes=tuple(notes))
+
+
+def read_aiperf(text: str, options: ReadOptions) -> SourceCounts:
+    # Leading '#' lines are skipped, so a saved export can say where it came from.
+    text = "\n".join("" if line.startswith("#") else line for line in text.split("\n"))
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = None  # JSON Lines: one record per line
+    if isinstance(data, dict) and "metrics" not in data:
+        return _from_aggregate(data, options)
+    return _from_records(text, options)

@@ -1,0 +1,279 @@
+"""Pairs: a target and a drafter, named per runtime format by a TOML manifest.
+
+A manifest (models/pairs/*.toml) gives, for each role, one path per model format:
+`gguf` (llama.cpp), `hf` (a transformers folder), `exl3` (an exllamav3 folder). Relative
+paths are relative to the manifest. An empty string marks a path left for the user to fill.
+
+Before any run, the vocabularies of the two files a runtime will load must be compatible:
+speculative decoding compares token ids, so the drafter's id i must mean the target's id i.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import mmap
+import os
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+
+from crossrt.errors import CrossrtError
+from crossrt.inputs.gguf_file import read_layout
+from crossrt.records.schema import ModelInfo, PairInfo
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+FORMATS = ("gguf", "hf", "exl3")
+ROLES = ("target", "drafter")
+# As llama.cpp's own check (common/speculative.cpp): vocabularies may differ in size by a few
+# padding tokens, and the first few ids (special tokens in many vocabularies) are not compared.
+MAX_VOCAB_SIZE_DIFFERENCE = 128
+FIRST_COMPARED_TOKEN = 5
+
+
+class PairError(CrossrtError, ValueError):
+    """A manifest, model file or vocabulary problem, with a message meant for the user."""
+
+
+@dataclass(frozen=True)
+class Pair:
+    name: str
+    files: dict[str, dict[str, str]]  # role -> format -> path ("" = not filled in)
+    description: str = ""
+    defaults: dict[str, object] = field(default_factory=dict)  # e.g. k, spec_type
+    source: Optional[Path] = None
+
+    def path(self, role: str, model_format: Union[str, Sequence[str]]) -> Path:
+        """The file of role for a runtime loading model_format, checked to exist. Given several
+        formats (a runtime's, in its order of preference), the first one filled in for role."""
+        where = f"pair {self.name!r}" + (f" ({self.source})" if self.source else "")
+        formats = (model_format,) if isinstance(model_format, str) else tuple(model_format)
+        named = self.files.get(role, {})
+        model_format = next((fmt for fmt in formats if named.get(fmt)), None)
+        if model_format is None:
+            empty = [fmt for fmt in formats if fmt in named]
+            if empty:
+                raise PairError(f"{where}: the {role}'s {' and '.join(empty)} path is left empty; "
+                                "fill it in with the path of your copy")
+            raise PairError(f"{where} names no {' or '.join(formats)} file for the {role}")
+        value = named[model_format]
+        path = Path(value).expanduser()
+        if not path.is_absolute() and self.source is not None:
+            path = self.source.parent / path
+        if not path.exists():
+            raise PairError(f"{where}: {role} {model_format} file not found: {path}")
+        return path
+
+
+REPO_PAIRS = Path(__file__).resolve().parents[2] / "models" / "pairs"
+
+
+def manifest_path(name: str) -> Path:
+    """The manifest a --pair names: a path, else a name under models/pairs (tiny)."""
+    path = Path(name)
+    if not path.exists() and (REPO_PAIRS / f"{name}.toml").is_file():
+        return REPO_PAIRS / f"{name}.toml"
+    return path
+
+
+def load_pair(manifest: Path) -> Pair:
+    manifest = Path(manifest)
+    if not manifest.is_file():
+        raise PairError(f"pair manifest not found: {manifest}")
+    try:
+        data = tomllib.loads(manifest.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise PairError(f"{manifest} is not valid TOML: {error}") from None
+    files = {}
+    for role in ROLES:
+        entry = data.get(role)
+        if not isinstance(entry, dict):
+            raise PairError(f"{manifest} has no [{role}] table")
+        unknown = set(entry) - set(FORMATS)
+        if unknown:
+            raise PairError(f"{manifest} [{role}]: unknown keys {sorted(unknown)}; formats are {FORMATS}")
+        files[role] = {fmt: str(path) for fmt, path in entry.items()}
+    return Pair(name=str(data.get("name", manifest.stem)), files=files,
+                description=str(data.get("description", "")),
+                defaults=dict(data.get("defaults", {})), source=manifest.resolve())
+
+
+def pair_from_paths(target: Path, drafter: Path) -> Pair:
+    """An ad-hoc pair from two model paths, their format told by their shape."""
+    files = {role: {model_format(Path(path)): str(Path(path).resolve())}
+             for role, path in (("target", target), ("drafter", drafter))}
+    return Pair(name=f"{Path(target).name}+{Path(drafter).name}", files=files)
+
+
+def model_format(path: Path) -> str:
+    if path.suffix == ".gguf":
+        return "gguf"
+    if (path / "config.json").is_file():
+        config = json.loads((path / "config.json").read_text())
+        return "exl3" if config.get("quantization_config", {}).get("quant_method") == "exl3" else "hf"
+    raise PairError(f"cannot tell the format of {path}: expected a .gguf file or a folder with config.json")
+
+
+# ---- vocabularies -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Vocabulary:
+    model: str  # tokenizer model, e.g. "gpt2" (byte-level BPE)
+    tokens: tuple[str, ...]
+    bos_id: Optional[int]
+    eos_id: Optional[int]
+
+    @property
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256(json.dumps([self.model, self.tokens, self.bos_id, self.eos_id]).encode())
+        return digest.hexdigest()[:16]
+
+
+def gguf_metadata(path: Path) -> dict[str, object]:
+    """The GGUF key/value metadata of path (scalars, strings and arrays as lists), without tensors
+    (crossrt.inputs.gguf_file: ~0.3 s for a 262,144-token vocabulary, where gguf-py's reader takes ~20).
+    Read once per version of the file in a process: a run asks for the vocabulary, the
+    quantization and the chat template in turn."""
+    try:
+        stat = os.stat(path)
+    except OSError as error:
+        raise PairError(f"{path} is not a readable GGUF file ({error.strerror or error})") from None
+    return dict(_gguf_metadata(str(path), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_metadata(path: str, size: int, mtime_ns: int) -> dict[str, object]:
+    try:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return {key: field.value for key, field in read_layout(data, tensors=False).fields.items()}
+    except (OSError, ValueError, struct.error) as error:  # UnicodeDecodeError is a ValueError
+        raise PairError(f"{path} is not a readable GGUF file ({error}): it is damaged or truncated; "
+                        "copy or convert it again") from None
+
+
+def read_vocabulary(path: Path) -> Vocabulary:
+    if path.suffix == ".gguf":
+        meta = gguf_metadata(path)
+        return Vocabulary(str(meta.get("tokenizer.ggml.model", "")), tuple(meta.get("tokenizer.ggml.tokens", ())),
+                          meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"))
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise PairError(f"{path} has no tokenizer.json to read the vocabulary from")
+    tokenizer = json.loads(tokenizer_file.read_text())
+    vocab = dict(tokenizer["model"]["vocab"])
+    vocab.update({t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])})
+    tokens = [""] * (max(vocab.values()) + 1)
+    for text, token_id in vocab.items():
+        tokens[token_id] = text
+    config = json.loads((path / "config.json").read_text())
+    model = {"BPE": "gpt2"}.get(tokenizer["model"]["type"], tokenizer["model"]["type"])
+    return Vocabulary(model, tuple(tokens), config.get("bos_token_id"), config.get("eos_token_id"))
+
+
+def check_compatible(target: Vocabulary, drafter: Vocabulary) -> None:
+    """Raise PairError saying how the vocabularies differ, when a drafter's token ids would
+    not mean the same text as the target's."""
+    problems = []
+    if target.model != drafter.model:
+        problems.append(f"tokenizer models differ: target {target.model!r}, drafter {drafter.model!r}")
+    if (target.bos_id, target.eos_id) != (drafter.bos_id, drafter.eos_id):
+        problems.append(f"special ids differ: target bos/eos {target.bos_id}/{target.eos_id}, "
+                        f"drafter {drafter.bos_id}/{drafter.eos_id}")
+    size_gap = abs(len(target.tokens) - len(drafter.tokens))
+    if size_gap > MAX_VOCAB_SIZE_DIFFERENCE:
+        problems.append(f"vocabulary sizes differ by {size_gap} (target {len(target.tokens)}, "
+                        f"drafter {len(drafter.tokens)}; at most {MAX_VOCAB_SIZE_DIFFERENCE} allowed)")
+    common = min(len(target.tokens), len(drafter.tokens))
+    mismatched = [i for i in range(FIRST_COMPARED_TOKEN, common) if target.tokens[i] != drafter.tokens[i]]
+    if mismatched:
+        first = mismatched[0]
+        problems.append(f"{len(mismatched)} of {common} token texts differ, first at id {first}: "
+                        f"target {target.tokens[first]!r}, drafter {drafter.tokens[first]!r}")
+    if problems:
+        raise PairError("incompatible vocabularies, the drafter cannot draft for this target: "
+                        + "; ".join(problems))
+
+
+# ---- fingerprints -------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    """crossrt's cache folder (file digests, models converted for a runtime): $CROSSRT_CACHE,
+    else crossrt/ in the user's cache folder."""
+    if os.environ.get("CROSSRT_CACHE"):
+        return Path(os.environ["CROSSRT_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "crossrt"
+
+
+def _file_sha256(path: Path, cache: dict[str, str]) -> str:
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    if key not in cache:
+        digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        cache[key] = digest.hexdigest()
+    return cache[key]
+
+
+def sha256_of(path: Path) -> str:
+    """sha256 of a file, or of a folder's files (names and contents, in name order).
+
+    Multi-gigabyte models take a while to hash, so digests are cached by path, size and
+    modification time in crossrt's cache folder (cache_dir).
+    """
+    cache_file = cache_dir() / "sha256.json"
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if path.is_dir():
+        digest = hashlib.sha256()
+        for file in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest.update(f"{file.relative_to(path)}\0{_file_sha256(file, cache)}\n".encode())
+        result = digest.hexdigest()
+    else:
+        result = _file_sha256(path, cache)
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        cache_file.write_text(json.dumps(cache))
+    except OSError:
+        pass  # a read-only home only costs re-hashing next time
+    return result
+
+
+def quantization_of(path: Path) -> str:
+    if path.suffix == ".gguf":
+        from gguf import LlamaFileType
+
+        file_type = gguf_metadata(path).get("general.file_type")
+        if file_type is None:
+            return "unknown"
+        return LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    config = json.loads((path / "config.json").read_text())
+    quant = config.get("quantization_config")
+    if quant:
+        return f"{quant.get('quant_method', 'quantized')} {quant.get('bits', '')}".strip()
+    return str(config.get("torch_dtype") or config.get("dtype") or "unknown")
+
+
+def model_info(path: Path, vocabulary: Vocabulary) -> ModelInfo:
+    return ModelInfo(path=str(path), sha256=sha256_of(path), format=model_format(path),
+                     quantization=quantization_of(path), vocab_fingerprint=vocabulary.fingerprint,
+                     n_vocab=len(vocabulary.tokens))
+
+
+def pair_info(pair: Pair, model_format_name: str) -> PairInfo:
+    """Check the pair's files for one format and describe them for the record."""
+    paths = {role: pair.path(role, model_format_name) for role in ROLES}
+    vocabularies = {role: read_vocabulary(paths[role]) for role in ROLES}
+    check_compatible(vocabularies["target"], vocabularies["drafter"])
+    return PairInfo(name=pair.name, **{role: model_info(paths[role], vocabularies[role]) for role in ROLES})

@@ -1,0 +1,201 @@
+"""The run record's JSON form (crossrt/records/schema.py holds the record itself): encoding with the
+derived blocks written for readers (jq, spreadsheets), decoding into the dataclasses,
+validation against data/run-record.schema.json on write and on read (derived blocks must match
+a recomputation), and the record file on disk. A run in progress appends each finished prompt
+to a journal beside its record (crossrt/records/journal.py), validated alone; load_record folds it in
+(docs/design.md, "Records on disk").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any, Optional
+
+import jsonschema
+
+from crossrt.records.journal import journal_path, read_with_journal, write_atomically
+from crossrt.records.schema import SCHEMA_RESOURCE, SCHEMA_VERSION, PromptResult, RecordError, RunRecord, ratio
+
+def _derived_of_result(result: PromptResult) -> dict[str, Any]:
+    counters = result.counters
+    return {
+        "lossless": result.lossless,
+        "tau": counters.tau if counters else None,
+        "alpha": counters.alpha if counters else None,
+        "tokens_per_s": result.tokens_per_s,
+        "baseline_tokens_per_s": result.baseline_tokens_per_s,
+        "speedup": ratio(result.tokens_per_s, result.baseline_tokens_per_s)
+        if result.ok and result.baseline_tokens_per_s else None,
+    }
+
+
+def record_to_json(record: RunRecord) -> dict[str, Any]:
+    data = dataclasses.asdict(record)
+    for result_data, result in zip(data["results"], record.results, strict=True):
+        result_data["derived"] = _derived_of_result(result)
+    data["summary"] = {
+        "overall": dataclasses.asdict(record.summary()),
+        "by_category": {c: dataclasses.asdict(record.summary(c)) for c in record.categories()},
+    }
+    if record.trace is None:
+        del data["trace"]  # optional: an untraced record reads as before traces existed
+    if record.imported is None:
+        del data["imported"]  # optional: a record crossrt ran reads as before imports existed
+    if record.prompt_format is None:
+        del data["prompt_format"]  # optional: raw prompts read as before chat templates existed
+    if record.runtime.dtype is None:
+        del data["runtime"]["dtype"]  # optional: a llama.cpp record reads as before dtypes existed
+    for result_data in data["results"]:  # optional too: absent reads as None
+        for name in ("output_view", "baseline_view", "unfit_counts", "prompt_sha256", "template_ids",
+                     "baseline_source"):
+            if result_data[name] is None:
+                del result_data[name]
+        for view in (result_data.get("output_view"), result_data.get("baseline_view")):
+            for name in ("close_ids", "close_gaps"):  # optional: absent in records before them
+                if view is not None and view[name] is None:
+                    del view[name]
+    return json.loads(json.dumps(data))  # plain JSON types: tuples become lists
+
+
+def _decode(kind: Any, value: Any) -> Any:
+    """Build a typed value (dataclass, tuple, Optional) from its plain JSON form."""
+    origin = typing.get_origin(kind)
+    if value is None:
+        return None
+    if origin is typing.Union:
+        inner = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        return _decode(inner[0], value)
+    if origin is tuple:
+        return tuple(_decode(typing.get_args(kind)[0], item) for item in value)
+    if dataclasses.is_dataclass(kind):
+        hints = typing.get_type_hints(kind)
+        return kind(**{f.name: _decode(hints[f.name], value[f.name])
+                       for f in dataclasses.fields(kind) if f.name in value})
+    return value
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    return a == b
+
+
+def _check_derived(written: dict[str, Any], recomputed: dict[str, Any], where: str) -> None:
+    for name, value in recomputed.items():
+        if not _close(written.get(name), value):
+            raise RecordError(f"{where}: {name} is {written.get(name)!r} but the counters give {value!r}")
+
+
+@lru_cache(maxsize=1)
+def json_schema() -> dict[str, Any]:
+    text = resources.files("crossrt").joinpath("data", SCHEMA_RESOURCE).read_text()
+    return json.loads(text)
+
+
+def validate_json(data: Any) -> None:
+    """Raise RecordError naming the first place where data breaks the JSON Schema."""
+    validator = jsonschema.Draft202012Validator(json_schema())
+    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
+        raise RecordError(f"record does not follow schema v{SCHEMA_VERSION} at {where}: {error.message}")
+
+
+def record_from_json(data: Any) -> RunRecord:
+    version = data.get("schema_version") if isinstance(data, dict) else None
+    if isinstance(version, int) and version > SCHEMA_VERSION:  # first: the schema would only call it invalid
+        raise RecordError(f"written by a newer crossrt (schema {version}; this one reads {SCHEMA_VERSION}): "
+                          "upgrade crossrt to read it")
+    validate_json(data)
+    record = _decode(RunRecord, data)
+    seen: set[str] = set()
+    for result in record.results:
+        if result.prompt_id in seen:  # a record holds one result per prompt; readers key on the id
+            raise RecordError(f"prompt_id {result.prompt_id!r} appears twice in results")
+        seen.add(result.prompt_id)
+    check_counters(record)
+    for result_data, result in zip(data["results"], record.results, strict=True):
+        _check_derived(result_data["derived"], _derived_of_result(result), f"result {result.prompt_id}")
+    _check_derived(data["summary"]["overall"], dataclasses.asdict(record.summary()), "summary")
+    return record
+
+
+def check_counters(record: RunRecord) -> None:
+    """Raise RecordError when a finished prompt's counters break the identities."""
+    for result in record.results:
+        if result.ok:
+            problems = result.counters.identity_violations(record.params.k)
+            if problems:
+                raise RecordError(f"result {result.prompt_id}: " + "; ".join(problems))
+
+
+def save_record(record: RunRecord, path: Path) -> bytes:
+    """Validate, then write atomically, so an interrupted run never leaves half a file.
+    Returns the bytes written (a journal started beside them names their digest)."""
+    check_counters(record)
+    data = record_to_json(record)
+    validate_json(data)
+    written = (json.dumps(data, indent=1) + "\n").encode()
+    write_atomically(Path(path), written)
+    return written
+
+
+def result_entry(record: RunRecord, result: PromptResult) -> str:
+    """result as one journal line of record, validated alone: the schema as it applies to a
+    record holding just this result (record's runtime, pair and params; constant work
+    whatever record holds), and the counter identities."""
+    alone = dataclasses.replace(record, results=(result,))
+    check_counters(alone)
+    data = record_to_json(alone)
+    validate_json(data)
+    return json.dumps(data["results"][0], separators=(",", ":"))
+
+
+def _result_from_entry(line: str, record_data: dict[str, Any], record: RunRecord, where: str) -> PromptResult:
+    """A journal line checked as result_entry wrote it: schema, counter identities, derived."""
+    try:
+        entry = json.loads(line)
+    except (ValueError, RecursionError) as error:  # also: a number too long to convert, nesting too deep
+        raise RecordError(f"{where} is not JSON: {error}") from None
+    try:
+        validate_json({**record_data, "results": [entry]})
+        result = _decode(PromptResult, entry)
+        check_counters(dataclasses.replace(record, results=(result,)))
+        _check_derived(entry["derived"], _derived_of_result(result), f"result {result.prompt_id}")
+    except RecordError as error:
+        raise RecordError(f"{where}: {error}") from None
+    return result
+
+
+# What makes a damaged record anew, for the commands that read records without writing them
+# (show, parity, report...): they have no --overwrite of their own, so the hint names who has.
+REMAKE = "write it again with the `crossrt run` or `crossrt import` that made it, passing --overwrite"
+
+
+def load_record(path: Path, remake: Optional[str] = REMAKE) -> RunRecord:
+    """The record at path, validated whole, with the prompts its journal holds (a run in
+    progress, or one killed) folded in, each validated alone; a torn last line is left out.
+    remake: what the reading command's user does to make a damaged record anew (None: no hint)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecordError(f"no run record at {path}")
+    text, entries = read_with_journal(path)
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, nested too deep (a damaged file)
+        raise RecordError(f"{path} is not JSON: {error} (a damaged record{f': {remake}' if remake else ''})") \
+            from None
+    try:
+        record = record_from_json(data)
+    except RecordError as error:
+        raise RecordError(f"{path}: {error}") from None
+    where = journal_path(path)
+    # Line 1 of a journal is its header, so entries start at line 2.
+    return record.with_results(_result_from_entry(line, data, record, f"{where} line {number}")
+                               for number, line in enumerate(entries, start=2))

@@ -1,0 +1,315 @@
+"""The parity of a report's runs, on its page (`crossrt report` with two or more records, and
+`crossrt parity --html`; docs/report.md).
+
+The verdicts are crossrt/compare/parity.py's and crossrt/compare/diagnosis.py's, computed as `crossrt parity`
+computes them; this module only shows them: per pair of runs the headline (identical, explained
+by cause, failed), then one section per split with everything a person needs to tell a near-tie
+from a bug without reading JSON: the text up to the split, the two emitted tokens decoded, the
+gap each side's pass put between them and the pass shapes, the verdict (flip against threshold),
+the candidates each pass recorded near its choice, and the two continuations side by side.
+
+A split is shown once, however many comparisons hold it (a run's lossless failure is a link of
+each of its cross-run comparisons too), and names them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from crossrt.compare.diagnosis import Side, Split, first_divergence, pass_shape
+from crossrt.run.numerics import CLOSE_MAX, CLOSE_WINDOW
+from crossrt.compare.parity import OWN_BASELINE, PromptParity, compare_all
+from crossrt.compare.parity_report import ParityReport, headlines
+from crossrt.compare.replay import Replayer
+from crossrt.report.build import record_sections, report_run
+from crossrt.report.page import Section, Table, page, to_html
+from crossrt.report.steps import Vocab, load_vocab, token_texts
+from crossrt.records.schema import PassView, PromptResult, RunRecord
+
+if TYPE_CHECKING:
+    from crossrt.compare.diagnosis import Replay
+    from crossrt.report.build import ReportRun
+
+CONTEXT_TOKENS = 12  # tokens of text shown before a split
+CONTINUATION_TOKENS = 16  # tokens of each side shown from a split on
+_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\\": "\\\\"}
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """What a split parts: the tokens both sides share before it, each side's tokens from it on,
+    and the pass views that chose them (None where the run recorded none)."""
+
+    prefix: tuple[int, ...]
+    sides: tuple[tuple[str, tuple[int, ...]], ...]  # (side, its tokens from the split on)
+    views: tuple[Optional[PassView], ...]  # per side, the view whose row index chose its token
+
+
+@dataclass(frozen=True)
+class ShownSplit:
+    split: Split
+    record: Optional[RunRecord]  # whose vocabulary decodes the tokens (None: a saved baseline not on the page)
+    sequences: Optional[Sequences]  # None: the split has no token sequences (a tokenization note)
+    comparisons: tuple[str, ...]  # "A vs B" for every comparison that holds the split
+    failed: bool
+
+
+def visible(text: str) -> str:
+    """Token text on one line: line breaks, tabs and control characters as escapes."""
+    return "".join(_ESCAPES.get(c, f"\\x{ord(c):02x}" if ord(c) < 32 or c in "\x7f\ufffe\uffff" else c)
+                   for c in text)
+
+
+def compare_runs(runs: Sequence[tuple[str, RunRecord]], replay: Optional["Replay"]) -> tuple[ParityReport, list[str]]:
+    """compare_all over the runs whose token ids can be compared (one vocabulary), and notes on
+    the runs left out. Runs naming no model files (imports) join the first vocabulary."""
+    groups: dict[Optional[str], list[tuple[str, RunRecord]]] = {}
+    for label, record in runs:
+        target = record.pair.target
+        groups.setdefault(target.vocab_fingerprint if target else None, []).append((label, record))
+    unnamed = groups.pop(None, [])
+    if groups:
+        next(iter(groups.values())).extend(unnamed)
+    else:
+        groups[None] = unnamed
+    comparisons, notes = [], []
+    for group in groups.values():
+        comparisons += compare_all(group, replay=replay)
+    if len(groups) > 1:
+        notes.append("runs of different vocabularies are not compared (their token ids mean different text): "
+                     + "; ".join(", ".join(label for label, _ in group) for group in groups.values()))
+    return ParityReport(tuple(comparisons)), notes
+
+
+def _results(runs: dict[str, RunRecord], label: str, prompt_id: str) -> Optional[PromptResult]:
+    record = runs.get(label)
+    return next((r for r in record.results if r.prompt_id == prompt_id), None) if record else None
+
+
+def _lossless(label: str, result: PromptResult, index: int) -> Sequences:
+    out, base = result.output_ids, result.baseline_ids
+    return Sequences(tuple(result.prompt_ids) + tuple(out[:index]),
+                     ((f"{label} speculative", tuple(out[index:])), (f"{label} baseline", tuple(base[index:]))),
+                     (result.output_view, result.baseline_view))
+
+
+def _placed(comparison: PromptParity, runs: dict[str, RunRecord]) -> list[tuple[RunRecord, Optional[Sequences]]]:
+    """Per split of the comparison, in order, the record that decodes it and what it parts. The
+    splits come as crossrt/compare/parity.py makes them: a lossless check holds the run's own lossless
+    failure then its template split; two runs whose outputs part hold the links output A -
+    baseline A - baseline B - output B that split; two whose outputs agree, their counters'."""
+    a, b = comparison.run_a, comparison.run_b
+    result_a, record_a = _results(runs, a, comparison.prompt_id), runs.get(a)
+    if result_a is None:
+        return []
+    placed = []
+    if b == OWN_BASELINE:
+        if result_a.ok and result_a.lossless is False:
+            placed.append((record_a, _lossless(a, result_a, first_divergence(result_a.output_ids,
+                                                                             result_a.baseline_ids))))
+        if result_a.template_ids is not None:
+            at = first_divergence(result_a.template_ids, result_a.prompt_ids) or 0
+            placed.append((record_a, Sequences(tuple(result_a.prompt_ids[:at]), (
+                (f"{a}'s own rendering", tuple(result_a.template_ids[at:])),
+                ("crossrt's rendering", tuple(result_a.prompt_ids[at:]))), (None, None))))
+        return placed
+    result_b = _results(runs, b, comparison.prompt_id)
+    if result_b is None:
+        return []
+    if comparison.divergence is None:
+        index = comparison.splits[0].index if comparison.splits else None
+        prefix = tuple(result_a.prompt_ids) + tuple(result_a.output_ids[:index or 0])
+        return [(record_a, Sequences(prefix, (), ()) if index is not None else None)] * len(comparison.splits)
+    for label, result in ((a, result_a), (b, result_b)):
+        if result.lossless is False:
+            placed.append((runs[label], _lossless(label, result, first_divergence(result.output_ids,
+                                                                                  result.baseline_ids))))
+        at = first_divergence(result_a.baseline_ids, result_b.baseline_ids) if label == a else None
+        if at is not None:
+            placed.append((record_a, Sequences(
+                tuple(result_a.prompt_ids) + tuple(result_a.baseline_ids[:at]),
+                ((f"{a} baseline", tuple(result_a.baseline_ids[at:])),
+                 (f"{b} baseline", tuple(result_b.baseline_ids[at:]))),
+                (result_a.baseline_view, result_b.baseline_view))))
+    return placed
+
+
+def shown_splits(report: ParityReport, runs: Sequence[tuple[str, RunRecord]], strict: bool = False) -> list[ShownSplit]:
+    """Every split of the report once, with the comparisons that hold it. A split fails unless it
+    is numerics (a near-tie), and numerics fail too under --strict, as crossrt parity counts."""
+    by_label = dict(runs)
+    # One split seen again with the same tokens around it (a lossless failure in each of its run's
+    # comparisons) is one finding; the same verdict on other tokens is another.
+    found: dict[tuple[Split, Optional[Sequences]], ShownSplit] = {}
+    for comparison in report.comparisons:
+        placed = _placed(comparison, by_label)
+        if len(placed) != len(comparison.splits):  # splits this module cannot place: shown without their text
+            placed = [(by_label.get(comparison.run_b, by_label.get(comparison.run_a)), None)] * len(comparison.splits)
+        name = f"{comparison.run_a} vs {comparison.run_b}"
+        for split, (record, sequences) in zip(comparison.splits, placed):
+            known = found.get((split, sequences))
+            if known is None:
+                found[split, sequences] = ShownSplit(split, record, sequences, (name,), strict or not split.numerics)
+            elif name not in known.comparisons:
+                found[split, sequences] = ShownSplit(split, known.record, known.sequences,
+                                                     known.comparisons + (name,), known.failed)
+    return list(found.values())
+
+
+def _texts(vocab: Optional[Vocab], ids: Sequence[int]) -> list[str]:
+    return token_texts(vocab, ids) if vocab is not None else [f"[{i}]" for i in ids]
+
+
+def _token(vocab: Optional[Vocab], token: int) -> str:
+    return f'{token} "{visible(_texts(vocab, [token])[0])}"' if vocab is not None else str(token)
+
+
+def _verdict(shown: ShownSplit) -> Table:
+    split, status = shown.split, "FAIL" if shown.failed else "NOTE"
+    verdict = split.verdict
+    if verdict is None:
+        row = (f"{status}: {split.kind}", split.detail, "-", "", "-")
+    else:
+        bound = "at least " if any(gap.at_least for gap in verdict.gaps) else ""
+        word = "near-tie: numerics" if verdict.near else "beyond numerics"
+        row = (f"{status}: {split.kind} ({word})", verdict.threshold_reason, f"{bound}{verdict.flip:.3g}",
+               "<=" if verdict.near else ">", f"{verdict.threshold:g}")
+    return Table(("verdict", "threshold for", "flip (logits)", "", "threshold"), (row,), 2,
+                 "verdict: the two gaps summed (the flip) against the near-tie threshold of what is compared")
+
+
+def _sides(vocab: Optional[Vocab], sides: Sequence[Side]) -> Table:
+    rows = tuple((side.label, _token(vocab, side.token), pass_shape(side.pass_tokens) if side.pass_tokens else "-",
+                  _token(vocab, side.other),
+                  side.gap.describe() if side.gap is not None else "no pass recorded or re-scored") for side in sides)
+    return Table(("side", "emitted", "in", "the other side's token", "its place in this side's pass"), rows, 5,
+                 "the two emitted tokens, and how far each side's pass put the other's below its own")
+
+
+def _candidates(vocab: Optional[Vocab], split: Split, sequences: Sequences) -> Optional[Table]:
+    """The candidates each side's recorded pass held near its choice at the split."""
+    rows, index = [], split.index
+    others = [tokens[0] if tokens else None for _, tokens in reversed(sequences.sides)]
+    for (label, tokens), view, other in zip(sequences.sides, sequences.views, others):
+        if view is None or not tokens or index is None or index >= len(view.margins):
+            continue
+        if view.close_ids is not None:
+            near = list(zip(view.close_ids[index], view.close_gaps[index]))
+        else:  # records written before close candidates: the runner-up alone
+            near = [(view.runner_up[index], view.margins[index])]
+        for rank, (token, gap) in enumerate([(tokens[0], 0.0), *near], start=1):
+            role = "emitted" if rank == 1 else "the other side's token" if token == other else ""
+            rows.append((label, _token(vocab, token), role, str(rank), f"{gap:.4g}"))
+        if other is not None and other != tokens[0] and other not in [t for t, _ in near]:
+            rows.append((label, _token(vocab, other), "the other side's token", "-",
+                         f"more than {CLOSE_WINDOW:g} (outside the recorded window)"))
+    if not rows:
+        return None
+    return Table(("pass of", "candidate", "", "rank", "logits below the choice"), tuple(rows), 3,
+                 f"candidates near each side's choice, as its pass recorded them (within {CLOSE_WINDOW:g} logits, "
+                 f"at most {CLOSE_MAX})")
+
+
+def _continuations(vocab: Optional[Vocab], sequences: Sequences) -> Table:
+    texts = [_texts(vocab, sequences.prefix + tokens)[len(sequences.prefix):] for _, tokens in sequences.sides]
+    start = len(sequences.prefix)
+    longest = min(CONTINUATION_TOKENS, max(len(tokens) for _, tokens in sequences.sides))
+    rows = []
+    for offset in range(longest):
+        cells = [f'{tokens[offset]} "{visible(text[offset])}"' if offset < len(tokens) else "(ended)"
+                 for (_, tokens), text in zip(sequences.sides, texts)]
+        rows.append((str(offset), *cells))
+    joined = (("text", *(visible("".join(text[:CONTINUATION_TOKENS])) for text in texts)),)
+    return Table(("from the split", *(label for label, _ in sequences.sides)), tuple(rows) + joined,
+                 1 + len(sequences.sides),
+                 f"the two continuations side by side from the split on (first {CONTINUATION_TOKENS} tokens; "
+                 f"sequence position {start} onward)")
+
+
+def split_section(number: int, shown: ShownSplit) -> Section:
+    split, sequences = shown.split, shown.sequences
+    vocab, problem = load_vocab(shown.record) if shown.record else (None, "its runs are not on this page")
+    status = "FAIL" if shown.failed else "NOTE"
+    where = f" at token {split.index}" if split.index is not None else ""
+    tables = [_verdict(shown)]
+    if sequences is not None:
+        before = _texts(vocab, sequences.prefix)[-CONTEXT_TOKENS:]
+        tables.append(Table(("text before the split", "its last tokens"),
+                            ((visible("".join(before)), " ".join(str(t) for t in sequences.prefix[-CONTEXT_TOKENS:])),),
+                            2, f"the last {CONTEXT_TOKENS} tokens both sides share (prompt and output)"))
+    if split.sides:
+        tables.append(_sides(vocab, split.sides))
+    if sequences is not None:
+        candidates = _candidates(vocab, split, sequences)
+        if candidates is not None:
+            tables.append(candidates)
+        if sequences.sides:
+            tables.append(_continuations(vocab, sequences))
+    notes = [f"in: {', '.join(shown.comparisons)}"]
+    if vocab is None:
+        notes.append(f"no token text: {problem}")
+    if sequences is not None and sequences.sides and not any(sequences.views):
+        notes.append("no pass views in these records (native runs): the gaps above come from a driven twin or a "
+                     "re-score, and no candidates were recorded")
+    return Section(f"split-{number}", f"{status} split {number}: {split.prompt_id}, {split.kind}{where}",
+                   f"{status}: {split.kind}: {split.detail}", None, tuple(tables), tuple(notes),
+                   mark="fail" if shown.failed else "note")
+
+
+def parity_sections(runs: Sequence[tuple[str, RunRecord]], report: ParityReport, rescored: bool,
+                    notes: Sequence[str] = (), strict: bool = False) -> list[Section]:
+    """The parity overview (the verdict per pair of runs, an index of the splits, the failures no
+    split shows) and one section per split."""
+    shown = shown_splits(report, runs, strict)
+    verdicts = tuple((run_a, run_b, counting, str(h.prompts), str(h.identical),
+                      f"{h.explained_prompts}" + (f" ({h.by_cause()})" if h.explained else ""), str(h.failed))
+                     for run_a, run_b, h, counting in headlines(report))
+    index = tuple((f"split-{n}", "FAIL" if s.failed else "NOTE", s.split.prompt_id, s.split.kind,
+                   "; ".join(s.comparisons), s.split.verdict.describe() if s.split.verdict else "-",
+                   "-" if s.split.index is None else str(s.split.index)) for n, s in enumerate(shown, start=1))
+    tables = [Table(("run A", "run B", "counters", "prompts", "identical", "explained (by cause)", "failed"),
+                    verdicts, 3, "verdicts per pair of runs (run B `its baseline`: the run's own lossless check)")]
+    if index:
+        tables.append(Table(("section", "status", "prompt", "kind", "in", "verdict", "token"), index, 6,
+                            "every split, once (FAIL: a finding; NOTE: numerics, explained)"))
+    split_failures = {(c.run_a, c.run_b, c.prompt_id) for c in report.comparisons if c.splits}
+    unshown = [f"FAIL {c.run_a} vs {c.run_b}, {c.prompt_id}: {'; '.join(c.problems)}"
+               for c in report.comparisons if not c.ok and (c.run_a, c.run_b, c.prompt_id) not in split_failures]
+    unshown += [f"FAIL {line}" for line in report.failures()[sum(not c.ok for c in report.comparisons):]]
+    how = ("Native runs' splits without a driven twin were re-scored in-process in their schedule's pass shapes "
+           "(crossrt/compare/replay.py)." if rescored else
+           "Re-scoring was off (--no-rescore): a native run's split without a driven twin stays unexplained.")
+    overview = Section("parity", "Parity: where the runs part, and why",
+                       "Each run against its own plain greedy baseline, then every pair of runs, prompt by prompt, "
+                       "as `crossrt parity` compares them (docs/parity.md). A split is numerics (NOTE) when the two "
+                       "emitted tokens lie within the near-tie threshold of what is compared in both sides' passes; "
+                       f"anything else is a finding (FAIL). {how}", None, tuple(tables),
+                       (*notes, *unshown, *(() if shown else ("no split: the runs agree token for token",))))
+    return [overview, *(split_section(n, s) for n, s in enumerate(shown, start=1))]
+
+
+def report_parity(runs: Sequence["ReportRun"], rescore: bool = True) -> list[Section]:
+    """`crossrt report`'s parity sections over its runs, labelled as the page labels them;
+    none for a single run (its lossless failures are in the runs section's notes)."""
+    if len(runs) < 2:
+        return []
+    labelled = [(run.label, run.record) for run in runs]
+    with Replayer() as replay:
+        report, notes = compare_runs(labelled, replay if rescore else None)
+    return parity_sections(labelled, report, rescore, notes)
+
+
+def with_parity(of_records: Sequence[Section], parity: Sequence[Section]) -> list[Section]:
+    """The parity sections after the runs section, which names the runs they compare."""
+    return [*of_records[:1], *parity, *of_records[1:]]
+
+
+def parity_html(runs: Sequence[tuple[str, RunRecord]], report: ParityReport, paths: Sequence[Optional[Path]],
+                rescored: bool, strict: bool, title: str = "crossrt parity") -> str:
+    """`crossrt parity --html`: the report page of the runs parity compared, with its verdicts."""
+    report_runs = [report_run(label, path, record, index)
+                   for index, ((label, record), path) in enumerate(zip(runs, paths, strict=True))]
+    sections = parity_sections(runs, report, rescored, strict=strict)
+    return to_html(page(title, with_parity(record_sections(report_runs), sections)))

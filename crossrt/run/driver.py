@@ -1,0 +1,240 @@
+"""Runs a pair over prompts on one runtime: baseline, speculative run, every finished prompt
+kept on disk at once (crossrt/run/run_writer.py: so an interrupted run keeps what finished), and
+resume. With RunRequest.trace, driven runs also keep per-token traces beside the record
+(crossrt/records/trace.py), kept with it after every prompt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+from crossrt.run import loop
+from crossrt.run.baselines import BaselineStore, RunBaselines, run_key
+from crossrt.inputs.chat_template import ChatRendering, with_template_ids
+from crossrt.errors import PromptRefused, SettingsError
+from crossrt.records.journal import storage_error
+from crossrt.inputs.pairs import ROLES, Pair, pair_info
+from crossrt.inputs.prompts import Prompt
+from crossrt.run.resume import check_prompts, prompt_sha256, starting_record
+from crossrt.run.run_writer import RunWriter, record_lock
+from crossrt.run.runtime import (DraftRules, ModelSession, NativeSession, Runtime, RuntimeOptions,
+                             RuntimeUnavailable, open_runtime)
+from crossrt.run.schedules import SERVER
+from crossrt.records.schema import PromptFormat, PromptResult, RunParams, RunRecord, Timings
+from crossrt.records.trace import PromptTrace, TraceRecorder, read_traces, trace_path
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    pair: Pair
+    runtime: str
+    options: RuntimeOptions
+    rules: DraftRules
+    max_new_tokens: int
+    out: Path
+    mode: str = "driven"
+    schedule: str = loop.SCHEDULE  # driven mode only: native runs follow the runtime's own
+    resume: bool = False
+    overwrite: bool = False
+    # Prompt id -> token ids shared by every runtime of a comparison; each runtime's own
+    # tokenization is still made and recorded where it differs.
+    shared_prompt_ids: Optional[Mapping[str, tuple[int, ...]]] = None
+    # The chat template the prompts were rendered with (crossrt/inputs/chat_template.py): a runtime that
+    # renders templates itself renders each templated prompt too, for template parity.
+    chat: Optional[ChatRendering] = None
+    prompt_format: Optional[PromptFormat] = None  # kept in the record
+    # Record per-token traces (driven mode, crossrt and hf-assisted schedules) in
+    # <out stem>.trace.npz beside the record.
+    trace: bool = False
+    # The baseline store (crossrt/run/baselines.py): None decodes every baseline and keeps none; the
+    # record names each baseline's source either way.
+    baselines: Optional[BaselineStore] = None
+
+
+def _baseline(baselines: Optional[RunBaselines], prompt_ids: tuple[int, ...], max_new_tokens: int,
+              whole_prompt: bool, decode: Callable[[], object]):
+    """(the prompt's baseline, its BaselineSource): decoded, or from the run's store."""
+    if baselines is None:  # a caller outside run_pair: decoded, and no source to name
+        return decode(), None
+    return baselines.get(prompt_ids, max_new_tokens, whole_prompt, decode)
+
+
+def _prompt_ids(tokenize: Callable[[str], list[int]], prompt: Prompt,
+                shared: Optional[Sequence[int]]) -> tuple[tuple[int, ...], Optional[tuple[int, ...]]]:
+    """(ids to run, the runtime's own ids where they differ from the shared ones)."""
+    own = tuple(tokenize(prompt.text))
+    if shared is None:
+        return own, None
+    return tuple(shared), (own if own != tuple(shared) else None)
+
+
+def run_prompt(target: ModelSession, drafter: ModelSession, prompt: Prompt, rules: DraftRules,
+               max_new_tokens: int, schedule: str = loop.SCHEDULE,
+               shared_ids: Optional[Sequence[int]] = None, trace: Optional[TraceRecorder] = None,
+               baselines: Optional[RunBaselines] = None) -> PromptResult:
+    """Baseline then speculative run of one prompt; a prompt that cannot run (too long for
+    the context, a decode error) becomes a failed result with the reason. trace, when given,
+    records the speculative run; baselines, when given, holds the baseline decoded once."""
+    prompt_ids: tuple[int, ...] = ()
+    try:
+        prompt_ids, own_ids = _prompt_ids(target.tokenize, prompt, shared_ids)
+        whole_prompt = schedule == SERVER
+        baseline, source = _baseline(baselines, prompt_ids, max_new_tokens, whole_prompt, lambda: loop.greedy_generate(
+            target, prompt_ids, max_new_tokens, whole_prompt=whole_prompt))
+        speculative = loop.speculative_generate(target, drafter, prompt_ids, rules, max_new_tokens, schedule, trace)
+    except PromptRefused as error:
+        return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
+    # crossrt's own loop: counts that did not add up would be a bug, so they are not caught here.
+    counters = speculative.counters(rules.k)
+    timings = Timings(speculative.prefill_s, speculative.decode_s, baseline.prefill_s, baseline.decode_s)
+    return PromptResult(prompt.id, prompt.category, "ok", None, prompt_ids, speculative.output_ids,
+                        baseline.output_ids, speculative.stop_reason, counters, timings, own_ids,
+                        output_view=speculative.view, baseline_view=baseline.view, baseline_source=source)
+
+
+def run_prompt_native(session: NativeSession, prompt: Prompt, max_new_tokens: int, k: int,
+                      shared_ids: Optional[Sequence[int]] = None,
+                      baselines: Optional[RunBaselines] = None) -> PromptResult:
+    """The runtime's own plain and speculative generation of one prompt. A prompt that cannot
+    run becomes a failed result; a runtime that breaks (RuntimeFailure) ends the run."""
+    prompt_ids: tuple[int, ...] = ()
+    try:
+        prompt_ids, own_ids = _prompt_ids(session.tokenize, prompt, shared_ids)
+        baseline, source = _baseline(baselines, prompt_ids, max_new_tokens, False,
+                                     lambda: session.generate(prompt_ids, max_new_tokens, speculative=False))
+        speculative = session.generate(prompt_ids, max_new_tokens, speculative=True)
+    except PromptRefused as error:
+        return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
+    problems = speculative.counters.identity_violations(k)
+    if problems:  # kept as a failed prompt with the runtime's own numbers; the run goes on
+        raw = speculative.unfit_counts.raw if speculative.unfit_counts else {}
+        return PromptResult.failed(prompt.id, prompt.category, "the runtime's counts break crossrt's identities: "
+                                   + "; ".join(problems) + (f" (raw: {raw})" if raw else ""), prompt_ids)
+    timings = Timings(speculative.prefill_s, speculative.decode_s, baseline.prefill_s, baseline.decode_s)
+    return PromptResult(prompt.id, prompt.category, "ok", None, prompt_ids, speculative.output_ids,
+                        baseline.output_ids, speculative.stop_reason, speculative.counters, timings, own_ids,
+                        unfit_counts=speculative.unfit_counts, baseline_source=source)
+
+
+def _starting_traces(request: RunRequest, record: RunRecord) -> dict[str, PromptTrace]:
+    """The traces a traced run continues: those of the record's finished prompts, if any."""
+    path = request.out.parent / record.trace if record.trace else None
+    if not request.trace or path is None or not path.is_file():
+        return {}
+    kept = {r.prompt_id for r in record.results}
+    return {i: trace for i, trace in read_traces(path).items() if i in kept}
+
+
+class LoadedModels:
+    """Driven-mode sessions kept loaded from one run to the next (a sweep actor's cells of one
+    runtime and pair): keyed by runtime, options and model path, and closed by close(), not by
+    the run. Sessions start every prompt from an empty cache, so a kept one runs as a fresh one."""
+
+    def __init__(self):
+        self._sessions: dict[tuple, ModelSession] = {}
+
+    def load(self, runtime: Runtime, path: Path) -> ModelSession:
+        key = (runtime.name, runtime.options, Path(path).resolve())
+        if key not in self._sessions:
+            self._sessions[key] = runtime.load(path)
+        return self._sessions[key]
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def close(self) -> None:
+        for session in self._sessions.values():
+            session.close()
+        self._sessions.clear()
+
+
+def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.ExitStack,
+                   models: Optional[LoadedModels] = None):
+    """A function running one prompt (and filling a trace recorder) in the requested mode,
+    the native session when the mode is native, and the session that tokenizes prompts (and
+    renders chat templates, where the runtime does)."""
+    if request.mode not in runtime.modes:
+        raise RuntimeUnavailable(f"runtime {runtime.name!r} has no {request.mode} mode "
+                                 f"(it has: {', '.join(runtime.modes)})")
+    if request.trace and (request.mode != "driven" or request.schedule not in loop.TRACED_SCHEDULES):
+        raise SettingsError(f"traces are recorded in driven mode with the {' or '.join(loop.TRACED_SCHEDULES)} "
+                         "schedule")
+    paths = {role: request.pair.path(role, runtime.model_format) for role in ROLES}
+
+    def shared(prompt: Prompt) -> Optional[tuple[int, ...]]:
+        return (request.shared_prompt_ids or {}).get(prompt.id)
+
+    if request.mode == "native":
+        work_dir = request.out.with_name(request.out.stem + ".logs")
+        try:  # here, so a runtime's own logs meet a read-only or full disk as the record does
+            work_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise storage_error(work_dir, error) from None
+        session = stack.enter_context(runtime.open_native(paths["target"], paths["drafter"], request.rules, work_dir))
+        return (lambda prompt, _, baselines: run_prompt_native(session, prompt, request.max_new_tokens,
+                                                              request.rules.k, shared(prompt), baselines)), \
+            session, session
+    request.rules.require_drafter_model("crossrt's driven loop")
+    if models is not None:
+        target, drafter = models.load(runtime, paths["target"]), models.load(runtime, paths["drafter"])
+    else:
+        target = stack.enter_context(runtime.load(paths["target"]))
+        drafter = stack.enter_context(runtime.load(paths["drafter"]))
+    return (lambda prompt, trace, baselines: run_prompt(target, drafter, prompt, request.rules,
+                                                        request.max_new_tokens, request.schedule, shared(prompt),
+                                                        trace, baselines)), None, target
+
+
+def run_pair(request: RunRequest, prompts: Sequence[Prompt],
+             on_prompt: Optional[Callable[[Prompt, Optional[PromptResult]], None]] = None,
+             models: Optional[LoadedModels] = None) -> RunRecord:
+    """Run every prompt not already finished in the record at request.out.
+
+    on_prompt(prompt, result) is called once per prompt, with None for a prompt skipped
+    because the resumed record already holds it. Every finished prompt is kept on disk at
+    once (appended to the record's journal), so what finished survives an error, Ctrl-C or a
+    kill in the middle of the run; with request.trace, its trace is kept just before it (a
+    resumed run without request.trace keeps the traces it has and traces no new prompt).
+    models, when given, holds the driven sessions beyond this run (LoadedModels).
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(record_lock(request.out))  # first: a second writer is refused before any loading
+        runtime = open_runtime(request.runtime, request.options)
+        info = pair_info(request.pair, runtime.model_format)
+        run_one, native, prompt_session = _prompt_runner(runtime, request, stack, models)
+        params = RunParams(k=request.rules.k, greedy=True, max_new_tokens=request.max_new_tokens,
+                           mode=request.mode, spec_type=request.rules.spec_type,
+                           schedule=native.schedule if native else request.schedule, n_ctx=request.options.n_ctx,
+                           draft_n_min=request.rules.n_min, draft_p_min=request.rules.p_min)
+        runtime_info = runtime.info()
+        fresh = RunRecord(runtime_info, info, params, notes=native.notes if native else ())
+        baselines = RunBaselines(request.baselines, run_key(runtime_info, request.options, info.target.sha256,
+                                                            request.mode))
+        record = check_prompts(request.out, starting_record(request.out, fresh, request.resume, request.overwrite),
+                               prompts, prompt_session.tokenize)
+        # How this run feeds its prompts; a resumed one whose rendering changed was refused by digest.
+        record = dataclasses.replace(record, prompt_format=request.prompt_format)
+        traces = _starting_traces(request, record)
+        if request.trace:
+            record = dataclasses.replace(record, trace=trace_path(request.out).name)
+        done = {r.prompt_id for r in record.results}
+        resumed = request.out.exists() and not request.overwrite  # starting_record refused anything else
+        writer = RunWriter(record, request.out, traces if request.trace else None, continues=resumed)
+        try:
+            for prompt in prompts:
+                result = None
+                if prompt.id not in done:
+                    recorder = TraceRecorder() if request.trace else None
+                    result = dataclasses.replace(run_one(prompt, recorder, baselines),
+                                                 prompt_sha256=prompt_sha256(prompt))
+                    result = with_template_ids(result, prompt_session, prompt, request.chat)
+                    writer.add(result, recorder.finish() if recorder is not None and result.ok else None)
+                if on_prompt is not None:
+                    on_prompt(prompt, result)
+        finally:  # fold the journals in, after an error or Ctrl-C too: the record is whole on disk
+            record = writer.close()
+    return record

@@ -1,0 +1,92 @@
+"""Relaxed acceptance, lossy by construction: a draft token is also accepted when it is among the
+target's top-m at its position and within delta logits of the target's top-1 (m = 1 or
+delta = 0 is exact greedy). Runs go through crossrt/run/adaptive.py's loop with this rule; their
+results are labelled lossy and carry the drift from the target's greedy output: the first
+position that leaves it, the share of positions whose token differs, and the target's mean
+log-probability per emitted token of each output (each scored by one teacher-forced target
+pass over prompt + output, so both are scored alike). docs/ceiling.md has the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from crossrt.run.adaptive import AcceptRule, DraftPolicy, policy_generate
+from crossrt.errors import SettingsError
+from crossrt.run.runtime import ModelSession, Rows
+
+
+def relaxed_rule(top_m: int, delta: float, eog: frozenset[int]) -> AcceptRule:
+    """Accept draft token i while it is the target's choice, or among its top_m with a logit
+    within delta of the choice's; never an EOS."""
+    if top_m < 1 or delta < 0:
+        raise SettingsError(f"relaxed acceptance needs top-m >= 1 and delta >= 0, got {top_m}, {delta}")
+
+    def accept(rows: np.ndarray, draft: Sequence[int], choices: np.ndarray) -> int:
+        n = 0
+        while n < len(draft) and draft[n] not in eog:
+            row, token = rows[n], draft[n]
+            if token != choices[n]:
+                gap = float(row[choices[n]] - row[token])
+                if gap > delta or int(np.count_nonzero(row > row[token])) >= top_m:
+                    break
+            n += 1
+        return n
+    return accept
+
+
+def mean_logprob(target: ModelSession, prompt_ids: Sequence[int], output: Sequence[int]) -> float:
+    """The target's mean log-probability of output's tokens after prompt_ids, one pass."""
+    if not output:
+        return float("nan")
+    target.truncate(0)
+    target.eval(prompt_ids[:-1], Rows.NONE)
+    rows = np.asarray(target.eval([prompt_ids[-1], *output[:-1]], Rows.ALL), dtype=np.float64)
+    top = rows.max(axis=1, keepdims=True)
+    log_z = np.log(np.exp(rows - top).sum(axis=1)) + top[:, 0]
+    return float(np.mean(rows[np.arange(len(output)), list(output)] - log_z))
+
+
+@dataclass(frozen=True)
+class RelaxedResult:
+    """One prompt under relaxed acceptance, against the target's greedy output."""
+
+    prompt_id: str
+    category: str
+    top_m: int
+    delta: float
+    lossy: bool  # always True: the rule may leave greedy decoding, whether or not it did here
+    steps: int
+    accepted: int
+    emitted: int
+    first_divergence: Optional[int]  # first output position that differs from greedy, None if none
+    differing_share: float  # positions whose token differs from greedy's, over the longer output
+    logprob: float  # mean target log-probability per emitted token
+    greedy_logprob: float
+    decode_s: float
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / self.steps
+
+
+def drift(output: Sequence[int], greedy: Sequence[int]) -> tuple[Optional[int], float]:
+    """(first differing position, share of differing positions over the longer length)."""
+    n = max(len(output), len(greedy))
+    differ = [i for i in range(n) if i >= len(output) or i >= len(greedy) or output[i] != greedy[i]]
+    return (differ[0] if differ else None), (len(differ) / n if n else 0.0)
+
+
+def relaxed_run(target: ModelSession, drafter: ModelSession, prompt_id: str, category: str,
+                prompt_ids: Sequence[int], greedy: Sequence[int], k: int, top_m: int, delta: float,
+                max_new_tokens: int) -> RelaxedResult:
+    """One relaxed run at fixed k, with its drift from greedy (the target's greedy output)."""
+    run = policy_generate(target, drafter, prompt_ids, DraftPolicy(f"k={k}", k), max_new_tokens,
+                          relaxed_rule(top_m, delta, target.eog_ids)).generation
+    first, share = drift(run.output_ids, greedy)
+    return RelaxedResult(prompt_id, category, top_m, delta, True, len(run.step_accepted), sum(run.step_accepted),
+                         len(run.output_ids), first, share, mean_logprob(target, prompt_ids, run.output_ids),
+                         mean_logprob(target, prompt_ids, greedy), run.decode_s)

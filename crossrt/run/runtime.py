@@ -1,0 +1,314 @@
+"""The contract a runtime implements, and the lazy registry of runtimes.
+
+The registry maps a runtime's name to "module:Class" so that `import crossrt` never imports
+llama_cpp, torch or exllamav3: a runtime's module is imported only when that runtime is used.
+
+A runtime loads models as sessions. A session owns one model's KV cache and exposes what
+crossrt's shared loop needs, nothing more: evaluate tokens after the cached ones and return
+logits for the rows asked for, cut the cache back, tokenize and detokenize.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import ClassVar, Optional, Sequence, Union
+
+import numpy as np
+
+from crossrt.errors import CrossrtError, PromptRefused, SettingsError
+from crossrt.records.schema import Counters, RuntimeInfo, UnfitCounts
+
+RUNTIMES: dict[str, str] = {
+    "llama-cpp": "crossrt.backends.llama_cpp:LlamaCppRuntime",
+    "llama-server": "crossrt.backends.llama_server:LlamaServerRuntime",
+    "llama-spec-cli": "crossrt.backends.llama_spec_cli:LlamaSpecCliRuntime",
+    "transformers": "crossrt.backends.transformers:TransformersRuntime",
+    "exllamav3": "crossrt.backends.exllamav3:ExllamaV3Runtime",
+    "vllm": "crossrt.backends.vllm:VllmRuntime",
+}
+
+
+class RuntimeUnavailable(CrossrtError):
+    """A runtime cannot run on this machine; the message says why and what would fix it."""
+
+
+class RuntimeFailure(CrossrtError):
+    """The runtime itself broke mid-run (a server that died, a tool that crashed): the run
+    stops, keeping the prompts already finished. The message carries the runtime's log tail."""
+
+
+class Rows(Enum):
+    """Which logits rows an evaluation returns: asking for fewer keeps the runtime from
+    computing and copying output rows nobody reads."""
+
+    NONE = "none"
+    LAST = "last"
+    ALL = "all"
+
+
+# How drafts are made. "draft": a drafter model (every runtime); the others are native
+# drafting methods some runtimes have (llama.cpp's n-gram and MTP/EAGLE3/DFlash drafting,
+# exllamav3's block drafters), selected by a pair manifest's [defaults] spec_type.
+SPEC_TYPES = ("draft", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache",
+              "mtp", "eagle3", "dflash", "dflash2", "dspark")
+
+
+@dataclass(frozen=True)
+class DraftRules:
+    """How drafts are made: up to k tokens; llama.cpp's drafting rules add n_min (shorter
+    drafts are thrown away) and p_min (drafting stops when the drafter's top-10 softmax
+    probability of its choice falls below it). n_min defaults to k: fixed-length drafts."""
+
+    k: int
+    n_min: Optional[int] = None
+    p_min: float = 0.0
+    spec_type: str = "draft"
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise SettingsError(f"k must be at least 1, got {self.k}")
+        if self.n_min is None:
+            object.__setattr__(self, "n_min", self.k)
+        if not 0 <= self.n_min <= self.k:
+            raise SettingsError(f"n_min must be between 0 and k={self.k}, got {self.n_min}")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise SettingsError(f"p_min must be between 0 and 1, got {self.p_min}")
+        if self.spec_type not in SPEC_TYPES:
+            raise SettingsError(f"unknown spec type {self.spec_type!r}; spec types: {', '.join(SPEC_TYPES)}")
+
+    def require_drafter_model(self, where: str) -> None:
+        """Refuse spec types other than a drafter model, for runtimes that have no other."""
+        if self.spec_type != "draft":
+            raise SettingsError(f"{where} drafts with a drafter model only (spec type 'draft'), not "
+                             f"{self.spec_type!r}: run it natively on a runtime that has it (e.g. llama-server)")
+
+    @property
+    def fixed(self) -> bool:
+        """Every draft is k tokens unless the token budget cuts it."""
+        return self.n_min == self.k and self.p_min == 0.0
+
+    # llama.cpp's draft-simple rules, for the driven schedules and their simulations alike.
+    def unsure(self, top_probability) -> bool:
+        """Drafting stops before a token whose top-10 probability (float32, as llama.cpp's) is below p_min."""
+        return self.p_min > 0 and top_probability < np.float32(self.p_min)
+
+    def full(self, n_drafted: int, limit: int) -> bool:
+        """A draft of n_drafted tokens is done: k reached, or a limit above 0."""
+        return n_drafted >= self.k or 0 < limit <= n_drafted
+
+    def kept(self, n_drafted: int) -> bool:
+        """A draft shorter than n_min is thrown away."""
+        return n_drafted >= self.n_min
+
+
+DTYPES = ("float32", "bfloat16", "float16")  # RuntimeOptions.dtype, for the runtimes that choose one
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Settings every runtime understands, normalized.
+
+    gpu_split: relative shares of the model per GPU (e.g. (1, 1) for two equal GPUs),
+    translated by each runtime into its own knob (llama.cpp's tensor_split, ...).
+    f32_kv_cache: keep the KV cache in F32 for cross-runtime logit comparisons; the default
+    F16 cache matches what llama.cpp's own tools use.
+    dtype: the element type transformers loads weights in ("float32", "bfloat16", "float16";
+    None: float32 on the CPU, half precision on a GPU); llama.cpp's runtimes run a GGUF's own
+    tensor types and ignore it.
+    """
+
+    n_ctx: int = 2048
+    threads: int = 1
+    n_gpu_layers: int = 0
+    gpu_split: Optional[tuple[float, ...]] = None
+    f32_kv_cache: bool = False
+    flash_attn: bool = True
+    dtype: Optional[str] = None
+    executable: Optional[Path] = None  # for runtimes that run a program (llama-server, ...)
+
+
+class ModelSession(abc.ABC):
+    """One loaded model with its cache. Positions are implicit: eval appends after n_past.
+
+    A session holds memory (on a GPU, device memory) until closed: use it as a context manager
+    or hold it in the command's ExitStack, never leave it to the garbage collector."""
+
+    n_vocab: int
+    n_ctx: int
+    eog_ids: frozenset[int]
+    _n_past: int = 0  # tokens in the cache: only eval and truncate change it
+    _closed: bool = False
+
+    def __enter__(self) -> "ModelSession":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free the model and its cache; safe to call twice."""
+        if not self._closed:
+            self._closed = True
+            self._release()
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Free what the backend holds (weights, cache, buffers). Called once, by close."""
+
+    @property
+    def n_past(self) -> int:
+        """Tokens currently held in the cache."""
+        return self._n_past
+
+    def eval(self, tokens: Sequence[int], rows: Rows) -> np.ndarray:
+        """Append tokens to the cache and return logits, shape (rows, n_vocab).
+
+        The array may be a view into the runtime's buffer, valid until the next call.
+        """
+        if len(tokens) == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        if self._n_past + len(tokens) > self.n_ctx:
+            raise PromptRefused(f"context full: {self._n_past} cached + {len(tokens)} new > n_ctx {self.n_ctx}")
+        logits = self._forward(tokens, rows)
+        self._n_past += len(tokens)
+        return logits
+
+    @abc.abstractmethod
+    def _forward(self, tokens: Sequence[int], rows: Rows) -> np.ndarray:
+        """Run tokens at positions n_past, n_past + 1, ... with the cache; return the rows
+        asked for. Called by eval, which checks the context and advances n_past."""
+
+    def truncate(self, n_keep: int) -> None:
+        """Drop every cached position from n_keep on (n_keep at or past n_past: nothing)."""
+        n_keep = max(0, n_keep)
+        if n_keep < self._n_past:
+            self._drop(n_keep)
+            self._n_past = n_keep
+
+    @abc.abstractmethod
+    def _drop(self, n_keep: int) -> None:
+        """Remove cached positions n_keep..n_past-1 from the backend's cache (n_keep < n_past).
+        Called by truncate, which then lowers n_past."""
+
+    @abc.abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of text, with the model's BOS when the model asks for one."""
+
+    @abc.abstractmethod
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of ids; invalid UTF-8 (a split multi-byte character) is replaced, not raised."""
+
+
+@dataclass(frozen=True)
+class NativeGeneration:
+    """What a runtime's own speculative decoding produced for one prompt, its statistics
+    already translated into crossrt's counters (None where the runtime does not report)."""
+
+    output_ids: tuple[int, ...]
+    stop_reason: str  # "eos" or "max_new_tokens"
+    counters: Optional[Counters]  # None for a plain (baseline) generation
+    prefill_s: float
+    decode_s: float
+    unfit_counts: Optional[UnfitCounts] = None  # the runtime's numbers, where they did not fit
+
+
+class NativeSession(abc.ABC):
+    """A runtime's own speculative decoding of one pair at one k (a server, a CLI tool).
+
+    notes: what the runtime does not report or how a counter was derived, for the record.
+    """
+
+    schedule: str
+    notes: tuple[str, ...] = ()
+
+    @abc.abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of text as the runtime tokenizes it, BOS included."""
+
+    @abc.abstractmethod
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, speculative: bool) -> NativeGeneration:
+        """Greedy generation from prompt_ids: speculative, or plain for the baseline."""
+
+    def close(self) -> None:
+        """Release processes and files; safe to call twice."""
+
+    def __enter__(self) -> "NativeSession":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class Runtime(abc.ABC):
+    name: ClassVar[str]
+    # Which file of a pair manifest this runtime loads: a format, or formats in order of preference.
+    model_format: ClassVar[Union[str, tuple[str, ...]]]
+    modes: ClassVar[tuple[str, ...]] = ("driven",)  # "driven" needs load(), "native" open_native()
+    scored_by: ClassVar[Optional[str]] = None  # a native-only runtime's in-process sibling, for logits
+
+    def __init__(self, options: RuntimeOptions):
+        self.options = options
+
+    def load(self, path: Path) -> ModelSession:
+        """Load one model file or folder as a session for crossrt's driven loop; raise
+        FileNotFoundError or ValueError with a clear message when it cannot be loaded."""
+        raise RuntimeUnavailable(f"runtime {self.name!r} has no driven mode; use --mode native")
+
+    def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path) -> NativeSession:
+        """Start the runtime's own speculative decoding of target with drafter under rules;
+        logs and temporary files go under work_dir."""
+        raise RuntimeUnavailable(f"runtime {self.name!r} has no native speculative mode; use --mode driven")
+
+    @classmethod
+    @abc.abstractmethod
+    def check_available(cls) -> None:
+        """Raise RuntimeUnavailable with the reason when this runtime cannot run here."""
+
+    @abc.abstractmethod
+    def info(self) -> RuntimeInfo:
+        """Name, version, build and device, for the run record."""
+
+
+def runtime_names() -> list[str]:
+    return list(RUNTIMES)
+
+
+def runtime_class(name: str) -> type[Runtime]:
+    if name not in RUNTIMES:
+        known = ", ".join(RUNTIMES)
+        raise RuntimeUnavailable(f"unknown runtime {name!r}; known runtimes: {known}")
+    module_name, class_name = RUNTIMES[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise RuntimeUnavailable(f"runtime {name!r} cannot be imported: {error}") from None
+    return getattr(module, class_name)
+
+
+def open_runtime(name: str, options: RuntimeOptions) -> Runtime:
+    """The runtime called name, checked usable here; RuntimeUnavailable says why not.
+
+    An explicit executable (--llama-server PATH, ...) replaces the default lookup that
+    check_available makes; the runtime checks that path itself when constructed."""
+    cls = runtime_class(name)
+    if options.executable is None:
+        cls.check_available()
+    return cls(options)
+
+
+def availability(name: str) -> Optional[str]:
+    """None when runtime name is usable here, else the reason it is not."""
+    try:
+        runtime_class(name).check_available()
+    except RuntimeUnavailable as error:
+        return str(error)
+    return None
+
+
+def usable_runtimes() -> list[str]:
+    """The runtimes usable here, in registry order."""
+    return [name for name in runtime_names() if availability(name) is None]

@@ -1,0 +1,354 @@
+"""Every schedule crossrt knows, simulated on one oracle (crossrt/run/simulate.py): the counts a
+real greedy run of that schedule makes with its drafting rules, step for step. Greedy decoding
+makes each schedule a function of the oracle alone: at emitted count e a draft is read from the
+oracle's row e (the drafter's greedy continuation there), and while the draft matches, the
+target's choice at draft position i is the oracle's token e + i. docs/analysis.md gives every
+rule with the source line it comes from.
+
+- crossrt, hf-assisted (crossrt/run/loop.py): drafts of min(k, budget - e - 1); hf-assisted ends a
+  draft at the drafter's first EOS (kept); a matched EOS is the step's own token.
+- llama-spec-simple, llama-server (crossrt/run/schedules.py, llama.cpp's tools): the drafting rules
+  k, n_min (shorter drafts dropped) and p_min (drafting stops before a token whose top-10
+  softmax probability is below it), each tool's draft limit, first token and counting.
+  The limits' n_ctx terms never bind: a run refuses a prompt whose budget, with the overshoot,
+  leaves them below the budget terms (schedules.check_fits).
+- exllamav3 (exllamav3 1.6.5's Generator with a drafter model, dynamic_draft_tokens off, as
+  crossrt's exllamav3 runtime runs it): prefill prompt[:-1], every round verifies a window of k
+  (never cut to the budget); position by position the target's token is checked for a stop
+  token and the budget first, then against the draft; a stop ends the round and the window's
+  unresolved positions count as rejected. exllamav3-dynamic: the same with
+  dynamic_draft_tokens on (draft_confidence 0.4, its default), so a draft stops once the running
+  product of per-position acceptance estimates falls below 0.4; the estimates come from an
+  online calibrator of the drafter's top logit against the verified outcomes (DraftCalibration),
+  new for each prompt, as crossrt's runtime starts a Generator per generation.
+- vllm (vLLM 0.32's draft-model proposer under its v1 scheduler, synchronous): the first token
+  comes from the prefill step, with no draft; every later step verifies k draft tokens (the
+  drafter's argmax, no EOS stop, no cut near max_tokens); the greedy rejection sampler accepts
+  the longest matching prefix, EOS or not, counted before the stop check trims the tokens past
+  the budget or after an EOS (cut).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from crossrt.run import loop
+from crossrt.errors import ComparisonError, SettingsError
+from crossrt.run.runtime import DraftRules
+from crossrt.run.schedules import SERVER, SPEC_SIMPLE, verify
+from crossrt.records.schema import Counters, RunRecord
+from crossrt.run.simulate import Oracle, Policy, simulate
+
+EXLLAMAV3 = "exllamav3"
+EXLLAMAV3_DYNAMIC = "exllamav3-dynamic"
+VLLM = "vllm"
+LLAMA = (SPEC_SIMPLE, SERVER)
+SIMULATED = (loop.SCHEDULE, loop.HF_SCHEDULE, SPEC_SIMPLE, SERVER, EXLLAMAV3, EXLLAMAV3_DYNAMIC, VLLM)
+DRAFT_CONFIDENCE = 0.4  # exllamav3 1.6.5's Generator default (generator.py:67)
+
+
+@dataclass(frozen=True)
+class ScheduleRun:
+    """One prompt under one schedule and its rules: what a real run would emit and count."""
+
+    prompt_id: str
+    category: str
+    output: tuple[int, ...]
+    step_drafted: tuple[int, ...]
+    step_accepted: tuple[int, ...]
+    unverified: int = 0
+    cut: int = 0
+
+    def counters(self, k: int) -> Counters:
+        return Counters.from_steps(self.step_drafted, self.step_accepted, len(self.output), k, self.unverified,
+                                   self.cut)
+
+
+def check_rules(schedule: str, rules: DraftRules, oracle_k: Optional[int] = None) -> None:
+    """SettingsError unless schedule is simulated with rules (on an oracle of oracle_k drafts)."""
+    if schedule not in SIMULATED:
+        raise SettingsError(f"schedule {schedule!r} is not simulated; simulated: {', '.join(SIMULATED)}")
+    if schedule not in LLAMA and not rules.fixed:
+        raise SettingsError(f"the {schedule} schedule drafts exactly k tokens: n_min and p_min are llama.cpp "
+                            "drafting rules, for the llama-* schedules")
+    if oracle_k is not None and rules.k > oracle_k:
+        raise SettingsError(f"k={rules.k} is beyond the oracle's {oracle_k} draft tokens per position")
+
+
+def simulate_schedule(oracle: Oracle, schedule: str, rules: DraftRules) -> ScheduleRun:
+    """schedule's run on oracle with rules (module docstring)."""
+    check_rules(schedule, rules, oracle.max_k)
+    if schedule == loop.SCHEDULE:
+        run = simulate(oracle, Policy(rules.k))
+        return ScheduleRun(oracle.prompt_id, oracle.category, oracle.output, run.step_drafted, run.step_accepted)
+    return _SIMULATORS[schedule](oracle, rules)
+
+
+def _run(oracle: Oracle, output: Sequence[int], drafted: Sequence[int], accepted: Sequence[int],
+         unverified: int = 0, cut: int = 0) -> ScheduleRun:
+    return ScheduleRun(oracle.prompt_id, oracle.category, tuple(output), tuple(drafted), tuple(accepted),
+                       unverified, cut)
+
+
+def _hf(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
+    y, budget, eog = oracle.output, oracle.max_new_tokens, oracle.eog_ids
+    drafted, accepted = [], []
+    e = 0
+    while e < len(y):
+        draft = [int(t) for t in oracle.drafts[e, :min(rules.k, budget - e - 1)]]
+        draft = draft[:next((i + 1 for i, t in enumerate(draft) if t in eog), len(draft))]
+        n = 0
+        while n < len(draft) and draft[n] == y[e + n] and y[e + n] not in eog:
+            n += 1
+        drafted.append(len(draft))
+        accepted.append(n)
+        e += n + 1
+    return _run(oracle, y, drafted, accepted)
+
+
+def _llama_draft(oracle: Oracle, e: int, rules: DraftRules, limit: int) -> list[int]:
+    """schedules.llama_draft's rules on the oracle's row e: stop before a token below p_min
+    (top-10 softmax, float32 as llama.cpp), at k or at a limit above 0; drop one below n_min."""
+    n = 0
+    while True:
+        if rules.unsure(oracle.draft_p10[e, n]):
+            break
+        n += 1
+        if rules.full(n, limit):
+            break
+    return [int(t) for t in oracle.drafts[e, :n]] if rules.kept(n) else []
+
+
+def _emit(output: list[int], ids: Sequence[int], budget: int, eog: frozenset[int]) -> Optional[int]:
+    """Append ids until EOS or the budget (schedules' tally): the tokens cut then, else None."""
+    for position, token in enumerate(ids):
+        output.append(token)
+        if token in eog or len(output) >= budget:
+            return len(ids) - 1 - position
+    return None
+
+
+def _spec_simple(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
+    y, budget, eog = oracle.extended, oracle.max_new_tokens, oracle.eog_ids
+    output: list[int] = []
+    drafted, accepted = [], []
+    n_predict = 0
+    seen_eos = stopped = False
+    while not seen_eos and n_predict <= budget:
+        draft = _llama_draft(oracle, n_predict, rules, max(budget - n_predict - 1, 0))
+        ids = verify(y[n_predict:n_predict + len(draft) + 1], draft, eog)
+        drafted.append(len(draft))
+        accepted.append(len(ids) - 1)
+        n_predict += len(ids)
+        produced = ids[:next((i + 1 for i, t in enumerate(ids) if t in eog), len(ids))]
+        seen_eos = produced[-1] in eog
+        if not stopped:
+            stopped = _emit(output, produced, budget, eog) is not None
+    # n_predict counts every token the steps yielded: past the budget and after an EOS too.
+    return _run(oracle, output, drafted, accepted, cut=n_predict - len(output))
+
+
+def _first_from_prefill(oracle: Oracle) -> tuple[list[int], Optional[int]]:
+    output: list[int] = []
+    return output, _emit(output, oracle.output[:1], oracle.max_new_tokens, oracle.eog_ids)
+
+
+def _server(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
+    y, budget, eog = oracle.extended, oracle.max_new_tokens, oracle.eog_ids
+    output, cut = _first_from_prefill(oracle)
+    drafted, accepted = [], []
+    unverified = 1
+    while cut is None:
+        e = len(output)
+        limit = budget - e - 1
+        draft = _llama_draft(oracle, e, rules, limit) if limit > 0 else []
+        ids = verify(y[e:e + len(draft) + 1], draft, eog)
+        if draft:
+            drafted.append(len(draft))
+            accepted.append(len(ids) - 1)
+        else:
+            unverified += 1  # an empty draft is a plain decode, not a step
+        cut = _emit(output, ids, budget, eog)
+    return _run(oracle, output, drafted, accepted, unverified, cut)
+
+
+def _exllamav3(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
+    y, budget, eog, k = oracle.output, oracle.max_new_tokens, oracle.eog_ids, rules.k
+    accepted = []
+    e = 0
+    while e < len(y):
+        window = oracle.drafts[e]
+        n = 0  # a stop token or the budget ends the round before the token is compared
+        while n < k and y[e + n] not in eog and e + n + 1 < budget and window[n] == y[e + n]:
+            n += 1
+        accepted.append(n)
+        e += n + 1
+    return _run(oracle, y, [k] * len(accepted), accepted)
+
+
+class DraftCalibration:
+    """exllamav3 1.6.5's mapping from a drafter's confidence score to an acceptance estimate
+    (generator/draft_confidence.py, DraftConfidenceCalibrator, at its defaults): scores fall in
+    bins of width 1, each holding decayed (tested, accepted) counts; every count decays by
+    0.995 per round. Before 64 labels in all, or with no bin of 8 tested, the estimate is 1; then
+    it is the acceptance rate of the nearest bin of 8 or more at or below the score, else of the
+    lowest such bin."""
+
+    WIDTH, DECAY, MIN_COUNT, BURN_IN = 1.0, 0.995, 8.0, 64.0
+
+    def __init__(self):
+        self.bins: dict[int, list[float]] = {}
+        self.total = 0.0
+
+    def label(self, score: float, accepted: bool) -> None:
+        counts = self.bins.setdefault(math.floor(score / self.WIDTH), [0.0, 0.0])
+        counts[0] += 1.0
+        counts[1] += float(accepted)
+        self.total += 1.0
+
+    def decay(self) -> None:
+        for counts in self.bins.values():
+            counts[0] *= self.DECAY
+            counts[1] *= self.DECAY
+        self.total *= self.DECAY
+
+    def estimate(self, score: float) -> float:
+        populated = sorted(b for b, (tested, _) in self.bins.items() if tested >= self.MIN_COUNT)
+        if self.total < self.BURN_IN or not populated:
+            return 1.0
+        below = [b for b in populated if b <= math.floor(score / self.WIDTH)]
+        tested, accepted = self.bins[below[-1] if below else populated[0]]
+        return accepted / tested
+
+
+def _exllamav3_dynamic(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
+    """generator.py:1129-1145 cuts the window, 2018-2039 labels the verified positions."""
+    y, budget, eog, k = oracle.output, oracle.max_new_tokens, oracle.eog_ids, rules.k
+    calibration = DraftCalibration()
+    drafted, accepted = [], []
+    e = 0
+    while e < len(y):
+        scores = [float(score) for score in oracle.draft_top[e, :k]]
+        window, reach = k, 1.0
+        for index, score in enumerate(scores):
+            reach *= calibration.estimate(score)
+            if index + 1 < window and reach < DRAFT_CONFIDENCE:
+                window = index + 1
+                break
+        draft = oracle.drafts[e, :window]
+        n = 0  # as _exllamav3, in the cut window
+        while n < window and y[e + n] not in eog and e + n + 1 < budget and draft[n] == y[e + n]:
+            n += 1
+        for score in scores[:n]:
+            calibration.label(score, True)
+        if n < window:  # the position that ended the round: its draft token against what was emitted there
+            calibration.label(scores[n], draft[n] == y[e + n])
+        calibration.decay()
+        drafted.append(window)
+        accepted.append(n)
+        e += n + 1
+    return _run(oracle, y, drafted, accepted)
+
+
+def _vllm(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
+    y, k = oracle.extended, rules.k
+    output, cut = _first_from_prefill(oracle)
+    accepted = []
+    while cut is None:
+        e = len(output)
+        draft = oracle.drafts[e, :k]
+        n = 0
+        while n < k and draft[n] == y[e + n]:
+            n += 1
+        accepted.append(n)
+        cut = _emit(output, y[e:e + n + 1], oracle.max_new_tokens, oracle.eog_ids)
+    return _run(oracle, output, [k] * len(accepted), accepted, unverified=1, cut=cut)
+
+
+_SIMULATORS = {loop.HF_SCHEDULE: _hf, SPEC_SIMPLE: _spec_simple, SERVER: _server, EXLLAMAV3: _exllamav3,
+               EXLLAMAV3_DYNAMIC: _exllamav3_dynamic, VLLM: _vllm}
+
+
+def record_rules(record: RunRecord) -> DraftRules:
+    """The drafting rules a record ran with (an unknown n_min or p_min: llama.cpp's fixed k)."""
+    params = record.params
+    return DraftRules(params.k, params.draft_n_min, params.draft_p_min or 0.0)
+
+
+def compare_with_record(oracles: Sequence[Oracle], record: RunRecord) -> tuple[int, list[str]]:
+    """(prompts compared, differences) between the simulation of the record's schedule and
+    rules and the record's finished prompts: output ids, then the per-step lengths where the
+    record has them, else its totals. The oracles must have the record's token budget."""
+    try:
+        rules = record_rules(record)
+        check_rules(record.params.schedule, rules)
+    except SettingsError as error:
+        raise ComparisonError(f"cannot simulate this record: {error}") from None
+    by_id = {oracle.prompt_id: oracle for oracle in oracles}
+    compared, differences = 0, []
+    for result in record.results:
+        oracle = by_id.get(result.prompt_id)
+        if not result.ok or oracle is None:
+            continue
+        if oracle.max_new_tokens != record.params.max_new_tokens or oracle.prompt_ids != tuple(result.prompt_ids):
+            raise ComparisonError(f"{result.prompt_id}: the record ran another prompt or token budget than the oracle")
+        compared += 1
+        run = simulate_schedule(oracle, record.params.schedule, rules)
+        difference = _difference(run.counters(rules.k), result.counters, tuple(result.output_ids) == run.output)
+        if difference:
+            differences.append(f"{result.prompt_id}: {difference}")
+    return compared, differences
+
+
+COMPARED = ("steps", "drafted", "accepted", "emitted", "unverified", "cut", "accepted_per_pos")
+
+
+def _difference(simulated: Counters, measured: Counters, same_output: bool) -> Optional[str]:
+    if not same_output:
+        return "the record's output differs from the target's greedy output"
+    names = COMPARED + (("step_drafted", "step_accepted") if measured.step_drafted is not None else ())
+    differ = [name for name in names if getattr(simulated, name) != getattr(measured, name)]
+    if not differ:
+        return None
+    return "simulated " + ", ".join(f"{name} {getattr(simulated, name)}" for name in differ) + "; measured " + \
+        ", ".join(f"{name} {getattr(measured, name)}" for name in differ)
+
+
+@dataclass(frozen=True)
+class ScheduleResult:
+    """A schedule's summed counts at one k over one group of prompts (category None: all)."""
+
+    schedule: str
+    k: int
+    n_min: int
+    p_min: float
+    category: Optional[str]
+    prompts: int
+    steps: int
+    drafted: int
+    accepted: int
+    emitted: int
+    unverified: int
+    cut: int
+
+    @property
+    def tau(self) -> Optional[float]:
+        return 1 + self.accepted / self.steps if self.steps else None
+
+    @property
+    def alpha(self) -> Optional[float]:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+def summarize_schedule(oracles: Sequence[Oracle], schedule: str, rules: DraftRules) -> list[ScheduleResult]:
+    """schedule with rules on every oracle: one result per category (sorted), then overall."""
+    counted = [(oracle.category, simulate_schedule(oracle, schedule, rules).counters(rules.k)) for oracle in oracles]
+    results = []
+    for category in [*sorted({c for c, _ in counted}), None]:
+        group = [counters for c, counters in counted if category is None or c == category]
+        results.append(ScheduleResult(schedule, rules.k, rules.n_min, rules.p_min, category, len(group),
+                                      *(sum(getattr(c, name) for c in group)
+                                        for name in ("steps", "drafted", "accepted", "emitted", "unverified", "cut"))))
+    return results

@@ -1,0 +1,315 @@
+"""What-if simulation of the driven loop's "crossrt" schedule from an oracle trace, and a
+measured cost model to turn its counts into predicted speedups. docs/analysis.md gives the
+rules and measured numbers.
+
+The oracle of a prompt is the target's greedy output, and from every position j of it (and
+the one after its end) the drafter's greedy continuation of prompt + output[:j], K tokens,
+with the target's greedy tokens past the output's end (past the budget or the EOS: schedules
+that verify drafts there count them). Greedy decoding makes every schedule a function of these
+alone (the other schedules: crossrt/run/schedule_sim.py). For the crossrt schedule: at emitted
+count e a step drafts row e (cut to the budget), the target's choice at draft position i is
+output[e + i] while the draft so far matched, so the step accepts the longest prefix of row e
+equal to output[e:] that holds no EOS, and emits one more token of output. The simulated
+steps, draft and accepted lengths are therefore those of a real run at any k <= K, exactly,
+as long as the oracle's evaluations pick the same argmax as the run's (they batch tokens
+differently, so a near-tie could flip; tests check equality on the tiny pair).
+
+Policies: a fixed k, and a drafter-confidence cut-off (stop drafting before a token whose
+drafter top-1 probability is below min_p1; the drafter pass that found it still costs).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from statistics import median
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from crossrt.run import loop
+from crossrt.errors import SettingsError
+from crossrt.run.runtime import ModelSession, Rows
+from crossrt.run.schedules import check_prompt, top_probability
+from crossrt.records.trace import top1_probability
+
+CHUNK = 64  # tokens per drafter pass when the oracle scores the whole output at once
+
+
+@dataclass(frozen=True, eq=False)
+class Oracle:
+    prompt_id: str
+    category: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    output: tuple[int, ...]  # the target's greedy output, EOS included when it stopped on it
+    drafts: np.ndarray  # int32 (len(output) + 1, K): row j drafts after prompt + output[:j]
+    draft_p1: np.ndarray  # float32, same shape: the drafter's top-1 probability of each (full softmax)
+    eog_ids: frozenset[int]
+    # The target's greedy tokens after output, EOS or not (K + 1 of them): a step that overshoots
+    # the budget (llama-spec-simple) or verifies past an EOS (vLLM) is judged on them.
+    beyond: tuple[int, ...] = ()
+    # float32, as drafts: llama.cpp's top-10 softmax probability of each (its p_min test)
+    draft_p10: Optional[np.ndarray] = None
+    # float32, as drafts: the drafter's top logit at each (exllamav3's draft confidence score)
+    draft_top: Optional[np.ndarray] = None
+
+    @property
+    def max_k(self) -> int:
+        return self.drafts.shape[1]
+
+    @property
+    def extended(self) -> tuple[int, ...]:
+        """The target's greedy choices from the first output position on, past the output too."""
+        return self.output + self.beyond
+
+
+def build_oracle(target: ModelSession, drafter: ModelSession, prompt_id: str, category: str,
+                 prompt_ids: Sequence[int], max_new_tokens: int, max_k: int) -> Oracle:
+    """The oracle of one prompt. The drafter scores prompt + output in one pass (the first
+    draft token of every position), then, from the last position back so that each needs only
+    a truncation, continues each position one token at a time, or takes the next position's
+    row where its first token is the target's."""
+    prompt_ids = tuple(prompt_ids)
+    # A draft from the row after the output reaches K tokens past it, and its check K + 1.
+    check_prompt(prompt_ids, max_new_tokens, [target, drafter], overrun=max_k + 1)
+    output = loop.greedy_generate(target, prompt_ids, max_new_tokens).output_ids
+    beyond = []
+    for _ in range(max_k + 1):  # the target's cache holds prompt + output[:-1] after greedy_generate
+        beyond.append(int(target.eval(((output + tuple(beyond))[-1],), Rows.LAST)[0].argmax()))
+    n = len(output) + 1
+    drafts = np.full((n, max_k), -1, dtype=np.int32)
+    draft_p1 = np.full((n, max_k), np.nan, dtype=np.float32)
+    draft_p10 = np.full((n, max_k), np.nan, dtype=np.float32)
+    draft_top = np.full((n, max_k), np.nan, dtype=np.float32)
+
+    def keep(j: int, i: int, row: np.ndarray) -> int:
+        drafts[j, i] = int(row.argmax())
+        draft_p1[j, i] = top1_probability(row)
+        draft_p10[j, i] = top_probability(row)
+        draft_top[j, i] = row[drafts[j, i]]
+        return int(drafts[j, i])
+
+    base = len(prompt_ids) - 1
+    drafter.truncate(0)
+    drafter.eval(prompt_ids[:-1], Rows.NONE)
+    lasts = (prompt_ids[-1],) + output  # the last token of each position's context
+    for start in range(0, n, CHUNK):
+        rows = drafter.eval(lasts[start:start + CHUNK], Rows.ALL)
+        for offset, row in enumerate(rows):
+            keep(start + offset, 0, row)
+    for j in reversed(range(n)):
+        if j + 1 < n and drafts[j, 0] == output[j]:
+            # Its first token is the target's, so the rest continues prompt + output[:j + 1]:
+            # the next row, already drafted (the drafter's passes shrink by its acceptance).
+            for array in (drafts, draft_p1, draft_p10, draft_top):
+                array[j, 1:] = array[j + 1, :-1]
+            continue
+        drafter.truncate(base + 1 + j)
+        token = int(drafts[j, 0])
+        for i in range(1, max_k):
+            token = keep(j, i, drafter.eval((token,), Rows.LAST)[0])
+    return Oracle(prompt_id, category, prompt_ids, max_new_tokens, output, drafts, draft_p1, target.eog_ids,
+                  tuple(beyond), draft_p10, draft_top)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Draft up to k tokens; with min_p1 > 0, stop before a token whose drafter top-1
+    probability is below min_p1."""
+
+    k: int
+    min_p1: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return f"k={self.k}" + (f" p1>={self.min_p1:g}" if self.min_p1 > 0 else "")
+
+
+@dataclass(frozen=True)
+class SimRun:
+    """One prompt under one policy: what a real crossrt-schedule run would count."""
+
+    prompt_id: str
+    category: str
+    step_drafted: tuple[int, ...]
+    step_accepted: tuple[int, ...]
+    drafter_calls: int  # drafter passes: one per draft token, plus one per confidence cut-off
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_drafted)
+
+    @property
+    def drafted(self) -> int:
+        return sum(self.step_drafted)
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.step_accepted)
+
+    @property
+    def emitted(self) -> int:
+        return self.steps + self.accepted
+
+
+def oracle_step(oracle: Oracle, emitted: int, k: int, min_p1: float) -> tuple[int, int, int]:
+    """One step of the crossrt schedule on oracle after emitted tokens, drafting up to k with a
+    drafter-confidence cut-off min_p1 (0: none): (drafted, accepted, drafter passes)."""
+    output = oracle.output
+    cap = min(k, oracle.max_new_tokens - emitted - 1)
+    n_draft = cap
+    if min_p1 > 0:
+        unsure = np.flatnonzero(oracle.draft_p1[emitted, :cap] < min_p1)
+        if unsure.size:
+            n_draft = int(unsure[0])
+    draft = oracle.drafts[emitted]
+    n_accepted = 0
+    while n_accepted < n_draft and draft[n_accepted] == output[emitted + n_accepted] \
+            and output[emitted + n_accepted] not in oracle.eog_ids:
+        n_accepted += 1
+    # One drafter pass per draft token, and one for the token a cut-off refused.
+    return n_draft, n_accepted, n_draft + (n_draft < cap)
+
+
+def simulate(oracle: Oracle, policy: Policy) -> SimRun:
+    """The crossrt schedule's steps on oracle under policy (module docstring)."""
+    if policy.k > oracle.max_k:
+        raise SettingsError(f"k={policy.k} is beyond the oracle's {oracle.max_k} draft tokens per position")
+    step_drafted, step_accepted = [], []
+    calls = emitted = 0
+    while emitted < len(oracle.output):
+        n_draft, n_accepted, passes = oracle_step(oracle, emitted, policy.k, policy.min_p1)
+        calls += passes
+        step_drafted.append(n_draft)
+        step_accepted.append(n_accepted)
+        emitted += n_accepted + 1
+    return SimRun(oracle.prompt_id, oracle.category, tuple(step_drafted), tuple(step_accepted), calls)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Measured seconds: verify_s[r - 1] is one target pass over r tokens returning r rows
+    (argmax included), draft_s one drafter pass over one token returning its row. A step
+    drafting d tokens with c drafter passes costs c * draft_s + verify_s[d]; plain greedy
+    decoding costs verify_s[0] per token."""
+
+    verify_s: tuple[float, ...]
+    draft_s: float
+
+    @property
+    def ratio(self) -> float:
+        """Leviathan et al.'s c: a drafter pass over a one-row target pass."""
+        return self.draft_s / self.verify_s[0]
+
+    def speculative_s(self, run: SimRun) -> float:
+        return run.drafter_calls * self.draft_s + sum(self.verify_s[d] for d in run.step_drafted)
+
+    def plain_s(self, tokens: int) -> float:
+        return tokens * self.verify_s[0]
+
+
+def measure_costs(target: ModelSession, drafter: ModelSession, context: Sequence[int], max_rows: int,
+                  rounds: int = 3, block: int = 5) -> CostModel:
+    """Median times of passes right after context (attention cost grows with it), fed its
+    last tokens. Each shape is timed in a block of repeated passes after one untimed pass:
+    runtimes reuse their compute graph while the batch shape stays the same (llama.cpp does),
+    as in the loop's steady state, and rebuild it when it changes. The blocks of all shapes
+    repeat over rounds, so that load drifts hit them alike."""
+    context = list(context)
+    base = len(context)
+    tokens = (context[-max_rows:] * max_rows)[:max_rows]
+    verify: list[list[float]] = [[] for _ in range(max_rows)]
+    draft: list[float] = []
+    for session in (target, drafter):
+        session.truncate(0)
+        session.eval(context, Rows.NONE)
+    for _ in range(rounds):
+        for rows in range(1, max_rows + 1):
+            verify[rows - 1] += _timed(target, tokens[:rows], Rows.ALL, base, block)
+        draft += _timed(drafter, tokens[:1], Rows.LAST, base, block)
+    return CostModel(tuple(median(times) for times in verify), median(draft))
+
+
+def _timed(session: ModelSession, tokens: Sequence[int], rows: Rows, keep: int, block: int) -> list[float]:
+    times = []
+    for _ in range(block + 1):
+        start = time.perf_counter()
+        session.eval(tokens, rows).argmax(axis=1)
+        times.append(time.perf_counter() - start)
+        session.truncate(keep)
+    return times[1:]
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """A policy's summed counts over one group of prompts (category None: all of them), and
+    the speedup the cost model predicts over plain greedy decoding."""
+
+    policy: str
+    category: Optional[str]
+    prompts: int
+    steps: int
+    drafted: int
+    accepted: int
+    emitted: int
+    drafter_calls: int
+    tau: Optional[float]
+    alpha: Optional[float]
+    speedup: Optional[float]
+
+
+def summarize(runs: Sequence[SimRun], costs: CostModel, label: str) -> list[PolicyResult]:
+    """One result per category (sorted), then one over every run (category None)."""
+    categories = sorted({run.category for run in runs})
+    results = []
+    for category in [*categories, None]:
+        group = [run for run in runs if category is None or run.category == category]
+        steps = sum(run.steps for run in group)
+        drafted = sum(run.drafted for run in group)
+        accepted = sum(run.accepted for run in group)
+        emitted = steps + accepted
+        spent = sum(costs.speculative_s(run) for run in group)
+        results.append(PolicyResult(label, category, len(group), steps, drafted, accepted, emitted,
+                                    sum(run.drafter_calls for run in group),
+                                    1 + accepted / steps if steps else None,
+                                    accepted / drafted if drafted else None,
+                                    costs.plain_s(emitted) / spent if spent else None))
+    return results
+
+
+@dataclass(frozen=True)
+class BestK:
+    category: Optional[str]
+    k: int
+    tau: Optional[float]
+    speedup: Optional[float]
+
+
+@dataclass(frozen=True)
+class Simulation:
+    costs: CostModel
+    by_k: tuple[tuple[PolicyResult, ...], ...]  # [k - 1]: fixed k, per category then overall
+    best_k: tuple[BestK, ...]  # per category then overall: the k of highest predicted speedup
+    per_category_k: tuple[PolicyResult, ...]  # each category at its best k; then all of them
+    thresholds: tuple[PolicyResult, ...]  # confidence cut-offs at k = K, per category then overall
+
+
+def simulate_suite(oracles: Sequence[Oracle], costs: CostModel, max_k: int,
+                   thresholds: Sequence[float] = ()) -> Simulation:
+    """Every k up to max_k, the best k per category, the per-category-k policy, and the
+    confidence cut-offs at k = max_k."""
+    def runs_of(policy_of: Callable[[str], Policy]) -> list[SimRun]:
+        return [simulate(oracle, policy_of(oracle.category)) for oracle in oracles]
+
+    by_k = {k: summarize(runs_of(lambda _, k=k: Policy(k)), costs, Policy(k).label) for k in range(1, max_k + 1)}
+    best = []
+    for index, result in enumerate(by_k[1]):
+        # Highest predicted speedup; on a tie the smaller k (less drafter work for the same).
+        k = max(by_k, key=lambda k: ((by_k[k][index].speedup or 0.0), -k))
+        best.append(BestK(result.category, k, by_k[k][index].tau, by_k[k][index].speedup))
+    chosen: Mapping[Optional[str], int] = {b.category: b.k for b in best}
+    per_category = summarize(runs_of(lambda c: Policy(chosen[c])), costs, "best k per category")
+    cut = [result for p in thresholds
+           for result in summarize(runs_of(lambda _, p=p: Policy(max_k, p)), costs, Policy(max_k, p).label)]
+    return Simulation(costs, tuple(tuple(by_k[k]) for k in by_k), tuple(best), tuple(per_category), tuple(cut))
