@@ -24,6 +24,7 @@ from crossrt.run.run_writer import RunWriter, record_lock
 from crossrt.run.runtime import (DraftRules, ModelSession, NativeSession, Runtime, RuntimeOptions,
                              RuntimeUnavailable, open_runtime)
 from crossrt.run.schedules import SERVER
+from crossrt.run.strategies import Strategy
 from crossrt.records.schema import PromptFormat, PromptResult, RunParams, RunRecord, Timings
 from crossrt.records.trace import PromptTrace, TraceRecorder, read_traces, trace_path
 
@@ -38,6 +39,7 @@ class RunRequest:
     out: Path
     mode: str = "driven"
     schedule: str = loop.SCHEDULE  # driven mode only: native runs follow the runtime's own
+    strategy: Strategy = Strategy()  # driven mode only: drafting, k policy, acceptance
     resume: bool = False
     overwrite: bool = False
     # Prompt id -> token ids shared by every runtime of a comparison; each runtime's own

@@ -1,0 +1,141 @@
+"""A driven run's strategy: how drafts are proposed (a draft model, prompt lookup, a static
+tree), how long each step's draft is (a k policy), and which draft tokens the target accepts
+(an acceptance rule). crossrt/run/loop.py's one loop composes the pieces: crossrt/run/drafters.py,
+crossrt/run/policies.py and crossrt/run/acceptance.py.
+
+The default, a draft model's chain at fixed k with greedy acceptance, is the crossrt schedule
+every record before strategies were recorded with. Relaxed acceptance with top_m > 1 and
+delta > 0 may leave the target's greedy output: such a run is lossy, labelled so in its record,
+and never compared or counted as lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from crossrt.errors import SettingsError
+from crossrt.run.tree import Tree
+
+DRAFTINGS = ("model", "prompt-lookup", "tree")
+K_POLICIES = ("fixed", "content", "online", "confidence")
+ACCEPTANCES = ("greedy", "relaxed")
+CONTENT_TYPES = ("code", "prose")  # crossrt/run/policies.py content_type's verdicts
+
+
+def _one_of(what: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise SettingsError(f"unknown {what} {value!r}; {what}s: {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    drafting: str = "model"
+    tree: Optional[str] = None  # drafting="tree": WxD or a JSON choice-list file (tree_spec)
+    ngram_max: int = 3  # drafting="prompt-lookup": the longest suffix looked up
+    ngram_min: int = 1
+    k_policy: str = "fixed"
+    content_k: Optional[tuple[tuple[str, int], ...]] = None  # k_policy="content": (("code", 7), ("prose", 3))
+    k_max: int = 8  # k_policy="online": its ceiling
+    min_p1: float = 0.0  # k_policy="confidence": stop before a drafter top-1 probability below it
+    acceptance: str = "greedy"
+    top_m: int = 2  # acceptance="relaxed": a draft token among the target's top_m ...
+    delta: float = 1.0  # ... within delta logits of its top-1 is accepted
+
+    def __post_init__(self):
+        _one_of("drafting", self.drafting, DRAFTINGS)
+        _one_of("k policy", self.k_policy, K_POLICIES)
+        _one_of("acceptance", self.acceptance, ACCEPTANCES)
+        if self.drafting == "tree" and self.tree is None:
+            raise SettingsError("tree drafting needs a tree: WxD or a JSON choice-list file")
+        if self.drafting != "tree" and self.tree is not None:
+            raise SettingsError(f"a tree goes with tree drafting, not {self.drafting} drafting")
+        if self.drafting == "tree":
+            tree_spec(self.tree)  # refused now, not at the first prompt
+            if self.k_policy != "fixed" or self.acceptance != "greedy":
+                raise SettingsError("tree drafting verifies its static tree with greedy acceptance: its k "
+                                    "policy is fixed")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise SettingsError(f"prompt lookup needs 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
+                                f"{self.ngram_max}")
+        if (self.k_policy == "content") != (self.content_k is not None):
+            raise SettingsError("content_k (e.g. code=7,prose=3) goes with the content k policy, and it needs one")
+        if self.content_k is not None:
+            _check_content_k(self.content_k)
+        if self.k_max < 1:
+            raise SettingsError(f"the online k policy's k_max must be at least 1, got {self.k_max}")
+        if (self.k_policy == "confidence") != (self.min_p1 > 0):
+            raise SettingsError("the confidence k policy stops at min_p1 > 0, and min_p1 is for it only, "
+                                f"got min_p1={self.min_p1}")
+        if not 0.0 <= self.min_p1 <= 1.0:
+            raise SettingsError(f"min_p1 must be between 0 and 1, got {self.min_p1}")
+        if self.drafting == "prompt-lookup" and self.k_policy == "confidence":
+            raise SettingsError("prompt lookup proposes tokens without probabilities: it has no confidence "
+                                "to stop at")
+        if self.top_m < 1 or self.delta < 0:
+            raise SettingsError(f"relaxed acceptance needs top-m >= 1 and delta >= 0, got {self.top_m}, "
+                                f"{self.delta}")
+
+    @property
+    def lossy(self) -> bool:
+        """The acceptance rule may leave the target's greedy output."""
+        return self.acceptance == "relaxed" and self.top_m > 1 and self.delta > 0
+
+    @property
+    def is_default(self) -> bool:
+        """A draft model's chain at fixed k, greedy: the crossrt schedule's plain run."""
+        return self.drafting == "model" and self.k_policy == "fixed" and self.acceptance == "greedy"
+
+    def label(self) -> str:
+        """drafting/k policy/acceptance, each with its parameters where it has any."""
+        drafting = {"model": "model", "tree": f"tree({self.tree})",
+                    "prompt-lookup": f"prompt-lookup({self.ngram_min}-{self.ngram_max})"}[self.drafting]
+        policy = {"fixed": "fixed", "online": f"online(k_max={self.k_max})",
+                  "confidence": f"confidence(min_p1={self.min_p1:g})",
+                  "content": f"content({format_content_k(self.content_k or ())})"}[self.k_policy]
+        acceptance = "greedy" if self.acceptance == "greedy" else f"relaxed(m={self.top_m},delta={self.delta:g})"
+        return f"{drafting}/{policy}/{acceptance}"
+
+
+def _check_content_k(content_k: tuple[tuple[str, int], ...]) -> None:
+    seen = set()
+    for kind, k in content_k:
+        if kind not in CONTENT_TYPES:
+            raise SettingsError(f"content type {kind!r}: content types are {', '.join(CONTENT_TYPES)}")
+        if kind in seen:
+            raise SettingsError(f"content type {kind!r} is given twice")
+        if not isinstance(k, int) or k < 1:
+            raise SettingsError(f"content type {kind}: k must be an integer of at least 1, got {k!r}")
+        seen.add(kind)
+
+
+def format_content_k(content_k: tuple[tuple[str, int], ...]) -> str:
+    return ",".join(f"{kind}={k}" for kind, k in content_k)
+
+
+def parse_content_k(text: str) -> tuple[tuple[str, int], ...]:
+    """"code=7,prose=3" -> (("code", 7), ("prose", 3))."""
+    pairs = []
+    for item in text.split(","):
+        kind, equals, k = item.strip().partition("=")
+        if not equals or not k.strip().isdigit():
+            raise SettingsError(f"content k {text!r}: give TYPE=K pairs, e.g. code=7,prose=3")
+        pairs.append((kind.strip(), int(k)))
+    content_k = tuple(pairs)
+    _check_content_k(content_k)
+    return content_k
+
+
+def tree_spec(spec: str) -> Tree:
+    """A run's tree: WxD (the full tree of width W and depth D) or a JSON choice-list file.
+    best:N is chosen on simulation oracles (crossrt simulate --tree), not at run time."""
+    width, x, depth = spec.partition("x")
+    if x and width.isdigit() and depth.isdigit():
+        return Tree.full(int(width), int(depth))
+    if spec.startswith("best:"):
+        raise SettingsError(f"tree {spec!r}: best:N is found by `crossrt simulate --tree`; a run takes WxD or "
+                            "a JSON choice-list file")
+    if not Path(spec).is_file():
+        raise SettingsError(f"tree {spec!r}: give WxD or a JSON choice-list file")
+    return Tree.from_file(Path(spec))
