@@ -34,6 +34,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from crossrt.inputs.prompts import content_type
+from crossrt.records.metrics import ratio
 from crossrt.records.schema import PromptResult, RunRecord, accepted_per_position
 from crossrt.records.trace import PromptTrace, load_trace
 
@@ -45,10 +46,6 @@ __all__ = ["CategoryStats", "PositionAcceptance", "EntropyBucket", "ConfidenceBu
 # choices, so 0.001 nats is a near-certain target and 2 nats about 7 equally likely tokens.
 ENTROPY_BUCKETS = (0.0, 0.001, 0.01, 0.1, 0.5, 1.0, 2.0, 4.0, math.inf)
 CONFIDENCE_BUCKETS = (0.0, 0.5, 0.8, 0.9, 0.99, 0.999, 1.0 + 1e-6)
-
-
-def _rate(numerator: float, denominator: float) -> Optional[float]:
-    return numerator / denominator if denominator else None
 
 
 def _finished(record: RunRecord, category: Optional[str]) -> list[PromptResult]:
@@ -105,7 +102,7 @@ def position_acceptance(record: RunRecord, category: Optional[str] = None) -> li
         for i in range(k):
             accepted[i] += per_pos[i]
             reached[i] += exact[i] if exact is not None else (counters.steps if i == 0 else per_pos[i - 1])
-    return [PositionAcceptance(i, reached[i], accepted[i], _rate(accepted[i], reached[i])) for i in range(k)]
+    return [PositionAcceptance(i, reached[i], accepted[i], ratio(accepted[i], reached[i])) for i in range(k)]
 
 
 @dataclass(frozen=True)
@@ -130,7 +127,7 @@ def _category_stats(record: RunRecord, category: Optional[str]) -> CategoryStats
     reached = sum(p.reached for p in positions)
     return CategoryStats(category, summary.prompts - summary.failed, summary.steps, summary.drafted,
                          summary.accepted, summary.emitted, reached, summary.tau, summary.alpha,
-                         _rate(sum(p.accepted for p in positions), reached))
+                         ratio(sum(p.accepted for p in positions), reached))
 
 
 def _groups(record: RunRecord) -> list[Optional[str]]:
@@ -236,7 +233,7 @@ def _bucketed(values: np.ndarray, accepted: np.ndarray, edges: Sequence[float]) 
         inside = (values >= low) & (values < high)
         n = int(inside.sum())
         hits = int(accepted[inside].sum())
-        rows.append((low, high, n, hits, _rate(hits, n), float(values[inside].mean()) if n else None))
+        rows.append((low, high, n, hits, ratio(hits, n), float(values[inside].mean()) if n else None))
     return rows
 
 

@@ -27,11 +27,9 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-# Names as in a record's summary, so a claim reads like `crossrt show`. Wall-clock numbers
-# (HARDWARE_BOUND) are compared only when the hardware matches: elsewhere a difference says
-# nothing about the claim.
-METRICS = metrics.NAMES
-HARDWARE_BOUND = metrics.HARDWARE_BOUND
+# A claim names the metrics of crossrt/records/metrics.py, as a record's summary does, so it
+# reads like `crossrt show`. Wall-clock ones (hardware_bound) are compared only when the
+# hardware matches: elsewhere a difference says nothing about the claim.
 OVERALL = "all"  # the "category" of numbers over every prompt a claim runs
 MODES = ("driven", "native")
 REQUIRED = ("id", "source", "runtime", "k", "sampling", "hardware", "expect")
@@ -147,11 +145,11 @@ def _expectations(table: object, tolerances: dict[str, Tolerance], where: str) -
     expectations = []
     for category, values in table.items():
         if not isinstance(values, dict) or not values:
-            raise ClaimError(f"{where}: expect.{category} must be a table of metrics ({', '.join(METRICS)})")
+            raise ClaimError(f"{where}: expect.{category} must be a table of metrics ({', '.join(metrics.names())})")
         for metric, value in values.items():
             at = f"{where}: expect.{category}.{metric}"
-            if metric not in METRICS:
-                raise ClaimError(f"{at}: unknown metric; metrics are {', '.join(METRICS)}")
+            if metric not in metrics.names():
+                raise ClaimError(f"{at}: unknown metric; metrics are {', '.join(metrics.names())}")
             if _number(value):
                 low = high = float(value)
             elif isinstance(value, list) and len(value) == 2 and all(map(_number, value)) and value[0] <= value[1]:
@@ -222,8 +220,8 @@ def parse_claim(entry: object, index: int, origin: Path) -> Claim:
     if template not in TEMPLATE_USES:
         raise ClaimError(f"{where}: template must be one of {', '.join(TEMPLATE_USES)}, got {template!r}")
     tolerance_table = entry.get("tolerance", {})
-    if not isinstance(tolerance_table, dict) or set(tolerance_table) - set(METRICS):
-        raise ClaimError(f"{where}: [tolerance] maps metrics ({', '.join(METRICS)}) to tolerances")
+    if not isinstance(tolerance_table, dict) or set(tolerance_table) - set(metrics.names()):
+        raise ClaimError(f"{where}: [tolerance] maps metrics ({', '.join(metrics.names())}) to tolerances")
     tolerances = {metric: _tolerance(value, f"{where}: tolerance.{metric}") for metric, value in tolerance_table.items()}
     expectations = _expectations(entry["expect"], tolerances, where)
     return Claim(
@@ -289,11 +287,12 @@ def check_record(claim: Claim, record: RunRecord, hardware: Optional[str]) -> tu
                    else f"every prompt of category {expected.category!r} failed")
             checks.append(Check(expected, NOT_RUN, why=why))
             continue
-        measured = getattr(summary, expected.metric)
+        metric = metrics.named(expected.metric)
+        measured = metric.of(summary)
         if measured is None:
             source = f"its source ({record.imported.format})" if record.imported else "the run"
             checks.append(Check(expected, NOT_RUN, why=f"{source} gives no {expected.metric}"))
-        elif expected.metric in HARDWARE_BOUND and not same_hardware(claim.hardware, hardware):
+        elif metric.hardware_bound and not same_hardware(claim.hardware, hardware):
             here = hardware or "not declared (--hardware)"
             checks.append(Check(expected, NOT_COMPARABLE, measured,
                                 f"claimed on {claim.hardware!r}, this machine: {here}"))
@@ -333,7 +332,7 @@ def exit_code(outcomes: list[Outcome], strict: bool) -> int:
 
 
 def _measured(metric: str, value: Optional[float]) -> str:
-    return metrics.BY_NAME[metric].format(value)
+    return metrics.named(metric).format(value)
 
 
 def render(outcomes: list[Outcome]) -> str:

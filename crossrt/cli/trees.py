@@ -13,6 +13,7 @@ from crossrt.run import loop
 from crossrt.report.ceiling import Ceiling, ceilings, check_chain, parse_tree, tree_results
 from crossrt.run.runtime import ModelSession, RuntimeOptions
 from crossrt.run.simulate import Oracle, Simulation
+from crossrt.records.metrics import Totals
 from crossrt.records.tables import format_table
 from crossrt.run.tree import RankOracle, Tree, build_rank_oracle, simulate_tree
 from crossrt.run.tree_loop import tree_generate
@@ -43,8 +44,10 @@ class TreeRun:
     greedy_decode_s: float  # plain greedy decoding of the same tokens, same session settings
 
     @property
-    def speedup(self) -> float:
-        return self.greedy_decode_s / self.decode_s if self.decode_s else 0.0
+    def totals(self) -> Totals:
+        """What the record's metrics read (each step of a tree accepts emitted - steps in all)."""
+        return Totals(self.steps, 0, self.emitted - self.steps, self.emitted, self.decode_s, self.emitted,
+                      self.greedy_decode_s)
 
 
 @dataclass(frozen=True)
@@ -134,9 +137,9 @@ def render_section(section: TreeSection) -> str:
     if section.runs:
         rows = [["tree", "prompts", "lossless", "as simulated", "steps", "tau", "tok/s", "greedy tok/s", "speedup"]]
         for run in section.runs:
-            rows.append([run.tree, str(run.prompts), str(run.lossless), str(run.as_simulated), str(run.steps), _n(run.emitted / run.steps),
-                         _n(run.emitted / run.decode_s, 1), _n(run.emitted / run.greedy_decode_s, 1),
-                         _n(run.speedup)])
+            t = run.totals
+            rows.append([run.tree, str(run.prompts), str(run.lossless), str(run.as_simulated), str(run.steps), _n(t.tau),
+                         _n(t.tokens_per_s, 1), _n(t.baseline_tokens_per_s, 1), _n(t.speedup)])
         blocks.append("real tree verification on llama.cpp (lossless: the greedy output; as simulated: of "
                       "those, the simulator's steps exactly):\n" + format_table(rows))
     return "\n\n".join(blocks)

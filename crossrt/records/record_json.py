@@ -20,19 +20,20 @@ from typing import Any, Optional
 import jsonschema
 
 from crossrt.records.journal import journal_path, read_with_journal, write_atomically
-from crossrt.records.schema import SCHEMA_RESOURCE, SCHEMA_VERSION, PromptResult, RecordError, RunRecord, ratio
+from crossrt.records import metrics
+from crossrt.records.schema import SCHEMA_RESOURCE, SCHEMA_VERSION, PromptResult, RecordError, RunRecord, Summary
+
 
 def _derived_of_result(result: PromptResult) -> dict[str, Any]:
-    counters = result.counters
-    return {
-        "lossless": result.lossless,
-        "tau": counters.tau if counters else None,
-        "alpha": counters.alpha if counters else None,
-        "tokens_per_s": result.tokens_per_s,
-        "baseline_tokens_per_s": result.baseline_tokens_per_s,
-        "speedup": ratio(result.tokens_per_s, result.baseline_tokens_per_s)
-        if result.ok and result.baseline_tokens_per_s else None,
-    }
+    return {"lossless": result.lossless, **metrics.values(result.totals)}
+
+
+# A summary's JSON: its counts, then every metric of the list (the seconds it sums stay unwritten).
+SUMMARY_COUNTS = ("prompts", "failed", "lossless", "steps", "drafted", "accepted", "emitted")
+
+
+def _summary_json(summary: Summary) -> dict[str, Any]:
+    return {**{name: getattr(summary, name) for name in SUMMARY_COUNTS}, **metrics.values(summary)}
 
 
 def record_to_json(record: RunRecord) -> dict[str, Any]:
@@ -40,8 +41,8 @@ def record_to_json(record: RunRecord) -> dict[str, Any]:
     for result_data, result in zip(data["results"], record.results, strict=True):
         result_data["derived"] = _derived_of_result(result)
     data["summary"] = {
-        "overall": dataclasses.asdict(record.summary()),
-        "by_category": {c: dataclasses.asdict(record.summary(c)) for c in record.categories()},
+        "overall": _summary_json(record.summary()),
+        "by_category": {c: _summary_json(record.summary(c)) for c in record.categories()},
     }
     if record.trace is None:
         del data["trace"]  # optional: an untraced record reads as before traces existed
@@ -87,9 +88,11 @@ def _close(a: Any, b: Any) -> bool:
 
 
 def _check_derived(written: dict[str, Any], recomputed: dict[str, Any], where: str) -> None:
+    """Each number written that the counters give otherwise. A key not written is a metric added
+    since the record was (nothing to check); one this crossrt does not know is a newer one's."""
     for name, value in recomputed.items():
-        if not _close(written.get(name), value):
-            raise RecordError(f"{where}: {name} is {written.get(name)!r} but the counters give {value!r}")
+        if name in written and not _close(written[name], value):
+            raise RecordError(f"{where}: {name} is {written[name]!r} but the counters give {value!r}")
 
 
 @lru_cache(maxsize=1)
@@ -122,7 +125,7 @@ def record_from_json(data: Any) -> RunRecord:
     check_counters(record)
     for result_data, result in zip(data["results"], record.results, strict=True):
         _check_derived(result_data["derived"], _derived_of_result(result), f"result {result.prompt_id}")
-    _check_derived(data["summary"]["overall"], dataclasses.asdict(record.summary()), "summary")
+    _check_derived(data["summary"]["overall"], _summary_json(record.summary()), "summary")
     return record
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from crossrt.errors import CrossrtError
+from crossrt.records.metrics import Totals
 
 
 SCHEMA_VERSION = 1
@@ -87,10 +88,6 @@ class Timings:
     baseline_decode_s: float
 
 
-def ratio(numerator: float, denominator: float) -> Optional[float]:
-    return numerator / denominator if denominator else None
-
-
 class CountsDoNotAddUp(CrossrtError):
     """Counts that break the counter identities (Counters.identity_violations), each listed."""
 
@@ -123,14 +120,20 @@ class Counters:
     unverified: int = 0
     cut: int = 0
 
+    def totals(self, timings: Optional[Timings] = None, baseline_tokens: int = 0) -> Totals:
+        """What the metrics read (crossrt/records/metrics.py): these counts, and timings' seconds."""
+        return Totals(self.steps, self.drafted, self.accepted, self.emitted,
+                      timings.decode_s if timings else 0.0, baseline_tokens,
+                      timings.baseline_decode_s if timings else 0.0)
+
     @property
     def tau(self) -> Optional[float]:
         """Tokens per verification step, bonus included: 1 + accepted / steps."""
-        return 1 + self.accepted / self.steps if self.steps else None
+        return self.totals().tau
 
     @property
     def alpha(self) -> Optional[float]:
-        return ratio(self.accepted, self.drafted)
+        return self.totals().alpha
 
     @classmethod
     def from_steps(cls, step_drafted: typing.Sequence[int], step_accepted: typing.Sequence[int], emitted: int,
@@ -260,51 +263,30 @@ class PromptResult:
         return list(self.output_ids) == list(self.baseline_ids) if self.ok and self.output_ids else None
 
     @property
-    def tokens_per_s(self) -> Optional[float]:
-        return ratio(self.counters.emitted, self.timings.decode_s) if self.ok and self.timings else None
-
-    @property
-    def baseline_tokens_per_s(self) -> Optional[float]:
-        return ratio(len(self.baseline_ids), self.timings.baseline_decode_s) if self.ok and self.timings else None
+    def totals(self) -> Optional[Totals]:
+        """What the metrics read: counters, seconds and baseline length; None unless finished."""
+        return self.counters.totals(self.timings, len(self.baseline_ids)) if self.ok else None
 
     @classmethod
     def failed(cls, prompt_id: str, category: str, error: str, prompt_ids=()) -> "PromptResult":
         return cls(prompt_id, category, "failed", error, tuple(prompt_ids), (), (), None, None, None)
 
 
-@dataclass(frozen=True)
-class Summary:
-    """Rates over a group of prompts: ratios of summed counters, not means of ratios."""
+@dataclass(frozen=True, kw_only=True)
+class Summary(Totals):
+    """A group of prompts: how many, and their finished prompts' counters and seconds summed, so
+    every metric (summary.tau, summary.speedup, ...) is a ratio of sums, not a mean of ratios."""
 
     prompts: int
     failed: int
     lossless: int
-    steps: int
-    drafted: int
-    accepted: int
-    emitted: int
-    tau: Optional[float]
-    alpha: Optional[float]
-    tokens_per_s: Optional[float]
-    baseline_tokens_per_s: Optional[float]
-    speedup: Optional[float]
 
     @classmethod
     def of(cls, results: typing.Sequence[PromptResult]) -> "Summary":
         done = [r for r in results if r.ok]
-        total = Counters(*(sum(getattr(r.counters, name) for r in done)
-                           for name in ("steps", "drafted", "accepted", "emitted")), None, None, None)
-        decode_s = sum(r.timings.decode_s for r in done if r.timings)  # imported results have none
-        baseline_s = sum(r.timings.baseline_decode_s for r in done if r.timings)
-        tps = ratio(total.emitted, decode_s)
-        baseline_tps = ratio(sum(len(r.baseline_ids) for r in done), baseline_s)
-        return cls(
-            prompts=len(results), failed=len(results) - len(done),
-            lossless=sum(1 for r in done if r.lossless),
-            steps=total.steps, drafted=total.drafted, accepted=total.accepted, emitted=total.emitted,
-            tau=total.tau, alpha=total.alpha, tokens_per_s=tps, baseline_tokens_per_s=baseline_tps,
-            speedup=ratio(tps, baseline_tps) if tps is not None and baseline_tps else None,
-        )
+        totals = sum((r.totals for r in done), Totals())
+        return cls(**dataclasses.asdict(totals), prompts=len(results), failed=len(results) - len(done),
+                   lossless=sum(1 for r in done if r.lossless))
 
 
 @dataclass(frozen=True)

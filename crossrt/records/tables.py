@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from crossrt.records.metrics import METRICS
+from crossrt.records import metrics
 from crossrt.records.schema import RunRecord, Summary
 
-SUMMARY_HEADER = ["runtime", "mode", "schedule", "k", "category", "prompts", "failed", "lossless", "steps",
-                  *(metric.heading for metric in METRICS)]
+SETTINGS_HEADER = ["runtime", "mode", "schedule", "k", "category", "prompts", "failed", "lossless", "steps"]
 
 
 def _summary_cells(record: RunRecord, category: str, summary: Summary) -> list[str]:
@@ -16,12 +15,12 @@ def _summary_cells(record: RunRecord, category: str, summary: Summary) -> list[s
     lossless = "-" if record.imported else f"{summary.lossless}/{done}"  # imported: no token ids
     return [record.runtime.name, record.params.mode, record.params.schedule, str(record.params.k), category, str(summary.prompts),
             str(summary.failed), lossless, str(summary.steps),
-            *(metric.format(getattr(summary, metric.name)) for metric in METRICS)]
+            *(metric.format(metric.of(summary)) for metric in metrics.METRICS)]
 
 
 def summary_rows(records: Sequence[RunRecord]) -> list[list[str]]:
     """Header plus, per record, one row per category and one overall row."""
-    rows = [SUMMARY_HEADER]
+    rows = [SETTINGS_HEADER + [metric.heading for metric in metrics.METRICS]]
     for record in records:
         for category in record.categories():
             rows.append(_summary_cells(record, category, record.summary(category)))

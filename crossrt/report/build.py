@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from crossrt.records.metrics import BY_NAME, METRICS, SPEED
+from crossrt.records import metrics
 from crossrt.analyze import analysis
 from crossrt.imports.importer import import_summary
 from crossrt.compare.parity import run_label
@@ -143,11 +143,12 @@ def tau_section(runs: Sequence[ReportRun]) -> Section:
             s = run.record.summary(category)
             lossless = "-" if run.record.imported else f"{s.lossless}/{s.prompts - s.failed}"  # no token ids
             rows.append((run.label, _name(category), str(s.prompts), str(s.failed), lossless, str(s.steps),
-                         *(metric.format(getattr(s, metric.name)) for metric in METRICS)))
-    table = Table(("run", "category", "prompts", "failed", "lossless", "steps", *(m.heading for m in METRICS)),
+                         *(metric.format(metric.of(s)) for metric in metrics.METRICS)))
+    table = Table(("run", "category", "prompts", "failed", "lossless", "steps",
+                   *(m.heading for m in metrics.METRICS)),
                   tuple(rows), 2)
     return Section("tau", "Tau per category",
-                   f"tau: {BY_NAME['tau'].meaning}. alpha: {BY_NAME['alpha'].meaning}. "
+                   f"tau: {metrics.named('tau').meaning}. alpha: {metrics.named('alpha').meaning}. "
                    "Both are ratios of sums over the finished prompts; lossless "
                    "counts finished prompts whose output equals the plain greedy baseline, token for token.",
                    chart, (table,), ())
@@ -232,13 +233,13 @@ def speedup_section(runs: Sequence[ReportRun]) -> Section:
     groups = [_name(c) for c in _categories(runs)]
     chart = bar_chart("speedup over plain greedy", groups, _by_category_bars(runs, "speedup"), "speedup",
                       reference=(1.0, "plain greedy"))
-    rows = [(run.label, _name(c), *(metric.format(getattr(s, metric.name)) for metric in SPEED))
+    timed = [metric for metric in metrics.METRICS if metric.hardware_bound]
+    rows = [(run.label, _name(c), *(metric.format(metric.of(s)) for metric in timed))
             for run in runs for c in [*run.record.categories(), None] for s in [run.record.summary(c)]]
-    table = Table(("run", "category", *(metric.heading for metric in SPEED)), tuple(rows), 2)
+    table = Table(("run", "category", *(metric.heading for metric in timed)), tuple(rows), 2)
     return Section("speedup", "Speedup",
-                   "tokens/s = emitted tokens / decode time of the speculative run; base tokens/s is plain "
-                   "greedy decoding on the same runtime; speedup is their ratio (sums over finished prompts). "
-                   "Timings depend on the machine and its load.", chart, (table,), ())
+                   "; ".join(f"{metric.heading}: {metric.meaning}" for metric in timed)
+                   + " (sums over finished prompts). Timings depend on the machine and its load.", chart, (table,), ())
 
 
 def iid_section(runs: Sequence[ReportRun]) -> Section:

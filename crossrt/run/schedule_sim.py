@@ -38,6 +38,7 @@ from crossrt.run import loop
 from crossrt.errors import ComparisonError, SettingsError
 from crossrt.run.runtime import DraftRules
 from crossrt.run.schedules import SERVER, SPEC_SIMPLE, verify
+from crossrt.records.metrics import Totals
 from crossrt.records.schema import Counters, RunRecord
 from crossrt.run.simulate import Oracle, Policy, simulate
 
@@ -335,11 +336,11 @@ class ScheduleResult:
 
     @property
     def tau(self) -> Optional[float]:
-        return 1 + self.accepted / self.steps if self.steps else None
+        return Totals(self.steps, self.drafted, self.accepted, self.emitted).tau
 
     @property
     def alpha(self) -> Optional[float]:
-        return self.accepted / self.drafted if self.drafted else None
+        return Totals(self.steps, self.drafted, self.accepted, self.emitted).alpha
 
 
 def summarize_schedule(oracles: Sequence[Oracle], schedule: str, rules: DraftRules) -> list[ScheduleResult]:

@@ -31,6 +31,7 @@ from crossrt.run import loop
 from crossrt.errors import SettingsError
 from crossrt.run.runtime import ModelSession, Rows
 from crossrt.run.schedules import check_prompt, top_probability
+from crossrt.records.metrics import Totals
 from crossrt.records.trace import top1_probability
 
 CHUNK = 64  # tokens per drafter pass when the oracle scores the whole output at once
@@ -269,12 +270,11 @@ def summarize(runs: Sequence[SimRun], costs: CostModel, label: str) -> list[Poli
         drafted = sum(run.drafted for run in group)
         accepted = sum(run.accepted for run in group)
         emitted = steps + accepted
-        spent = sum(costs.speculative_s(run) for run in group)
+        # The record's metrics over the cost model's seconds: its speedup is the predicted one.
+        totals = Totals(steps, drafted, accepted, emitted, sum(costs.speculative_s(run) for run in group),
+                        emitted, costs.plain_s(emitted))
         results.append(PolicyResult(label, category, len(group), steps, drafted, accepted, emitted,
-                                    sum(run.drafter_calls for run in group),
-                                    1 + accepted / steps if steps else None,
-                                    accepted / drafted if drafted else None,
-                                    costs.plain_s(emitted) / spent if spent else None))
+                                    sum(run.drafter_calls for run in group), totals.tau, totals.alpha, totals.speedup))
     return results
 
 

@@ -37,6 +37,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from crossrt.errors import SettingsError
+from crossrt.records.metrics import Totals
 from crossrt.run.runtime import ModelSession, Rows
 from crossrt.run.simulate import CHUNK, CostModel, Oracle, SimRun
 
@@ -246,10 +247,12 @@ def summarize_tree(runs: Sequence[SimRun], costs: Optional[CostModel], label: st
         group = [run for run in runs if category is None or run.category == category]
         steps = sum(run.steps for run in group)
         emitted = sum(run.emitted for run in group)
+        drafted = sum(run.drafted for run in group)
         timed = costs is not None and all(d < len(costs.verify_s) for run in group for d in run.step_drafted)
-        spent = sum(costs.speculative_s(run) for run in group) if timed else 0.0
-        results.append(TreeResult(label, nodes, depth, category, steps, emitted,
-                                  emitted / steps if steps else None,
-                                  1 + sum(run.drafted for run in group) / steps if steps else 0.0,
-                                  costs.plain_s(emitted) / spent if spent else None))
+        # The record's metrics over the cost model's seconds (none: no speedup).
+        totals = Totals(steps, drafted, sum(run.accepted for run in group), emitted,
+                        sum(costs.speculative_s(run) for run in group) if timed else 0.0,
+                        emitted, costs.plain_s(emitted) if timed else 0.0)
+        results.append(TreeResult(label, nodes, depth, category, steps, emitted, totals.tau,
+                                  1 + drafted / steps if steps else 0.0, totals.speedup))
     return results

@@ -24,11 +24,14 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from crossrt.records import metrics
 from crossrt.records.journal import write_atomically
+from crossrt.records.metrics import Totals
 from crossrt.records.record_json import load_record, record_from_json, save_record
 from crossrt.run.run_writer import RecordBusy, lock_path, record_lock
 from crossrt.records.schema import RecordError, RunRecord
@@ -40,7 +43,7 @@ STATE_KEY = "crossrt_sweep_state"  # the index's parquet key-value metadata: the
 # The query's database: read-only, no file but its own, no extension loaded, settings fixed.
 LOCKED = {"enable_external_access": False, "autoinstall_known_extensions": False,
           "autoload_known_extensions": False, "lock_configuration": True}
-# The index's columns and their SQL types: the cell's settings, then one prompt's result.
+# The index's columns and their SQL types (columns()): the cell's settings, then one prompt's result.
 CELL_COLUMNS = [
     ("cell_id", "VARCHAR"), ("cell_name", "VARCHAR"), ("pair", "VARCHAR"), ("runtime", "VARCHAR"),
     ("mode", "VARCHAR"), ("schedule", "VARCHAR"), ("k", "INTEGER"), ("draft_n_min", "INTEGER"),
@@ -52,21 +55,45 @@ CELL_COLUMNS = [
 ]
 PROMPT_COLUMNS = [
     ("prompt_id", "VARCHAR"), ("category", "VARCHAR"), ("status", "VARCHAR"), ("error", "VARCHAR"),
-    ("prompt_tokens", "INTEGER"), ("output_tokens", "INTEGER"), ("stop_reason", "VARCHAR"),
-    ("steps", "INTEGER"), ("drafted", "INTEGER"), ("accepted", "INTEGER"), ("emitted", "INTEGER"),
-    ("unverified", "INTEGER"), ("cut", "INTEGER"), ("tau", "DOUBLE"), ("alpha", "DOUBLE"), ("lossless", "BOOLEAN"),
+    ("prompt_tokens", "INTEGER"), ("output_tokens", "INTEGER"), ("baseline_tokens", "INTEGER"),
+    ("stop_reason", "VARCHAR"), ("steps", "INTEGER"), ("drafted", "INTEGER"), ("accepted", "INTEGER"),
+    ("emitted", "INTEGER"), ("unverified", "INTEGER"), ("cut", "INTEGER"), ("lossless", "BOOLEAN"),
     ("prefill_s", "DOUBLE"), ("decode_s", "DOUBLE"), ("baseline_prefill_s", "DOUBLE"), ("baseline_decode_s", "DOUBLE"),
-    ("tokens_per_s", "DOUBLE"), ("baseline_tokens_per_s", "DOUBLE"),
 ]
-COLUMNS = CELL_COLUMNS + PROMPT_COLUMNS
-# Per cell, for `SELECT ... FROM cells`: tau and alpha from summed counters, as records derive them.
-CELLS_VIEW = """
-CREATE VIEW cells AS SELECT cell_id, any_value(cell_name) AS cell_name, any_value(pair) AS pair,
-  any_value(runtime) AS runtime, any_value(mode) AS mode, any_value(schedule) AS schedule, any_value(k) AS k,
-  any_value(prompts) AS prompts, count(*) AS n_prompts, count(*) FILTER (status <> 'ok') AS failed,
-  count(*) FILTER (lossless) AS lossless, 1 + sum(accepted) / nullif(sum(steps), 0) AS tau,
-  sum(accepted) / nullif(sum(drafted), 0) AS alpha, any_value(cell_wall_s) AS cell_wall_s, any_value(host) AS host
-FROM prompts GROUP BY cell_id"""
+# crossrt_metric('tau', struct_pack(steps := ..., ...)): a metric by its own formula, in SQL, over
+# a struct of the columns named as metrics.Totals' fields (sums, in the cells view).
+METRIC_FUNCTION = "crossrt_metric"
+TOTALS = [(f.name, "BIGINT" if typing.get_type_hints(Totals)[f.name] is int else "DOUBLE") for f in fields(Totals)]
+
+
+def columns() -> list[tuple[str, str]]:
+    """The index's columns and their SQL types: the cell's settings, one prompt's result, then
+    each metric of crossrt/records/metrics.py over that prompt (computed by its formula here)."""
+    return CELL_COLUMNS + PROMPT_COLUMNS + [(metric.name, "DOUBLE") for metric in metrics.METRICS]
+
+
+def _metric_of(name: str, sums: dict[str, Optional[float]]) -> Optional[float]:
+    # A sum over no row is NULL in SQL, 0 to the formula (as an untimed prompt's seconds).
+    return metrics.named(name).of(Totals(**{key: 0 if value is None else value for key, value in sums.items()}))
+
+
+def _add_metric_function(duckdb, con) -> None:
+    totals = duckdb.struct_type(dict(TOTALS))
+    con.create_function(METRIC_FUNCTION, _metric_of, ["VARCHAR", totals], "DOUBLE", null_handling="special")
+
+
+def cells_view() -> str:
+    """`cells`, one row per cell: counts of its prompts, its summed counters and seconds, and
+    each metric over those sums by the metric's own formula, as records derive their summary."""
+    sums = ", ".join(f"sum({name})::{kind} AS {name}" for name, kind in TOTALS)
+    totals = "struct_pack(" + ", ".join(f"{name} := {name}" for name, _ in TOTALS) + ")"
+    rates = ", ".join(f"{METRIC_FUNCTION}('{metric.name}', {totals}) AS {metric.name}" for metric in metrics.METRICS)
+    return f"""
+CREATE VIEW cells AS SELECT *, {rates} FROM (SELECT cell_id, any_value(cell_name) AS cell_name,
+  any_value(pair) AS pair, any_value(runtime) AS runtime, any_value(mode) AS mode, any_value(schedule) AS schedule,
+  any_value(k) AS k, any_value(prompts) AS prompts, count(*) AS n_prompts, count(*) FILTER (status <> 'ok') AS failed,
+  count(*) FILTER (lossless) AS lossless, {sums}, any_value(cell_wall_s) AS cell_wall_s, any_value(host) AS host
+FROM prompts GROUP BY cell_id)"""
 
 
 @dataclass(frozen=True)
@@ -221,10 +248,11 @@ class SweepStore:
             for r in record.results:
                 c, t = r.counters, r.timings
                 yield settings + (r.prompt_id, r.category, r.status, r.error, len(r.prompt_ids), len(r.output_ids),
-                              r.stop_reason, *((c.steps, c.drafted, c.accepted, c.emitted, c.unverified, c.cut,
-                                                c.tau, c.alpha) if c else (None,) * 8),
-                              r.lossless, *((t.prefill_s, t.decode_s, t.baseline_prefill_s, t.baseline_decode_s)
-                                            if t else (None,) * 4), r.tokens_per_s, r.baseline_tokens_per_s)
+                                  len(r.baseline_ids), r.stop_reason,
+                                  *((c.steps, c.drafted, c.accepted, c.emitted, c.unverified, c.cut)
+                                    if c else (None,) * 6),
+                                  r.lossless, *((t.prefill_s, t.decode_s, t.baseline_prefill_s, t.baseline_decode_s)
+                                                if t else (None,) * 4), *metrics.values(r.totals).values())
 
     def index_path(self) -> Path:
         """index.parquet, rebuilt first unless it carries the digest of the finished cells as
@@ -233,7 +261,7 @@ class SweepStore:
         finished = self._finished()
         if not finished:
             raise SweepError(f"{self.root}: no finished cells (run `crossrt sweep run` first)")
-        state = _sha256(json.dumps([COLUMNS, sorted((i, m["record_sha256"]) for i, m in finished.items())]).encode())
+        state = _sha256(json.dumps([columns(), sorted((i, m["record_sha256"]) for i, m in finished.items())]).encode())
         if self._index_state(path) != state:
             self._write_index(path, [StoredCell(meta, self.record_path(i)) for i, meta in finished.items()], state)
         return path
@@ -256,8 +284,8 @@ class SweepStore:
         # This process's own partial file: a query rebuilding the index beside a run does not mix bytes with it.
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         with _duckdb().connect() as con:
-            con.execute("CREATE TABLE prompts (" + ", ".join(f"{n} {t}" for n, t in COLUMNS) + ")")
-            con.executemany(f"INSERT INTO prompts VALUES ({', '.join('?' * len(COLUMNS))})", list(self.rows(stored)))
+            con.execute("CREATE TABLE prompts (" + ", ".join(f"{n} {t}" for n, t in columns()) + ")")
+            con.executemany(f"INSERT INTO prompts VALUES ({', '.join('?' * len(columns()))})", list(self.rows(stored)))
             try:
                 con.execute(f"COPY prompts TO {_sql_text(partial)} (FORMAT parquet, KV_METADATA {{{STATE_KEY}: "
                             f"'{state}'}})")
@@ -276,8 +304,10 @@ class SweepStore:
             database = str(Path(work) / "sweep.duckdb")
             with duckdb.connect(database) as con:
                 con.execute(f"CREATE TABLE prompts AS SELECT * FROM read_parquet({_sql_text(index)})")
-                con.execute(CELLS_VIEW)
+                _add_metric_function(duckdb, con)  # the view names it: it binds only where the function is
+                con.execute(cells_view())
             with duckdb.connect(database, read_only=True, config=LOCKED) as con:
+                _add_metric_function(duckdb, con)
                 try:
                     result = con.execute(select)
                     return [d[0] for d in result.description], result.fetchall()
