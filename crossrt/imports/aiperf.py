@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from crossrt.imports.logs import ReadOptions
+from crossrt.inputs.prompts import json_lines
 from crossrt.imports.imported import DIGITS, MAX_K, ImportFailure, SourceCounts, draft_length, json_count
 
 ENGINES = ("vllm",)  # engines whose counting crossrt maps (AIPerf's adapters)
@@ -158,15 +159,8 @@ def _has_stats(line: dict) -> bool:
 
 def _requests(text: str) -> tuple[list[Request], list[str]]:
     requests, skipped = [], {"warm-up": 0, "failed": 0, "without speculative statistics": 0}
-    for number, raw in enumerate(text.split("\n"), start=1):
-        if not raw.strip():
-            continue
-        where = f"line {number}"
-        try:
-            line = json.loads(raw)
-        except json.JSONDecodeError as error:
-            raise ImportFailure(f"{where} is not JSON ({error.msg})") from None
-        if not isinstance(line, dict) or "metrics" not in line:
+    for line, where in json_lines(text, "export", ImportFailure):
+        if "metrics" not in line:
             raise ImportFailure(f"{where} is not an AIPerf record (no 'metrics')")
         metadata = line.get("metadata")
         if isinstance(metadata, dict) and metadata.get("benchmark_phase") == "warmup":

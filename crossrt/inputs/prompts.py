@@ -220,8 +220,10 @@ def by_content_type(prompts: list[Prompt]) -> list[Prompt]:
     return [dataclasses.replace(p, category=content_type(p.category) or p.category) for p in prompts]
 
 
-def json_lines(text: str, origin: str) -> list[tuple[dict, str]]:
-    """The JSON objects of a JSON Lines text, each with where it stands (file and line)."""
+def json_lines(text: str, origin: str, error: type[CrossrtError] = PromptError) -> list[tuple[dict, str]]:
+    """The JSON objects of a JSON Lines text, each with where it stands ("<origin> line N"):
+    the one reader of prompt files, first-answers files and AIPerf exports. A line that is not
+    a JSON object raises error, naming the line."""
     items: list[tuple[dict, str]] = []
     # JSON Lines ends lines at \n only: splitlines() would also split at U+2028, \x85... in strings
     for number, line in enumerate(text.split("\n"), start=1):
@@ -230,12 +232,12 @@ def json_lines(text: str, origin: str) -> list[tuple[dict, str]]:
         where = f"{origin} line {number}"
         try:
             item = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise PromptError(f"{where}: not JSON ({error.msg})") from None
-        except (ValueError, RecursionError) as error:  # a number too long to convert, nesting too deep
-            raise PromptError(f"{where}: not JSON crossrt can read ({error})") from None
+        except json.JSONDecodeError as problem:
+            raise error(f"{where}: not JSON ({problem.msg})") from None
+        except (ValueError, RecursionError) as problem:  # a number too long to convert, nesting too deep
+            raise error(f"{where}: not JSON crossrt can read ({problem})") from None
         if not isinstance(item, dict):
-            raise PromptError(f"{where}: expected a JSON object, got {type(item).__name__}")
+            raise error(f"{where}: expected a JSON object, got {type(item).__name__}")
         items.append((item, where))
     return items
 

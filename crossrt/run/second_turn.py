@@ -27,7 +27,7 @@ from crossrt.errors import PromptRefused
 from crossrt.records.journal import storage_error, write_atomically
 from crossrt.run.loop import greedy_generate
 from crossrt.inputs.pairs import Pair, PairError, sha256_of
-from crossrt.inputs.prompts import Prompt, PromptError
+from crossrt.inputs.prompts import Prompt, PromptError, json_lines
 from crossrt.run.resume import prompt_sha256
 from crossrt.run.runtime import RuntimeOptions, open_runtime
 
@@ -77,16 +77,10 @@ def _read(path: Path) -> dict[str, FirstAnswer]:
         raise FirstAnswerError(f"{path}: not a first-answers file ({error})") from None
     names = {f.name for f in dataclasses.fields(FirstAnswer)}
     answers: dict[str, FirstAnswer] = {}
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except ValueError as error:
-            raise FirstAnswerError(f"{path} line {number}: not JSON ({error})") from None
-        if not isinstance(item, dict) or set(item) != names or not isinstance(item["text"], str) \
+    for item, where in json_lines(text, str(path), FirstAnswerError):
+        if set(item) != names or not isinstance(item["text"], str) \
                 or not isinstance(item["answer_ids"], list) or not all(type(i) is int for i in item["answer_ids"]):
-            raise FirstAnswerError(f"{path} line {number}: not a first answer (expected the fields "
+            raise FirstAnswerError(f"{where}: not a first answer (expected the fields "
                                    f"{', '.join(sorted(names))})")
         answer = FirstAnswer(**{**item, "answer_ids": tuple(item["answer_ids"])})
         answers[answer.id] = answer
