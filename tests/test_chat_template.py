@@ -15,7 +15,8 @@ from click.testing import CliRunner
 from crossrt.inputs.chat_template import (ChatRendering, ChatTemplateError, apply_template, find_template, template_variables,
                                    user_turn)
 from crossrt.cli import main
-from crossrt.compare.diagnosis import TEMPLATE, Explainer, explain_record
+from crossrt.compare.diagnosis import Explainer, explain_record
+from crossrt.compare.splits import TEMPLATE
 from crossrt.compare.diff import diff_records, render_diff
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.inputs.pairs import load_pair

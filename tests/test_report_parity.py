@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.cli import main
-from crossrt.compare.diagnosis import NUMERICS
+from crossrt.compare.splits import NUMERICS
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.inputs.pairs import pair_from_paths
 from crossrt.compare.parity import compare_all

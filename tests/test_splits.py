@@ -25,7 +25,7 @@ from crossrt.backends.llama_cpp import LlamaCppSession
 from crossrt.builders.tinypair import build_pair
 from crossrt.compare.census import NUMERICS_VARIANTS, Variant, generated_prompts, take_census
 from crossrt.cli import main
-from crossrt.compare.diagnosis import COUNTERS_UNEXPLAINED, INSIDE_DISAGREEMENT, NUMERICS
+from crossrt.compare.splits import COUNTERS_UNEXPLAINED, INSIDE_DISAGREEMENT, NUMERICS
 from crossrt.records.record_json import load_record, save_record
 
 from conftest import REPO

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from crossrt.compare.diagnosis import NUMERICS
+from crossrt.compare.splits import NUMERICS
 from crossrt.compare.parity import OWN_BASELINE, PromptParity, compare_all, labelled
 from crossrt.compare.replay import Replayer
 from crossrt.records.schema import RunRecord

@@ -1,6 +1,6 @@
 """Where and why two runs part: `crossrt diff a.json b.json`.
 
-Per prompt, in order (crossrt/compare/diagnosis.py names each kind):
+Per prompt, in order (crossrt/compare/splits.py names each kind):
 - prompt ids that differ: a tokenization or template split, before any generation; a runtime
   whose own chat-template rendering differs from crossrt's (which both ran): a template split;
 - each run against its own greedy baseline: a speculative output that leaves it is explained
@@ -27,8 +27,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from crossrt.compare.diagnosis import (DISAGREEMENT, Explainer, Split, first_divergence, own_tokenization, template_split,
-                               tokenization_split, twins_of)
+from crossrt.compare.diagnosis import Explainer, twins_of
+from crossrt.compare.splits import (DISAGREEMENT, Split, first_divergence, own_tokenization, template_split,
+                                    tokenization_split)
 from crossrt.run.numerics import BROAD_DISAGREEMENT, NOISE_PERCENTILE, gap_shifts
 from crossrt.compare.replay import Replayer
 from crossrt.compare.rescore import score, top_k

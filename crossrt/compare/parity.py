@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from crossrt.compare.diagnosis import Explainer, Split, first_divergence, template_split, twins_of
+from crossrt.compare.diagnosis import Explainer, twins_of
+from crossrt.compare.splits import Split, first_divergence, template_split
 from crossrt.errors import ComparisonError
 from crossrt.records.schema import PromptResult, RunRecord
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from crossrt.compare.diagnosis import Side, Split, first_divergence, pass_shape
+from crossrt.compare.splits import Side, Split, first_divergence, pass_shape
 from crossrt.run.numerics import CLOSE_MAX, CLOSE_WINDOW
 from crossrt.compare.parity import OWN_BASELINE, PromptParity, compare_all
 from crossrt.compare.parity_report import ParityReport, headlines
