@@ -12,18 +12,15 @@ from click.testing import CliRunner
 
 from crossrt.analyze.claims import OK, check_record, load_claims
 from crossrt.cli import main
-from crossrt.inputs.pairs import pair_info
-from crossrt.inputs.prompts import load_prompts
 from crossrt.records import metrics, schema
 from crossrt.records.record_json import SUMMARY_COUNTS, load_record, record_from_json, record_to_json, save_record
-from crossrt.records.schema import RecordError, RunParams, RunRecord
+from crossrt.records.schema import RecordError
 from crossrt.records.tables import summary_rows
-from crossrt.run.driver import run_prompt
-from crossrt.run.runtime import DraftRules
 from crossrt.sweep.plan import Cell
 from crossrt.sweep.store import SweepStore
 
 from conftest import REPO, TINY_PAIR
+from test_schema import record  # noqa: F401 (the fixture: three tiny-pair prompts at k=3 and a failed one)
 
 JSON_SCHEMA = json.loads((REPO / "crossrt" / "data" / "run-record.schema.json").read_text(encoding="utf-8"))
 DEFS = JSON_SCHEMA["$defs"]
@@ -49,18 +46,6 @@ EXTRA = metrics.Metric("draft_per_step", "draft/step", 2, False, lambda t: metri
 
 def fields_of(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
-
-
-@pytest.fixture(scope="module")
-def record(tiny_pair, llama_runtime, tiny_sessions):
-    """Three prompts of the tiny pair at k=3, and one failed prompt."""
-    target, drafter = tiny_sessions
-    params = RunParams(k=3, greedy=True, max_new_tokens=24, mode="driven", spec_type="draft",
-                       schedule="crossrt", n_ctx=512, draft_n_min=3, draft_p_min=0.0)
-    record = RunRecord(llama_runtime.info(), pair_info(tiny_pair, "gguf"), params)
-    for prompt in load_prompts("builtin")[:3]:
-        record = record.with_result(run_prompt(target, drafter, prompt, DraftRules(3), 24))
-    return record.with_result(schema.PromptResult.failed("too-long", "prose", "does not fit", [0, 5]))
 
 
 @pytest.fixture

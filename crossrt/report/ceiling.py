@@ -83,17 +83,16 @@ def ceilings(sim: Simulation, ranks: Sequence[RankOracle], k: int, budget: int, 
         tree = best_tree(group, budget, max_depth, f"best {budget}")
         fitted = summarize_tree([simulate_tree(r, tree) for r in group], sim.costs, tree.label,
                                 tree.n_nodes, tree.depth)[-1]
-        steps = emitted = 0
+        held_out = []
         for fold in (0, 1):
             fit, score = group[fold::2], group[1 - fold::2]
             if fit and score:
                 held = best_tree(fit, budget, max_depth)
-                runs = [simulate_tree(r, held) for r in score]
-                steps += sum(run.steps for run in runs)
-                emitted += sum(run.emitted for run in runs)
+                held_out += [simulate_tree(r, held) for r in score]
+        held_out_tau = summarize_tree(held_out, None, "held out", budget, max_depth)[-1].tau
         top = summarize_tree([simulate_top_b(r, top_b, max_depth) for r in group], None, "top-b", 0, max_depth)[-1]
         rows.append(Ceiling(category, k, chain.tau, best.k, best.tau, best.speedup, budget, tree.n_nodes,
-                            tree.depth, fitted.tau, fitted.speedup, emitted / steps if steps else None, top_b, max_depth, top.tau))
+                            tree.depth, fitted.tau, fitted.speedup, held_out_tau, top_b, max_depth, top.tau))
     return rows
 
 
