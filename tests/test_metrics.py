@@ -17,7 +17,7 @@ from crossrt.records.record_json import SUMMARY_COUNTS, load_record, record_from
 from crossrt.records.schema import RecordError
 from crossrt.records.tables import summary_rows
 from crossrt.sweep.plan import Cell
-from crossrt.sweep.store import SweepStore
+from crossrt.sweep.store import TOTALS, SweepStore
 
 from conftest import REPO, TINY_PAIR
 from test_schema import record  # noqa: F401 (the fixture: three tiny-pair prompts at k=3 and a failed one)
@@ -132,6 +132,11 @@ def test_an_added_metric_reaches_every_reader(record, extra_metric, tmp_path):
     (cells,) = store.query("SELECT draft_per_step, tau, speedup, n_prompts, failed FROM cells")[1]
     overall = data["summary"]["overall"]
     assert cells[:3] == pytest.approx((expected, overall["tau"], overall["speedup"])) and cells[3:] == (4, 1)
+    # Any grouping, by the same formula: the metric function over a struct of sums.
+    sums = ", ".join(f"{name} := sum({name})::{kind}" for name, kind in TOTALS)
+    by_category = dict(store.query(f"SELECT category, crossrt_metric('draft_per_step', struct_pack({sums})) "
+                                   "FROM prompts GROUP BY category")[1])
+    assert by_category == pytest.approx({c: record.summary(c).draft_per_step for c in record.categories()})
 
 
 def test_a_record_written_before_a_metric_loads(record, monkeypatch, tmp_path):
