@@ -41,10 +41,6 @@ class Totals:
     def __add__(self, other: "Totals") -> "Totals":
         return Totals(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(Totals)))
 
-    def totals(self) -> "Totals":
-        """The sums alone (a subclass, such as schema.Summary, adds what is not summed)."""
-        return Totals(*(getattr(self, f.name) for f in dataclasses.fields(Totals)))
-
     def __getattr__(self, name: str) -> Optional[float]:
         # Only names no field or method has reach here; dunders first, so that copy and pickle,
         # which look some up before the fields exist, get their AttributeError at once.

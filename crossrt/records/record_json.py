@@ -1,7 +1,8 @@
 """The run record's JSON form (crossrt/records/schema.py holds the record itself): encoding with the
 derived blocks written for readers (jq, spreadsheets), decoding into the dataclasses,
-validation against data/run-record.schema.json on write and on read (derived blocks must match
-a recomputation), and the record file on disk. A run in progress appends each finished prompt
+validation against data/run-record.schema.json on write and on read (each metric a derived block
+holds must match a recomputation; one it lacks, written before that metric, is left out), and
+the record file on disk. A run in progress appends each finished prompt
 to a journal beside its record (crossrt/records/journal.py), validated alone; load_record folds it in
 (docs/design.md, "Records on disk").
 """

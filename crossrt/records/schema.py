@@ -1,7 +1,8 @@
 """The run record: one versioned JSON document per (pair, runtime, params) run.
 
 Counters are stored; every rate (tau, alpha, tokens/s, speedup) is derived from them, as
-vLLM does, so two records can always be compared by recomputing from the same numbers.
+vLLM does, by its formula in crossrt/records/metrics.py, so two records can always be compared
+by recomputing from the same numbers.
 Convention: tau counts the bonus token (tau = 1 + accepted / steps, which is emitted / steps in
 crossrt's own schedule), as community "tokens per step" figures do. docs/schema.md documents each field.
 
