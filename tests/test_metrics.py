@@ -16,7 +16,7 @@ from crossrt.records import metrics, schema
 from crossrt.records.record_json import SUMMARY_COUNTS, load_record, record_from_json, record_to_json, save_record
 from crossrt.records.schema import RecordError
 from crossrt.records.tables import summary_rows
-from crossrt.sweep.plan import Cell
+from crossrt.sweep.plan import Cell, SweepError
 from crossrt.sweep.store import TOTALS, SweepStore
 
 from conftest import REPO, TINY_PAIR
@@ -137,6 +137,8 @@ def test_an_added_metric_reaches_every_reader(record, extra_metric, tmp_path):
     by_category = dict(store.query(f"SELECT category, crossrt_metric('draft_per_step', struct_pack({sums})) "
                                    "FROM prompts GROUP BY category")[1])
     assert by_category == pytest.approx({c: record.summary(c).draft_per_step for c in record.categories()})
+    with pytest.raises(SweepError, match="crossrt_metric: no metric 'nope'; metrics are tau, alpha"):
+        store.query(f"SELECT crossrt_metric('nope', struct_pack({sums})) FROM prompts")
 
 
 def test_a_record_written_before_a_metric_loads(record, monkeypatch, tmp_path):

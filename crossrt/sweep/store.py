@@ -73,8 +73,11 @@ def columns() -> list[tuple[str, str]]:
 
 
 def _metric_of(name: str, sums: dict[str, Optional[float]]) -> Optional[float]:
+    if name not in metrics.names():  # the query fails with this line (sweep query prints its first)
+        raise ValueError(f"{METRIC_FUNCTION}: no metric {name!r}; metrics are {', '.join(metrics.names())}")
     # A sum over no row is NULL in SQL, 0 to the formula (as an untimed prompt's seconds).
-    return metrics.named(name).of(Totals(**{key: 0 if value is None else value for key, value in sums.items()}))
+    given = {key: value for key, value in (sums or {}).items() if value is not None}
+    return metrics.named(name).of(Totals(**given))
 
 
 def _add_metric_function(duckdb, con) -> None:
