@@ -22,12 +22,14 @@ import sys
 from pathlib import Path
 
 from crossrt.run import loop
-from crossrt.run.adaptive import DraftPolicy, policy_generate, simulate_policy
+from crossrt.run.adaptive import simulate_policy
+from crossrt.run.policies import DraftPolicy
+from crossrt.run.strategies import Strategy
 from crossrt.inputs.pairs import load_pair
 from crossrt.inputs.prompts import Prompt, load_prompts
 from crossrt.run.relaxed import relaxed_run
-from crossrt.run.runtime import RuntimeOptions, open_runtime
-from crossrt.run.simulate import build_oracle, measure_costs, simulate_suite
+from crossrt.run.runtime import DraftRules, RuntimeOptions, open_runtime
+from crossrt.run.simulate import SimRun, build_oracle, measure_costs, simulate_suite
 from crossrt.records.tables import format_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,24 +77,25 @@ def main() -> int:
     best = {b.category: b.k for b in simulate_suite(plain, costs, MAX_K).best_k}
     mix = mixed(prompts)
     mix_oracles = oracles_of(mix)
-    policies = [DraftPolicy(f"fixed k={k}", k) for k in range(1, MAX_K + 1)] + [
-        DraftPolicy(f"content code={best['code']} prose={best['prose']}", best["prose"],
-                    {"code": best["code"], "prose": best["prose"]}),
-        DraftPolicy("online 1..8", 2, online=True, k_max=MAX_K),
-        DraftPolicy("confidence k=8 p1>=0.5", MAX_K, min_p1=0.5),
-        DraftPolicy("confidence k=8 p1>=0.9", MAX_K, min_p1=0.9),
-        DraftPolicy("online + p1>=0.5", 2, online=True, k_max=MAX_K, min_p1=0.5)]
+    # (k, strategy): the loop runs each, simulate_policy replays the same DraftPolicy.
+    policies = [(k, Strategy()) for k in range(1, MAX_K + 1)] + [
+        (best["prose"], Strategy(k_policy="content", content_k=(("code", best["code"]), ("prose", best["prose"])))),
+        (2, Strategy(k_policy="online", k_max=MAX_K)),
+        (MAX_K, Strategy(k_policy="confidence", min_p1=0.5)),
+        (MAX_K, Strategy(k_policy="confidence", min_p1=0.9))]
     greedy_s = sum(loop.greedy_generate(target, o.prompt_ids, args.max_new).decode_s for o in mix_oracles)
     emitted = sum(len(o.output) for o in mix_oracles)
     rows = [["policy", "steps", "tau", "match sim", "tok/s", "greedy tok/s", "speedup", "predicted"]]
     adaptive = []
-    for policy in policies:
-        runs = [policy_generate(target, drafter, o.prompt_ids, policy, args.max_new) for o in mix_oracles]
+    for k, strategy in policies:
+        policy = DraftPolicy.of(strategy, k)
+        runs = [loop.speculative_generate(target, drafter, o.prompt_ids, DraftRules(k), args.max_new, strategy=strategy)
+                for o in mix_oracles]
         sims = [simulate_policy(o, policy, target.detokenize) for o in mix_oracles]
-        match = sum(r.sim_run(o.prompt_id, o.category) == s and r.generation.output_ids == o.output
+        match = sum(SimRun.of(r, o.prompt_id, o.category) == s and r.output_ids == o.output
                     for r, s, o in zip(runs, sims, mix_oracles))
-        spent = sum(r.generation.decode_s for r in runs)
-        steps = sum(len(r.generation.step_accepted) for r in runs)
+        spent = sum(r.decode_s for r in runs)
+        steps = sum(len(r.step_accepted) for r in runs)
         predicted = costs.plain_s(emitted) / sum(costs.speculative_s(s) for s in sims)
         adaptive.append({"policy": policy.label, "steps": steps, "emitted": emitted, "match": match,
                          "prompts": len(runs), "decode_s": spent, "greedy_decode_s": greedy_s,
@@ -112,7 +115,7 @@ def main() -> int:
             group = [o for o in plain if o.category == category]
             results = [relaxed_run(target, drafter, o.prompt_id, o.category, o.prompt_ids, o.output, k_pair, top_m,
                                    delta, args.max_new) for o in group]
-            chain = [policy_generate(target, drafter, o.prompt_ids, DraftPolicy("k", k_pair), args.max_new).generation
+            chain = [loop.speculative_generate(target, drafter, o.prompt_ids, DraftRules(k_pair), args.max_new)
                      for o in group]
             greedy_tau = sum(len(g.output_ids) for g in chain) / sum(len(g.step_accepted) for g in chain)
             splits = [r.first_divergence for r in results if r.first_divergence is not None]

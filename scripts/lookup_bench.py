@@ -1,11 +1,11 @@
-"""Prompt-lookup drafting (crossrt/run/lookup.py) in the driven loop, per category (docs/ceiling.md).
+"""Prompt-lookup drafting (crossrt/run/drafters.py, PromptLookup) in the driven loop, per category (docs/ceiling.md).
 
     .venv/bin/python scripts/lookup_bench.py --pair gemma3-270m [--prompts categories] [--limit 4]
         [--max-new 64] [--k 7] [--out results.json]
 
 The pair's target with a prompt-lookup drafter (the pair's drafter model is not loaded): the
 chain oracle per prompt, simulated tau per category at k = 1..8 drafting only while the lookup
-finds a match (p1 >= 0.5), then real driven runs at --k under the same rule, checked step for
+finds a match, then real driven runs at --k (Strategy(drafting="prompt-lookup")), which do the same, checked step for
 step against the simulation where lossless (on a quantized model a verification batch can
 break a near-tie differently from plain decoding, docs/real-models.md), with decode tokens/s
 against plain greedy.
@@ -19,17 +19,19 @@ import sys
 from pathlib import Path
 
 from crossrt.run import loop
-from crossrt.run.adaptive import DraftPolicy, policy_generate, simulate_policy
-from crossrt.run.lookup import PromptLookupSession
+from crossrt.run.adaptive import simulate_policy
+from crossrt.run.drafters import PromptLookup
+from crossrt.run.policies import DraftPolicy
+from crossrt.run.strategies import Strategy
 from crossrt.inputs.pairs import load_pair
 from crossrt.inputs.prompts import load_prompts
-from crossrt.run.runtime import RuntimeOptions, open_runtime
-from crossrt.run.simulate import Policy, build_oracle, simulate
+from crossrt.run.runtime import DraftRules, RuntimeOptions, open_runtime
+from crossrt.run.simulate import Policy, SimRun, build_oracle, simulate
 from crossrt.records.tables import format_table
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_K = 8
-MATCHED = 0.5  # a lookup row's top-1 probability is ~1 on a match, 1/n_vocab without
+MATCHED = 0.5  # a lookup oracle's confidence is 1 on a match, 0 without: the simulated draft stops there
 
 
 def main() -> int:
@@ -45,7 +47,7 @@ def main() -> int:
     pair_path = Path(args.pair) if Path(args.pair).is_file() else REPO / "models" / "pairs" / f"{args.pair}.toml"
     pair = load_pair(pair_path)
     target = open_runtime("llama-cpp", RuntimeOptions(n_ctx=args.n_ctx, threads=1)).load(pair.path("target", "gguf"))
-    lookup = PromptLookupSession(target.n_vocab, target.n_ctx, target.eog_ids, target.tokenize, target.detokenize)
+    lookup = PromptLookup()
     prompts = load_prompts(args.prompts)
     categories = list(dict.fromkeys(p.category for p in prompts))
     if args.limit:
@@ -66,7 +68,8 @@ def main() -> int:
     print("simulated tau by k, drafting while the lookup matches:")
     print(format_table(rows))
 
-    policy = DraftPolicy(f"lookup k={args.k}", args.k, min_p1=MATCHED)
+    strategy = Strategy(drafting="prompt-lookup")
+    policy = DraftPolicy.of(strategy, args.k)
     rows = [["category", "prompts", "lossless", "as simulated", "tau", "drafted/step", "alpha", "tok/s", "greedy tok/s", "speedup"]]
     measured = []
     for category in [*categories, None]:
@@ -76,15 +79,16 @@ def main() -> int:
         else:
             results = []
             for o in group:
-                run = policy_generate(target, lookup, o.prompt_ids, policy, args.max_new)
+                run = loop.speculative_generate(target, None, o.prompt_ids, DraftRules(args.k), args.max_new,
+                                                strategy=strategy)
                 greedy = loop.greedy_generate(target, o.prompt_ids, args.max_new)
                 sim = simulate_policy(o, policy, target.detokenize)
                 results.append({"prompt_id": o.prompt_id, "category": o.category,
-                                "lossless": run.generation.output_ids == o.output,
-                                "as_simulated": run.sim_run(o.prompt_id, o.category) == sim,
-                                "steps": len(run.generation.step_accepted), "drafted": sum(run.generation.step_drafted),
-                                "accepted": sum(run.generation.step_accepted), "emitted": len(run.generation.output_ids),
-                                "decode_s": run.generation.decode_s, "greedy_decode_s": greedy.decode_s})
+                                "lossless": run.output_ids == o.output,
+                                "as_simulated": SimRun.of(run, o.prompt_id, o.category) == sim,
+                                "steps": len(run.step_accepted), "drafted": sum(run.step_drafted),
+                                "accepted": sum(run.step_accepted), "emitted": len(run.output_ids),
+                                "decode_s": run.decode_s, "greedy_decode_s": greedy.decode_s})
             measured += results
         steps = sum(r["steps"] for r in results)
         emitted = sum(r["emitted"] for r in results)

@@ -4,17 +4,23 @@ exact greedy at top-m 1 and measures its drift otherwise."""
 
 import pytest
 
-from crossrt.run.adaptive import DraftPolicy, content_type, policy_generate, simulate_policy
+from crossrt.run import loop
+from crossrt.run.adaptive import simulate_policy
+from crossrt.run.drafters import PromptLookup
 from crossrt.inputs.prompts import load_prompts
+from crossrt.run.policies import DraftPolicy, content_type
 from crossrt.run.relaxed import drift, relaxed_run
-from crossrt.run.simulate import Policy, build_oracle, simulate
+from crossrt.run.runtime import DraftRules
+from crossrt.run.simulate import Policy, SimRun, build_oracle, simulate
+from crossrt.run.strategies import Strategy
 
 PROMPTS = load_prompts("builtin")
 MAX_NEW = 40
 MAX_K = 6
-POLICIES = [DraftPolicy("fixed 3", 3), DraftPolicy("content", 2, {"code": 5, "prose": 2}),
-            DraftPolicy("online", 2, online=True, k_max=6), DraftPolicy("confident", 6, min_p1=0.9),
-            DraftPolicy("online confident", 3, online=True, k_max=6, min_p1=0.5)]
+# (k, strategy): what the loop runs; DraftPolicy.of gives the policy simulate_policy replays.
+POLICIES = [(3, Strategy()), (2, Strategy(k_policy="content", content_k=(("code", 5), ("prose", 2)))),
+            (2, Strategy(k_policy="online", k_max=6)), (6, Strategy(k_policy="confidence", min_p1=0.9)),
+            (3, Strategy(k_policy="online", k_max=6, min_p1=0.5))]
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +36,15 @@ def test_content_types():
     assert content_type("The river ran past the mill and the children") == "prose"
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.label)
-def test_a_policy_run_equals_its_simulation(tiny_sessions, oracles, policy):
+@pytest.mark.parametrize("k, strategy", POLICIES, ids=lambda p: p.label() if isinstance(p, Strategy) else str(p))
+def test_a_policy_run_equals_its_simulation(tiny_sessions, oracles, k, strategy):
     target, drafter = tiny_sessions
+    policy = DraftPolicy.of(strategy, k)
     for oracle in oracles:
-        real = policy_generate(target, drafter, oracle.prompt_ids, policy, MAX_NEW)
-        assert real.generation.output_ids == oracle.output, oracle.prompt_id
+        real = loop.speculative_generate(target, drafter, oracle.prompt_ids, DraftRules(k), MAX_NEW, strategy=strategy)
+        assert real.output_ids == oracle.output, oracle.prompt_id
         sim = simulate_policy(oracle, policy, target.detokenize)
-        run = real.sim_run(oracle.prompt_id, oracle.category)
+        run = SimRun.of(real, oracle.prompt_id, oracle.category)
         assert (run.step_drafted, run.step_accepted, run.drafter_calls) == \
             (sim.step_drafted, sim.step_accepted, sim.drafter_calls), oracle.prompt_id
 
@@ -79,19 +86,17 @@ def test_drift():
 def test_a_prompt_lookup_drafter_runs_as_simulated(tiny_sessions):
     """The prompt-lookup session in the driven loop: greedy output, and the chain simulator's
     steps on an oracle built with it, drafting only while it finds a match."""
-    from crossrt.run.lookup import PromptLookupSession
-
     target, _ = tiny_sessions
-    lookup = PromptLookupSession(target.n_vocab, target.n_ctx, target.eog_ids, target.tokenize, target.detokenize)
-    assert lookup.proposal([5, 6, 7, 5, 6]) == 7 and lookup.proposal([1, 2, 3]) == -1
-    policy = DraftPolicy("lookup", 4, min_p1=0.5)
+    lookup = PromptLookup()
+    assert lookup.proposal([5, 6, 7, 5, 6]) == 7 and lookup.proposal([1, 2, 3]) is None
     drafted = 0
     for p in PROMPTS:
         oracle = build_oracle(target, lookup, p.id, p.category, target.tokenize(p.text), MAX_NEW, 4)
-        real = policy_generate(target, lookup, oracle.prompt_ids, policy, MAX_NEW)
-        assert real.generation.output_ids == oracle.output
+        real = loop.speculative_generate(target, None, oracle.prompt_ids, DraftRules(4), MAX_NEW,
+                                         strategy=Strategy(drafting="prompt-lookup"))
+        assert real.output_ids == oracle.output
         sim = simulate(oracle, Policy(4, 0.5))
-        assert (real.generation.step_drafted, real.generation.step_accepted, real.drafter_calls) == \
+        assert (real.step_drafted, real.step_accepted, real.drafter_calls) == \
             (sim.step_drafted, sim.step_accepted, sim.drafter_calls)
         drafted += sim.drafted
     assert drafted > 0

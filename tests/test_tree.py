@@ -12,7 +12,6 @@ from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import DraftRules, RuntimeOptions
 from crossrt.run.simulate import Policy, build_oracle, simulate
 from crossrt.run.tree import Tree, best_tree, build_rank_oracle, simulate_top_b, simulate_tree
-from crossrt.run.tree_loop import tree_generate
 
 from conftest import REPO
 
@@ -53,7 +52,8 @@ def test_a_real_tree_run_is_greedy_and_counts_as_simulated(tiny_sessions, tree_t
     _, drafter = tiny_sessions
     _, ranks = oracles
     for rank in ranks:
-        real = tree_generate(tree_target, drafter, rank.prompt_ids, tree, MAX_NEW)
+        real = loop.speculative_generate(tree_target, drafter, rank.prompt_ids, DraftRules(tree.depth), MAX_NEW,
+                                         tree=tree)
         assert real.output_ids == rank.output, rank.prompt_id
         sim = simulate_tree(rank, tree)
         assert (real.step_drafted, real.step_accepted) == (sim.step_drafted, sim.step_accepted), rank.prompt_id
@@ -65,7 +65,8 @@ def test_a_real_width_one_tree_run_equals_the_chain_loop(tiny_sessions, tree_tar
     _, ranks = oracles
     for rank in ranks:
         chain = loop.speculative_generate(target, drafter, rank.prompt_ids, DraftRules(3), MAX_NEW)
-        tree = tree_generate(tree_target, drafter, rank.prompt_ids, Tree.full(1, 3), MAX_NEW)
+        tree = loop.speculative_generate(tree_target, drafter, rank.prompt_ids, DraftRules(3), MAX_NEW,
+                                         tree=Tree.full(1, 3))
         assert (tree.output_ids, tree.step_drafted, tree.step_accepted) == \
             (chain.output_ids, chain.step_drafted, chain.step_accepted)
 
@@ -110,7 +111,8 @@ def trained_runs():
         ranks = [build_rank_oracle(drafter, build_oracle(target, drafter, p.id, p.category, target.tokenize(p.text),
                                                          MAX_NEW, 1), TOP_B) for p in TRAINED]
         trees = [Tree.full(2, 3), best_tree(ranks, 12, MAX_K)]
-        yield ranks, trees, {tree.label: [tree_generate(tree_target, drafter, r.prompt_ids, tree, MAX_NEW)
+        yield ranks, trees, {tree.label: [loop.speculative_generate(tree_target, drafter, r.prompt_ids, DraftRules(tree.depth),
+                                                                  MAX_NEW, tree=tree)
                                           for r in ranks] for tree in trees}
 
 

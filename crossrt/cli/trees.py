@@ -11,12 +11,11 @@ from typing import Mapping, Optional, Sequence
 
 from crossrt.run import loop
 from crossrt.report.ceiling import Ceiling, ceilings, check_chain, parse_tree, tree_results
-from crossrt.run.runtime import ModelSession, RuntimeOptions
+from crossrt.run.runtime import DraftRules, ModelSession, RuntimeOptions
 from crossrt.run.simulate import Oracle, Simulation
 from crossrt.records.metrics import Totals
 from crossrt.records.tables import format_table
 from crossrt.run.tree import RankOracle, Tree, build_rank_oracle, simulate_tree
-from crossrt.run.tree_loop import tree_generate
 
 
 def _n(value: Optional[float], digits: int = 2) -> str:
@@ -104,7 +103,8 @@ def run_trees(section: TreeSection, target_path: Path, options: RuntimeOptions, 
             lossless = as_simulated = emitted = steps = 0
             spent = 0.0
             for rank in section.ranks:
-                real = tree_generate(tree_target, drafter, rank.prompt_ids, tree, rank.max_new_tokens)
+                real = loop.speculative_generate(tree_target, drafter, rank.prompt_ids, DraftRules(tree.depth),
+                                                 rank.max_new_tokens, tree=tree)
                 sim = simulate_tree(rank, tree)
                 if real.output_ids == rank.output:
                     lossless += 1

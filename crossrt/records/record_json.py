@@ -58,6 +58,8 @@ def record_to_json(record: RunRecord) -> dict[str, Any]:
                      "baseline_source"):
             if result_data[name] is None:
                 del result_data[name]
+        if not result_data["lossy"]:
+            del result_data["lossy"]  # optional: a greedy run's result reads as before strategies existed
         for view in (result_data.get("output_view"), result_data.get("baseline_view")):
             for name in ("close_ids", "close_gaps"):  # optional: absent in records before them
                 if view is not None and view[name] is None:

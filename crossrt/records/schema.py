@@ -77,6 +77,21 @@ class RunParams:
     n_ctx: Optional[int]
     draft_n_min: Optional[int]
     draft_p_min: Optional[float]
+    # The driven loop's strategy (crossrt/run/strategies.py); the defaults are what every record
+    # before strategies ran: a draft model's chain at fixed k, greedy. Parameters are None where
+    # their part of the strategy does not apply.
+    drafting: str = "model"  # "model", "prompt-lookup" or "tree"
+    tree: Optional[str] = None  # drafting "tree": WxD or a choice-list file
+    ngram_max: Optional[int] = None  # drafting "prompt-lookup"
+    ngram_min: Optional[int] = None
+    k_policy: str = "fixed"  # "fixed", "content", "online" or "confidence"
+    content_k: Optional[str] = None  # k_policy "content": e.g. "code=7,prose=3"
+    k_max: Optional[int] = None  # k_policy "online"
+    min_p1: Optional[float] = None  # k_policy "confidence"
+    acceptance: str = "greedy"  # "greedy" or "relaxed"
+    top_m: Optional[int] = None  # acceptance "relaxed"
+    delta: Optional[float] = None
+    lossy: bool = False  # the acceptance rule may leave greedy decoding: never counted as lossless
 
 
 @dataclass(frozen=True)
@@ -252,6 +267,7 @@ class PromptResult:
     # differs from prompt_ids (crossrt's rendering): a template split (crossrt/inputs/chat_template.py).
     template_ids: Optional[tuple[int, ...]] = None
     baseline_source: Optional[BaselineSource] = None  # None in records written before the store
+    lossy: bool = False  # run under a lossy acceptance rule (RunParams.lossy): it makes no lossless claim
 
     @property
     def ok(self) -> bool:
@@ -261,6 +277,9 @@ class PromptResult:
     def lossless(self) -> Optional[bool]:
         # Full-length token-id comparison: a shorter output is a difference, never a prefix match.
         # An imported result holds no token ids (every run emits at least one): nothing to check.
+        # A lossy run is never counted lossless, even where its output happens to be greedy's.
+        if self.lossy:
+            return None
         return list(self.output_ids) == list(self.baseline_ids) if self.ok and self.output_ids else None
 
     @property

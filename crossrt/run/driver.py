@@ -24,7 +24,7 @@ from crossrt.run.run_writer import RunWriter, record_lock
 from crossrt.run.runtime import (DraftRules, ModelSession, NativeSession, Runtime, RuntimeOptions,
                              RuntimeUnavailable, open_runtime)
 from crossrt.run.schedules import SERVER
-from crossrt.run.strategies import Strategy
+from crossrt.run.strategies import Strategy, format_content_k, tree_spec
 from crossrt.records.schema import PromptFormat, PromptResult, RunParams, RunRecord, Timings
 from crossrt.records.trace import PromptTrace, TraceRecorder, read_traces, trace_path
 
@@ -74,28 +74,60 @@ def _prompt_ids(tokenize: Callable[[str], list[int]], prompt: Prompt,
     return tuple(shared), (own if own != tuple(shared) else None)
 
 
-def run_prompt(target: ModelSession, drafter: ModelSession, prompt: Prompt, rules: DraftRules,
+def run_prompt(target: ModelSession, drafter: Optional[ModelSession], prompt: Prompt, rules: DraftRules,
                max_new_tokens: int, schedule: str = loop.SCHEDULE,
                shared_ids: Optional[Sequence[int]] = None, trace: Optional[TraceRecorder] = None,
-               baselines: Optional[RunBaselines] = None) -> PromptResult:
+               baselines: Optional[RunBaselines] = None, strategy: Strategy = Strategy(),
+               tree_target: Optional[ModelSession] = None) -> PromptResult:
     """Baseline then speculative run of one prompt; a prompt that cannot run (too long for
     the context, a decode error) becomes a failed result with the reason. trace, when given,
-    records the speculative run; baselines, when given, holds the baseline decoded once."""
+    records the speculative run; baselines, when given, holds the baseline decoded once;
+    strategy: how the run drafts, sizes and accepts drafts (tree drafting verifies on
+    tree_target, the target's tree session; prompt lookup needs no drafter)."""
     prompt_ids: tuple[int, ...] = ()
     try:
         prompt_ids, own_ids = _prompt_ids(target.tokenize, prompt, shared_ids)
         whole_prompt = schedule == SERVER
         baseline, source = _baseline(baselines, prompt_ids, max_new_tokens, whole_prompt, lambda: loop.greedy_generate(
             target, prompt_ids, max_new_tokens, whole_prompt=whole_prompt))
-        speculative = loop.speculative_generate(target, drafter, prompt_ids, rules, max_new_tokens, schedule, trace)
+        speculative = loop.speculative_generate(tree_target or target, drafter, prompt_ids, rules, max_new_tokens,
+                                                schedule, trace, strategy)
     except PromptRefused as error:
         return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
     # crossrt's own loop: counts that did not add up would be a bug, so they are not caught here.
-    counters = speculative.counters(rules.k)
+    counters = speculative.counters(loop.draft_bound(strategy, rules.k))
     timings = Timings(speculative.prefill_s, speculative.decode_s, baseline.prefill_s, baseline.decode_s)
     return PromptResult(prompt.id, prompt.category, "ok", None, prompt_ids, speculative.output_ids,
                         baseline.output_ids, speculative.stop_reason, counters, timings, own_ids,
-                        output_view=speculative.view, baseline_view=baseline.view, baseline_source=source)
+                        output_view=speculative.view, baseline_view=baseline.view, baseline_source=source,
+                        lossy=strategy.lossy)
+
+
+def strategy_params(strategy: Strategy) -> dict:
+    """The strategy's RunParams fields, each parameter only where its part applies."""
+    return dict(
+        drafting=strategy.drafting, tree=strategy.tree,
+        ngram_max=strategy.ngram_max if strategy.drafting == "prompt-lookup" else None,
+        ngram_min=strategy.ngram_min if strategy.drafting == "prompt-lookup" else None,
+        k_policy=strategy.k_policy,
+        content_k=format_content_k(strategy.content_k) if strategy.content_k else None,
+        k_max=strategy.k_max if strategy.k_policy == "online" else None,
+        min_p1=strategy.min_p1 if strategy.k_policy == "confidence" else None,
+        acceptance=strategy.acceptance,
+        top_m=strategy.top_m if strategy.acceptance == "relaxed" else None,
+        delta=strategy.delta if strategy.acceptance == "relaxed" else None,
+        lossy=strategy.lossy)
+
+
+def _tree_session(request: RunRequest, path: Path, stack: contextlib.ExitStack) -> ModelSession:
+    """The target's tree session, for tree drafting: llama.cpp's, the one runtime that has one."""
+    if request.runtime != "llama-cpp":
+        raise SettingsError(f"tree drafting verifies a tree in one batch: the llama-cpp runtime's tree session, "
+                            f"not {request.runtime}")
+    # Imported here: llama.cpp is loaded only when a run uses it (crossrt/run/runtime.py's registry).
+    from crossrt.backends.llama_cpp_tree import load_tree_session
+    leaves = len(tree_spec(request.strategy.tree).leaves())
+    return stack.enter_context(load_tree_session(request.options, path, leaves))
 
 
 def run_prompt_native(session: NativeSession, prompt: Prompt, max_new_tokens: int, k: int,
@@ -165,6 +197,9 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
     if request.trace and (request.mode != "driven" or request.schedule not in loop.TRACED_SCHEDULES):
         raise SettingsError(f"traces are recorded in driven mode with the {' or '.join(loop.TRACED_SCHEDULES)} "
                          "schedule")
+    if request.mode == "native" and not request.strategy.is_default:
+        raise SettingsError(f"a native run follows the runtime's own drafting, not {request.strategy.label()}: "
+                            "strategies run in driven mode")
     paths = {role: request.pair.path(role, runtime.model_format) for role in ROLES}
 
     def shared(prompt: Prompt) -> Optional[tuple[int, ...]]:
@@ -180,15 +215,19 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
         return (lambda prompt, _, baselines: run_prompt_native(session, prompt, request.max_new_tokens,
                                                               request.rules.k, shared(prompt), baselines)), \
             session, session
-    request.rules.require_drafter_model("crossrt's driven loop")
+    strategy = request.strategy
+    loop.check_strategy(strategy, request.schedule, request.rules, request.trace)  # before any loading
+    lookup = strategy.drafting == "prompt-lookup"
     if models is not None:
-        target, drafter = models.load(runtime, paths["target"]), models.load(runtime, paths["drafter"])
+        target = models.load(runtime, paths["target"])
+        drafter = None if lookup else models.load(runtime, paths["drafter"])
     else:
         target = stack.enter_context(runtime.load(paths["target"]))
-        drafter = stack.enter_context(runtime.load(paths["drafter"]))
+        drafter = None if lookup else stack.enter_context(runtime.load(paths["drafter"]))
+    tree_target = _tree_session(request, paths["target"], stack) if strategy.drafting == "tree" else None
     return (lambda prompt, trace, baselines: run_prompt(target, drafter, prompt, request.rules,
                                                         request.max_new_tokens, request.schedule, shared(prompt),
-                                                        trace, baselines)), None, target
+                                                        trace, baselines, strategy, tree_target)), None, target
 
 
 def run_pair(request: RunRequest, prompts: Sequence[Prompt],
@@ -208,10 +247,14 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
         runtime = open_runtime(request.runtime, request.options)
         info = pair_info(request.pair, runtime.model_format)
         run_one, native, prompt_session = _prompt_runner(runtime, request, stack, models)
-        params = RunParams(k=request.rules.k, greedy=True, max_new_tokens=request.max_new_tokens,
+        driven = native is None
+        # k: the most a step drafts (a k policy's largest, a tree's nodes), which the counters are checked against.
+        params = RunParams(k=loop.draft_bound(request.strategy, request.rules.k) if driven else request.rules.k,
+                           greedy=True, max_new_tokens=request.max_new_tokens,
                            mode=request.mode, spec_type=request.rules.spec_type,
-                           schedule=native.schedule if native else request.schedule, n_ctx=request.options.n_ctx,
-                           draft_n_min=request.rules.n_min, draft_p_min=request.rules.p_min)
+                           schedule=request.schedule if driven else native.schedule, n_ctx=request.options.n_ctx,
+                           draft_n_min=request.rules.n_min, draft_p_min=request.rules.p_min,
+                           **(strategy_params(request.strategy) if driven else {}))
         runtime_info = runtime.info()
         fresh = RunRecord(runtime_info, info, params, notes=native.notes if native else ())
         baselines = RunBaselines(request.baselines, run_key(runtime_info, request.options, info.target.sha256,

@@ -1,45 +1,47 @@
-"""crossrt's shared greedy speculative loop ("driven" mode) and the plain greedy baseline.
+"""crossrt's one speculative loop ("driven" mode) and the plain greedy baseline.
 
-Pure logic over the ModelSession contract, identical whatever the runtime. The schedule
-("crossrt"):
-- Both models prefill prompt[:-1]; the last prompt token is the first token to verify, so
-  drafting starts at once and every emitted token comes out of a verification step. Hence
-  emitted = steps + accepted exactly.
-- Each step drafts min(k, budget_left - 1) tokens greedily (the drafter's argmax), so a step
-  never produces tokens past max_new_tokens; with one token of budget left the step verifies
-  an empty draft (a plain decode, still counted as a step with 0 drafted).
-- The target scores [last] + draft in one batch; the longest prefix where its argmax equals
-  the draft is accepted, and its own next token is added (the bonus). An accepted EOS ends
-  acceptance: the EOS is then the step's own token, and generation stops.
-- Both caches roll back to what was kept. The drafter never decodes its own last draft
-  token, which it would only need if every draft token were accepted.
-Given a TraceRecorder, the crossrt and hf-assisted schedules also record the run's per-token
-trace from the rows they compute anyway (crossrt/records/trace.py).
+Pure logic over the ModelSession contract, identical whatever the runtime. Every driven run
+goes through speculative_generate, composed of small strategies:
+- a schedule (crossrt/run/schedules.py): when drafts start, how they are cut near the budget, and
+  when the run ends ("crossrt", "hf-assisted", and llama.cpp's "llama-spec-simple" and
+  "llama-server", with its drafting rules n_min and p_min);
+- a drafter (crossrt/run/drafters.py): a draft model's chain, prompt lookup, or a static tree;
+- a k policy (crossrt/run/policies.py): each step's draft length;
+- an acceptance rule (crossrt/run/acceptance.py): greedy, or relaxed (lossy).
+A step: the drafter proposes up to the schedule's cap; the target scores [last] + draft in one
+batch (a tree in one tree batch, each node masked to its ancestors); the rule accepts nodes from
+the root and the target's own next token is added (the bonus); both caches roll back to what
+was kept (the drafter never decodes its own last draft token); the Tally counts the step.
+Given a TraceRecorder, a draft model's chain under the crossrt and hf-assisted schedules also
+records the run's per-token trace from the rows it computes anyway (crossrt/records/trace.py).
+
 The baseline prefills the same prompt[:-1] and decodes one token at a time, so both runs do
 the same prefill and their decode timings compare like for like; under the "llama-server"
 schedule it takes its first token from a pass over the whole prompt, as llama-server does.
-
-The other schedules mirror llama.cpp's own tools ("llama-spec-simple", "llama-server"), with
-its drafting rules (n_min, p_min): crossrt/run/schedules.py.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
+
+import numpy as np
 
 from crossrt.errors import SettingsError
-from crossrt.run.runtime import DraftRules, ModelSession, Rows
+from crossrt.records.trace import TraceRecorder, top1_probability
+from crossrt.run.acceptance import AcceptanceRule, Greedy, Proposal, Relaxed
+from crossrt.run.drafters import Drafter, ModelDrafter, PromptLookup, TreeDrafter
 from crossrt.run.numerics import choose
-from crossrt.run.schedules import LLAMA_SCHEDULES, Generation, ViewRecorder, check_prompt, prefill_pair
-from crossrt.records.trace import TraceRecorder
+from crossrt.run.policies import CONTENT_WINDOW, DraftPolicy
+from crossrt.run.runtime import DraftRules, ModelSession, Rows
+from crossrt.run.schedules import (HF_SCHEDULE, SCHEDULE, SCHEDULE_TYPES, SCHEDULES, TRACED_SCHEDULES, Generation,
+                                   Schedule, Tally, ViewRecorder, check_prompt, top_probability)
+from crossrt.run.strategies import Strategy, tree_spec
 
-SCHEDULE = "crossrt"
-# transformers' assisted generation: crossrt's schedule, except that the drafter, running its
-# own generate() with the target's EOS ids, ends a draft at its first EOS (EOS kept).
-HF_SCHEDULE = "hf-assisted"
-SCHEDULES = (SCHEDULE, HF_SCHEDULE, *LLAMA_SCHEDULES)
-TRACED_SCHEDULES = (SCHEDULE, HF_SCHEDULE)  # the schedules that can record a trace (crossrt/records/trace.py)
+if TYPE_CHECKING:  # crossrt/run/tree.py imports the simulator, which imports this loop
+    from crossrt.run.tree import Tree
+
+__all__ = ["HF_SCHEDULE", "SCHEDULE", "SCHEDULES", "TRACED_SCHEDULES", "greedy_generate", "speculative_generate"]
 
 
 def greedy_generate(target: ModelSession, prompt_ids: Sequence[int], max_new_tokens: int,
@@ -72,79 +74,123 @@ def greedy_generate(target: ModelSession, prompt_ids: Sequence[int], max_new_tok
                       view=views.view(len(output)))
 
 
-def speculative_generate(target: ModelSession, drafter: ModelSession, prompt_ids: Sequence[int],
-                         rules: DraftRules, max_new_tokens: int, schedule: str = SCHEDULE,
-                         trace: Optional[TraceRecorder] = None) -> Generation:
-    """Greedy speculative decoding with the named schedule (module docstring); trace, when
-    given, records the run's per-token trace."""
+class TreeSession(Protocol):
+    """A target session that evaluates a tree in one batch (backends/llama_cpp_tree.py)."""
+
+    n_past: int
+    eog_ids: frozenset[int]
+
+    def eval(self, tokens: Sequence[int], rows: Rows) -> np.ndarray: ...
+
+    def truncate(self, n_keep: int) -> None: ...
+
+    def eval_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray: ...
+
+    def keep_path(self, nodes: Sequence[int]) -> None: ...
+
+
+def check_strategy(strategy: Strategy, schedule: str, rules: DraftRules, traced: bool = False) -> None:
+    """Refuse, in one line, a strategy the schedule, the drafting rules or a trace cannot run with."""
     if schedule not in SCHEDULES:
         raise SettingsError(f"unknown schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
     rules.require_drafter_model("crossrt's driven loop")
-    if trace is not None and schedule not in TRACED_SCHEDULES:
+    if traced and schedule not in TRACED_SCHEDULES:
         raise SettingsError(f"traces are recorded by the {' and '.join(TRACED_SCHEDULES)} schedules, not {schedule}")
-    if schedule in LLAMA_SCHEDULES:
-        return LLAMA_SCHEDULES[schedule](target, drafter, prompt_ids, rules, max_new_tokens)
-    if not rules.fixed:
+    if traced and strategy.drafting != "model":
+        raise SettingsError(f"traces record a draft model's chain, not {strategy.drafting} drafting")
+    if SCHEDULE_TYPES[schedule].llama:
+        if not strategy.is_default:
+            raise SettingsError(f"the {schedule} schedule drafts as llama.cpp does (a draft model, fixed k, greedy), "
+                                f"not {strategy.label()}: use the crossrt schedule")
+    elif not rules.fixed:
         raise SettingsError(f"the {schedule} schedule drafts exactly k tokens: n_min and p_min are "
-                         "llama.cpp drafting rules, for the llama-* schedules")
-    draft_stops_at_eos = schedule == HF_SCHEDULE
-    k = rules.k
-    check_prompt(prompt_ids, max_new_tokens, [target, drafter])
+                            "llama.cpp drafting rules, for the llama-* schedules")
+    if strategy.drafting == "tree" and schedule != SCHEDULE:
+        raise SettingsError(f"tree drafting runs under the {SCHEDULE} schedule, not {schedule}")
+
+
+def draft_bound(strategy: Strategy, k: int) -> int:
+    """The most tokens one step of this strategy drafts at k: a tree's nodes, a policy's largest k."""
+    if strategy.drafting == "tree":
+        return tree_spec(strategy.tree).n_nodes
+    return DraftPolicy.of(strategy, k).largest_k
+
+
+def _drafter(strategy: Strategy, session: Optional[ModelSession], rules: DraftRules, schedule: Schedule,
+             eog: frozenset[int], trace: Optional[TraceRecorder], tree: Optional[Tree]) -> Drafter:
+    ends = eog if schedule.ends_at_eos else frozenset()
+    if strategy.drafting == "prompt-lookup":
+        return PromptLookup(strategy.ngram_max, strategy.ngram_min, ends)
+    if session is None:
+        raise SettingsError(f"{strategy.drafting} drafting needs a drafter model")
+    if tree is not None:
+        return TreeDrafter(session, tree)
+    unsure = None
+    if schedule.llama and rules.p_min > 0:
+        unsure = lambda row: rules.unsure(top_probability(row))  # noqa: E731
+    elif strategy.min_p1 > 0:
+        unsure = lambda row: top1_probability(row) < strategy.min_p1  # noqa: E731
+    return ModelDrafter(session, unsure, ends, trace)
+
+
+def _acceptance(strategy: Strategy, eog: frozenset[int], schedule: Schedule) -> AcceptanceRule:
+    if strategy.acceptance == "relaxed":
+        return Relaxed(strategy.top_m, strategy.delta, eog)
+    return Greedy(eog, eos_last=schedule.llama)
+
+
+def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], prompt_ids: Sequence[int],
+                         rules: DraftRules, max_new_tokens: int, schedule: str = SCHEDULE,
+                         trace: Optional[TraceRecorder] = None, strategy: Strategy = Strategy(),
+                         tree: Optional[Tree] = None) -> Generation:
+    """Speculative decoding with the named schedule and strategy (module docstring): the one loop
+    of every driven run. drafter: None for prompt lookup; tree drafting (strategy.tree, or a
+    tree given as such, e.g. simulate's best:N) needs a target that evaluates trees
+    (TreeSession); trace, when given, records the run's per-token trace."""
+    if tree is not None and not strategy.is_default:
+        raise SettingsError(f"a tree given to the loop is its drafting, with fixed k and greedy: not {strategy.label()}")
+    if tree is None and strategy.drafting == "tree":
+        tree = tree_spec(strategy.tree)
+    check_strategy(Strategy(drafting="tree", tree="1x1") if tree is not None else strategy, schedule, rules,
+                   trace is not None)
+    plan = SCHEDULE_TYPES[schedule]()
+    eog = target.eog_ids
+    drafts = _drafter(strategy, drafter, rules, plan, eog, trace, tree)
+    is_tree = tree is not None
+    policy = DraftPolicy.of(strategy, tree.depth if is_tree else rules.k)  # a tree is cut to its depth, not k
+    accept = _acceptance(strategy, eog, plan)
+    if is_tree and not hasattr(target, "eval_tree"):
+        raise SettingsError("tree drafting verifies a tree in one batch: it needs the llama-cpp runtime's tree session")
+    overrun = tree.n_nodes if is_tree else plan.overrun(rules.k)
+    check_prompt(prompt_ids, max_new_tokens, [target, *drafts.sessions], overrun)
     start = time.perf_counter()
-    context = prefill_pair(target, drafter, prompt_ids)
+    tally = Tally(max_new_tokens, eog)
+    context = plan.start(target, drafts, prompt_ids, tally)
     prefilled = time.perf_counter()
 
-    eog = target.eog_ids
-    views = ViewRecorder()
-    step_drafted: list[int] = []
-    step_accepted: list[int] = []
-    n_emitted = 0
-    stop_reason = "max_new_tokens"
-    while n_emitted < max_new_tokens:
-        n_draft = min(k, max_new_tokens - n_emitted - 1)
-        draft: list[int] = []
-        if n_draft:
-            pending = context[drafter.n_past:]
-            while True:
-                row = drafter.eval(pending, Rows.LAST)[0]
-                token = int(row.argmax())
-                if trace is not None:
-                    trace.drafted(row)
-                draft.append(token)
-                if len(draft) == n_draft or (draft_stops_at_eos and token in eog):
-                    break
-                pending = (token,)
-            n_draft = len(draft)
-
-        rows = target.eval([context[-1]] + draft, Rows.ALL)
+    previous = None
+    while not plan.done(tally):
+        k = policy.next_k(previous, lambda: target.detokenize(context[-CONTENT_WINDOW:]))
+        proposal = drafts.propose(context, plan.n_max(target, tally, k))
+        if plan.llama and not rules.kept(len(proposal)):
+            proposal = Proposal.chain(())  # llama.cpp throws a short draft away
+        n_past = target.n_past
+        batch = [context[-1], *proposal.tokens]
+        if plan.llama:
+            drafts.mirror(n_past, batch)
+        rows = target.eval_tree(batch, proposal.parents) if is_tree else target.eval(batch, Rows.ALL)
         choices = choose(rows)
-        n_accepted = 0
-        while n_accepted < n_draft and draft[n_accepted] == choices.best[n_accepted] \
-                and draft[n_accepted] not in eog:
-            n_accepted += 1
-        kept = draft[:n_accepted] + [int(choices.best[n_accepted])]
-        views.add(choices, len(kept), n_draft + 1)
+        walk = accept.walk(rows, choices, proposal)
+        kept = proposal.kept(walk, choices.best)
         if trace is not None:
-            trace.verified(rows[:n_accepted + 1], n_draft, n_accepted)
-
-        # The target now caches context + draft; keep context + accepted draft tokens (the
-        # bonus token is the new last token, evaluated at the next step).
-        target.truncate(len(context) + n_accepted)
-        drafter.truncate(min(drafter.n_past, len(context) + n_accepted))
+            trace.verified(rows[:len(walk)], len(proposal), len(walk) - 1)
+        if is_tree:
+            target.keep_path(walk)
+        else:
+            target.truncate(n_past + len(walk))
+        drafts.keep(n_past + len(walk))
+        tally.observe(len(proposal), kept, choices.rows(walk) if is_tree else choices, len(batch),
+                      step=bool(proposal.tokens) or plan.empty_is_step)
         context += kept
-        n_emitted += len(kept)
-        step_drafted.append(n_draft)
-        step_accepted.append(n_accepted)
-        if kept[-1] in eog:
-            stop_reason = "eos"
-            break
-
-    return Generation(
-        output_ids=tuple(context[len(prompt_ids):]),
-        stop_reason=stop_reason,
-        prefill_s=prefilled - start,
-        decode_s=time.perf_counter() - prefilled,
-        step_drafted=tuple(step_drafted),
-        step_accepted=tuple(step_accepted),
-        view=views.view(n_emitted),
-    )
+        previous = (len(proposal), len(walk) - 1)
+    return tally.generation(start, prefilled, drafts.calls)

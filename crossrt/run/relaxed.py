@@ -1,7 +1,7 @@
 """Relaxed acceptance, lossy by construction: a draft token is also accepted when it is among the
 target's top-m at its position and within delta logits of the target's top-1 (m = 1 or
-delta = 0 is exact greedy). Runs go through crossrt/run/adaptive.py's loop with this rule; their
-results are labelled lossy and carry the drift from the target's greedy output: the first
+delta = 0 is exact greedy; the rule itself: crossrt/run/acceptance.py, Relaxed). Runs go through
+crossrt's one loop (crossrt/run/loop.py) with that rule; their results are labelled lossy and carry the drift from the target's greedy output: the first
 position that leaves it, the share of positions whose token differs, and the target's mean
 log-probability per emitted token of each output (each scored by one teacher-forced target
 pass over prompt + output, so both are scored alike). docs/ceiling.md has the numbers.
@@ -14,28 +14,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from crossrt.run.adaptive import AcceptRule, DraftPolicy, policy_generate
-from crossrt.errors import SettingsError
-from crossrt.run.runtime import ModelSession, Rows
-
-
-def relaxed_rule(top_m: int, delta: float, eog: frozenset[int]) -> AcceptRule:
-    """Accept draft token i while it is the target's choice, or among its top_m with a logit
-    within delta of the choice's; never an EOS."""
-    if top_m < 1 or delta < 0:
-        raise SettingsError(f"relaxed acceptance needs top-m >= 1 and delta >= 0, got {top_m}, {delta}")
-
-    def accept(rows: np.ndarray, draft: Sequence[int], choices: np.ndarray) -> int:
-        n = 0
-        while n < len(draft) and draft[n] not in eog:
-            row, token = rows[n], draft[n]
-            if token != choices[n]:
-                gap = float(row[choices[n]] - row[token])
-                if gap > delta or int(np.count_nonzero(row > row[token])) >= top_m:
-                    break
-            n += 1
-        return n
-    return accept
+from crossrt.run.loop import speculative_generate
+from crossrt.run.runtime import DraftRules, ModelSession, Rows
+from crossrt.run.strategies import Strategy
 
 
 def mean_logprob(target: ModelSession, prompt_ids: Sequence[int], output: Sequence[int]) -> float:
@@ -84,8 +65,8 @@ def relaxed_run(target: ModelSession, drafter: ModelSession, prompt_id: str, cat
                 prompt_ids: Sequence[int], greedy: Sequence[int], k: int, top_m: int, delta: float,
                 max_new_tokens: int) -> RelaxedResult:
     """One relaxed run at fixed k, with its drift from greedy (the target's greedy output)."""
-    run = policy_generate(target, drafter, prompt_ids, DraftPolicy(f"k={k}", k), max_new_tokens,
-                          relaxed_rule(top_m, delta, target.eog_ids)).generation
+    run = speculative_generate(target, drafter, prompt_ids, DraftRules(k), max_new_tokens,
+                               strategy=Strategy(acceptance="relaxed", top_m=top_m, delta=delta))
     first, share = drift(run.output_ids, greedy)
     return RelaxedResult(prompt_id, category, top_m, delta, True, len(run.step_accepted), sum(run.step_accepted),
                          len(run.output_ids), first, share, mean_logprob(target, prompt_ids, run.output_ids),

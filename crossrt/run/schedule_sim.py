@@ -37,7 +37,8 @@ from typing import Optional, Sequence
 from crossrt.run import loop
 from crossrt.errors import ComparisonError, SettingsError
 from crossrt.run.runtime import DraftRules
-from crossrt.run.schedules import SERVER, SPEC_SIMPLE, verify
+from crossrt.run.acceptance import llama_verify as verify
+from crossrt.run.schedules import SERVER, SPEC_SIMPLE
 from crossrt.records.metrics import Totals
 from crossrt.records.schema import Counters, RunRecord
 from crossrt.run.simulate import Oracle, Policy, simulate
@@ -110,7 +111,7 @@ def _hf(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
 
 
 def _llama_draft(oracle: Oracle, e: int, rules: DraftRules, limit: int) -> list[int]:
-    """schedules.llama_draft's rules on the oracle's row e: stop before a token below p_min
+    """drafters.ModelDrafter's llama.cpp rules on the oracle's row e: stop before a token below p_min
     (top-10 softmax, float32 as llama.cpp), at k or at a limit above 0; drop one below n_min."""
     n = 0
     while True:

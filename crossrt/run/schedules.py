@@ -1,19 +1,29 @@
-"""What every schedule of the driven loop returns, and llama.cpp's two draft-model schedules,
-mirrored count for count so a driven run can be compared with llama.cpp's own tools.
+"""The schedules of crossrt's one loop (crossrt/run/loop.py), what every run of it returns, and the
+Tally where its counts accumulate. A schedule says when drafts start and how they are cut near
+the budget; the llama.cpp ones mirror its own tools count for count, so a driven run can be
+compared with them (docs/llama-cpp-native.md gives the source lines).
 
-Both llama.cpp schedules share the drafting and verification rules of the vendored llama.cpp
-(docs/llama-cpp-native.md gives the source lines):
+"crossrt": both models prefill prompt[:-1]; the last prompt token is the first token to verify,
+so every emitted token comes out of a step (emitted = steps + accepted). Each draft is cut to
+min(k, budget - emitted - 1), so no step produces tokens past the budget; with one token of
+budget left a step verifies an empty draft (a plain decode, still a step with 0 drafted).
+"hf-assisted": transformers' assisted generation, the crossrt schedule except that the drafter,
+running its own generate() with the target's EOS ids, ends a draft at its first EOS (kept).
+
+llama.cpp's two draft-model schedules share the drafting and verification rules of the vendored
+llama.cpp:
 - Drafting (common/speculative.cpp, draft-simple): the drafter decodes the last token, then
   proposes its argmax one token at a time, stopping when the top-10 softmax probability of its
   choice is below p_min, at k tokens, or at the per-call limit (a limit of 0 means none). A draft
-  shorter than n_min is thrown away. The drafter does not stop at EOS, and it never decodes its
-  own last draft token.
+  shorter than n_min is thrown away. The drafter does not stop at EOS (DraftRules.unsure, full,
+  kept; crossrt/run/drafters.py ModelDrafter).
 - The drafter's cache mirrors the target's: after drafting it is cut back to the target's
   cache and decodes the same batch the target decodes, as llama.cpp does. Mirroring the batch
   structure keeps the drafter's numerics those of the native tools, not just its tokens.
 - Verification (common/sampling.cpp, sample-and-accept-n): the target's argmax at each
   position of [last] + draft; stop at the first mismatch, or at a matched EOS that is not in
-  the draft's last position; a fully matched draft adds the target's next token.
+  the draft's last position; a fully matched draft adds the target's next token
+  (crossrt/run/acceptance.py, Greedy with eos_last).
 
 "llama-spec-simple" (examples/speculative-simple): prefills prompt[:-1], so the first draft is
 made right away and every token comes from a step (plain decodes included: a dropped draft
@@ -37,9 +47,11 @@ import numpy as np
 
 from crossrt.errors import PromptRefused
 from crossrt.run.numerics import Choices, choose
-from crossrt.run.runtime import DraftRules, ModelSession, Rows
+from crossrt.run.runtime import ModelSession, Rows
 from crossrt.records.schema import Counters, PassView
 
+SCHEDULE = "crossrt"
+HF_SCHEDULE = "hf-assisted"
 SPEC_SIMPLE = "llama-spec-simple"
 SERVER = "llama-server"
 TOP_K = 10  # draft-simple's drafter sampler keeps the 10 best tokens before its softmax
@@ -56,6 +68,7 @@ class Generation:
     unverified: int = 0  # tokens emitted outside steps (see schema.Counters)
     cut: int = 0  # tokens counted as accepted but dropped at the budget or after EOS
     view: Optional[PassView] = None  # how the pass that produced each output token saw it
+    drafter_calls: Optional[int] = None  # drafter passes (prompt lookup: lookups); None for the baseline
 
     def counters(self, k: int) -> Counters:
         """This speculative generation's counters (Counters.from_steps: raises if they do not add up)."""
@@ -106,17 +119,6 @@ def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, sessions: Seque
         check_fits(prompt_ids, max_new_tokens, session.n_ctx, overrun)
 
 
-def prefill_pair(target: ModelSession, drafter: ModelSession, prompt_ids: Sequence[int]) -> list[int]:
-    """Empty both caches and run prompt[:-1] through each: the prefill of every driven loop,
-    whose first step (or draft) feeds the last prompt token. Returns the context to extend."""
-    target.truncate(0)
-    drafter.truncate(0)
-    context = list(prompt_ids)
-    target.eval(context[:-1], Rows.NONE)
-    drafter.eval(context[:-1], Rows.NONE)
-    return context
-
-
 def top_probability(logits: np.ndarray) -> np.float32:
     """The drafter's confidence as llama.cpp computes it: softmax over the top-10 logits, in
     float32 terms summed in double in descending order (llama-sampler.cpp, dist sampler)."""
@@ -126,37 +128,12 @@ def top_probability(logits: np.ndarray) -> np.float32:
     return np.float32(1.0 / sum(float(w) for w in weights))
 
 
-def llama_draft(drafter: ModelSession, last: int, rules: DraftRules, limit: int) -> list[int]:
-    """One draft-simple draft after last; the drafter's cache holds the context before last."""
-    draft: list[int] = []
-    pending = last
-    while True:
-        logits = drafter.eval((pending,), Rows.LAST)[0]
-        token = int(logits.argmax())
-        if rules.unsure(top_probability(logits)):
-            break
-        draft.append(token)
-        if rules.full(len(draft), limit):
-            break
-        pending = token
-    return draft if rules.kept(len(draft)) else []
 
 
-def verify(choices: np.ndarray, draft: Sequence[int], eog: frozenset[int]) -> list[int]:
-    """The tokens a verification yields: the accepted draft prefix and the target's own token,
-    or a matched EOS that ends it early (llama.cpp accepts an EOS only in the last position)."""
-    ids: list[int] = []
-    for position, token in enumerate(draft):
-        chosen = int(choices[position])
-        ids.append(chosen)
-        if chosen != token or (chosen in eog and position + 1 < len(draft)):
-            return ids
-    ids.append(int(choices[len(draft)]))
-    return ids
-
-
-class _Tally:
-    """What a llama schedule has emitted and counted so far."""
+class Tally:
+    """The one place a driven run's counts accumulate, step by step: what was emitted, each
+    step's drafted and accepted lengths, tokens emitted outside steps (unverified), tokens a
+    step yielded past the budget or after an EOS (cut), and the view of every emitted token."""
 
     def __init__(self, max_new_tokens: int, eog: frozenset[int]):
         self.max_new_tokens = max_new_tokens
@@ -165,104 +142,114 @@ class _Tally:
         self.step_drafted: list[int] = []
         self.step_accepted: list[int] = []
         self.unverified = 0
-        self.cut = 0
+        self.yielded = 0  # every token a pass produced, emitted or cut
+        self.seen_eos = False
         self.stopped = False
         self.views = ViewRecorder()
 
-    def emit(self, ids: Sequence[int]) -> None:
-        """Emit ids in order until EOS or the budget; the rest of them are cut."""
-        for position, token in enumerate(ids):
+    def observe(self, n_drafted: int, ids: Sequence[int], choices: Choices, pass_tokens: int, step: bool) -> None:
+        """One target pass of pass_tokens tokens yielded ids, chosen by the first rows of
+        choices; step: it verified a draft (a step), else it was a plain decode (unverified)."""
+        if step:
+            self.step_drafted.append(n_drafted)
+            self.step_accepted.append(len(ids) - 1)
+        else:
+            self.unverified += 1
+        self.yielded += len(ids)
+        self.seen_eos = self.seen_eos or any(token in self.eog for token in ids)
+        if not self.stopped:
+            self.views.add(choices, len(ids), pass_tokens)
+            self._emit(ids)
+
+    def _emit(self, ids: Sequence[int]) -> None:
+        """Emit ids in order until EOS or the budget."""
+        for token in ids:
             self.output.append(token)
             if token in self.eog or len(self.output) >= self.max_new_tokens:
                 self.stopped = True
-                self.cut += len(ids) - 1 - position
                 return
 
-    def generation(self, start: float, prefilled: float) -> Generation:
+    def generation(self, start: float, prefilled: float, drafter_calls: int) -> Generation:
         stop_reason = "eos" if self.output and self.output[-1] in self.eog else "max_new_tokens"
         return Generation(tuple(self.output), stop_reason, prefilled - start, time.perf_counter() - prefilled,
-                          tuple(self.step_drafted), tuple(self.step_accepted), self.unverified, self.cut,
-                          self.views.view(len(self.output)))
+                          tuple(self.step_drafted), tuple(self.step_accepted), self.unverified,
+                          self.yielded - len(self.output), self.views.view(len(self.output)), drafter_calls)
 
 
-def _verify_batch(target: ModelSession, drafter: ModelSession, last: int, draft: list[int]) -> Choices:
-    """Decode [last] + draft on both models (the drafter mirrors the target's batch) and return
-    the target's choices at each position."""
-    drafter.truncate(target.n_past)
-    batch = [last] + draft
-    verified = choose(target.eval(batch, Rows.ALL))
-    drafter.eval(batch, Rows.NONE)
-    return verified
+class Schedule:
+    """When drafts start and how they are cut near the budget: the crossrt schedule (module
+    docstring of crossrt/run/loop.py); the subclasses change what differs."""
+
+    name = SCHEDULE
+    llama = False  # llama.cpp's drafting rules (n_min, p_min), mirrored drafter, its verification
+    ends_at_eos = False  # a draft ends at the drafter's first EOS
+    empty_is_step = True  # an empty draft still counts as a step (a plain decode verified)
+
+    def overrun(self, k: int) -> int:
+        """Positions past prompt + budget a step may use."""
+        return 0
+
+    def start(self, target: ModelSession, drafter, prompt_ids: Sequence[int], tally: Tally) -> list[int]:
+        """Prefill both models; the context to extend. Here prompt[:-1]: the last prompt token
+        is the first token to verify, so drafting starts at once."""
+        target.truncate(0)
+        target.eval(prompt_ids[:-1], Rows.NONE)
+        drafter.prefill(prompt_ids[:-1])
+        return list(prompt_ids)
+
+    def n_max(self, target: ModelSession, tally: Tally, k: int) -> int:
+        """The most tokens the next draft may hold: never past the budget."""
+        return min(k, tally.max_new_tokens - len(tally.output) - 1)
+
+    def done(self, tally: Tally) -> bool:
+        return tally.stopped
 
 
-def spec_simple_generate(target: ModelSession, drafter: ModelSession, prompt_ids: Sequence[int],
-                         rules: DraftRules, max_new_tokens: int) -> Generation:
-    """llama-speculative-simple's schedule (module docstring)."""
-    check_prompt(prompt_ids, max_new_tokens, [target, drafter], overrun=rules.k)
-    start = time.perf_counter()
-    prefill_pair(target, drafter, prompt_ids)
-    prefilled = time.perf_counter()
-
-    tally = _Tally(max_new_tokens, target.eog_ids)
-    last = prompt_ids[-1]
-    n_predict = 0
-    seen_eos = False
-    while not seen_eos and n_predict <= max_new_tokens:
-        n_past = target.n_past
-        limit = max(min(target.n_ctx - n_past - 2, max_new_tokens - n_predict - 1), 0)
-        draft = llama_draft(drafter, last, rules, limit)
-        choices = _verify_batch(target, drafter, last, draft)
-        ids = verify(choices.best, draft, tally.eog)
-        target.truncate(n_past + len(ids))
-        drafter.truncate(n_past + len(ids))
-        tally.step_drafted.append(len(draft))
-        tally.step_accepted.append(len(ids) - 1)
-        n_predict += len(ids)
-        # The tool emits up to its first EOS; crossrt keeps what fits the budget of those.
-        produced = ids[:next((i + 1 for i, t in enumerate(ids) if t in tally.eog), len(ids))]
-        seen_eos = produced[-1] in tally.eog
-        if not tally.stopped:
-            tally.views.add(choices, len(produced), len(draft) + 1)
-            tally.emit(produced)
-        last = ids[-1]
-    # n_predict counts every token the steps yielded, those past the budget or after EOS too.
-    tally.cut = n_predict - len(tally.output)
-    return tally.generation(start, prefilled)
+class HfAssisted(Schedule):
+    name = HF_SCHEDULE
+    ends_at_eos = True
 
 
-def server_generate(target: ModelSession, drafter: ModelSession, prompt_ids: Sequence[int],
-                    rules: DraftRules, max_new_tokens: int) -> Generation:
-    """llama-server's schedule (module docstring)."""
-    # The server stops when its cache reaches n_ctx - 1: keep a position spare so it never does.
-    check_prompt(prompt_ids, max_new_tokens, [target, drafter], overrun=1)
-    start = time.perf_counter()
-    target.truncate(0)
-    drafter.truncate(0)
-    first_choices = choose(target.eval(prompt_ids, Rows.LAST))
-    first = int(first_choices.best[0])
-    drafter.eval(prompt_ids, Rows.NONE)
-    prefilled = time.perf_counter()
+class SpecSimple(Schedule):
+    """llama-speculative-simple: its limit, 0 meaning none, so it overshoots the budget."""
 
-    tally = _Tally(max_new_tokens, target.eog_ids)
-    tally.unverified += 1
-    tally.views.add(first_choices, 1, len(prompt_ids))
-    tally.emit((first,))
-    while not tally.stopped:
-        n_tokens = target.n_past
-        limit = min(target.n_ctx - n_tokens - 2, max_new_tokens - len(tally.output) - 1)
-        draft = llama_draft(drafter, tally.output[-1], rules, limit) if limit > 0 else []
-        choices = _verify_batch(target, drafter, tally.output[-1], draft)
-        ids = verify(choices.best, draft, tally.eog)
-        target.truncate(n_tokens + len(ids))
-        drafter.truncate(n_tokens + len(ids))
-        if draft:
-            tally.step_drafted.append(len(draft))
-            tally.step_accepted.append(len(ids) - 1)
-        else:
-            tally.unverified += 1
-        tally.views.add(choices, len(ids), len(draft) + 1)
-        tally.emit(ids)
-    return tally.generation(start, prefilled)
+    name = SPEC_SIMPLE
+    llama = True
+
+    def overrun(self, k: int) -> int:
+        return k
+
+    def n_max(self, target: ModelSession, tally: Tally, k: int) -> int:
+        limit = max(min(target.n_ctx - target.n_past - 2, tally.max_new_tokens - tally.yielded - 1), 0)
+        return min(k, limit) if limit else k
+
+    def done(self, tally: Tally) -> bool:
+        return tally.seen_eos or tally.yielded > tally.max_new_tokens
 
 
-LLAMA_SCHEDULES = {SPEC_SIMPLE: spec_simple_generate, SERVER: server_generate}
+class Server(Schedule):
+    """llama-server: the first token from a pass over the whole prompt, no draft at a limit of
+    0 or below, an empty draft a plain decode."""
+
+    name = SERVER
+    llama = True
+    empty_is_step = False
+
+    def overrun(self, k: int) -> int:
+        return 1  # the server stops when its cache reaches n_ctx - 1: keep a position spare
+
+    def start(self, target: ModelSession, drafter, prompt_ids: Sequence[int], tally: Tally) -> list[int]:
+        target.truncate(0)
+        choices = choose(target.eval(prompt_ids, Rows.LAST))
+        drafter.prefill(prompt_ids)
+        tally.observe(0, [int(choices.best[0])], choices, len(prompt_ids), step=False)
+        return [*prompt_ids, *tally.output]
+
+    def n_max(self, target: ModelSession, tally: Tally, k: int) -> int:
+        limit = min(target.n_ctx - target.n_past - 2, tally.max_new_tokens - len(tally.output) - 1)
+        return min(k, limit) if limit > 0 else 0
+
+
+SCHEDULE_TYPES = {kind.name: kind for kind in (Schedule, HfAssisted, SpecSimple, Server)}
+SCHEDULES = tuple(SCHEDULE_TYPES)
+TRACED_SCHEDULES = (SCHEDULE, HF_SCHEDULE)  # the schedules that can record a trace (crossrt/records/trace.py)

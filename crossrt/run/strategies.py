@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from crossrt.errors import SettingsError
-from crossrt.run.tree import Tree
+
+if TYPE_CHECKING:
+    from crossrt.run.tree import Tree
 
 DRAFTINGS = ("model", "prompt-lookup", "tree")
 K_POLICIES = ("fixed", "content", "online", "confidence")
@@ -38,7 +40,9 @@ class Strategy:
     k_policy: str = "fixed"
     content_k: Optional[tuple[tuple[str, int], ...]] = None  # k_policy="content": (("code", 7), ("prose", 3))
     k_max: int = 8  # k_policy="online": its ceiling
-    min_p1: float = 0.0  # k_policy="confidence": stop before a drafter top-1 probability below it
+    # k_policy="confidence": fixed k, stopping before a drafter top-1 probability below min_p1;
+    # with the content or online policy, the same stop on top of its k.
+    min_p1: float = 0.0
     acceptance: str = "greedy"
     top_m: int = 2  # acceptance="relaxed": a draft token among the target's top_m ...
     delta: float = 1.0  # ... within delta logits of its top-1 is accepted
@@ -53,9 +57,9 @@ class Strategy:
             raise SettingsError(f"a tree goes with tree drafting, not {self.drafting} drafting")
         if self.drafting == "tree":
             tree_spec(self.tree)  # refused now, not at the first prompt
-            if self.k_policy != "fixed" or self.acceptance != "greedy":
-                raise SettingsError("tree drafting verifies its static tree with greedy acceptance: its k "
-                                    "policy is fixed")
+            if self.k_policy != "fixed" or self.min_p1 > 0 or self.acceptance != "greedy":
+                raise SettingsError("tree drafting verifies its whole static tree with greedy acceptance: "
+                                    "no k policy, no confidence stop, no relaxed acceptance")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise SettingsError(f"prompt lookup needs 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
                                 f"{self.ngram_max}")
@@ -65,12 +69,12 @@ class Strategy:
             _check_content_k(self.content_k)
         if self.k_max < 1:
             raise SettingsError(f"the online k policy's k_max must be at least 1, got {self.k_max}")
-        if (self.k_policy == "confidence") != (self.min_p1 > 0):
-            raise SettingsError("the confidence k policy stops at min_p1 > 0, and min_p1 is for it only, "
-                                f"got min_p1={self.min_p1}")
         if not 0.0 <= self.min_p1 <= 1.0:
             raise SettingsError(f"min_p1 must be between 0 and 1, got {self.min_p1}")
-        if self.drafting == "prompt-lookup" and self.k_policy == "confidence":
+        if self.k_policy == "confidence" and self.min_p1 == 0:
+            raise SettingsError("the confidence k policy stops before a drafter top-1 probability below min_p1: "
+                                "give min_p1 > 0")
+        if self.drafting == "prompt-lookup" and self.min_p1 > 0:
             raise SettingsError("prompt lookup proposes tokens without probabilities: it has no confidence "
                                 "to stop at")
         if self.top_m < 1 or self.delta < 0:
@@ -95,6 +99,8 @@ class Strategy:
                   "confidence": f"confidence(min_p1={self.min_p1:g})",
                   "content": f"content({format_content_k(self.content_k or ())})"}[self.k_policy]
         acceptance = "greedy" if self.acceptance == "greedy" else f"relaxed(m={self.top_m},delta={self.delta:g})"
+        if self.min_p1 > 0 and self.k_policy != "confidence":
+            policy += f"+p1>={self.min_p1:g}"
         return f"{drafting}/{policy}/{acceptance}"
 
 
@@ -127,9 +133,11 @@ def parse_content_k(text: str) -> tuple[tuple[str, int], ...]:
     return content_k
 
 
-def tree_spec(spec: str) -> Tree:
+def tree_spec(spec: str) -> "Tree":
     """A run's tree: WxD (the full tree of width W and depth D) or a JSON choice-list file.
     best:N is chosen on simulation oracles (crossrt simulate --tree), not at run time."""
+    # Imported here: crossrt/run/tree.py imports the simulator, which runs the loop that imports this.
+    from crossrt.run.tree import Tree
     width, x, depth = spec.partition("x")
     if x and width.isdigit() and depth.isdigit():
         return Tree.full(int(width), int(depth))

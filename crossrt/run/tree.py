@@ -5,7 +5,7 @@ best tree within a node budget. docs/ceiling.md gives the rules and measured num
 A tree is a set of rank paths: [0] is the drafter's top-1 after the context, [1] its
 runner-up, [0, 1] the runner-up after the context plus the top-1, and so on; every prefix of a
 path is in the set. A step verifies the context's last token plus every node of the tree in
-one target pass (crossrt/run/tree_loop.py runs it). Under greedy decoding only the nodes on the
+one target pass (crossrt/run/loop.py runs it, crossrt/run/drafters.py TreeDrafter drafts it). Under greedy decoding only the nodes on the
 target's own output matter: the step accepts the longest run of the target's next tokens whose
 ranks among the drafter's candidates form a path of the tree, and adds the target's token after
 it (the bonus), as the chain loop does.
@@ -129,15 +129,9 @@ class RankOracle:
 
 def token_rank(row: np.ndarray, token: int) -> int:
     """The rank of token in row: logits above it, then equal ones with a lower id (the order of
-    a stable descending sort, which tree_loop uses to pick candidates)."""
+    a stable descending sort, which drafters.candidates picks by)."""
     value = row[token]
     return int(np.count_nonzero(row > value) + np.count_nonzero(row[:token] == value))
-
-
-def candidates(row: np.ndarray, width: int) -> list[int]:
-    """The drafter's width best tokens in token_rank's order."""
-    top = np.argpartition(-row, width - 1)[:width] if width < row.size else np.arange(row.size)
-    return sorted((int(t) for t in top), key=lambda t: (-row[t], t))[:width]
 
 
 def build_rank_oracle(drafter: ModelSession, oracle: Oracle, top_b: int) -> RankOracle:

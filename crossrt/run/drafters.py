@@ -1,0 +1,187 @@
+"""What proposes a step's draft in crossrt's one loop (crossrt/run/loop.py): a chain from a draft
+model (a ModelSession: a smaller model or a layer-skip drafter), a chain from prompt lookup, or a
+static tree from a draft model. A drafter keeps its own cache in step with the context; the loop
+tells it what the target kept.
+
+- ModelDrafter: the drafter decodes the context's uncached tail, then its own argmax one token
+  at a time, up to the step's length. Two stops come from the schedule and the k policy: before
+  a token the drafter is unsure of (llama.cpp's p_min on its top-10 softmax probability, the
+  confidence policy's min_p1 on the full softmax: the pass that found it still counts), and
+  after a token that ends drafts (transformers' assisted generation stops at EOS). It never
+  decodes its own last draft token, which it would only need if every draft token were kept.
+  Under llama.cpp's schedules it mirrors the target: cut back to the target's cache and fed the
+  batch the target verifies, so its numerics are those of the native tools.
+- PromptLookup: the token that followed the most recent earlier occurrence of the longest
+  suffix of the text so far (prompt, emitted output, its own draft), from ngram_max tokens down
+  to ngram_min, as transformers' prompt_lookup_num_tokens and vLLM's ngram proposer do. It
+  proposes tokens, never logits, and its draft ends where nothing matches.
+- TreeDrafter: a static tree (crossrt/run/tree.py) cut to the step's depth, built depth first:
+  one pass over the context's tail gives the root's candidates, one single-token pass per inner
+  node gives that node's; a node of rank path p + [r] is the r-th candidate (candidates)
+  after p's tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
+
+import numpy as np
+
+from crossrt.records.trace import TraceRecorder
+from crossrt.run.acceptance import Proposal
+from crossrt.run.runtime import ModelSession, Rows
+
+if TYPE_CHECKING:  # crossrt/run/tree.py imports the simulator, which runs the loop that imports this
+    from crossrt.run.tree import Tree
+
+
+def candidates(row: np.ndarray, width: int) -> list[int]:
+    """The drafter's width best tokens in tree.token_rank's order (a stable descending sort)."""
+    top = np.argpartition(-row, width - 1)[:width] if width < row.size else np.arange(row.size)
+    return sorted((int(t) for t in top), key=lambda t: (-row[t], t))[:width]
+
+
+class Drafter(Protocol):
+    calls: int  # drafter passes (lookups for prompt lookup) made so far
+    sessions: tuple[ModelSession, ...]  # the caches it holds, whose contexts must fit the run
+
+    def prefill(self, ids: Sequence[int]) -> None:
+        """Start from an empty cache holding ids."""
+
+    def propose(self, context: Sequence[int], n_max: int) -> Proposal:
+        """A draft of at most n_max tokens (a tree: of depth at most n_max) after context."""
+
+    def mirror(self, n_keep: int, batch: Sequence[int]) -> None:
+        """Cut back to n_keep tokens and decode batch, as the target verifies it."""
+
+    def keep(self, n_keep: int) -> None:
+        """The target kept n_keep tokens of context: drop anything cached past them."""
+
+
+class _SessionDrafter:
+    """The cache handling of a drafter that is a ModelSession."""
+
+    def __init__(self, session: ModelSession):
+        self.session = session
+        self.sessions = (session,)
+        self.calls = 0
+
+    def prefill(self, ids: Sequence[int]) -> None:
+        self.session.truncate(0)
+        self.session.eval(ids, Rows.NONE)
+
+    def mirror(self, n_keep: int, batch: Sequence[int]) -> None:
+        self.session.truncate(n_keep)
+        self.session.eval(batch, Rows.NONE)
+
+    def keep(self, n_keep: int) -> None:
+        self.session.truncate(min(self.session.n_past, n_keep))
+
+    def _row(self, tokens: Sequence[int]) -> np.ndarray:
+        self.calls += 1
+        return self.session.eval(tokens, Rows.LAST)[0]
+
+
+class ModelDrafter(_SessionDrafter):
+    """A draft model's greedy chain (module docstring). unsure(row): stop before this row's
+    token; ends(token): stop after it; trace: records the drafter's row of every draft token."""
+
+    def __init__(self, session: ModelSession, unsure: Optional[Callable[[np.ndarray], bool]] = None,
+                 ends: frozenset[int] = frozenset(), trace: Optional[TraceRecorder] = None):
+        super().__init__(session)
+        self.unsure, self.ends, self.trace = unsure, ends, trace
+
+    def propose(self, context: Sequence[int], n_max: int) -> Proposal:
+        draft: list[int] = []
+        pending = context[self.session.n_past:]
+        while len(draft) < n_max:
+            row = self._row(pending)
+            if self.unsure is not None and self.unsure(row):
+                break
+            token = int(row.argmax())
+            if self.trace is not None:
+                self.trace.drafted(row)
+            draft.append(token)
+            if token in self.ends:
+                break
+            pending = (token,)
+        return Proposal.chain(draft)
+
+
+class TreeDrafter(_SessionDrafter):
+    """A static tree from a draft model (module docstring)."""
+
+    def __init__(self, session: ModelSession, tree: Tree):
+        super().__init__(session)
+        self.cuts = {depth: tree.cut(depth) for depth in range(tree.depth + 1)}
+        self.depth = tree.depth
+
+    def propose(self, context: Sequence[int], n_max: int) -> Proposal:
+        tree = self.cuts[min(self.depth, n_max)]
+        if tree is None:
+            return Proposal.chain(())
+        children: dict[tuple, list[int]] = {}
+        for path in tree.paths:
+            children.setdefault(path[:-1], []).append(path[-1])
+        tokens: dict[tuple, int] = {}
+        base = len(context)
+
+        def expand(path: tuple, row: np.ndarray) -> None:
+            ranks = children[path]
+            best = candidates(row, max(ranks) + 1)  # taken before the next pass reuses row's buffer
+            for rank in ranks:
+                tokens[path + (rank,)] = best[rank]
+            for rank in ranks:
+                child = path + (rank,)
+                if child in children:
+                    expand(child, self._row((tokens[child],)))
+                    self.session.truncate(base + len(path))
+
+        expand((), self._row(context[self.session.n_past:]))
+        self.session.truncate(base)
+        index = {path: node for node, path in enumerate(tree.paths, start=1)}
+        return Proposal(tuple(tokens[path] for path in tree.paths),
+                        (-1,) + tuple(index.get(path[:-1], 0) for path in tree.paths))
+
+
+class PromptLookup:
+    """Prompt-lookup drafting (module docstring); ends: tokens after which a draft stops."""
+
+    sessions: tuple[ModelSession, ...] = ()
+
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1, ends: frozenset[int] = frozenset()):
+        self.ngram_max, self.ngram_min, self.ends = ngram_max, ngram_min, ends
+        self.calls = 0
+
+    def proposal(self, tokens: Sequence[int]) -> Optional[int]:
+        """The continuation of tokens' longest matching suffix, None when there is none."""
+        n_tokens = len(tokens)
+        for n in range(min(self.ngram_max, n_tokens - 1), self.ngram_min - 1, -1):
+            suffix = list(tokens[n_tokens - n:])
+            for start in range(n_tokens - n - 1, -1, -1):  # most recent earlier occurrence first
+                if list(tokens[start:start + n]) == suffix:
+                    return int(tokens[start + n])
+        return None
+
+    def propose(self, context: Sequence[int], n_max: int) -> Proposal:
+        text = list(context)
+        draft: list[int] = []
+        while len(draft) < n_max:
+            self.calls += 1
+            token = self.proposal(text)
+            if token is None:
+                break
+            draft.append(token)
+            text.append(token)
+            if token in self.ends:
+                break
+        return Proposal.chain(draft)
+
+    def prefill(self, ids: Sequence[int]) -> None:
+        """Nothing to cache: every lookup reads the context it is given."""
+
+    def mirror(self, n_keep: int, batch: Sequence[int]) -> None:
+        """Nothing cached to mirror."""
+
+    def keep(self, n_keep: int) -> None:
+        """Nothing cached past the context."""
