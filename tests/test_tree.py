@@ -111,8 +111,8 @@ def trained_runs():
         ranks = [build_rank_oracle(drafter, build_oracle(target, drafter, p.id, p.category, target.tokenize(p.text),
                                                          MAX_NEW, 1), TOP_B) for p in TRAINED]
         trees = [Tree.full(2, 3), best_tree(ranks, 12, MAX_K)]
-        yield ranks, trees, {tree.label: [loop.speculative_generate(tree_target, drafter, r.prompt_ids, DraftRules(tree.depth),
-                                                                  MAX_NEW, tree=tree)
+        yield ranks, trees, {tree.label: [loop.speculative_generate(tree_target, drafter, r.prompt_ids,
+                                                                  DraftRules(tree.depth), MAX_NEW, tree=tree)
                                           for r in ranks] for tree in trees}
 
 

@@ -124,6 +124,14 @@ def compare_prompt(a: RunRecord, b: RunRecord, result_a: PromptResult, result_b:
                         tuple(causes), tuple(found))
 
 
+def refuse_lossy(label: str, record: RunRecord) -> None:
+    """Parity compares greedy runs: a lossy run's output may leave greedy decoding by its rule."""
+    if record.params.lossy:
+        raise ComparisonError(f"{label} ran a lossy acceptance rule ({record.params.acceptance}, top-m "
+                              f"{record.params.top_m}, delta {record.params.delta:g}): parity compares greedy "
+                              "runs only")
+
+
 def compare_records(a: RunRecord, b: RunRecord, counter_tolerance: float = 0.0,
                     labels: Optional[tuple[str, str]] = None, explainer: Optional[Explainer] = None,
                     strict: bool = False) -> list[PromptParity]:
@@ -131,6 +139,8 @@ def compare_records(a: RunRecord, b: RunRecord, counter_tolerance: float = 0.0,
     Outputs that part at a near-tie (crossrt/run/numerics.py; crossrt/compare/tolerance.py sets how near for
     the two runs) are explained, not failed, unless strict."""
     labels = labels or (run_label(a), run_label(b))
+    for label, record in zip(labels, (a, b)):
+        refuse_lossy(label, record)
     explainer = explainer or Explainer()
     if a.imported or b.imported:
         return [compare_aggregates(a, b, counter_tolerance, labels)]
@@ -185,6 +195,7 @@ def lossless_checks(label: str, record: RunRecord, explainer: Explainer, strict:
     """Each finished prompt of one run against its own plain greedy baseline. A departure the
     Explainer finds to be numerics (a batch-shape near-tie, from the run's pass views, a driven
     twin's or passes re-scored) is explained, not failed, unless strict."""
+    refuse_lossy(label, record)
     if record.imported:
         return [PromptParity(r.prompt_id, label, OWN_BASELINE, (), None, (), False,
                              (f"imported from {record.imported.format}: no token ids, no lossless check",))

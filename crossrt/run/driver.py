@@ -39,7 +39,6 @@ class RunRequest:
     out: Path
     mode: str = "driven"
     schedule: str = loop.SCHEDULE  # driven mode only: native runs follow the runtime's own
-    strategy: Strategy = Strategy()  # driven mode only: drafting, k policy, acceptance
     resume: bool = False
     overwrite: bool = False
     # Prompt id -> token ids shared by every runtime of a comparison; each runtime's own
@@ -55,6 +54,7 @@ class RunRequest:
     # The baseline store (crossrt/run/baselines.py): None decodes every baseline and keeps none; the
     # record names each baseline's source either way.
     baselines: Optional[BaselineStore] = None
+    strategy: Strategy = Strategy()  # driven mode only: drafting, k policy, acceptance (crossrt/run/strategies.py)
 
 
 def _baseline(baselines: Optional[RunBaselines], prompt_ids: tuple[int, ...], max_new_tokens: int,

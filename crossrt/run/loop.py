@@ -148,7 +148,7 @@ def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], 
     tree given as such, e.g. simulate's best:N) needs a target that evaluates trees
     (TreeSession); trace, when given, records the run's per-token trace."""
     if tree is not None and not strategy.is_default:
-        raise SettingsError(f"a tree given to the loop is its drafting, with fixed k and greedy: not {strategy.label()}")
+        raise SettingsError(f"a tree given to the loop is its drafting, at fixed k, greedy: not {strategy.label()}")
     if tree is None and strategy.drafting == "tree":
         tree = tree_spec(strategy.tree)
     check_strategy(Strategy(drafting="tree", tree="1x1") if tree is not None else strategy, schedule, rules,

@@ -1,10 +1,11 @@
 """Relaxed acceptance, lossy by construction: a draft token is also accepted when it is among the
 target's top-m at its position and within delta logits of the target's top-1 (m = 1 or
 delta = 0 is exact greedy; the rule itself: crossrt/run/acceptance.py, Relaxed). Runs go through
-crossrt's one loop (crossrt/run/loop.py) with that rule; their results are labelled lossy and carry the drift from the target's greedy output: the first
-position that leaves it, the share of positions whose token differs, and the target's mean
-log-probability per emitted token of each output (each scored by one teacher-forced target
-pass over prompt + output, so both are scored alike). docs/ceiling.md has the numbers.
+crossrt's one loop (crossrt/run/loop.py) with that rule; their results are labelled lossy and
+carry the drift from the target's greedy output: the first position that leaves it, the share
+of positions whose token differs, and the target's mean log-probability per emitted token of
+each output (each scored by one teacher-forced target pass over prompt + output, so both are
+scored alike). docs/ceiling.md has the numbers.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 from crossrt.run import loop
 from crossrt.errors import ComparisonError, SettingsError
 from crossrt.run.runtime import DraftRules
-from crossrt.run.acceptance import llama_verify as verify
+from crossrt.run.acceptance import greedy_length, llama_verify as verify
 from crossrt.run.schedules import SERVER, SPEC_SIMPLE
 from crossrt.records.metrics import Totals
 from crossrt.records.schema import Counters, RunRecord
@@ -101,9 +101,7 @@ def _hf(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
     while e < len(y):
         draft = [int(t) for t in oracle.drafts[e, :min(rules.k, budget - e - 1)]]
         draft = draft[:next((i + 1 for i, t in enumerate(draft) if t in eog), len(draft))]
-        n = 0
-        while n < len(draft) and draft[n] == y[e + n] and y[e + n] not in eog:
-            n += 1
+        n = greedy_length(draft, y[e:e + len(draft)], eog)
         drafted.append(len(draft))
         accepted.append(n)
         e += n + 1
