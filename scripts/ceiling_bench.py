@@ -82,7 +82,8 @@ def main() -> int:
         (best["prose"], Strategy(k_policy="content", content_k=(("code", best["code"]), ("prose", best["prose"])))),
         (2, Strategy(k_policy="online", k_max=MAX_K)),
         (MAX_K, Strategy(k_policy="confidence", min_p1=0.5)),
-        (MAX_K, Strategy(k_policy="confidence", min_p1=0.9))]
+        (MAX_K, Strategy(k_policy="confidence", min_p1=0.9)),
+        (2, Strategy(k_policy="online", k_max=MAX_K, min_p1=0.5))]
     greedy_s = sum(loop.greedy_generate(target, o.prompt_ids, args.max_new).decode_s for o in mix_oracles)
     emitted = sum(len(o.output) for o in mix_oracles)
     rows = [["policy", "steps", "tau", "match sim", "tok/s", "greedy tok/s", "speedup", "predicted"]]
