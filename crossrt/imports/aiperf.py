@@ -32,6 +32,7 @@ from typing import Mapping, Optional
 
 from crossrt.imports.logs import ReadOptions
 from crossrt.inputs.prompts import json_lines
+from crossrt.records.metrics import Totals
 from crossrt.imports.imported import DIGITS, MAX_K, ImportFailure, SourceCounts, draft_length, json_count
 
 ENGINES = ("vllm",)  # engines whose counting crossrt maps (AIPerf's adapters)
@@ -82,9 +83,10 @@ def _checked(where: str, steps: int, drafted: int, accepted: int, histogram: Opt
         if sum(j * n for j, n in histogram.items()) != accepted:
             raise ImportFailure(f"{where}: the histogram accepts {sum(j * n for j, n in histogram.items())} "
                                 f"draft tokens, not {accepted}")
-    if length is not None and steps and not _close(length, 1 + accepted / steps):
+    printed = Totals(steps=steps, drafted=drafted, accepted=accepted)  # AIPerf's rates are crossrt's tau and alpha
+    if length is not None and steps and not _close(length, printed.tau):
         raise ImportFailure(f"{where}: acceptance length {length} is not 1 + {accepted} / {steps}")
-    if rate is not None and drafted and not _close(rate, accepted / drafted):
+    if rate is not None and drafted and not _close(rate, printed.alpha):
         raise ImportFailure(f"{where}: draft acceptance rate {rate} is not {accepted} / {drafted}")
 
 

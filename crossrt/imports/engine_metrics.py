@@ -15,6 +15,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Optional
 
+from crossrt.records.metrics import Totals
 from crossrt.imports.logs import ReadOptions
 from crossrt.imports.imported import (MAX_COUNT, MAX_K, ImportFailure, SourceCounts, count, draft_length, position_counts,
                               shown)
@@ -132,7 +133,8 @@ def _read_vllm_example(text: str) -> SourceCounts:
     if accepted > drafted:
         raise ImportFailure(f"num_accepted_tokens {accepted} exceeds num_draft_tokens {drafted}")
     mean = EXAMPLE_MEAN.search(text)
-    if steps and (mean is None or not shown(1 + accepted / steps, mean.group(1))):
+    # vLLM's mean acceptance length is crossrt's tau
+    if steps and (mean is None or not shown(Totals(steps=steps, accepted=accepted).tau, mean.group(1))):
         raise ImportFailure("the printed mean acceptance length does not follow from num_accepted_tokens / num_drafts")
     rates = [rate for _, rate in sorted(EXAMPLE_RATE.findall(text), key=lambda pair: int(pair[0]))]
     per_pos = position_counts(rates, steps, accepted)[0] if steps and rates else None

@@ -16,7 +16,6 @@ a reader's work grow with them.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
