@@ -226,6 +226,8 @@ class LlamaServerRuntime(Runtime):
     model_format = "gguf"
     modes = ("native",)
     scored_by = "llama-cpp"  # the same llama.cpp commit in-process, for logits
+    program = "llama-server"
+    drafting_rules = ("n_min", "p_min")  # passed as the build's own flags (Build.flags)
 
     def __init__(self, options: RuntimeOptions):
         super().__init__(options)

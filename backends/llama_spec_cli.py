@@ -304,6 +304,8 @@ class LlamaSpecCliRuntime(Runtime):
     model_format = "gguf"
     modes = ("native",)
     scored_by = "llama-cpp"  # the same llama.cpp commit in-process, for logits
+    program = TOOL
+    drafting_rules = ("n_min", "p_min")  # passed as the build's own flags (Build.flags)
 
     def __init__(self, options: RuntimeOptions):
         super().__init__(options)

@@ -1,7 +1,7 @@
 """crossrt's own errors: what a user can act on, said in one line.
 
-The command line catches CrossrtError (crossrt/cli/common.py, USER_ERRORS) and prints its
-message; any other exception is a bug and keeps its traceback. The driver catches only
+The command line turns USER_ERRORS into one-line exits (crossrt/cli/common.py, user_errors);
+any other exception is a bug and keeps its traceback. The driver catches only
 PromptRefused, so one prompt that cannot run fails alone while a bug stops the run. Errors
 about the content of an input file (a prompt file, a pair manifest, a record, a claim) are
 also ValueErrors, as the parsers that raise them are.
@@ -29,3 +29,8 @@ class PromptRefused(CrossrtError):
 class ComparisonError(CrossrtError):
     """Records that cannot be compared or checked as asked (other vocabularies, another
     schedule or prompt than the simulation, nothing to compare)."""
+
+
+# What a user can act on, said in one line wherever crossrt reports it (a command's exit, a sweep
+# cell's failure): crossrt's own errors and a missing file. Anything else is a bug.
+USER_ERRORS = (CrossrtError, FileNotFoundError)

@@ -15,18 +15,22 @@ import click
 
 from crossrt.analyze import analysis
 from crossrt.report.ceiling import load_ceilings
-from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, refuse_inputs_as_outputs, resolve_pair
+from crossrt.cli.common import PROMPTS_HELP, refuse_inputs_as_outputs, user_errors
+from crossrt.cli.options import runtime_options, strategy_options
 from crossrt.cli.trees import max_tree_rows, render_ceiling, render_section, run_trees, tree_section
-from crossrt.errors import PromptRefused
-from crossrt.errors import SettingsError
+from crossrt.errors import PromptRefused, SettingsError
 from crossrt.records.journal import write_atomically
-from crossrt.inputs.pairs import ROLES, pair_info
+from crossrt.inputs.pairs import ROLES, pair_info, resolve_pair, run_k
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
-from crossrt.run.runtime import DraftRules, RuntimeOptions, open_runtime, runtime_names
+from crossrt.run.adaptive import simulate_policy
+from crossrt.run.policies import DraftPolicy
+from crossrt.run.runtime import DraftRules, open_runtime, runtime_names
 from crossrt.records.schema import RunRecord
 from crossrt.run.schedule_sim import LLAMA, SIMULATED, ScheduleResult, compare_with_record, summarize_schedule
-from crossrt.run.simulate import Oracle, Policy, Simulation, build_oracle, measure_costs, simulate, simulate_suite
+from crossrt.run.simulate import (Oracle, Policy, PolicyResult, Simulation, build_oracle, measure_costs, simulate,
+                                  simulate_suite, summarize)
+from crossrt.run.strategies import Strategy
 from crossrt.records.tables import format_table
 
 ALL = "ALL"
@@ -98,6 +102,7 @@ def render_record(path: Path, record: RunRecord, trace: dict, entropy_edges: Seq
 
 
 @click.command()
+@user_errors
 @click.argument("records", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--entropy-buckets", type=Increasing(), default=",".join(f"{e:g}" for e in analysis.ENTROPY_BUCKETS),
               show_default=True, help="Edges of the target-entropy buckets, in nats.")
@@ -112,21 +117,18 @@ def analyze(records: Sequence[Path], entropy_buckets, ceiling_path, grouping) ->
     target judged a draft token; acceptance per draft position; how well the i.i.d. model
     E = (1 - a^(k+1)) / (1 - a) predicts tau; and, for records run with --trace, acceptance
     by the target's entropy and by the drafter's confidence (docs/analysis.md)."""
-    try:
-        loaded = [(path, analysis.grouped(load_record(path), grouping)) for path in records]
-        blocks = [render_record(path, record, analysis.load_trace(path, record), entropy_buckets)
-                  for path, record in loaded]
-        if ceiling_path:
-            table = load_ceilings(ceiling_path)
-            blocks += [f"{path} against {ceiling_path}:\n" + render_ceiling(
-                table, {stats.category: stats.tau for stats in analysis.category_stats(record)})
-                for path, record in loaded]
-    except USER_ERRORS as error:
-        raise click.ClickException(str(error)) from None
+    loaded = [(path, analysis.grouped(load_record(path), grouping)) for path in records]
+    blocks = [render_record(path, record, analysis.load_trace(path, record), entropy_buckets)
+              for path, record in loaded]
+    if ceiling_path:
+        table = load_ceilings(ceiling_path)
+        blocks += [f"{path} against {ceiling_path}:\n" + render_ceiling(
+            table, {stats.category: stats.tau for stats in analysis.category_stats(record)})
+            for path, record in loaded]
     click.echo("\n\n".join(blocks))
 
 
-def render_simulation(sim: Simulation) -> str:
+def render_simulation(sim: Simulation, k_policy: Sequence[PolicyResult] = ()) -> str:
     costs = sim.costs
     verify = ", ".join(f"{r + 1}: {t * 1e3:.3f}" for r, t in enumerate(costs.verify_s))
     blocks = [f"cost model (median, ms): target pass by tokens {verify}; drafter pass {costs.draft_s * 1e3:.3f} "
@@ -140,7 +142,8 @@ def render_simulation(sim: Simulation) -> str:
     blocks.append(format_table(rows))
     rows = [["policy", "category", "steps", "drafted/step", "tau", "alpha", "speedup"]]
     rows += [[r.policy, _name(r.category), str(r.steps), _number(r.drafted / r.steps if r.steps else None),
-              _number(r.tau), _number(r.alpha, 3), _number(r.speedup)] for r in (*sim.per_category_k, *sim.thresholds)]
+              _number(r.tau), _number(r.alpha, 3), _number(r.speedup)]
+             for r in (*sim.per_category_k, *sim.thresholds, *k_policy)]
     blocks.append("policies (p1>=x: stop drafting before a token the drafter gives top-1 probability below x):\n"
                   + format_table(rows))
     return "\n\n".join(blocks)
@@ -177,6 +180,20 @@ def schedule_results(oracles: Sequence[Oracle], schedules: Sequence[str], n_min:
     return results
 
 
+def check_simulated(strategy: Strategy, drafting: str, tree_specs: Sequence[str]) -> None:
+    """SettingsError for a strategy the oracle cannot replay: it holds a drafter model's greedy
+    drafts and the target's greedy output, so chains and trees of that drafter under any k
+    policy, accepted greedily."""
+    if drafting == "prompt-lookup":
+        raise SettingsError("--drafting prompt-lookup: crossrt simulate replays a drafter model's drafts; run "
+                            "prompt lookup with crossrt run --drafting prompt-lookup")
+    if drafting == "tree" and not tree_specs:
+        raise SettingsError("--drafting tree: name the trees to simulate with --tree (WxD, best:N or a file)")
+    if strategy.acceptance != "greedy":
+        raise SettingsError("--acceptance relaxed: crossrt simulate's oracle holds greedy steps only; run relaxed "
+                            "acceptance with crossrt run --acceptance relaxed")
+
+
 def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
     result = []
     for oracle in oracles:
@@ -188,6 +205,7 @@ def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
 
 
 @click.command(name="simulate")
+@user_errors
 @click.option("--pair", help="Pair manifest (.toml path or a name under models/pairs). Default: tiny.")
 @click.option("--target", type=click.Path(path_type=Path), help="Target model file/folder (instead of --pair).")
 @click.option("--drafter", type=click.Path(path_type=Path), help="Drafter model file/folder (with --target).")
@@ -215,17 +233,16 @@ def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
               help="p_min for the llama-* --schedule simulations: drafting stops before a token whose "
               "top-10 softmax probability is below it.")
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), help="Write the results as JSON.")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--n-ctx", type=click.IntRange(min=16), default=2048, show_default=True)
-@click.option("--n-gpu-layers", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--f32-kv-cache", is_flag=True, help="F32 KV cache (as the run it is compared with, if any).")
-@click.option("--flash-attn/--no-flash-attn", default=True, show_default=True)
+@runtime_options
+@strategy_options(own_trees=True)
 @click.option("--tree", "tree_specs", multiple=True,
-              help="A draft tree to simulate: WxD (the full tree of width W and depth D), best:N (the best tree "
-              "of at most N nodes on these prompts) or a JSON choice-list file ([[0], [0, 0], [1]]); "
+              help="A draft tree to simulate (--drafting tree): WxD (the full tree of width W and depth D), best:N "
+              "(the best tree of at most N nodes on these prompts) or a JSON choice-list file ([[0], [0, 0], [1]]); "
               "repeatable. Adds the per-category ceiling table (docs/ceiling.md).")
 @click.option("--k", "ceiling_k", type=click.IntRange(min=1),
-              help="The ceiling table's chain k (at most --max-k). Default: the pair's k, else 4.")
+              help="The ceiling table's chain k, and a --k-policy's k as in crossrt run (online: the first "
+              "step's; content: the k of a type --content-k leaves out); at most --max-k. Default: the pair's "
+              "k, else 4.")
 @click.option("--tree-budget", type=click.IntRange(min=1, max=255), default=16, show_default=True,
               help="The ceiling table's node budget for the best tree.")
 @click.option("--top-b", type=click.IntRange(min=1, max=1000), default=8, show_default=True,
@@ -234,57 +251,57 @@ def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
               help="Also run each --tree for real on llama-cpp, step for step against the simulator and timed "
               "against plain greedy. Exit code 1 where a lossless run's steps differ from the simulation.")
 def simulate_command(pair, target, drafter, runtime_name, prompt_source, max_k, max_new_tokens, thresholds, records,
-                     schedules, draft_n_min, draft_p_min, out, threads, n_ctx, n_gpu_layers, f32_kv_cache, flash_attn,
-                     tree_specs, ceiling_k, tree_budget, top_b, run_trees_too) -> None:
+                     schedules, draft_n_min, draft_p_min, out, options, drafting, strategy, tree_specs, ceiling_k,
+                     tree_budget, top_b, run_trees_too) -> None:
     """What-if runs of the crossrt schedule: tau at every k up to --max-k per category, the
     best k per category, drafter-confidence cut-offs, and speedups predicted from measured
     pass times; with --schedule, any other schedule and its drafting rules (crossrt simulate
     --schedule llama-server --draft-n-min 2). Computed exactly (greedy) from an oracle: the
     target's greedy output and the drafter's greedy continuation from every position of it
-    (docs/analysis.md). --against checks a record of any simulated schedule, step for step."""
+    (docs/analysis.md). --against checks a record of any simulated schedule, step for step.
+    --k-policy adds a k policy's steps on the same oracle, exactly as crossrt run takes them."""
+    check_simulated(strategy, drafting, tree_specs)
     if out:  # before the models load; a --tree may name a choice-list file
         refuse_inputs_as_outputs({"--out": out}, [*records, *(Path(s) for s in tree_specs if Path(s).is_file())])
     with contextlib.ExitStack() as stack:  # the sessions, freed however the block ends
-        try:
-            resolved = resolve_pair(pair, target, drafter)
-            prompts = load_prompts(prompt_source)
-            options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers,
-                                     f32_kv_cache=f32_kv_cache, flash_attn=flash_attn)
-            runtime = open_runtime(runtime_name, options)
-            info = pair_info(resolved, runtime.model_format)
-            sessions = {role: stack.enter_context(runtime.load(resolved.path(role, runtime.model_format)))
-                        for role in ROLES}
-            oracles = []
-            for prompt in prompts:
-                try:
-                    oracles.append(build_oracle(sessions["target"], sessions["drafter"], prompt.id, prompt.category,
-                                                sessions["target"].tokenize(prompt.text), max_new_tokens, max_k))
-                except PromptRefused as error:
-                    click.echo(f"skipped {prompt.id}: {error}", err=True)
-            if not oracles:
-                raise PromptRefused("no prompt could run")
-            # Passes are timed at the average decoding position of the median prompt.
-            typical = sorted(oracles, key=lambda o: len(o.prompt_ids) + len(o.output))[len(oracles) // 2]
-            context = typical.prompt_ids + typical.output[:len(typical.output) // 2]
-            rows = max(max_k + 1, max_tree_rows(tree_specs, tree_budget)) if tree_specs else max_k + 1
-            costs = measure_costs(sessions["target"], sessions["drafter"], context, rows)
-            sim = simulate_suite(oracles, costs, max_k, thresholds)
-            section = None
-            if tree_specs:
-                k = ceiling_k or int(resolved.defaults.get("k", 4))
-                section = tree_section(sessions["drafter"], oracles, sim, tree_specs, k, tree_budget, top_b, max_k)
-            if run_trees_too:
-                if section is None or runtime_name != "llama-cpp":
-                    raise SettingsError("--run-trees runs the --tree trees on --runtime llama-cpp")
-                section = run_trees(section, resolved.path("target", runtime.model_format), options,
-                                    sessions["target"], sessions["drafter"])
-            checks = [(path, *compare_with_record(oracles, load_record(path))) for path in records]
-            what_if = schedule_results(oracles, schedules, draft_n_min, draft_p_min, max_k)
-        except USER_ERRORS as error:
-            raise click.ClickException(str(error)) from None
+        resolved = resolve_pair(pair, target, drafter)
+        prompts = load_prompts(prompt_source)
+        runtime = open_runtime(runtime_name, options)
+        info = pair_info(resolved, runtime.model_format)
+        sessions = {role: stack.enter_context(runtime.load(resolved.path(role, runtime.model_format)))
+                    for role in ROLES}
+        oracles = []
+        for prompt in prompts:
+            try:
+                oracles.append(build_oracle(sessions["target"], sessions["drafter"], prompt.id, prompt.category,
+                                            sessions["target"].tokenize(prompt.text), max_new_tokens, max_k))
+            except PromptRefused as error:
+                click.echo(f"skipped {prompt.id}: {error}", err=True)
+        if not oracles:
+            raise PromptRefused("no prompt could run")
+        # Passes are timed at the average decoding position of the median prompt.
+        typical = sorted(oracles, key=lambda o: len(o.prompt_ids) + len(o.output))[len(oracles) // 2]
+        context = typical.prompt_ids + typical.output[:len(typical.output) // 2]
+        rows = max(max_k + 1, max_tree_rows(tree_specs, tree_budget)) if tree_specs else max_k + 1
+        costs = measure_costs(sessions["target"], sessions["drafter"], context, rows)
+        sim = simulate_suite(oracles, costs, max_k, thresholds)
+        k = run_k(resolved, ceiling_k)
+        k_policy = [] if strategy.k_policy == "fixed" else summarize(
+            [simulate_policy(oracle, DraftPolicy.of(strategy, k), sessions["target"].detokenize)
+             for oracle in oracles], costs, strategy.label())
+        section = None
+        if tree_specs:
+            section = tree_section(sessions["drafter"], oracles, sim, tree_specs, k, tree_budget, top_b, max_k)
+        if run_trees_too:
+            if section is None or runtime_name != "llama-cpp":
+                raise SettingsError("--run-trees runs the --tree trees on --runtime llama-cpp")
+            section = run_trees(section, resolved.path("target", runtime.model_format), options,
+                                sessions["target"], sessions["drafter"])
+        checks = [(path, *compare_with_record(oracles, load_record(path))) for path in records]
+        what_if = schedule_results(oracles, schedules, draft_n_min, draft_p_min, max_k)
     click.echo(f"{info.name} on {runtime_name}: {len(oracles)} prompts, {max_new_tokens} new tokens, "
                f"oracle drafts of {max_k}\n")
-    click.echo(render_simulation(sim))
+    click.echo(render_simulation(sim, k_policy))
     if section is not None:
         click.echo("\n" + render_section(section))
     if what_if:
@@ -301,13 +318,12 @@ def simulate_command(pair, target, drafter, runtime_name, prompt_source, max_k, 
             "pair": dataclasses.asdict(info), "runtime": dataclasses.asdict(runtime.info()),
             "prompts": prompt_source, "max_new_tokens": max_new_tokens, "max_k": max_k,
             "thresholds": list(thresholds), **dataclasses.asdict(sim),
+            "k_policy": [dataclasses.asdict(r) for r in k_policy],
             "per_prompt": _per_prompt(oracles, max_k), **(section.as_json() if section else {}),
             "schedules": [{**dataclasses.asdict(r), "tau": r.tau, "alpha": r.alpha} for r in what_if],
         }, indent=1) + "\n"
-        try:  # whole or not at all (a full disk, a read-only folder: one line)
-            write_atomically(out, results.encode())
-        except USER_ERRORS as error:
-            raise click.ClickException(str(error)) from None
+        # Whole or not at all; a full disk or a read-only folder is a one-line error (user_errors).
+        write_atomically(out, results.encode())
         click.echo(f"\nresults: {out}")
     if any(differences for _, _, differences in checks) or \
             (section is not None and any(run.as_simulated < run.lossless for run in section.runs)):

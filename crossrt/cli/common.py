@@ -1,23 +1,31 @@
-"""Pieces the crossrt commands share: option types, pair resolution, the errors shown to
-users as messages rather than tracebacks."""
+"""Pieces the crossrt commands share: option types, and user_errors, which shows crossrt's own
+errors as one-line exits rather than tracebacks."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
 import click
 
-from crossrt.errors import CrossrtError
-from crossrt.inputs.pairs import Pair, load_pair, manifest_path, pair_from_paths
+from crossrt.errors import USER_ERRORS
 from crossrt.inputs.prompts import sources_help
-from crossrt.run.runtime import DTYPES
 
 PROMPTS_HELP = sources_help()
-# crossrt's own errors (crossrt/errors.py) and a missing file: one line each. Anything else is a
-# bug, and keeps its traceback.
-USER_ERRORS = (CrossrtError, FileNotFoundError)
+
+
+def user_errors(command):
+    """The command's crossrt errors and missing files (crossrt.errors.USER_ERRORS) as one-line
+    exits (click's `Error: ...`, exit code 1); any other exception is a bug and keeps its traceback."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except USER_ERRORS as error:
+            raise click.ClickException(str(error)) from None
+    return wrapper
 
 
 class GpuSplit(click.ParamType):
@@ -35,39 +43,6 @@ class GpuSplit(click.ParamType):
         if any(share < 0 for share in shares) or not any(shares):
             self.fail(f"{value!r}: shares must be non-negative and not all zero", param, ctx)
         return shares
-
-
-def resolve_pair(pair: Optional[str], target: Optional[Path] = None, drafter: Optional[Path] = None) -> Pair:
-    """--pair (a manifest path or a name under models/pairs), or --target with --drafter."""
-    if target or drafter:
-        if not (target and drafter) or pair:
-            raise click.UsageError("give either --pair, or both --target and --drafter")
-        return pair_from_paths(target, drafter)
-    return load_pair(manifest_path(pair or "tiny"))
-
-
-def device_options(command):
-    """--threads, --n-ctx, --n-gpu-layers and --gpu-split, as every command that runs models
-    takes them."""
-    for option in reversed([
-        click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="CPU threads (ggml busy-waits: more threads than free cores is very slow)."),
-        click.option("--n-ctx", type=click.IntRange(min=16), default=2048, show_default=True, help="Context size."),
-        click.option("--n-gpu-layers", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="Layers to offload to GPU (llama.cpp); large values offload all."),
-        click.option("--gpu-split", type=GpuSplit(), help="Relative model share per GPU, e.g. 1,1 for two T4s."),
-    ]):
-        command = option(command)
-    return command
-
-
-def dtype_option(command):
-    """--dtype, for the runtimes that load weights in a dtype of their own (transformers)."""
-    return click.option(
-        "--dtype", type=click.Choice(DTYPES),
-        help="transformers: the weights' (and KV cache's) element type; a GGUF's conversion is cached per dtype. "
-        "Default: float32 on the CPU, bfloat16 on a GPU (float16 where it has no bfloat16). llama.cpp runs a "
-        "GGUF's own types and ignores it.")(command)
 
 
 class CommaChoice(click.ParamType):

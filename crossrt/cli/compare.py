@@ -9,13 +9,14 @@ from typing import Sequence
 
 import click
 
-from crossrt.cli.common import (PROMPTS_HELP, USER_ERRORS, CommaChoice, device_options, dtype_option,
-                                 refuse_inputs_as_outputs, resolve_pair)
+from crossrt.cli.common import PROMPTS_HELP, CommaChoice, refuse_inputs_as_outputs, user_errors
+from crossrt.cli.options import runtime_options
 from crossrt.cli.prompt_options import chat_options, fed_prompts, first_answers
 from crossrt.compare.diagnosis import Explainer, explain_record
 from crossrt.compare.diff import diff_records, render_diff, render_record_splits
 from crossrt.errors import ComparisonError
 from crossrt.records.journal import write_atomically
+from crossrt.inputs.pairs import resolve_pair, run_k
 from crossrt.compare.parity import compare_against, compare_all, labelled
 from crossrt.compare.parity_report import ParityReport, logit_checks, render_junit, render_markdown, render_text
 from crossrt.compare.parity_run import Matrix, run_matrix, score_records
@@ -24,7 +25,7 @@ from crossrt.records.record_json import load_record
 from crossrt.records.schema import RecordError
 from crossrt.compare.replay import Replayer
 from crossrt.report.parity import parity_html
-from crossrt.run.runtime import DraftRules, RuntimeOptions, runtime_names, usable_runtimes
+from crossrt.run.runtime import DraftRules, runtime_names, usable_runtimes
 from crossrt.compare.tau_gap import parity_gaps
 from crossrt.compare.tolerance import tolerance_for
 
@@ -39,6 +40,7 @@ def distinct_records(paths: Sequence[Path]) -> None:
 
 
 @click.command()
+@user_errors
 @click.argument("records", nargs=-1, type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--pair", help="Run the matrix on this pair (manifest path or name; default: tiny) "
               "instead of comparing RECORDS.")
@@ -52,11 +54,6 @@ def distinct_records(paths: Sequence[Path]) -> None:
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("runs/parity"),
               show_default=True, help="Where the matrix's run records go.")
-@click.option("--f32-kv-cache", is_flag=True, help="F32 KV cache where the runtime allows: logits then "
-              "agree to ~1e-5 on F32 weights instead of ~1e-3.")
-@dtype_option
-@click.option("--flash-attn/--no-flash-attn", default=True, show_default=True,
-              help="llama.cpp's flash attention; off (with --f32-kv-cache) for the closest logits to other runtimes.")
 @click.option("--against", "baselines", multiple=True, type=click.Path(path_type=Path, dir_okay=False),
               help="Saved record(s) to compare the new runs with (same runtime, mode and k); repeatable.")
 @click.option("--counter-tolerance", type=click.FloatRange(min=0), default=0.0, show_default=True,
@@ -80,12 +77,10 @@ def distinct_records(paths: Sequence[Path]) -> None:
 @click.option("--html", type=click.Path(path_type=Path, dir_okay=False),
               help="Write crossrt report's page of the runs with every split explained (docs/report.md).")
 @chat_options
-@device_options
-def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max_new_tokens, out_dir, f32_kv_cache,
-           flash_attn, baselines, counter_tolerance, logit_tolerance, strict, no_logits, no_rescore, jobs, junit,
-           markdown, html,
-           chat, chat_template, template_vars, turn, first_answers_file, threads, n_ctx, n_gpu_layers,
-           gpu_split, dtype) -> None:
+@runtime_options
+def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max_new_tokens, out_dir,
+           baselines, counter_tolerance, logit_tolerance, strict, no_logits, no_rescore, jobs, junit,
+           markdown, html, chat, chat_template, template_vars, turn, first_answers_file, options) -> None:
     """Check that runs agree: same token ids over the full length, counters equal between runs
     with the same schedule, each run lossless, logits close along common outputs.
 
@@ -99,46 +94,41 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
     written = {option: path for option, path in (("--junit", junit), ("--markdown", markdown), ("--html", html))
                if path}
     refuse_inputs_as_outputs(written, [*records, *baselines])  # before anything runs
-    try:
-        not_run, skipped = [], []
-        if records:
-            distinct_records([*records, *baselines])
-            runs = labelled([load_record(path) for path in records], [path.name for path in records])
-        else:
-            options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, gpu_split=gpu_split,
-                                     f32_kv_cache=f32_kv_cache, flash_attn=flash_attn, dtype=dtype)
-            resolved = resolve_pair(pair)
-            rules = DraftRules(k or int(resolved.defaults.get("k", 4)))
-            answers = first_answers(turn, first_answers_file, out_dir, resolved, options, max_new_tokens)
-            prompts, rendering, prompt_format = fed_prompts(load_prompts(prompt_source), resolved, chat,
-                                                            chat_template, template_vars, answers)
-            if "usable" in runtimes:
-                usable = usable_runtimes()
-                runtimes = tuple(dict.fromkeys(n for name in runtimes for n in (usable if name == "usable" else (name,))))
-            matrix = Matrix(resolved, runtimes, modes, options, rules, max_new_tokens, out_dir,
-                            chat=rendering, prompt_format=prompt_format)
-            records_run, not_run, skipped = run_matrix(matrix, prompts, jobs=jobs,
-                                                       on_run=lambda label: click.echo(f"running {label}", err=True))
-            runs = labelled(records_run, [""] * len(records_run))
-        with Replayer() as replay:
-            started = time.perf_counter()
-            comparisons = compare_all(runs, counter_tolerance, logit_tolerance, strict,
-                                      replay=None if no_rescore else replay)
-            if baselines:
-                comparisons += compare_against(runs, [load_record(path) for path in baselines], counter_tolerance,
-                                               None if no_rescore else replay)
-            if replay.passes:
-                click.echo(f"explaining: {replay.passes} passes re-scored in {time.perf_counter() - started:.1f} s",
-                           err=True)
-        by_label = dict(runs)
+    not_run, skipped = [], []
+    if records:
+        distinct_records([*records, *baselines])
+        runs = labelled([load_record(path) for path in records], [path.name for path in records])
+    else:
+        resolved = resolve_pair(pair)
+        rules = DraftRules(run_k(resolved, k))
+        answers = first_answers(turn, first_answers_file, out_dir, resolved, options, max_new_tokens)
+        prompts, rendering, prompt_format = fed_prompts(load_prompts(prompt_source), resolved, chat,
+                                                        chat_template, template_vars, answers)
+        if "usable" in runtimes:
+            usable = usable_runtimes()
+            runtimes = tuple(dict.fromkeys(n for name in runtimes for n in (usable if name == "usable" else (name,))))
+        matrix = Matrix(resolved, runtimes, modes, options, rules, max_new_tokens, out_dir,
+                        chat=rendering, prompt_format=prompt_format)
+        records_run, not_run, skipped = run_matrix(matrix, prompts, jobs=jobs,
+                                                   on_run=lambda label: click.echo(f"running {label}", err=True))
+        runs = labelled(records_run, [""] * len(records_run))
+    with Replayer() as replay:
+        started = time.perf_counter()
+        comparisons = compare_all(runs, counter_tolerance, logit_tolerance, strict,
+                                  replay=None if no_rescore else replay)
+        if baselines:
+            comparisons += compare_against(runs, [load_record(path) for path in baselines], counter_tolerance,
+                                           None if no_rescore else replay)
+        if replay.passes:
+            click.echo(f"explaining: {replay.passes} passes re-scored in {time.perf_counter() - started:.1f} s",
+                       err=True)
+    by_label = dict(runs)
 
-        def tolerance(label_a: str, label_b: str):
-            return tolerance_for(by_label[label_a], by_label[label_b], logit_tolerance)
+    def tolerance(label_a: str, label_b: str):
+        return tolerance_for(by_label[label_a], by_label[label_b], logit_tolerance)
 
-        scored = [run for run in runs if not run[1].imported]  # imported: no outputs to re-score
-        checks = () if no_logits else logit_checks(comparisons, score_records(scored), tolerance)
-    except USER_ERRORS as error:
-        raise click.ClickException(str(error)) from None
+    scored = [run for run in runs if not run[1].imported]  # imported: no outputs to re-score
+    checks = () if no_logits else logit_checks(comparisons, score_records(scored), tolerance)
     report = ParityReport(tuple(comparisons), checks, tuple(not_run))
     for line in skipped:
         click.echo(f"skipped {line}", err=True)
@@ -146,21 +136,20 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
         click.echo("note: fewer than two runs, so nothing was compared across runs", err=True)
     text = render_text(report).splitlines()
     # Runs whose schedules differ: their tau gap in named parts, before the verdict (crossrt/compare/tau_gap.py).
-    click.echo("\n".join(text[:-1] + parity_gaps(runs, threads) + text[-1:]))
-    try:  # each file whole or not at all (a full disk, a read-only folder: one line)
-        if junit:
-            write_atomically(junit, render_junit(report).encode(), option="--junit")
-        if markdown:
-            write_atomically(markdown, render_markdown(report).encode(), option="--markdown")
-        if html:
-            page = parity_html(runs, report, list(records) or [None] * len(runs), not no_rescore, strict)
-            write_atomically(html, page.encode(), option="--html")
-    except USER_ERRORS as error:
-        raise click.ClickException(str(error)) from None
+    click.echo("\n".join(text[:-1] + parity_gaps(runs, options.threads) + text[-1:]))
+    # Each file whole or not at all; a full disk or a read-only folder is a one-line error (user_errors).
+    if junit:
+        write_atomically(junit, render_junit(report).encode(), option="--junit")
+    if markdown:
+        write_atomically(markdown, render_markdown(report).encode(), option="--markdown")
+    if html:
+        page = parity_html(runs, report, list(records) or [None] * len(runs), not no_rescore, strict)
+        write_atomically(html, page.encode(), option="--html")
     sys.exit(0 if report.ok else 1)
 
 
 @click.command()
+@user_errors
 @click.argument("records", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
 def diff(records: tuple[Path, ...]) -> None:
     """Where runs part, and why: one record's lossless failures, or two runs of the same pair.
@@ -179,24 +168,21 @@ def diff(records: tuple[Path, ...]) -> None:
     """
     if len(records) > 2:
         raise click.UsageError("give one record (its lossless failures) or two (where they part)")
-    try:
-        distinct_records(records)
-        runs = labelled([load_record(path) for path in records], [path.name for path in records])
-        imported = [label for label, record in runs if record.imported]
-        if imported:
-            raise ComparisonError(f"{', '.join(imported)}: imported from another runtime's statistics, no token ids: "
-                             "nothing to diff")
-        if len(runs) == 1:
-            (label, record), = runs
-            with Replayer() as replay:
-                detokenize = replay.session(record, "target").detokenize
-                splits = explain_record(label, record, Explainer(replay=replay, detokenize=detokenize))
-            click.echo(render_record_splits(label, splits, sum(r.ok for r in record.results)))
-            return
-        (label_a, a), (label_b, b) = runs
-        if a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
-            raise ComparisonError("the two runs used different vocabularies: their token ids cannot be compared")
-        report = diff_records(label_a, a, label_b, b)
-    except USER_ERRORS as error:
-        raise click.ClickException(str(error)) from None
+    distinct_records(records)
+    runs = labelled([load_record(path) for path in records], [path.name for path in records])
+    imported = [label for label, record in runs if record.imported]
+    if imported:
+        raise ComparisonError(f"{', '.join(imported)}: imported from another runtime's statistics, no token ids: "
+                         "nothing to diff")
+    if len(runs) == 1:
+        (label, record), = runs
+        with Replayer() as replay:
+            detokenize = replay.session(record, "target").detokenize
+            splits = explain_record(label, record, Explainer(replay=replay, detokenize=detokenize))
+        click.echo(render_record_splits(label, splits, sum(r.ok for r in record.results)))
+        return
+    (label_a, a), (label_b, b) = runs
+    if a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
+        raise ComparisonError("the two runs used different vocabularies: their token ids cannot be compared")
+    report = diff_records(label_a, a, label_b, b)
     click.echo(render_diff(report))

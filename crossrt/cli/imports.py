@@ -7,7 +7,8 @@ from typing import Optional
 
 import click
 
-from crossrt.cli.common import USER_ERRORS, refuse_inputs_as_outputs, resolve_pair
+from crossrt.cli.common import refuse_inputs_as_outputs, user_errors
+from crossrt.inputs.pairs import resolve_pair
 from crossrt.imports.logs import ReadOptions
 from crossrt.imports.imported import MAX_K
 from crossrt.imports.importer import AGGREGATE, FORMATS, ImportRequest, import_record, import_summary
@@ -17,6 +18,7 @@ from crossrt.records.tables import format_table, summary_rows
 
 
 @click.command("import")
+@user_errors
 @click.argument("file", type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--from", "source", type=click.Choice(list(FORMATS)), required=True,
               help="The text's format (below).")
@@ -74,18 +76,15 @@ def import_command(file: Path, source: str, before: Optional[Path], out: Optiona
     Counts are recovered from a log's rounded rates only where exactly one count fits
     them; otherwise the command says so and names the counter endpoint to read instead.
     """
-    try:
-        request = ImportRequest(file, source, before, ReadOptions(k, decode_log_interval),
-                                resolve_pair(pair) if pair else None, pair_name, category, spec_type, greedy,
-                                max_new_tokens, n_ctx, draft_n_min, draft_p_min)
-        record = import_record(request)
-        out = out or Path("runs") / "imported" / f"{file.name}.json"
-        refuse_inputs_as_outputs({"--out": out}, [file, *([before] if before else [])])
-        if out.exists() and not overwrite:
-            raise click.UsageError(f"{out} exists: pass --overwrite to replace it, or --out")
-        save_record(record, out)
-    except USER_ERRORS as error:
-        raise click.ClickException(str(error)) from None
+    request = ImportRequest(file, source, before, ReadOptions(k, decode_log_interval),
+                            resolve_pair(pair) if pair else None, pair_name, category, spec_type, greedy,
+                            max_new_tokens, n_ctx, draft_n_min, draft_p_min)
+    record = import_record(request)
+    out = out or Path("runs") / "imported" / f"{file.name}.json"
+    refuse_inputs_as_outputs({"--out": out}, [file, *([before] if before else [])])
+    if out.exists() and not overwrite:
+        raise click.UsageError(f"{out} exists: pass --overwrite to replace it, or --out")
+    save_record(record, out)
     click.echo(format_table(summary_rows([record])))
     click.echo(import_summary(record))
     click.echo(f"record: {out}")

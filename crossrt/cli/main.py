@@ -9,12 +9,13 @@ from typing import Sequence
 
 import click
 
-from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, device_options, dtype_option, resolve_pair
+from crossrt.cli.common import PROMPTS_HELP, user_errors
 from crossrt.cli.analysis import analyze, simulate_command
 from crossrt.cli.cache import cache, stored_baselines_note
 from crossrt.cli.compare import diff, distinct_records, parity
 from crossrt.cli.drafter import drafter
 from crossrt.cli.imports import import_command
+from crossrt.cli.options import executable_option, runtime_options, strategy_options, with_executable
 from crossrt.cli.prompt_options import chat_options, fed_prompts, first_answers
 from crossrt.cli.report import report
 from crossrt.cli.reproduce import reproduce
@@ -23,8 +24,10 @@ from crossrt.run.baselines import BaselineStore
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.imports.importer import import_summary
 from crossrt.run.loop import SCHEDULE, SCHEDULES
+from crossrt.inputs.pairs import resolve_pair, run_k
 from crossrt.inputs.prompts import load_prompts
-from crossrt.run.runtime import SPEC_TYPES, DraftRules, RuntimeOptions, availability, runtime_names, usable_runtimes
+from crossrt.run.runtime import SPEC_TYPES, DraftRules, availability, runtime_class, runtime_names, usable_runtimes
+from crossrt.run.schedule_sim import LLAMA
 from crossrt.records.record_json import load_record
 from crossrt.records.tables import format_table, record_notes, summary_rows
 
@@ -43,6 +46,7 @@ def main() -> None:
 
 
 @main.command()
+@user_errors
 @click.option("--pair", help="Pair manifest (.toml path, or a name under models/pairs such as "
               "'tiny'). Default: the tiny test pair.")
 @click.option("--target", type=click.Path(path_type=Path), help="Target model file/folder (instead of --pair).")
@@ -56,10 +60,12 @@ def main() -> None:
               help="Driven mode: whose schedule the loop follows (when drafts start, how they are "
               "cut near the budget), so counts can match a native runtime's exactly.")
 @click.option("--k", type=click.IntRange(min=1),
-              help="Draft tokens per verification step. Default: the pair's default k, else 4.")
+              help="Draft tokens per verification step (--k-policy online: the first step's; content: "
+              "the k of a content type --content-k leaves out). Default: the pair's [defaults] k, else 4.")
 @click.option("--spec-type", type=click.Choice(SPEC_TYPES),
-              help="Drafting method: draft (a drafter model) or a native one some runtimes have "
-              "(n-gram, MTP, DFlash...). Default: the pair's [defaults] spec_type, else draft.")
+              help="Native mode's drafting method: draft (a drafter model) or one some runtimes have "
+              "(n-gram, MTP, DFlash...); driven mode drafts as --drafting says. Default: the pair's "
+              "[defaults] spec_type, else draft.")
 @click.option("--draft-n-min", type=click.IntRange(min=0),
               help="llama.cpp drafting rule: drafts shorter than this are dropped. Default: k.")
 @click.option("--draft-p-min", type=click.FloatRange(0, 1), default=0.0, show_default=True,
@@ -74,23 +80,15 @@ def main() -> None:
               "schedule) in <out stem>.trace.npz beside the record, for `crossrt analyze`.")
 @click.option("--resume", is_flag=True, help="Continue the record at --out, skipping finished prompts.")
 @click.option("--overwrite", is_flag=True, help="Replace the record at --out.")
+@strategy_options
 @chat_options
-@device_options
-@click.option("--f32-kv-cache", is_flag=True, help="F32 KV cache, for logit comparisons across runtimes.")
-@dtype_option
-@click.option("--flash-attn/--no-flash-attn", default=True, show_default=True,
-              help="llama.cpp's flash attention (on, as its own tools run). Off, with --f32-kv-cache, "
-              "gives logits within ~1e-5 of transformers on F32 weights; on, ~5e-3.")
-@click.option("--llama-server", "llama_server", type=click.Path(path_type=Path, dir_okay=False),
-              help="llama-server executable for --runtime llama-server (default: the one "
-              "scripts/build_llama_tools built, else PATH).")
-@click.option("--llama-spec", "llama_spec", type=click.Path(path_type=Path, dir_okay=False),
-              help="llama-speculative-simple executable for --runtime llama-spec-cli (default: the "
-              "one scripts/build_llama_tools built, else PATH).")
+@runtime_options
+@executable_option
 @click.option("--fresh-baseline", is_flag=True, help="Decode every plain baseline here and now (and replace its "
               "baseline store entry) instead of taking it from the store (crossrt cache ls).")
 def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_min, prompt_source,
-        max_new_tokens, out, trace, resume, overwrite, chat, chat_template, template_vars, turn, first_answers_file, threads, n_ctx, n_gpu_layers, gpu_split, f32_kv_cache, flash_attn, llama_server, llama_spec, fresh_baseline, dtype) -> None:
+        max_new_tokens, out, trace, resume, overwrite, chat, chat_template, template_vars, turn, first_answers_file,
+        options, executable, fresh_baseline, strategy) -> None:
     """Run a pair over prompts: plain greedy baseline and speculative decoding, per prompt.
 
     Writes a run record (JSON, schema in docs/schema.md) after every prompt, so an
@@ -98,10 +96,8 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft
     """
     try:
         resolved = resolve_pair(pair, target, drafter)
-        k = k or int(resolved.defaults.get("k", 4))
-        options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers,
-                                 gpu_split=gpu_split, f32_kv_cache=f32_kv_cache, flash_attn=flash_attn, dtype=dtype,
-                                 executable={"llama-server": llama_server, "llama-spec-cli": llama_spec}.get(runtime_name))
+        k = run_k(resolved, k)
+        options = with_executable(options, runtime_name, executable)
         named_out = out or Path("runs") / f"{resolved.name}-{runtime_name}-k{k}.json"
         answers = first_answers(turn, first_answers_file, named_out.parent, resolved, options, max_new_tokens)
         prompts, rendering, prompt_format = fed_prompts(load_prompts(prompt_source), resolved, chat, chat_template,
@@ -110,11 +106,12 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft
         rules = DraftRules(k, draft_n_min, draft_p_min, spec_type or str(resolved.defaults.get("spec_type", "draft")))
         request = RunRequest(resolved, runtime_name, options, rules, max_new_tokens, out, mode, schedule,
                              resume, overwrite, trace=trace, chat=rendering, prompt_format=prompt_format,
-                             baselines=BaselineStore.default(refresh=fresh_baseline))
+                             baselines=BaselineStore.default(refresh=fresh_baseline), strategy=strategy)
         # llama.cpp's runtimes and schedules drop drafts shorter than n_min, and a draft is at most
         # max_new_tokens - 1 long: with n_min at k (its default), a large k drafts nothing.
-        llama_rules = runtime_name.startswith("llama") if mode == "native" else schedule != SCHEDULE
-        if llama_rules and rules.n_min >= max_new_tokens:
+        drops_short = ("n_min" in runtime_class(runtime_name).drafting_rules if mode == "native"
+                       else schedule in LLAMA)
+        if drops_short and rules.n_min >= max_new_tokens:
             click.echo(f"warning: --k {k}: llama.cpp drops drafts shorter than draft-n-min {rules.n_min}, and no "
                        f"draft fits in --max-new-tokens {max_new_tokens}: nothing will be drafted; lower --k or "
                        "--draft-n-min", err=True)
@@ -124,8 +121,6 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft
                 status = "skipped (done)" if result is None else result.status
                 bar.update(1, f"{prompt.id}: {status}")
             record = run_pair(request, prompts, on_prompt=advance)
-    except USER_ERRORS as error:
-        raise click.ClickException(str(error)) from None
     except KeyboardInterrupt:
         if out is None:  # interrupted before a record was named: nothing to resume
             raise click.Abort() from None
@@ -138,8 +133,8 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft
         click.echo(note, err=True)
     for line in record_notes([record]):
         click.echo(line, err=True)
-    if gpu_split and record.runtime.device == "cpu":
-        click.echo(f"warning: --gpu-split {','.join(f'{share:g}' for share in gpu_split)} had no effect: the run "
+    if options.gpu_split and record.runtime.device == "cpu":
+        click.echo(f"warning: --gpu-split {','.join(f'{share:g}' for share in options.gpu_split)} had no effect: the run "
                    "used no GPU (none found here, or --n-gpu-layers 0)", err=True)
     failed = [r for r in record.results if not r.ok]
     for result in failed:
@@ -158,16 +153,14 @@ def resume_command(out: Path) -> str:
 
 
 @main.command()
+@user_errors
 @click.argument("records", nargs=-1, required=True, type=click.Path(path_type=Path))
 def show(records: Sequence[Path]) -> None:
     """Summary table of run records: per category and overall, tau (tokens per step, bonus
     included), alpha (accepted/drafted), steps, lossless prompts, tokens/s and speedup.
     Imported records (`crossrt import`) follow the table with what their source lacks."""
-    try:
-        distinct_records(records)
-        loaded = [load_record(path) for path in records]
-    except USER_ERRORS as error:
-        raise click.ClickException(str(error)) from None
+    distinct_records(records)
+    loaded = [load_record(path) for path in records]
     click.echo(format_table(summary_rows(loaded)))
     for path, record in zip(records, loaded):
         if record.imported:

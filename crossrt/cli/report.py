@@ -11,7 +11,7 @@ import click
 from crossrt.analyze import analysis
 from crossrt.report.ceiling import ceiling_section, load_ceilings
 from crossrt.cli.analysis import Increasing
-from crossrt.cli.common import USER_ERRORS, refuse_inputs_as_outputs
+from crossrt.cli.common import refuse_inputs_as_outputs, user_errors
 from crossrt.records.journal import write_atomically
 from crossrt.report.build import load_runs, record_sections, to_html, to_markdown
 from crossrt.report.page import page
@@ -29,6 +29,7 @@ def _writer(path: Path):
 
 
 @click.command()
+@user_errors
 @click.argument("records", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
 @click.option("-o", "--out", type=click.Path(path_type=Path, dir_okay=False),
               help="Report to write: .html (charts and tables, one self-contained file) or .md (tables).")
@@ -62,16 +63,13 @@ def report(records: Sequence[Path], out: Optional[Path], markdown_out: Optional[
         raise click.UsageError("give -o report.html (or .md) and/or --markdown report.md")
     refuse_inputs_as_outputs({option: path for path, _, option in outputs},
                              [*records, *([ceiling_path] if ceiling_path else [])])
-    try:
-        loaded = load_runs(records)
-        parity = report_parity(loaded, rescore=not no_rescore)  # on the records as run, before any regrouping
-        runs = [dataclasses.replace(run, record=analysis.grouped(run.record, grouping)) for run in loaded]
-        built = page(title, with_parity(record_sections(runs, entropy_buckets), parity))
-        if ceiling_path:
-            built = dataclasses.replace(built, sections=built.sections + (
-                ceiling_section(load_ceilings(ceiling_path), str(ceiling_path)),))
-        for path, writer, option in outputs:  # each file whole or not at all
-            write_atomically(path, writer(built).encode("utf-8"), option=option)
-            click.echo(f"report: {path}")
-    except USER_ERRORS as error:
-        raise click.ClickException(str(error)) from None
+    loaded = load_runs(records)
+    parity = report_parity(loaded, rescore=not no_rescore)  # on the records as run, before any regrouping
+    runs = [dataclasses.replace(run, record=analysis.grouped(run.record, grouping)) for run in loaded]
+    built = page(title, with_parity(record_sections(runs, entropy_buckets), parity))
+    if ceiling_path:
+        built = dataclasses.replace(built, sections=built.sections + (
+            ceiling_section(load_ceilings(ceiling_path), str(ceiling_path)),))
+    for path, writer, option in outputs:  # each file whole or not at all
+        write_atomically(path, writer(built).encode("utf-8"), option=option)
+        click.echo(f"report: {path}")

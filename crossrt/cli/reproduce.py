@@ -15,11 +15,13 @@ import click
 
 from crossrt.inputs.chat_template import ChatTemplateError, apply_template
 from crossrt.analyze.claims import Claim, ClaimError, Outcome, check_record, exit_code, load_claims, render
-from crossrt.cli.common import PROMPTS_HELP, USER_ERRORS, device_options, resolve_pair
+from crossrt.cli.common import PROMPTS_HELP, user_errors
+from crossrt.cli.options import runtime_options
+from crossrt.errors import USER_ERRORS
 from crossrt.run.baselines import BaselineStore
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.run.loop import SCHEDULE
-from crossrt.inputs.pairs import ROLES, Pair, PairError
+from crossrt.inputs.pairs import ROLES, Pair, PairError, resolve_pair
 from crossrt.inputs.prompts import Prompt, PromptError, load_prompts, relabel, source_relative_to
 from crossrt.run.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, availability, runtime_class
 from crossrt.records.record_json import load_record
@@ -158,6 +160,7 @@ def _measured_record(claim_id: str, path: Path) -> RunRecord:
 
 
 @click.command()
+@user_errors
 @click.argument("claims_files", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--claim", "only", multiple=True, help="Only the claim with this id; repeatable.")
 @click.option("--prompts", "prompt_source", default="categories", show_default=True,
@@ -174,9 +177,9 @@ def _measured_record(claim_id: str, path: Path) -> RunRecord:
 @click.option("--measured", multiple=True, metavar="CLAIM=RECORD",
               help="Check the claim with this id against RECORD instead of running it: a record of the claimed "
               "runtime imported from its own statistics (crossrt import), say; repeatable.")
-@device_options
+@runtime_options
 def reproduce(claims_files: Sequence[Path], only, prompt_source, max_new_tokens, out_dir, hardware, strict, resume,
-              measured, threads, n_ctx, n_gpu_layers, gpu_split) -> None:
+              measured, options) -> None:
     """Check published speculative decoding numbers: run every claim this machine can (claims
     format: docs/claims.md) and print claimed against measured, with tolerances.
 
@@ -189,22 +192,18 @@ def reproduce(claims_files: Sequence[Path], only, prompt_source, max_new_tokens,
     ran is within tolerance; 1 when one misses or a run breaks, and with --strict also when
     anything claimed could not be checked.
     """
-    try:
-        claims = [claim for path in claims_files for claim in load_claims(path)]
-        ids = [claim.id for claim in claims]
-        repeated = sorted({i for i in ids if ids.count(i) > 1})
-        if repeated:
-            raise ClaimError(f"claim id(s) {', '.join(repeated)} appear in more than one claims file")
-        given = dict(_measured(item) for item in measured)
-        unknown = [name for name in (*only, *given) if name not in ids]
-        if unknown:
-            raise ClaimError(f"no claim {', '.join(map(repr, unknown))} (claims: {', '.join(ids)})")
-        options = RuntimeOptions(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, gpu_split=gpu_split)
-        settings = Settings(options, max_new_tokens, prompt_source, out_dir, hardware, resume)
-        outcomes = [Outcome(claim, check_record(claim, _measured_record(claim.id, given[claim.id]), hardware),
-                            record=given[claim.id], measured=True) if claim.id in given
-                    else reproduce_claim(claim, settings) for claim in claims if not only or claim.id in only]
-    except USER_ERRORS as error:
-        raise click.ClickException(str(error)) from None
+    claims = [claim for path in claims_files for claim in load_claims(path)]
+    ids = [claim.id for claim in claims]
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise ClaimError(f"claim id(s) {', '.join(repeated)} appear in more than one claims file")
+    given = dict(_measured(item) for item in measured)
+    unknown = [name for name in (*only, *given) if name not in ids]
+    if unknown:
+        raise ClaimError(f"no claim {', '.join(map(repr, unknown))} (claims: {', '.join(ids)})")
+    settings = Settings(options, max_new_tokens, prompt_source, out_dir, hardware, resume)
+    outcomes = [Outcome(claim, check_record(claim, _measured_record(claim.id, given[claim.id]), hardware),
+                        record=given[claim.id], measured=True) if claim.id in given
+                else reproduce_claim(claim, settings) for claim in claims if not only or claim.id in only]
     click.echo(render(outcomes))
     sys.exit(exit_code(outcomes, strict))

@@ -9,7 +9,7 @@ from typing import Optional
 
 import click
 
-from crossrt.cli.common import USER_ERRORS
+from crossrt.cli.common import user_errors
 from crossrt.sweep.plan import STRATEGIES, SweepError, load_sweep, plan_rows
 from crossrt.sweep.runner import Executor, run_sweep
 from crossrt.sweep.store import INDEX, SweepStore, check_sweep_dir, table_rows
@@ -53,22 +53,21 @@ def _counts(loaded, store: Optional[SweepStore]) -> str:
 
 
 @sweep.command()
+@user_errors
 @click.argument("sweep_file", type=SWEEP_FILE)
 @click.option("--dir", "sweep_dir", type=SWEEP_DIR, help="Also say which cells are done in this sweep directory.")
 def plan(sweep_file: Path, sweep_dir: Optional[Path]) -> None:
     """List the cells of SWEEP_FILE: id, name, what each needs, and those skipped and why."""
-    try:
-        loaded = load_sweep(sweep_file)
-        store = SweepStore(sweep_dir) if sweep_dir else None
-        done = store.done() if store else set()
-    except USER_ERRORS as error:
-        raise click.ClickException(str(error)) from None
+    loaded = load_sweep(sweep_file)
+    store = SweepStore(sweep_dir) if sweep_dir else None
+    done = store.done() if store else set()
     _warn(loaded)
     click.echo(format_table(plan_rows(loaded, sorted(done))))
     click.echo(_counts(loaded, store))
 
 
 @sweep.command(name="run")
+@user_errors
 @click.argument("sweep_file", type=SWEEP_FILE)
 @click.option("--dir", "sweep_dir", type=SWEEP_DIR, help="Sweep directory. Default: runs/sweeps/<sweep name>.")
 @click.option("--ray", "ray_address", metavar="auto|local|ADDRESS",
@@ -110,8 +109,6 @@ def run_command(sweep_file: Path, sweep_dir: Optional[Path], ray_address: Option
 
         progress = run_sweep(loaded, store, Executor(ray_address, thread_budget, strategy, max_retries), line,
                              fresh_baseline)
-    except USER_ERRORS as error:
-        raise click.ClickException(str(error)) from None
     except KeyboardInterrupt:
         click.echo(f"\ninterrupted: the finished cells are kept in {store.root}; run the same command to "
                    "continue", err=True)
@@ -132,17 +129,15 @@ def _warn_damaged(store: SweepStore) -> None:
 
 
 @sweep.command()
+@user_errors
 @click.argument("sweep_dir", type=SWEEP_DIR)
 @click.argument("sql")
 @click.option("--csv", "as_csv", is_flag=True, help="Print CSV instead of a table.")
 def query(sweep_dir: Path, sql: str, as_csv: bool) -> None:
     """Run SQL (DuckDB) over a sweep directory's tables: `prompts` (one row per prompt: the
     cell's settings, counters, tau, alpha, lossless, timings) and `cells` (one row per cell)."""
-    try:
-        store = check_sweep_dir(sweep_dir)
-        columns, rows = store.query(sql)
-    except USER_ERRORS as error:
-        raise click.ClickException(str(error)) from None
+    store = check_sweep_dir(sweep_dir)
+    columns, rows = store.query(sql)
     _warn_damaged(store)
     if as_csv:
         writer = csv.writer(sys.stdout)
@@ -153,22 +148,20 @@ def query(sweep_dir: Path, sql: str, as_csv: bool) -> None:
 
 
 @sweep.command()
+@user_errors
 @click.argument("sweep_dir", type=SWEEP_DIR)
 @click.option("--paths", is_flag=True, help="Print the cells' record paths only, e.g. for "
               "`crossrt report $(crossrt sweep show DIR --paths) -o report.html`.")
 def show(sweep_dir: Path, paths: bool) -> None:
     """The summary table of every finished cell (as `crossrt show` prints records), or their paths."""
-    try:
-        store = check_sweep_dir(sweep_dir)
-        stored = store.stored()
-        _warn_damaged(store)
-        if paths:
-            for cell in stored:
-                click.echo(cell.record_path)
-            return
-        records = [cell.record() for cell in stored]
-    except USER_ERRORS as error:
-        raise click.ClickException(str(error)) from None
+    store = check_sweep_dir(sweep_dir)
+    stored = store.stored()
+    _warn_damaged(store)
+    if paths:
+        for cell in stored:
+            click.echo(cell.record_path)
+        return
+    records = [cell.record() for cell in stored]
     if records:
         click.echo(format_table(summary_rows(records)))
     failures = store.failures()

@@ -74,6 +74,7 @@ class Pair:
 
 
 REPO_PAIRS = Path(__file__).resolve().parents[2] / "models" / "pairs"
+DEFAULT_K = 4  # draft tokens per step of a run that names no k and whose pair states none
 
 
 def manifest_path(name: str) -> Path:
@@ -104,6 +105,26 @@ def load_pair(manifest: Path) -> Pair:
     return Pair(name=str(data.get("name", manifest.stem)), files=files,
                 description=str(data.get("description", "")),
                 defaults=dict(data.get("defaults", {})), source=manifest.resolve())
+
+
+def resolve_pair(pair: Optional[str] = None, target: Optional[Path] = None, drafter: Optional[Path] = None) -> Pair:
+    """The pair a command names: a manifest (a path, or a name under models/pairs; default: the
+    tiny pair), or a target with a drafter. PairError when both kinds, or half a pair, are given."""
+    if target or drafter:
+        if not (target and drafter) or pair:
+            raise PairError("give either --pair, or both --target and --drafter")
+        return pair_from_paths(target, drafter)
+    return load_pair(manifest_path(pair or "tiny"))
+
+
+def run_k(pair: Pair, k: Optional[int] = None) -> int:
+    """The k of a run: the one given, else the pair's [defaults] k, else DEFAULT_K."""
+    if k is not None:
+        return k
+    stated = pair.defaults.get("k", DEFAULT_K)
+    if isinstance(stated, bool) or not isinstance(stated, int) or stated < 1:
+        raise PairError(f"pair {pair.name!r} ({pair.source}): [defaults] k = {stated!r}: expected a whole number >= 1")
+    return stated
 
 
 def pair_from_paths(target: Path, drafter: Path) -> Pair:

@@ -249,6 +249,12 @@ class Runtime(abc.ABC):
     model_format: ClassVar[Union[str, tuple[str, ...]]]
     modes: ClassVar[tuple[str, ...]] = ("driven",)  # "driven" needs load(), "native" open_native()
     scored_by: ClassVar[Optional[str]] = None  # a native-only runtime's in-process sibling, for logits
+    # The program this runtime starts (llama-server, llama-speculative-simple), which
+    # RuntimeOptions.executable (the command line's --executable) names; None: it runs in-process.
+    program: ClassVar[Optional[str]] = None
+    # DraftRules' llama.cpp drafting rules its native mode honours: "n_min" (shorter drafts are
+    # dropped), "p_min" (drafting stops below a drafter probability). Others refuse them.
+    drafting_rules: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, options: RuntimeOptions):
         self.options = options
@@ -292,7 +298,7 @@ def runtime_class(name: str) -> type[Runtime]:
 def open_runtime(name: str, options: RuntimeOptions) -> Runtime:
     """The runtime called name, checked usable here; RuntimeUnavailable says why not.
 
-    An explicit executable (--llama-server PATH, ...) replaces the default lookup that
+    An explicit executable (--executable PATH: the runtime's program) replaces the default lookup that
     check_available makes; the runtime checks that path itself when constructed."""
     cls = runtime_class(name)
     if options.executable is None:

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from crossrt.errors import USER_ERRORS
 from crossrt.run import loop
 from crossrt.run.baselines import BaselineStore
 from crossrt.inputs.chat_template import apply_template
+from crossrt.inputs.pairs import resolve_pair
 from crossrt.run.driver import LoadedModels, RunRequest, run_pair
 from crossrt.inputs.prompts import Prompt, load_prompts
 from crossrt.records.record_json import record_to_json
@@ -47,9 +49,6 @@ def run_job(job: CellJob, on_prompt: Optional[Callable[[Prompt, Optional[PromptR
     """{"record": the run record's JSON, "wall_s", "host", "pid"}, or {"error": one line, ...}
     for what crossrt explains (a runtime not usable there, a missing model). A bug raises.
     models: driven sessions kept from earlier cells of the same worker (a sweep actor)."""
-    # Here, not at the top: crossrt.cli imports the sweep command, which imports this module.
-    from crossrt.cli.common import USER_ERRORS, resolve_pair
-
     cell = job.cell
     start = time.perf_counter()
     where = {"host": socket.gethostname(), "pid": os.getpid()}
@@ -62,7 +61,7 @@ def run_job(job: CellJob, on_prompt: Optional[Callable[[Prompt, Optional[PromptR
         with tempfile.TemporaryDirectory(prefix=f"crossrt-cell-{cell.id}-") as work:
             request = RunRequest(pair, cell.runtime, options, rules, cell.max_new_tokens, Path(work) / "record.json",
                                  cell.mode, cell.schedule or loop.SCHEDULE, chat=rendering, prompt_format=prompt_format,
-                                 baselines=BaselineStore.default(refresh=job.fresh_baseline))
+                                 baselines=BaselineStore.default(refresh=job.fresh_baseline), strategy=cell.strategy)
             record = run_pair(request, prompts, on_prompt, models)
     except USER_ERRORS as error:
         return {"error": str(error), "wall_s": time.perf_counter() - start, **where}

@@ -8,8 +8,10 @@ A sweep file (TOML, models/sweeps/*.toml, docs/scale.md):
     pair = ["tiny"]
     runtime = ["llama-cpp", "llama-server"]
     mode = ["driven", "native"]
-    k = [1, 2, 3, 4]
+    k = [1, 2, 3, 4]             # no k: each pair's [defaults] k, else 4
     max_new_tokens = 8
+    k_policy = ["fixed", "online"]  # driven strategies: drafting, k_policy, acceptance and their
+                                    # parameters (tree, content_k = "code=7,prose=3", top_m, ...)
     [[exclude]]                  # cells matching every key (a list: any of its values) are dropped
     runtime = "llama-server"
     k = [1, 2]
@@ -44,8 +46,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 from crossrt.run import loop
 from crossrt.errors import CrossrtError, SettingsError
-from crossrt.inputs.pairs import manifest_path
+from crossrt.inputs.pairs import DEFAULT_K, PairError, load_pair, manifest_path, run_k
 from crossrt.run.runtime import DraftRules, RuntimeUnavailable, runtime_class, runtime_names
+from crossrt.run.strategies import Strategy, parse_content_k
 
 try:
     import tomllib
@@ -57,18 +60,25 @@ class SweepError(CrossrtError, ValueError):
     """A sweep file that cannot be read, or a sweep directory that does not match it."""
 
 
-# Every setting of one cell, with the value a cell has when neither the axes nor a rule set it.
+# A driven run's strategy settings (crossrt/run/strategies.py), as crossrt run's --drafting,
+# --k-policy, --acceptance and their parameters; content_k is written as in --content-k.
+STRATEGY_DEFAULTS: dict[str, Any] = {field.name: field.default for field in dataclasses.fields(Strategy)}
+# Every setting of one cell, with the value a cell has when neither the axes nor a rule set it;
+# k None: the pair's [defaults] k, else DEFAULT_K (run_k).
 DEFAULTS: dict[str, Any] = {
-    "pair": "tiny", "runtime": "llama-cpp", "mode": "driven", "schedule": loop.SCHEDULE, "k": 4,
+    "pair": "tiny", "runtime": "llama-cpp", "mode": "driven", "schedule": loop.SCHEDULE, "k": None,
     "draft_n_min": None, "draft_p_min": 0.0, "spec_type": "draft", "prompts": "builtin",
     "max_new_tokens": 64, "n_ctx": 2048, "n_gpu_layers": 0, "gpu_split": None,
-    "f32_kv_cache": False, "flash_attn": True,
+    "f32_kv_cache": False, "flash_attn": True, **STRATEGY_DEFAULTS,
 }
 # The TOML types each setting takes (None where the default is None); a cell's id digests them.
 KINDS: dict[str, tuple[type, ...]] = {
     "pair": (str,), "runtime": (str,), "mode": (str,), "schedule": (str,), "k": (int,), "draft_n_min": (int,),
     "draft_p_min": (float, int), "spec_type": (str,), "prompts": (str,), "max_new_tokens": (int,),
     "n_ctx": (int,), "n_gpu_layers": (int,), "gpu_split": (list,), "f32_kv_cache": (bool,), "flash_attn": (bool,),
+    "drafting": (str,), "tree": (str,), "ngram_max": (int,), "ngram_min": (int,), "k_policy": (str,),
+    "content_k": (str,), "k_max": (int,), "min_p1": (float, int), "acceptance": (str,), "top_m": (int,),
+    "delta": (float, int),
 }
 RESOURCE_KEYS = ("threads", "num_cpus", "num_gpus")
 STRATEGIES = ("task", "actor")
@@ -101,9 +111,31 @@ class Cell:
     f32_kv_cache: bool
     flash_attn: bool
     threads: int = 1
+    # The strategy (STRATEGY_DEFAULTS), its content_k as text.
+    drafting: str = "model"
+    tree: Optional[str] = None
+    ngram_max: int = 3
+    ngram_min: int = 1
+    k_policy: str = "fixed"
+    content_k: Optional[str] = None
+    k_max: int = 8
+    min_p1: float = 0.0
+    acceptance: str = "greedy"
+    top_m: int = 2
+    delta: float = 1.0
 
     def params(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every setting, less the strategy's at their defaults: a cell of the default strategy
+        keeps the id (and the store entries) it had before strategies were sweep settings."""
+        return {key: value for key, value in dataclasses.asdict(self).items()
+                if key not in STRATEGY_DEFAULTS or value != STRATEGY_DEFAULTS[key]}
+
+    @property
+    def strategy(self) -> Strategy:
+        """The cell's Strategy; SettingsError for contradicting settings (skip_reason says so)."""
+        values = {key: getattr(self, key) for key in STRATEGY_DEFAULTS}
+        values["content_k"] = parse_content_k(self.content_k) if self.content_k is not None else None
+        return Strategy(**values)
 
     @property
     def id(self) -> str:
@@ -129,6 +161,11 @@ class Cell:
                 parts.append(label if value else f"no{label}")
             else:
                 parts.append(label + (",".join(f"{v:g}" for v in value) if key == "gpu_split" else str(value)))
+        if any(getattr(self, key) != value for key, value in STRATEGY_DEFAULTS.items()):
+            try:
+                parts.append(self.strategy.label())
+            except SettingsError:  # skipped, skip_reason says why
+                parts.append("bad-strategy")
         return "-".join(str(p) for p in parts)
 
 
@@ -202,6 +239,21 @@ def _one_name_per_pair(values: list[dict[str, Any]], source: Path) -> list[str]:
             for alias, (name, manifest) in names.items() if alias != name]
 
 
+def _pairs_k(values: list[dict[str, Any]], source: Path) -> None:
+    """Each value without a k given the k crossrt run takes for its pair (run_k): the manifest's
+    [defaults] k, else DEFAULT_K, also where the manifest cannot be read here (its run says why)."""
+    known: dict[str, int] = {}
+    for value in values:
+        name = value["pair"]
+        if value["k"] is None and isinstance(name, str):  # another type is _cell's to refuse
+            if name not in known:
+                try:
+                    known[name] = run_k(load_pair(manifest_path(_beside(source, name))))
+                except (PairError, OSError, ValueError):
+                    known[name] = DEFAULT_K
+            value["k"] = known[name]
+
+
 def _as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list) else [value]
 
@@ -259,7 +311,8 @@ def _cell(values: dict[str, Any], threads: int) -> Cell:
     for key in ("max_new_tokens", "n_ctx"):
         if values[key] < 1:
             raise SweepError(f"{key} = {values[key]}: expected at least 1")
-    values["draft_p_min"] = float(values["draft_p_min"])  # 0 and 0.0 are one setting, so one id
+    for key in ("draft_p_min", "min_p1", "delta"):  # 0 and 0.0 are one setting, so one id
+        values[key] = float(values[key])
     if values["mode"] == "native":  # the runtime's own schedule: cells differing only there are one cell
         values["schedule"] = None
     if values["gpu_split"] is not None:
@@ -272,6 +325,7 @@ def skip_reason(cell: Cell) -> Optional[str]:
     contradict each other), or None. Whether the runtime is usable here is the run's to say."""
     try:
         DraftRules(cell.k, cell.draft_n_min, cell.draft_p_min, cell.spec_type)
+        strategy = cell.strategy
         modes = runtime_class(cell.runtime).modes
     except SettingsError as error:
         return str(error)
@@ -283,6 +337,8 @@ def skip_reason(cell: Cell) -> Optional[str]:
         return f"crossrt's driven loop drafts with a drafter model only, not {cell.spec_type!r}"
     if cell.mode == "driven" and cell.schedule not in loop.SCHEDULES:
         return f"unknown schedule {cell.schedule!r}"
+    if cell.mode == "native" and not strategy.is_default:
+        return f"strategy {strategy.label()} is crossrt's driven loop's: native mode drafts as the runtime does"
     return None
 
 
@@ -385,6 +441,7 @@ def parse_sweep(data: Mapping[str, Any], source: Path) -> Sweep:
     for rule in rules["include"]:
         values += _product(rule, {**DEFAULTS, **{k: _as_list(v)[0] for k, v in single.items()}})
     aliases = _one_name_per_pair(values, source)
+    _pairs_k(values, source)
     planned: dict[str, Planned] = {}
     seen: set[str] = set()
     duplicates = 0

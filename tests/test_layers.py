@@ -1,0 +1,64 @@
+"""The import graph of crossrt's source: every import points to the same or an earlier stage of
+the data path, so nothing below the command line imports from it (docs/design.md)."""
+
+import ast
+from pathlib import Path
+
+import crossrt
+
+PACKAGE = Path(crossrt.__file__).parent
+BACKENDS = PACKAGE.parent / "backends"  # installed as crossrt.backends
+# Earliest first. backends implement the run stage's Runtime contract; builders make model files
+# from inputs' formats.
+LAYERS = ("errors", "records", "inputs", "builders", "run", "imports", "compare", "analyze", "report", "sweep", "cli")
+STAGE = {"backends": "run"}
+
+
+def _module(path: Path) -> str:
+    if path.parent == BACKENDS:
+        return f"crossrt.backends.{path.stem}"
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+
+
+def _layer(module: str):
+    parts = module.split(".")
+    if parts[0] != "crossrt" or len(parts) < 2:
+        return None
+    return STAGE.get(parts[1], parts[1])
+
+
+def _imports(path: Path):
+    """Every module path imports, at the top or inside a function (a lazy import is an arrow too)."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+
+
+def _sources():
+    return [*sorted(PACKAGE.rglob("*.py")), *sorted(BACKENDS.glob("*.py"))]
+
+
+def test_every_module_is_in_a_layer():
+    stray = [_module(path) for path in _sources() if _module(path) != "crossrt.__init__"
+             and _layer(_module(path)) not in LAYERS]
+    assert not stray, f"modules outside the layers {LAYERS}: {stray}"
+
+
+def test_no_import_points_to_a_later_layer():
+    upward = []
+    for path in _sources():
+        own = _layer(_module(path))
+        for imported in _imports(path):
+            layer = _layer(imported)
+            if own in LAYERS and layer in LAYERS and LAYERS.index(layer) > LAYERS.index(own):
+                upward.append(f"{_module(path)} ({own}) imports {imported} ({layer})")
+    assert len(_sources()) > 40  # the walk found the package
+    assert not upward, "\n".join(upward)
+
+
+def test_nothing_outside_the_command_line_imports_it():
+    importers = [_module(path) for path in _sources() if _layer(_module(path)) != "cli"
+                 and any(_layer(imported) == "cli" for imported in _imports(path))]
+    assert not importers
