@@ -15,6 +15,7 @@ from crossrt.cli.common import GpuSplit
 from crossrt.errors import SettingsError
 from crossrt.run.runtime import DTYPES, RuntimeOptions, runtime_class
 from crossrt.run.strategies import ACCEPTANCES, DRAFTINGS, K_POLICIES, Strategy, parse_content_k
+from crossrt.sweep.plan import STRATEGY_PARTS
 
 
 def _group(options: Sequence[Callable], build: Callable[[dict[str, Any]], None]):
@@ -127,13 +128,6 @@ STRATEGY_OPTIONS = {
                           help="--acceptance relaxed: ... within this many logits of the target's top-1. "
                           "Default: 1."),
 }
-# Each part's parameters, and the choice they belong to: given for another, they are refused.
-PART_OF = {"tree": ("drafting", "tree"), "ngram_max": ("drafting", "prompt-lookup"),
-           "ngram_min": ("drafting", "prompt-lookup"), "content_k": ("k_policy", "content"),
-           "k_max": ("k_policy", "online"), "min_p1": ("k_policy", "confidence"),
-           "top_m": ("acceptance", "relaxed"), "delta": ("acceptance", "relaxed")}
-
-
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -142,7 +136,7 @@ def strategy_of(values: Mapping[str, Any]) -> Strategy:
     """The Strategy of a command's parsed strategy options; SettingsError (one line) for a
     parameter given without its part (--top-m without --acceptance relaxed) or a bad combination."""
     given = {name: value for name, value in values.items() if value is not None}
-    for name, (part, choice) in PART_OF.items():
+    for name, (part, choice) in STRATEGY_PARTS.items():
         if name in given and given.get(part) != choice:
             raise SettingsError(f"{_flag(name)} is for {_flag(part)} {choice}: add it, or drop {_flag(name)}")
     if "content_k" in given:

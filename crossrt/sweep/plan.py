@@ -63,6 +63,11 @@ class SweepError(CrossrtError, ValueError):
 # A driven run's strategy settings (crossrt/run/strategies.py), as crossrt run's --drafting,
 # --k-policy, --acceptance and their parameters; content_k is written as in --content-k.
 STRATEGY_DEFAULTS: dict[str, Any] = {field.name: field.default for field in dataclasses.fields(Strategy)}
+# Each strategy parameter, and the choice it belongs to (crossrt run refuses it without that choice).
+STRATEGY_PARTS = {"tree": ("drafting", "tree"), "ngram_max": ("drafting", "prompt-lookup"),
+                  "ngram_min": ("drafting", "prompt-lookup"), "content_k": ("k_policy", "content"),
+                  "k_max": ("k_policy", "online"), "min_p1": ("k_policy", "confidence"),
+                  "top_m": ("acceptance", "relaxed"), "delta": ("acceptance", "relaxed")}
 # Every setting of one cell, with the value a cell has when neither the axes nor a rule set it;
 # k None: the pair's [defaults] k, else DEFAULT_K (run_k).
 DEFAULTS: dict[str, Any] = {
@@ -315,6 +320,9 @@ def _cell(values: dict[str, Any], threads: int) -> Cell:
         values[key] = float(values[key])
     if values["mode"] == "native":  # the runtime's own schedule: cells differing only there are one cell
         values["schedule"] = None
+    for key, (part, choice) in STRATEGY_PARTS.items():  # a parameter of a choice the cell did not make: unused
+        if values[part] != choice:
+            values[key] = STRATEGY_DEFAULTS[key]
     if values["gpu_split"] is not None:
         values["gpu_split"] = tuple(float(share) for share in values["gpu_split"])
     return Cell(**values, threads=threads)
