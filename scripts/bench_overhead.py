@@ -17,7 +17,7 @@ llama-spec-simple schedule against llama-speculative-simple run as the llama-spe
 runs it (its flags, minus debug logging for the timed runs), on each prompt, interleaved. The
 counts (steps, drafted, accepted, emitted, cut, per-step lengths, output ids) are checked equal
 once per prompt against a debug-logged native run, and (n_predict, n_drafted, n_accept) at every
-timed repetition. Then the Python overhead per step (time outside llama_decode), and top_two
+timed repetition. Then the Python overhead per step (time outside llama_decode), and choose
 (argmax + runner-up + margin) and ViewRecorder timed on real verification rows.
 """
 
@@ -39,7 +39,8 @@ from crossrt.run import loop
 from crossrt.backends import llama_cpp as backend
 from crossrt.inputs.pairs import load_pair
 from crossrt.run.runtime import DraftRules, Rows, RuntimeOptions, open_runtime
-from crossrt.run.schedules import SPEC_SIMPLE, ViewRecorder, top_two
+from crossrt.run.numerics import choose
+from crossrt.run.schedules import SPEC_SIMPLE, ViewRecorder
 from crossrt.builders.tinypair import build_pair
 
 REPO = Path(__file__).resolve().parent.parent
@@ -324,7 +325,7 @@ def real_pair(name: str, args, prompts: list[dict]) -> None:
           f"{outside / steps * 1e6:.0f} us per step, {100 * outside / total:.2f}% of the run; "
           f"a step takes {step_s * 1e3:.1f} ms")
 
-    # top_two and ViewRecorder on real verification rows (1 + k rows of the target's logits).
+    # choose and ViewRecorder on real verification rows (1 + k rows of the target's logits).
     prompt_ids = ids_of[prompts[0]["id"]]
     generation = driven(prompt_ids)
     context = list(prompt_ids) + list(generation.output_ids)
@@ -335,25 +336,25 @@ def real_pair(name: str, args, prompts: list[dict]) -> None:
     kept = 1 + sum(generation.step_accepted) / len(generation.step_accepted)
     repeat = 300
     costs = {
-        "top_two (the loop's argmax + runner-up + margin)": _time_us(lambda: top_two(rows), repeat),
+        "choose (the loop's argmax, runner-up, margins, close ids)": _time_us(lambda: choose(rows), repeat),
         "argmax alone (what choosing needs)": _time_us(lambda: rows.argmax(axis=1), repeat),
     }
-    best, second, margins = top_two(rows)
+    choices = choose(rows)
     n_kept = int(round(kept))
 
     def record():
         recorder = ViewRecorder()
-        recorder.add(second, margins, n_kept, 1 + args.k)
+        recorder.add(choices, n_kept, 1 + args.k)
 
     costs[f"ViewRecorder.add ({n_kept} tokens)"] = _time_us(record, repeat)
     costs["logits read (llama_get_logits + NumPy view)"] = _time_us(
         lambda: np.ctypeslib.as_array(backend.llama_cpp.llama_get_logits(target._ctx), shape=rows.shape), repeat)
-    margin_us = (costs["top_two (the loop's argmax + runner-up + margin)"]
+    margin_us = (costs["choose (the loop's argmax, runner-up, margins, close ids)"]
                  - costs["argmax alone (what choosing needs)"] + costs[f"ViewRecorder.add ({n_kept} tokens)"])
     print(f"  per step, on real ({1 + args.k}, {target.n_vocab}) float32 rows (median of {repeat}):")
     for what, us in costs.items():
         print(f"    {what:52} {us:8.0f} us  {100 * us * 1e-6 / step_s:5.2f}% of a step")
-    print(f"    {'margin recording (top_two - argmax + ViewRecorder)':52} {margin_us:8.0f} us  "
+    print(f"    {'margin recording (choose - argmax + ViewRecorder)':52} {margin_us:8.0f} us  "
           f"{100 * margin_us * 1e-6 / step_s:5.2f}% of a step")
     target.close()
     drafter.close()

@@ -89,15 +89,18 @@ class TreeSession(Protocol):
     def keep_path(self, nodes: Sequence[int]) -> None: ...
 
 
-def check_strategy(strategy: Strategy, schedule: str, rules: DraftRules, traced: bool = False) -> None:
-    """Refuse, in one line, a strategy the schedule, the drafting rules or a trace cannot run with."""
+def check_strategy(strategy: Strategy, schedule: str, rules: DraftRules, traced: bool = False,
+                   tree_given: bool = False) -> None:
+    """Refuse, in one line, a strategy the schedule, the drafting rules or a trace cannot run with;
+    tree_given: the loop drafts a Tree given as such."""
+    drafting = "tree" if tree_given else strategy.drafting
     if schedule not in SCHEDULES:
         raise SettingsError(f"unknown schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
     rules.require_drafter_model("crossrt's driven loop")
     if traced and schedule not in TRACED_SCHEDULES:
         raise SettingsError(f"traces are recorded by the {' and '.join(TRACED_SCHEDULES)} schedules, not {schedule}")
-    if traced and strategy.drafting != "model":
-        raise SettingsError(f"traces record a draft model's chain, not {strategy.drafting} drafting")
+    if traced and drafting != "model":
+        raise SettingsError(f"traces record a draft model's chain, not {drafting} drafting")
     if SCHEDULE_TYPES[schedule].llama:
         if not strategy.is_default:
             raise SettingsError(f"the {schedule} schedule drafts as llama.cpp does (a draft model, fixed k, greedy), "
@@ -105,7 +108,7 @@ def check_strategy(strategy: Strategy, schedule: str, rules: DraftRules, traced:
     elif not rules.fixed:
         raise SettingsError(f"the {schedule} schedule drafts exactly k tokens: n_min and p_min are "
                             "llama.cpp drafting rules, for the llama-* schedules")
-    if strategy.drafting == "tree" and schedule != SCHEDULE:
+    if drafting == "tree" and schedule != SCHEDULE:
         raise SettingsError(f"tree drafting runs under the {SCHEDULE} schedule, not {schedule}")
 
 
@@ -151,8 +154,7 @@ def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], 
         raise SettingsError(f"a tree given to the loop is its drafting, at fixed k, greedy: not {strategy.label()}")
     if tree is None and strategy.drafting == "tree":
         tree = tree_spec(strategy.tree)
-    check_strategy(Strategy(drafting="tree", tree="1x1") if tree is not None else strategy, schedule, rules,
-                   trace is not None)
+    check_strategy(strategy, schedule, rules, trace is not None, tree_given=tree is not None)
     plan = SCHEDULE_TYPES[schedule]()
     eog = target.eog_ids
     drafts = _drafter(strategy, drafter, rules, plan, eog, trace, tree)
