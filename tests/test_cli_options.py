@@ -15,7 +15,7 @@ from crossrt.cli.compare import parity
 from crossrt.cli.options import RUNTIME_FIELDS, STRATEGY_OPTIONS, runtime_options_of, strategy_of
 from crossrt.cli.reproduce import reproduce
 from crossrt.errors import SettingsError
-from crossrt.inputs.pairs import DEFAULT_K, load_pair, manifest_path, run_k
+from crossrt.inputs.pairs import DEFAULT_K, load_pair, manifest_path, run_k, run_spec_type
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import RuntimeOptions
 from crossrt.run.strategies import Strategy
@@ -126,6 +126,15 @@ def _pair_with_k(folder: Path, k: int) -> Path:
     path = folder / "tiny-k.toml"
     path.write_text(text)
     return path
+
+
+def test_a_sweep_takes_each_pairs_k_and_spec_type_as_run_does(tmp_path):
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text('[axes]\npair = ["tiny", "gemma3-270m-ngram"]\nruntime = "llama-server"\nmode = "native"\n')
+    for planned in load_sweep(sweep).cells:
+        pair = load_pair(manifest_path(planned.cell.pair))
+        assert planned.cell.k == run_k(pair) and planned.cell.spec_type == run_spec_type(pair)
+    assert {planned.cell.spec_type for planned in load_sweep(sweep).cells} == {"draft", "ngram-simple"}
 
 
 def test_a_sweep_takes_the_pairs_k_and_strategy_axes(tmp_path):

@@ -24,7 +24,7 @@ from crossrt.run.baselines import BaselineStore
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.imports.importer import import_summary
 from crossrt.run.loop import SCHEDULE, SCHEDULES
-from crossrt.inputs.pairs import resolve_pair, run_k
+from crossrt.inputs.pairs import resolve_pair, run_k, run_spec_type
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import SPEC_TYPES, DraftRules, availability, runtime_class, runtime_names, usable_runtimes
 from crossrt.run.schedule_sim import LLAMA
@@ -103,7 +103,7 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft
         prompts, rendering, prompt_format = fed_prompts(load_prompts(prompt_source), resolved, chat, chat_template,
                                                         template_vars, answers)
         out = named_out
-        rules = DraftRules(k, draft_n_min, draft_p_min, spec_type or str(resolved.defaults.get("spec_type", "draft")))
+        rules = DraftRules(k, draft_n_min, draft_p_min, run_spec_type(resolved, spec_type))
         request = RunRequest(resolved, runtime_name, options, rules, max_new_tokens, out, mode, schedule,
                              resume, overwrite, trace=trace, chat=rendering, prompt_format=prompt_format,
                              baselines=BaselineStore.default(refresh=fresh_baseline), strategy=strategy)

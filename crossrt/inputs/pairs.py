@@ -127,6 +127,12 @@ def run_k(pair: Pair, k: Optional[int] = None) -> int:
     return stated
 
 
+def run_spec_type(pair: Pair, spec_type: Optional[str] = None) -> str:
+    """The drafting method of a run: the one given, else the pair's [defaults] spec_type, else a
+    drafter model ("draft"); DraftRules checks the name."""
+    return spec_type or str(pair.defaults.get("spec_type", "draft"))
+
+
 def pair_from_paths(target: Path, drafter: Path) -> Pair:
     """An ad-hoc pair from two model paths, their format told by their shape."""
     files = {role: {model_format(Path(path)): str(Path(path).resolve())}

@@ -46,7 +46,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from crossrt.run import loop
 from crossrt.errors import CrossrtError, SettingsError
-from crossrt.inputs.pairs import DEFAULT_K, PairError, load_pair, manifest_path, run_k
+from crossrt.inputs.pairs import DEFAULT_K, PairError, load_pair, manifest_path, run_k, run_spec_type
 from crossrt.run.runtime import DraftRules, RuntimeUnavailable, runtime_class, runtime_names
 from crossrt.run.strategies import Strategy, parse_content_k
 
@@ -69,10 +69,10 @@ STRATEGY_PARTS = {"tree": ("drafting", "tree"), "ngram_max": ("drafting", "promp
                   "k_max": ("k_policy", "online"), "min_p1": ("k_policy", "confidence"),
                   "top_m": ("acceptance", "relaxed"), "delta": ("acceptance", "relaxed")}
 # Every setting of one cell, with the value a cell has when neither the axes nor a rule set it;
-# k None: the pair's [defaults] k, else DEFAULT_K (run_k).
+# k and spec_type None: the pair's, as crossrt run takes them (run_k, run_spec_type).
 DEFAULTS: dict[str, Any] = {
     "pair": "tiny", "runtime": "llama-cpp", "mode": "driven", "schedule": loop.SCHEDULE, "k": None,
-    "draft_n_min": None, "draft_p_min": 0.0, "spec_type": "draft", "prompts": "builtin",
+    "draft_n_min": None, "draft_p_min": 0.0, "spec_type": None, "prompts": "builtin",
     "max_new_tokens": 64, "n_ctx": 2048, "n_gpu_layers": 0, "gpu_split": None,
     "f32_kv_cache": False, "flash_attn": True, **STRATEGY_DEFAULTS,
 }
@@ -160,7 +160,7 @@ class Cell:
                   "n_gpu_layers": "ngl", "gpu_split": "split", "f32_kv_cache": "f32kv", "flash_attn": "fa"}
         for key, label in labels.items():
             value = getattr(self, key)
-            if value == DEFAULTS[key]:
+            if value == DEFAULTS[key] or (key == "spec_type" and value == "draft"):  # a drafter model: unnamed
                 continue
             if isinstance(value, bool):
                 parts.append(label if value else f"no{label}")
@@ -244,19 +244,23 @@ def _one_name_per_pair(values: list[dict[str, Any]], source: Path) -> list[str]:
             for alias, (name, manifest) in names.items() if alias != name]
 
 
-def _pairs_k(values: list[dict[str, Any]], source: Path) -> None:
-    """Each value without a k given the k crossrt run takes for its pair (run_k): the manifest's
-    [defaults] k, else DEFAULT_K, also where the manifest cannot be read here (its run says why)."""
-    known: dict[str, int] = {}
+def _pairs_defaults(values: list[dict[str, Any]], source: Path) -> None:
+    """Each value without a k or spec_type given its pair's, as crossrt run takes them (run_k,
+    run_spec_type): the manifest's [defaults], else k DEFAULT_K and a drafter model, also where
+    the manifest cannot be read here (its run says why)."""
+    known: dict[str, tuple[int, str]] = {}
     for value in values:
         name = value["pair"]
-        if value["k"] is None and isinstance(name, str):  # another type is _cell's to refuse
+        if isinstance(name, str):  # another type is _cell's to refuse
             if name not in known:
                 try:
-                    known[name] = run_k(load_pair(manifest_path(_beside(source, name))))
+                    pair = load_pair(manifest_path(_beside(source, name)))
+                    known[name] = (run_k(pair), run_spec_type(pair))
                 except (PairError, OSError, ValueError):
-                    known[name] = DEFAULT_K
-            value["k"] = known[name]
+                    known[name] = (DEFAULT_K, "draft")
+            k, spec_type = known[name]
+            value["k"] = k if value["k"] is None else value["k"]
+            value["spec_type"] = spec_type if value["spec_type"] is None else value["spec_type"]
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -449,7 +453,7 @@ def parse_sweep(data: Mapping[str, Any], source: Path) -> Sweep:
     for rule in rules["include"]:
         values += _product(rule, {**DEFAULTS, **{k: _as_list(v)[0] for k, v in single.items()}})
     aliases = _one_name_per_pair(values, source)
-    _pairs_k(values, source)
+    _pairs_defaults(values, source)
     planned: dict[str, Planned] = {}
     seen: set[str] = set()
     duplicates = 0
