@@ -25,7 +25,8 @@ from crossrt.inputs.prompts import Prompt, load_prompts
 from crossrt.records.record_json import record_to_json
 from crossrt.run.runtime import DraftRules, RuntimeOptions
 from crossrt.records.schema import PromptResult
-from crossrt.sweep.plan import Cell, Sweep
+from crossrt.sweep.cell import Cell
+from crossrt.sweep.plan import Sweep
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional, Sequence
 from crossrt.run.driver import LoadedModels
 from crossrt.sweep.cell_run import CellJob, run_job
 from crossrt.sweep.local import OnDone
-from crossrt.sweep.plan import Cell, Resources, SweepError
+from crossrt.sweep.cell import Cell, SweepError
+from crossrt.sweep.plan import Resources
 
 
 def import_ray():

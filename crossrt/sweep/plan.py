@@ -1,5 +1,5 @@
 """Sweep files: axes, their product with exclude/include rules, per-runtime resources, and the
-cells that come out of them, each with a stable id (a digest of its parameters).
+cells that come out of them (crossrt/sweep/cell.py: each with a stable id, a digest of its settings).
 
 A sweep file (TOML, models/sweeps/*.toml, docs/scale.md):
 
@@ -34,21 +34,16 @@ large plans are planned, with a warning.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import difflib
-import hashlib
 import itertools
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from crossrt.run import loop
-from crossrt.errors import CrossrtError, SettingsError
 from crossrt.inputs.pairs import DEFAULT_K, PairError, load_pair, manifest_path, run_k, run_spec_type
-from crossrt.run.runtime import DraftRules, RuntimeUnavailable, runtime_class, runtime_names
-from crossrt.run.strategies import Strategy, parse_content_k
+from crossrt.run.runtime import runtime_names
+from crossrt.sweep.cell import DEFAULTS, Cell, SweepError, make_cell, skip_reason
 
 try:
     import tomllib
@@ -56,35 +51,6 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 
-class SweepError(CrossrtError, ValueError):
-    """A sweep file that cannot be read, or a sweep directory that does not match it."""
-
-
-# A driven run's strategy settings (crossrt/run/strategies.py), as crossrt run's --drafting,
-# --k-policy, --acceptance and their parameters; content_k is written as in --content-k.
-STRATEGY_DEFAULTS: dict[str, Any] = {field.name: field.default for field in dataclasses.fields(Strategy)}
-# Each strategy parameter, and the choice it belongs to (crossrt run refuses it without that choice).
-STRATEGY_PARTS = {"tree": ("drafting", "tree"), "ngram_max": ("drafting", "prompt-lookup"),
-                  "ngram_min": ("drafting", "prompt-lookup"), "content_k": ("k_policy", "content"),
-                  "k_max": ("k_policy", "online"), "min_p1": ("k_policy", "confidence"),
-                  "top_m": ("acceptance", "relaxed"), "delta": ("acceptance", "relaxed")}
-# Every setting of one cell, with the value a cell has when neither the axes nor a rule set it;
-# k and spec_type None: the pair's, as crossrt run takes them (run_k, run_spec_type).
-DEFAULTS: dict[str, Any] = {
-    "pair": "tiny", "runtime": "llama-cpp", "mode": "driven", "schedule": loop.SCHEDULE, "k": None,
-    "draft_n_min": None, "draft_p_min": 0.0, "spec_type": None, "prompts": "builtin",
-    "max_new_tokens": 64, "n_ctx": 2048, "n_gpu_layers": 0, "gpu_split": None,
-    "f32_kv_cache": False, "flash_attn": True, **STRATEGY_DEFAULTS,
-}
-# The TOML types each setting takes (None where the default is None); a cell's id digests them.
-KINDS: dict[str, tuple[type, ...]] = {
-    "pair": (str,), "runtime": (str,), "mode": (str,), "schedule": (str,), "k": (int,), "draft_n_min": (int,),
-    "draft_p_min": (float, int), "spec_type": (str,), "prompts": (str,), "max_new_tokens": (int,),
-    "n_ctx": (int,), "n_gpu_layers": (int,), "gpu_split": (list,), "f32_kv_cache": (bool,), "flash_attn": (bool,),
-    "drafting": (str,), "tree": (str,), "ngram_max": (int,), "ngram_min": (int,), "k_policy": (str,),
-    "content_k": (str,), "k_max": (int,), "min_p1": (float, int), "acceptance": (str,), "top_m": (int,),
-    "delta": (float, int),
-}
 RESOURCE_KEYS = ("threads", "num_cpus", "num_gpus")
 STRATEGIES = ("task", "actor")
 TOP_KEYS = ("name", "axes", "exclude", "include", "resources", "ray")
@@ -93,85 +59,6 @@ RAY_KEYS = ("strategy", "max_retries")
 # file (an axis too many), refused before any cell is made.
 MAX_CELLS = 100_000
 LARGE_PLAN = 1_000  # more cells than this: planned, with a warning
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One run: a pair on a runtime with one set of settings. schedule is None in native mode
-    (the runtime's own); threads come from the runtime's resources."""
-
-    pair: str
-    runtime: str
-    mode: str
-    schedule: Optional[str]
-    k: int
-    draft_n_min: Optional[int]
-    draft_p_min: float
-    spec_type: str
-    prompts: str
-    max_new_tokens: int
-    n_ctx: int
-    n_gpu_layers: int
-    gpu_split: Optional[tuple[float, ...]]
-    f32_kv_cache: bool
-    flash_attn: bool
-    threads: int = 1
-    # The strategy (STRATEGY_DEFAULTS), its content_k as text.
-    drafting: str = "model"
-    tree: Optional[str] = None
-    ngram_max: int = 3
-    ngram_min: int = 1
-    k_policy: str = "fixed"
-    content_k: Optional[str] = None
-    k_max: int = 8
-    min_p1: float = 0.0
-    acceptance: str = "greedy"
-    top_m: int = 2
-    delta: float = 1.0
-
-    def params(self) -> dict[str, Any]:
-        """Every setting, less the strategy's at their defaults: a cell of the default strategy
-        keeps the id (and the store entries) it had before strategies were sweep settings."""
-        return {key: value for key, value in dataclasses.asdict(self).items()
-                if key not in STRATEGY_DEFAULTS or value != STRATEGY_DEFAULTS[key]}
-
-    @property
-    def strategy(self) -> Strategy:
-        """The cell's Strategy; SettingsError for contradicting settings (skip_reason says so)."""
-        values = {key: getattr(self, key) for key in STRATEGY_DEFAULTS}
-        values["content_k"] = parse_content_k(self.content_k) if self.content_k is not None else None
-        return Strategy(**values)
-
-    @property
-    def id(self) -> str:
-        """12 hex digits of the parameters' digest: the same cell has the same id in any sweep."""
-        text = json.dumps(self.params(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-    @property
-    def name(self) -> str:
-        """Readable, not unique alone: pair, runtime, mode, schedule, k, prompts, then what differs
-        from the defaults."""
-        parts = [Path(self.pair).stem, self.runtime, self.mode]
-        if self.schedule not in (None, loop.SCHEDULE):
-            parts.append(self.schedule)
-        parts += [f"k{self.k}", Path(self.prompts).stem]
-        labels = {"draft_n_min": "nmin", "draft_p_min": "pmin", "spec_type": "", "n_ctx": "ctx", "max_new_tokens": "n",
-                  "n_gpu_layers": "ngl", "gpu_split": "split", "f32_kv_cache": "f32kv", "flash_attn": "fa"}
-        for key, label in labels.items():
-            value = getattr(self, key)
-            if value == DEFAULTS[key] or (key == "spec_type" and value == "draft"):  # a drafter model: unnamed
-                continue
-            if isinstance(value, bool):
-                parts.append(label if value else f"no{label}")
-            else:
-                parts.append(label + (",".join(f"{v:g}" for v in value) if key == "gpu_split" else str(value)))
-        if any(getattr(self, key) != value for key, value in STRATEGY_DEFAULTS.items()):
-            try:
-                parts.append(self.strategy.label())
-            except SettingsError:  # skipped, skip_reason says why
-                parts.append("bad-strategy")
-        return "-".join(str(p) for p in parts)
 
 
 @dataclass(frozen=True)
@@ -231,7 +118,7 @@ def _one_name_per_pair(values: list[dict[str, Any]], source: Path) -> list[str]:
     names: dict[str, tuple[str, Path]] = {}  # a name -> the first name of its manifest, and the manifest
     for value in values:
         name = value["pair"]
-        if isinstance(name, str):  # another type is _cell's to refuse
+        if isinstance(name, str):  # another type is make_cell's to refuse
             if name not in names:
                 try:  # a name no file can have (a NUL, too long) names no manifest: the cell's run says so
                     manifest = manifest_path(_beside(source, name)).resolve()
@@ -251,7 +138,7 @@ def _pairs_defaults(values: list[dict[str, Any]], source: Path) -> None:
     known: dict[str, tuple[int, str]] = {}
     for value in values:
         name = value["pair"]
-        if isinstance(name, str):  # another type is _cell's to refuse
+        if isinstance(name, str):  # another type is make_cell's to refuse
             if name not in known:
                 try:
                     pair = load_pair(manifest_path(_beside(source, name)))
@@ -309,49 +196,6 @@ def _product(axes: Mapping[str, Any], base: Mapping[str, Any]) -> list[dict[str,
 
 def _matches(values: Mapping[str, Any], rule: Mapping[str, Any]) -> bool:
     return all(values.get(key) in _as_list(wanted) for key, wanted in rule.items())
-
-
-def _cell(values: dict[str, Any], threads: int) -> Cell:
-    values = dict(values)
-    for key, kinds in KINDS.items():
-        value = values[key]
-        if value is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
-            raise SweepError(f"{key} = {value!r}: expected {' or '.join(kind.__name__ for kind in kinds)}")
-    for key in ("max_new_tokens", "n_ctx"):
-        if values[key] < 1:
-            raise SweepError(f"{key} = {values[key]}: expected at least 1")
-    for key in ("draft_p_min", "min_p1", "delta"):  # 0 and 0.0 are one setting, so one id
-        values[key] = float(values[key])
-    if values["mode"] == "native":  # the runtime's own schedule: cells differing only there are one cell
-        values["schedule"] = None
-    for key, (part, choice) in STRATEGY_PARTS.items():  # a parameter of a choice the cell did not make: unused
-        if values[part] != choice:
-            values[key] = STRATEGY_DEFAULTS[key]
-    if values["gpu_split"] is not None:
-        values["gpu_split"] = tuple(float(share) for share in values["gpu_split"])
-    return Cell(**values, threads=threads)
-
-
-def skip_reason(cell: Cell) -> Optional[str]:
-    """Why cell cannot run on any machine (its runtime lacks the mode, its drafting rules
-    contradict each other), or None. Whether the runtime is usable here is the run's to say."""
-    try:
-        DraftRules(cell.k, cell.draft_n_min, cell.draft_p_min, cell.spec_type)
-        strategy = cell.strategy
-        modes = runtime_class(cell.runtime).modes
-    except SettingsError as error:
-        return str(error)
-    except RuntimeUnavailable:  # cannot be imported here: a worker elsewhere may have it
-        return None
-    if cell.mode not in modes:
-        return f"{cell.runtime} has no {cell.mode} mode (it has: {', '.join(modes)})"
-    if cell.mode == "driven" and cell.spec_type != "draft":
-        return f"crossrt's driven loop drafts with a drafter model only, not {cell.spec_type!r}"
-    if cell.mode == "driven" and cell.schedule not in loop.SCHEDULES:
-        return f"unknown schedule {cell.schedule!r}"
-    if cell.mode == "native" and not strategy.is_default:
-        return f"strategy {strategy.label()} is crossrt's driven loop's: native mode drafts as the runtime does"
-    return None
 
 
 def _known_runtime(name: Any, where: str = "") -> None:
@@ -459,7 +303,7 @@ def parse_sweep(data: Mapping[str, Any], source: Path) -> Sweep:
     duplicates = 0
     for value in values:
         _known_runtime(value["runtime"])
-        cell = _cell(value, resources.get(value["runtime"], Resources()).threads)
+        cell = make_cell(value, resources.get(value["runtime"], Resources()).threads)
         raw = repr(sorted(value.items()))
         duplicates += raw in seen
         seen.add(raw)

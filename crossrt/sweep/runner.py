@@ -10,7 +10,8 @@ from typing import Any, Callable, Optional
 from crossrt.records.schema import RunRecord
 from crossrt.sweep.cell_run import CellJob
 from crossrt.sweep.local import run_local
-from crossrt.sweep.plan import Cell, Sweep
+from crossrt.sweep.cell import Cell
+from crossrt.sweep.plan import Sweep
 from crossrt.sweep.store import SweepStore
 
 
