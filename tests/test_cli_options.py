@@ -55,6 +55,13 @@ def test_every_command_builds_the_same_runtime_options(name):
     assert runtime_options_of(_params(LOADING[name], ARGS.get(name, []))) == RuntimeOptions()
 
 
+def test_run_and_simulate_name_their_pair_alike():
+    names = {"pair_name", "target", "drafter"}
+    assert _declared(simulate_command, names) == _declared(RUN, names) and len(_declared(RUN, names)) == 3
+    result = CliRunner().invoke(main, ["simulate", "--pair", "tiny", "--target", "t.gguf"])
+    assert result.exit_code == 1 and "give either --pair, or both --target and --drafter" in result.output
+
+
 def test_run_help_offers_drafting_k_policy_and_acceptance():
     result = CliRunner().invoke(main, ["run", "--help"])
     assert result.exit_code == 0

@@ -16,11 +16,11 @@ import click
 from crossrt.analyze import analysis
 from crossrt.report.ceiling import load_ceilings
 from crossrt.cli.common import PROMPTS_HELP, refuse_inputs_as_outputs, user_errors
-from crossrt.cli.options import runtime_options, strategy_options
+from crossrt.cli.options import pair_options, runtime_options, strategy_options
 from crossrt.cli.trees import max_tree_rows, render_ceiling, render_section, run_trees, tree_section
 from crossrt.errors import PromptRefused, SettingsError
 from crossrt.records.journal import write_atomically
-from crossrt.inputs.pairs import ROLES, pair_info, resolve_pair, run_k
+from crossrt.inputs.pairs import ROLES, pair_info, run_k
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
 from crossrt.run.adaptive import simulate_policy
@@ -206,9 +206,7 @@ def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
 
 @click.command(name="simulate")
 @user_errors
-@click.option("--pair", help="Pair manifest (.toml path or a name under models/pairs). Default: tiny.")
-@click.option("--target", type=click.Path(path_type=Path), help="Target model file/folder (instead of --pair).")
-@click.option("--drafter", type=click.Path(path_type=Path), help="Drafter model file/folder (with --target).")
+@pair_options
 @click.option("--runtime", "runtime_name", type=click.Choice(runtime_names()), default="llama-cpp",
               show_default=True, help="A runtime with a driven mode, to compute the oracle and time passes.")
 @click.option("--prompts", "prompt_source", default="builtin", show_default=True,
@@ -250,7 +248,7 @@ def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
 @click.option("--run-trees", "run_trees_too", is_flag=True,
               help="Also run each --tree for real on llama-cpp, step for step against the simulator and timed "
               "against plain greedy. Exit code 1 where a lossless run's steps differ from the simulation.")
-def simulate_command(pair, target, drafter, runtime_name, prompt_source, max_k, max_new_tokens, thresholds, records,
+def simulate_command(pair, runtime_name, prompt_source, max_k, max_new_tokens, thresholds, records,
                      schedules, draft_n_min, draft_p_min, out, options, drafting, strategy, tree_specs, ceiling_k,
                      tree_budget, top_b, run_trees_too) -> None:
     """What-if runs of the crossrt schedule: tau at every k up to --max-k per category, the
@@ -264,11 +262,10 @@ def simulate_command(pair, target, drafter, runtime_name, prompt_source, max_k, 
     if out:  # before the models load; a --tree may name a choice-list file
         refuse_inputs_as_outputs({"--out": out}, [*records, *(Path(s) for s in tree_specs if Path(s).is_file())])
     with contextlib.ExitStack() as stack:  # the sessions, freed however the block ends
-        resolved = resolve_pair(pair, target, drafter)
         prompts = load_prompts(prompt_source)
         runtime = open_runtime(runtime_name, options)
-        info = pair_info(resolved, runtime.model_format)
-        sessions = {role: stack.enter_context(runtime.load(resolved.path(role, runtime.model_format)))
+        info = pair_info(pair, runtime.model_format)
+        sessions = {role: stack.enter_context(runtime.load(pair.path(role, runtime.model_format)))
                     for role in ROLES}
         oracles = []
         for prompt in prompts:
@@ -285,7 +282,7 @@ def simulate_command(pair, target, drafter, runtime_name, prompt_source, max_k, 
         rows = max(max_k + 1, max_tree_rows(tree_specs, tree_budget)) if tree_specs else max_k + 1
         costs = measure_costs(sessions["target"], sessions["drafter"], context, rows)
         sim = simulate_suite(oracles, costs, max_k, thresholds)
-        k = run_k(resolved, ceiling_k)
+        k = run_k(pair, ceiling_k)
         k_policy = [] if strategy.k_policy == "fixed" else summarize(
             [simulate_policy(oracle, DraftPolicy.of(strategy, k), sessions["target"].detokenize)
              for oracle in oracles], costs, strategy.label())
@@ -295,7 +292,7 @@ def simulate_command(pair, target, drafter, runtime_name, prompt_source, max_k, 
         if run_trees_too:
             if section is None or runtime_name != "llama-cpp":
                 raise SettingsError("--run-trees runs the --tree trees on --runtime llama-cpp")
-            section = run_trees(section, resolved.path("target", runtime.model_format), options,
+            section = run_trees(section, pair.path("target", runtime.model_format), options,
                                 sessions["target"], sessions["drafter"])
         checks = [(path, *compare_with_record(oracles, load_record(path))) for path in records]
         what_if = schedule_results(oracles, schedules, draft_n_min, draft_p_min, max_k)

@@ -15,7 +15,7 @@ from crossrt.cli.cache import cache, stored_baselines_note
 from crossrt.cli.compare import diff, distinct_records, parity
 from crossrt.cli.drafter import drafter
 from crossrt.cli.imports import import_command
-from crossrt.cli.options import executable_option, runtime_options, strategy_options, with_executable
+from crossrt.cli.options import executable_option, pair_options, runtime_options, strategy_options, with_executable
 from crossrt.cli.prompt_options import chat_options, fed_prompts, first_answers
 from crossrt.cli.report import report
 from crossrt.cli.reproduce import reproduce
@@ -24,7 +24,7 @@ from crossrt.run.baselines import BaselineStore
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.imports.importer import import_summary
 from crossrt.run.loop import SCHEDULE, SCHEDULES
-from crossrt.inputs.pairs import resolve_pair, run_k, run_spec_type
+from crossrt.inputs.pairs import run_k, run_spec_type
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import SPEC_TYPES, DraftRules, availability, runtime_class, runtime_names, usable_runtimes
 from crossrt.run.schedule_sim import LLAMA
@@ -47,10 +47,7 @@ def main() -> None:
 
 @main.command()
 @user_errors
-@click.option("--pair", help="Pair manifest (.toml path, or a name under models/pairs such as "
-              "'tiny'). Default: the tiny test pair.")
-@click.option("--target", type=click.Path(path_type=Path), help="Target model file/folder (instead of --pair).")
-@click.option("--drafter", type=click.Path(path_type=Path), help="Drafter model file/folder (with --target).")
+@pair_options
 @click.option("--runtime", "runtime_name", type=click.Choice(runtime_names()), default="llama-cpp",
               show_default=True, help="Runtime to run the pair on (see `crossrt runtimes`).")
 @click.option("--mode", type=click.Choice(["driven", "native"]), default="driven", show_default=True,
@@ -86,7 +83,7 @@ def main() -> None:
 @executable_option
 @click.option("--fresh-baseline", is_flag=True, help="Decode every plain baseline here and now (and replace its "
               "baseline store entry) instead of taking it from the store (crossrt cache ls).")
-def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_min, prompt_source,
+def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_min, prompt_source,
         max_new_tokens, out, trace, resume, overwrite, chat, chat_template, template_vars, turn, first_answers_file,
         options, executable, fresh_baseline, strategy) -> None:
     """Run a pair over prompts: plain greedy baseline and speculative decoding, per prompt.
@@ -95,16 +92,15 @@ def run(pair, target, drafter, runtime_name, mode, schedule, k, spec_type, draft
     interrupted run keeps what finished; --resume continues it.
     """
     try:
-        resolved = resolve_pair(pair, target, drafter)
-        k = run_k(resolved, k)
+        k = run_k(pair, k)
         options = with_executable(options, runtime_name, executable)
-        named_out = out or Path("runs") / f"{resolved.name}-{runtime_name}-k{k}.json"
-        answers = first_answers(turn, first_answers_file, named_out.parent, resolved, options, max_new_tokens)
-        prompts, rendering, prompt_format = fed_prompts(load_prompts(prompt_source), resolved, chat, chat_template,
+        named_out = out or Path("runs") / f"{pair.name}-{runtime_name}-k{k}.json"
+        answers = first_answers(turn, first_answers_file, named_out.parent, pair, options, max_new_tokens)
+        prompts, rendering, prompt_format = fed_prompts(load_prompts(prompt_source), pair, chat, chat_template,
                                                         template_vars, answers)
         out = named_out
-        rules = DraftRules(k, draft_n_min, draft_p_min, run_spec_type(resolved, spec_type))
-        request = RunRequest(resolved, runtime_name, options, rules, max_new_tokens, out, mode, schedule,
+        rules = DraftRules(k, draft_n_min, draft_p_min, run_spec_type(pair, spec_type))
+        request = RunRequest(pair, runtime_name, options, rules, max_new_tokens, out, mode, schedule,
                              resume, overwrite, trace=trace, chat=rendering, prompt_format=prompt_format,
                              baselines=BaselineStore.default(refresh=fresh_baseline), strategy=strategy)
         # llama.cpp's runtimes and schedules drop drafts shorter than n_min, and a draft is at most

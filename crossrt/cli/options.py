@@ -1,6 +1,8 @@
 """The option groups every command that loads models shares, each declared once and handed to
-the command as the one object it builds: runtime_options -> RuntimeOptions (options=),
-strategy_options -> Strategy (strategy=), executable_option (the program a runtime runs)."""
+the command as the one object it builds: pair_options -> Pair (pair=), runtime_options ->
+RuntimeOptions (options=), strategy_options -> Strategy (strategy=); and executable_option (the
+program a runtime runs). A group's errors are crossrt's own: @user_errors, above the groups,
+turns them into one-line exits."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import click
 
 from crossrt.cli.common import GpuSplit
 from crossrt.errors import SettingsError
+from crossrt.inputs.pairs import resolve_pair
 from crossrt.run.runtime import DTYPES, RuntimeOptions, runtime_class
 from crossrt.run.strategies import ACCEPTANCES, DRAFTINGS, K_POLICIES, Strategy, parse_content_k
 from crossrt.sweep.cell import STRATEGY_PARTS
@@ -30,6 +33,24 @@ def _group(options: Sequence[Callable], build: Callable[[dict[str, Any]], None])
             wrapper = option(wrapper)
         return wrapper
     return decorate
+
+
+# ---- the pair: Pair ----------------------------------------------------------------------------
+
+PAIR_OPTIONS = [
+    click.option("--pair", "pair_name", help="Pair manifest (.toml path, or a name under models/pairs such as "
+                 "'tiny'). Default: the tiny test pair."),
+    click.option("--target", type=click.Path(path_type=Path), help="Target model file/folder (instead of --pair)."),
+    click.option("--drafter", type=click.Path(path_type=Path), help="Drafter model file/folder (with --target)."),
+]
+
+
+def _build_pair(kwargs: dict[str, Any]) -> None:
+    kwargs["pair"] = resolve_pair(kwargs.pop("pair_name"), kwargs.pop("target"), kwargs.pop("drafter"))
+
+
+pair_options = _group(PAIR_OPTIONS, _build_pair)
+pair_options.__doc__ = """--pair, or --target with --drafter, given to the command as the Pair they name (pair=)."""
 
 
 # ---- numerics and device: RuntimeOptions --------------------------------------------------------
