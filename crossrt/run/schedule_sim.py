@@ -31,6 +31,7 @@ rule with the source line it comes from.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -41,7 +42,7 @@ from crossrt.run.acceptance import greedy_length, llama_verify as verify
 from crossrt.run.schedules import SERVER, SPEC_SIMPLE
 from crossrt.records.metrics import Totals
 from crossrt.records.schema import Counters, RunRecord
-from crossrt.run.simulate import Oracle, Policy, simulate
+from crossrt.run.simulate import Oracle, Policy, SimRun, simulate
 
 EXLLAMAV3 = "exllamav3"
 EXLLAMAV3_DYNAMIC = "exllamav3-dynamic"
@@ -49,23 +50,6 @@ VLLM = "vllm"
 LLAMA = (SPEC_SIMPLE, SERVER)
 SIMULATED = (loop.SCHEDULE, loop.HF_SCHEDULE, SPEC_SIMPLE, SERVER, EXLLAMAV3, EXLLAMAV3_DYNAMIC, VLLM)
 DRAFT_CONFIDENCE = 0.4  # exllamav3 1.6.5's Generator default (generator.py:67)
-
-
-@dataclass(frozen=True)
-class ScheduleRun:
-    """One prompt under one schedule and its rules: what a real run would emit and count."""
-
-    prompt_id: str
-    category: str
-    output: tuple[int, ...]
-    step_drafted: tuple[int, ...]
-    step_accepted: tuple[int, ...]
-    unverified: int = 0
-    cut: int = 0
-
-    def counters(self, k: int) -> Counters:
-        return Counters.from_steps(self.step_drafted, self.step_accepted, len(self.output), k, self.unverified,
-                                   self.cut)
 
 
 def check_rules(schedule: str, rules: DraftRules, oracle_k: Optional[int] = None) -> None:
@@ -79,22 +63,21 @@ def check_rules(schedule: str, rules: DraftRules, oracle_k: Optional[int] = None
         raise SettingsError(f"k={rules.k} is beyond the oracle's {oracle_k} draft tokens per position")
 
 
-def simulate_schedule(oracle: Oracle, schedule: str, rules: DraftRules) -> ScheduleRun:
+def simulate_schedule(oracle: Oracle, schedule: str, rules: DraftRules) -> SimRun:
     """schedule's run on oracle with rules (module docstring)."""
     check_rules(schedule, rules, oracle.max_k)
     if schedule == loop.SCHEDULE:
-        run = simulate(oracle, Policy(rules.k))
-        return ScheduleRun(oracle.prompt_id, oracle.category, oracle.output, run.step_drafted, run.step_accepted)
+        return dataclasses.replace(simulate(oracle, Policy(rules.k)), drafter_calls=None, output=oracle.output)
     return _SIMULATORS[schedule](oracle, rules)
 
 
 def _run(oracle: Oracle, output: Sequence[int], drafted: Sequence[int], accepted: Sequence[int],
-         unverified: int = 0, cut: int = 0) -> ScheduleRun:
-    return ScheduleRun(oracle.prompt_id, oracle.category, tuple(output), tuple(drafted), tuple(accepted),
-                       unverified, cut)
+         unverified: int = 0, cut: int = 0) -> SimRun:
+    return SimRun(oracle.prompt_id, oracle.category, tuple(drafted), tuple(accepted), None, tuple(output),
+                  unverified, cut)
 
 
-def _hf(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
+def _hf(oracle: Oracle, rules: DraftRules) -> SimRun:
     y, budget, eog = oracle.output, oracle.max_new_tokens, oracle.eog_ids
     drafted, accepted = [], []
     e = 0
@@ -130,7 +113,7 @@ def _emit(output: list[int], ids: Sequence[int], budget: int, eog: frozenset[int
     return None
 
 
-def _spec_simple(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
+def _spec_simple(oracle: Oracle, rules: DraftRules) -> SimRun:
     y, budget, eog = oracle.extended, oracle.max_new_tokens, oracle.eog_ids
     output: list[int] = []
     drafted, accepted = [], []
@@ -155,7 +138,7 @@ def _first_from_prefill(oracle: Oracle) -> tuple[list[int], Optional[int]]:
     return output, _emit(output, oracle.output[:1], oracle.max_new_tokens, oracle.eog_ids)
 
 
-def _server(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
+def _server(oracle: Oracle, rules: DraftRules) -> SimRun:
     y, budget, eog = oracle.extended, oracle.max_new_tokens, oracle.eog_ids
     output, cut = _first_from_prefill(oracle)
     drafted, accepted = [], []
@@ -174,7 +157,7 @@ def _server(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
     return _run(oracle, output, drafted, accepted, unverified, cut)
 
 
-def _exllamav3(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
+def _exllamav3(oracle: Oracle, rules: DraftRules) -> SimRun:
     y, budget, eog, k = oracle.output, oracle.max_new_tokens, oracle.eog_ids, rules.k
     accepted = []
     e = 0
@@ -223,7 +206,7 @@ class DraftCalibration:
         return accepted / tested
 
 
-def _exllamav3_dynamic(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
+def _exllamav3_dynamic(oracle: Oracle, rules: DraftRules) -> SimRun:
     """generator.py:1129-1145 cuts the window, 2018-2039 labels the verified positions."""
     y, budget, eog, k = oracle.output, oracle.max_new_tokens, oracle.eog_ids, rules.k
     calibration = DraftCalibration()
@@ -252,7 +235,7 @@ def _exllamav3_dynamic(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
     return _run(oracle, y, drafted, accepted)
 
 
-def _vllm(oracle: Oracle, rules: DraftRules) -> ScheduleRun:
+def _vllm(oracle: Oracle, rules: DraftRules) -> SimRun:
     y, k = oracle.extended, rules.k
     output, cut = _first_from_prefill(oracle)
     accepted = []

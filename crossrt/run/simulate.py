@@ -34,6 +34,7 @@ from crossrt.run.drafters import PromptLookup
 from crossrt.run.runtime import ModelSession, Rows
 from crossrt.run.schedules import Generation, check_prompt, top_probability
 from crossrt.records.metrics import Totals
+from crossrt.records.schema import Counters
 from crossrt.records.trace import top1_probability
 
 CHUNK = 64  # tokens per drafter pass when the oracle scores the whole output at once
@@ -150,13 +151,20 @@ class Policy:
 
 @dataclass(frozen=True)
 class SimRun:
-    """One prompt under one policy: what a real crossrt-schedule run would count."""
+    """One prompt simulated on the oracle (under a policy, a tree or a schedule and its rules):
+    what a real run would count, and where the schedule emits otherwise than step by step (the
+    schedule simulators, crossrt/run/schedule_sim.py), what it would emit."""
 
     prompt_id: str
     category: str
     step_drafted: tuple[int, ...]
     step_accepted: tuple[int, ...]
-    drafter_calls: int  # drafter passes: one per draft token, plus one per confidence cut-off
+    # Drafter passes: one per draft token, plus one per confidence cut-off (None: the schedule
+    # simulators, which do not count them).
+    drafter_calls: Optional[int] = None
+    output: Optional[tuple[int, ...]] = None  # the emitted ids (schedule simulators)
+    unverified: int = 0  # tokens emitted outside steps, and counted but dropped (schema.Counters)
+    cut: int = 0
 
     @classmethod
     def of(cls, generation: Generation, prompt_id: str, category: str) -> "SimRun":
@@ -177,7 +185,13 @@ class SimRun:
 
     @property
     def emitted(self) -> int:
-        return self.steps + self.accepted
+        return self.steps + self.accepted + self.unverified - self.cut
+
+    def counters(self, k: int) -> Counters:
+        """The record's counters of this run; CountsDoNotAddUp where a schedule simulator's
+        output and its counts disagree (a bug in the simulator)."""
+        emitted = len(self.output) if self.output is not None else self.emitted
+        return Counters.from_steps(self.step_drafted, self.step_accepted, emitted, k, self.unverified, self.cut)
 
 
 def oracle_step(oracle: Oracle, emitted: int, k: int, min_p1: float) -> tuple[int, int, int]:
