@@ -325,9 +325,10 @@ def real_pair(name: str, args, prompts: list[dict]) -> None:
           f"{outside / steps * 1e6:.0f} us per step, {100 * outside / total:.2f}% of the run; "
           f"a step takes {step_s * 1e3:.1f} ms")
 
-    # choose and ViewRecorder on real verification rows (1 + k rows of the target's logits).
-    prompt_ids = ids_of[prompts[0]["id"]]
-    generation = driven(prompt_ids)
+    # choose and ViewRecorder on real verification rows (1 + k rows of the target's logits), on
+    # the prompt with the longest output: one may end at EOS before k + 1 tokens.
+    generations = [(ids_of[p["id"]], driven(ids_of[p["id"]])) for p in prompts]
+    prompt_ids, generation = max(generations, key=lambda pair: len(pair[1].output_ids))
     context = list(prompt_ids) + list(generation.output_ids)
     target.truncate(0)
     target.eval(context[:len(prompt_ids) - 1], Rows.NONE)
