@@ -144,6 +144,11 @@ class LlamaCppRuntime(Runtime):
         except ValueError as error:
             raise ModelError(f"llama.cpp could not load {path}: {error}") from None
 
+    def load_tree(self, path: Path, max_leaves: int) -> ModelSession:
+        from crossrt.backends.llama_cpp_tree import load_tree_session  # its module imports this one
+
+        return load_tree_session(self.options, path, max_leaves)
+
     def info(self) -> RuntimeInfo:
         offloaded = self.options.n_gpu_layers > 0 and llama_cpp.llama_supports_gpu_offload()
         return RuntimeInfo(

@@ -290,10 +290,10 @@ def simulate_command(pair, runtime_name, prompt_source, max_k, max_new_tokens, t
         if tree_specs:
             section = tree_section(sessions["drafter"], oracles, sim, tree_specs, k, tree_budget, top_b, max_k)
         if run_trees_too:
-            if section is None or runtime_name != "llama-cpp":
-                raise SettingsError("--run-trees runs the --tree trees on --runtime llama-cpp")
-            section = run_trees(section, pair.path("target", runtime.model_format), options,
-                                sessions["target"], sessions["drafter"])
+            if section is None:
+                raise SettingsError("--run-trees runs the --tree trees: name one")
+            section = run_trees(section, runtime, pair.path("target", runtime.model_format), sessions["target"],
+                                sessions["drafter"])
         checks = [(path, *compare_with_record(oracles, load_record(path))) for path in records]
         what_if = schedule_results(oracles, schedules, draft_n_min, draft_p_min, max_k)
     click.echo(f"{info.name} on {runtime_name}: {len(oracles)} prompts, {max_new_tokens} new tokens, "

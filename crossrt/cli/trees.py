@@ -11,7 +11,7 @@ from typing import Mapping, Optional, Sequence
 
 from crossrt.run import loop
 from crossrt.report.ceiling import Ceiling, ceilings, check_chain, parse_tree, tree_results
-from crossrt.run.runtime import DraftRules, ModelSession, RuntimeOptions
+from crossrt.run.runtime import DraftRules, ModelSession, Runtime
 from crossrt.run.simulate import Oracle, Simulation
 from crossrt.records.metrics import Totals
 from crossrt.records.tables import format_table
@@ -89,16 +89,15 @@ def tree_section(drafter: ModelSession, oracles: Sequence[Oracle], sim: Simulati
                        tuple(check_chain(ranks, oracles, min(k, max_depth))), ())
 
 
-def run_trees(section: TreeSection, target_path: Path, options: RuntimeOptions, target: ModelSession,
+def run_trees(section: TreeSection, runtime: Runtime, target_path: Path, target: ModelSession,
               drafter: ModelSession) -> TreeSection:
-    """Each tree run for real on llama.cpp (a tree session of the target), step for step
-    against the simulator, timed against plain greedy decoding on the target's session."""
-    from crossrt.backends.llama_cpp_tree import load_tree_session  # only here: llama.cpp is loaded
-
+    """Each tree run for real on the runtime's tree session of the target (Runtime.load_tree),
+    step for step against the simulator, timed against plain greedy decoding on the target's
+    session."""
     widest = max(len(tree.leaves()) for tree in section.trees)
     greedy = {r.prompt_id: loop.greedy_generate(target, r.prompt_ids, r.max_new_tokens).decode_s for r in section.ranks}
     runs = []
-    with load_tree_session(options, target_path, widest) as tree_target:
+    with runtime.load_tree(target_path, widest) as tree_target:
         for tree in section.trees:
             lossless = as_simulated = emitted = steps = 0
             spent = 0.0

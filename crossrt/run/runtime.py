@@ -264,6 +264,12 @@ class Runtime(abc.ABC):
         FileNotFoundError or ValueError with a clear message when it cannot be loaded."""
         raise RuntimeUnavailable(f"runtime {self.name!r} has no driven mode; use --mode native")
 
+    def load_tree(self, path: Path, max_leaves: int) -> ModelSession:
+        """Load a model as a tree session (its eval_tree verifies a draft tree of up to max_leaves
+        leaves in one batch), for tree drafting; runtimes whose batches cannot say that refuse."""
+        raise SettingsError(f"tree drafting verifies a tree in one batch, which needs a runtime's tree session: "
+                            f"runtime {self.name!r} has none (llama-cpp has)")
+
     def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path) -> NativeSession:
         """Start the runtime's own speculative decoding of target with drafter under rules;
         logs and temporary files go under work_dir."""
