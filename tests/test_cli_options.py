@@ -17,7 +17,7 @@ from crossrt.cli.reproduce import reproduce
 from crossrt.errors import SettingsError
 from crossrt.inputs.pairs import DEFAULT_K, load_pair, manifest_path, run_k, run_spec_type
 from crossrt.inputs.prompts import load_prompts
-from crossrt.run.runtime import RuntimeOptions
+from crossrt.run.runtime import RuntimeOptions, RuntimeUnavailable, runtime_class
 from crossrt.run.strategies import Strategy
 from crossrt.sweep.plan import load_sweep
 from crossrt.sweep.runner import Executor, run_sweep
@@ -174,3 +174,19 @@ k_max = 5
     assert records["fixed"].params.k_policy == "fixed" and records["fixed"].params.k == 3
     for record in records.values():
         assert all(r.ok and r.lossless for r in record.results)
+
+
+def test_a_native_cell_with_drafting_rules_its_runtime_lacks_is_skipped(tmp_path):
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text('[axes]\nruntime = ["llama-server", "llama-spec-cli", "transformers", "vllm"]\n'
+                     'mode = "native"\ndraft_n_min = 1\ndraft_p_min = 0.5\n')
+    for planned in load_sweep(sweep).cells:
+        try:
+            rules = runtime_class(planned.cell.runtime).drafting_rules
+        except RuntimeUnavailable:  # not importable here: a worker elsewhere may run it
+            assert planned.skipped is None
+            continue
+        if {"n_min", "p_min"} <= set(rules):
+            assert planned.skipped is None
+        else:
+            assert "native mode has no" in planned.skipped and "drafting rule" in planned.skipped

@@ -154,15 +154,19 @@ def skip_reason(cell: Cell) -> Optional[str]:
     """Why cell cannot run on any machine (its runtime lacks the mode, its drafting rules
     contradict each other), or None. Whether the runtime is usable here is the run's to say."""
     try:
-        DraftRules(cell.k, cell.draft_n_min, cell.draft_p_min, cell.spec_type)
+        rules = DraftRules(cell.k, cell.draft_n_min, cell.draft_p_min, cell.spec_type)
         strategy = cell.strategy
-        modes = runtime_class(cell.runtime).modes
+        runtime = runtime_class(cell.runtime)
     except SettingsError as error:
         return str(error)
     except RuntimeUnavailable:  # cannot be imported here: a worker elsewhere may have it
         return None
-    if cell.mode not in modes:
-        return f"{cell.runtime} has no {cell.mode} mode (it has: {', '.join(modes)})"
+    if cell.mode not in runtime.modes:
+        return f"{cell.runtime} has no {cell.mode} mode (it has: {', '.join(runtime.modes)})"
+    lacking = [rule for rule, value, unset in (("n_min", rules.n_min, rules.k), ("p_min", rules.p_min, 0.0))
+               if value != unset and rule not in runtime.drafting_rules]
+    if cell.mode == "native" and lacking:
+        return f"{cell.runtime}'s native mode has no {' or '.join(lacking)} drafting rule (Runtime.drafting_rules)"
     if cell.mode == "driven" and cell.spec_type != "draft":
         return f"crossrt's driven loop drafts with a drafter model only, not {cell.spec_type!r}"
     if cell.mode == "driven" and cell.schedule not in loop.SCHEDULES:
