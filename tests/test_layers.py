@@ -9,8 +9,9 @@ import crossrt
 PACKAGE = Path(crossrt.__file__).parent
 BACKENDS = PACKAGE.parent / "backends"  # installed as crossrt.backends
 # Earliest first. backends implement the run stage's Runtime contract; builders make model files
-# from inputs' formats.
-LAYERS = ("errors", "records", "inputs", "builders", "run", "imports", "compare", "analyze", "report", "sweep", "cli")
+# from inputs' formats; simulate replays runs exactly on oracles the run stage's sessions compute.
+LAYERS = ("errors", "records", "inputs", "builders", "run", "simulate", "imports", "compare", "analyze", "report",
+          "sweep", "cli")
 STAGE = {"backends": "run"}
 
 
