@@ -22,14 +22,14 @@ import sys
 from pathlib import Path
 
 from crossrt.run import loop
-from crossrt.run.adaptive import simulate_policy
+from crossrt.simulate.adaptive import simulate_policy
 from crossrt.run.policies import DraftPolicy
 from crossrt.run.strategies import Strategy
 from crossrt.inputs.pairs import load_pair
 from crossrt.inputs.prompts import Prompt, load_prompts
 from crossrt.run.relaxed import relaxed_run
 from crossrt.run.runtime import DraftRules, RuntimeOptions, open_runtime
-from crossrt.run.simulate import SimRun, build_oracle, measure_costs, simulate_suite
+from crossrt.simulate.oracle import SimRun, build_oracle, measure_costs, simulate_suite
 from crossrt.records.tables import format_table
 
 REPO = Path(__file__).resolve().parents[1]

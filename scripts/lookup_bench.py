@@ -19,14 +19,14 @@ import sys
 from pathlib import Path
 
 from crossrt.run import loop
-from crossrt.run.adaptive import simulate_policy
+from crossrt.simulate.adaptive import simulate_policy
 from crossrt.run.drafters import PromptLookup
 from crossrt.run.policies import DraftPolicy
 from crossrt.run.strategies import Strategy
 from crossrt.inputs.pairs import load_pair
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import DraftRules, RuntimeOptions, open_runtime
-from crossrt.run.simulate import Policy, SimRun, build_oracle, simulate
+from crossrt.simulate.oracle import Policy, SimRun, build_oracle, simulate
 from crossrt.records.tables import format_table
 
 REPO = Path(__file__).resolve().parents[1]

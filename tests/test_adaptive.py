@@ -5,13 +5,13 @@ exact greedy at top-m 1 and measures its drift otherwise."""
 import pytest
 
 from crossrt.run import loop
-from crossrt.run.adaptive import simulate_policy
+from crossrt.simulate.adaptive import simulate_policy
 from crossrt.run.drafters import PromptLookup
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.policies import DraftPolicy, content_type
 from crossrt.run.relaxed import drift, relaxed_run
 from crossrt.run.runtime import DraftRules
-from crossrt.run.simulate import Policy, SimRun, build_oracle, simulate
+from crossrt.simulate.oracle import Policy, SimRun, build_oracle, simulate
 from crossrt.run.strategies import Strategy
 
 PROMPTS = load_prompts("builtin")

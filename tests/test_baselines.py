@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from crossrt.run.baselines import Baseline, BaselineStore, baseline_of, key_sha256, prompt_key
+from crossrt.run.baselines import BaselineStore, key_sha256, prompt_key
 from crossrt.cli import main
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.inputs.pairs import load_pair

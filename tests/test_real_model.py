@@ -12,7 +12,6 @@ from click.testing import CliRunner
 
 from crossrt.cli import main
 from crossrt.compare.diagnosis import Explainer, explain_record
-from crossrt.compare.splits import NUMERICS
 from crossrt.inputs.pairs import load_pair
 from crossrt.records.record_json import load_record
 from crossrt.compare.replay import Replayer

@@ -13,9 +13,9 @@ from crossrt.cli.analysis import simulate_command
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import DraftRules, Rows, RuntimeOptions, availability, open_runtime
-from crossrt.run.schedule_sim import (EXLLAMAV3, EXLLAMAV3_DYNAMIC, LLAMA, VLLM, DraftCalibration, compare_with_record,
+from crossrt.simulate.schedules import (EXLLAMAV3, EXLLAMAV3_DYNAMIC, LLAMA, VLLM, DraftCalibration, compare_with_record,
                                   simulate_schedule)
-from crossrt.run.simulate import CostModel, Policy, build_oracle, measure_costs, simulate, simulate_suite
+from crossrt.simulate.oracle import CostModel, Policy, build_oracle, measure_costs, simulate, simulate_suite
 from crossrt.run.schedules import top_probability
 
 from conftest import TINY_PAIR

@@ -10,8 +10,9 @@ from crossrt.backends.llama_cpp_tree import load_tree_session
 from crossrt.errors import SettingsError
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import DraftRules, RuntimeOptions
-from crossrt.run.simulate import Policy, build_oracle, simulate
-from crossrt.run.tree import Tree, best_tree, build_rank_oracle, simulate_top_b, simulate_tree
+from crossrt.simulate.oracle import Policy, build_oracle, simulate
+from crossrt.run.tree import Tree
+from crossrt.simulate.trees import best_tree, build_rank_oracle, simulate_top_b, simulate_tree
 
 from conftest import REPO
 

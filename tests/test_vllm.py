@@ -170,7 +170,7 @@ def test_vllm_native_writes_per_prompt_counters_and_ids(vllm_run):
 @needs_vllm
 @needs_transformers
 def test_vllm_counts_step_for_step_as_its_schedule_simulated_from_vllms_source(vllm_run, hd64_pair):
-    """crossrt/run/schedule_sim.py's `vllm` schedule, written from vLLM's source apart from this
+    """crossrt/simulate/schedules.py's `vllm` schedule, written from vLLM's source apart from this
     runtime, on an oracle of the same weights computed in transformers: every step's drafted
     and accepted counts must be the run's."""
     out, _ = vllm_run

@@ -23,12 +23,12 @@ from crossrt.records.journal import write_atomically
 from crossrt.inputs.pairs import ROLES, pair_info, run_k
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
-from crossrt.run.adaptive import simulate_policy
+from crossrt.simulate.adaptive import simulate_policy
 from crossrt.run.policies import DraftPolicy
 from crossrt.run.runtime import DraftRules, open_runtime, runtime_names
 from crossrt.records.schema import RunRecord
-from crossrt.run.schedule_sim import LLAMA, SIMULATED, ScheduleResult, compare_with_record, summarize_schedule
-from crossrt.run.simulate import (Oracle, Policy, PolicyResult, Simulation, build_oracle, measure_costs, simulate,
+from crossrt.simulate.schedules import LLAMA, SIMULATED, ScheduleResult, compare_with_record, summarize_schedule
+from crossrt.simulate.oracle import (Oracle, Policy, PolicyResult, Simulation, build_oracle, measure_costs, simulate,
                                   simulate_suite, summarize)
 from crossrt.run.strategies import Strategy
 from crossrt.records.tables import format_table

@@ -27,7 +27,7 @@ from crossrt.run.loop import SCHEDULE, SCHEDULES
 from crossrt.inputs.pairs import run_k, run_spec_type
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import SPEC_TYPES, DraftRules, availability, runtime_class, runtime_names, usable_runtimes
-from crossrt.run.schedule_sim import LLAMA
+from crossrt.simulate.schedules import LLAMA
 from crossrt.records.record_json import load_record
 from crossrt.records.tables import format_table, record_notes, summary_rows
 

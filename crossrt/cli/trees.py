@@ -12,10 +12,11 @@ from typing import Mapping, Optional, Sequence
 from crossrt.run import loop
 from crossrt.report.ceiling import Ceiling, ceilings, check_chain, parse_tree, tree_results
 from crossrt.run.runtime import DraftRules, ModelSession, Runtime
-from crossrt.run.simulate import Oracle, Simulation
+from crossrt.simulate.oracle import Oracle, Simulation
 from crossrt.records.metrics import Totals
 from crossrt.records.tables import format_table
-from crossrt.run.tree import RankOracle, Tree, build_rank_oracle, simulate_tree
+from crossrt.run.tree import Tree
+from crossrt.simulate.trees import RankOracle, build_rank_oracle, simulate_tree
 
 
 def _n(value: Optional[float], digits: int = 2) -> str:

@@ -10,7 +10,7 @@ per-prompt counts that differ in one respect only (docs/analysis.md):
       + rendering    sim B on A's oracle - sim B on B's oracle (A's prompt ids vs B's)
 
 "sim X on an oracle" is X's schedule with X's drafting rules simulated on the oracle of those
-prompt ids (crossrt/run/schedule_sim.py); "hybrid X" takes, per prompt, the simulation where the run
+prompt ids (crossrt/simulate/schedules.py); "hybrid X" takes, per prompt, the simulation where the run
 emitted the oracle's greedy output and the run's own counts where it did not. So numerics is
 what runs that left the greedy output (other tokens accepted) change, and residual what the
 simulation misses on runs that did not leave it: drafts changed by near-ties in the drafter, or
@@ -28,9 +28,9 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from crossrt.errors import ComparisonError, CrossrtError, SettingsError
 from crossrt.run.runtime import ModelSession, RuntimeOptions, open_runtime
-from crossrt.run.schedule_sim import check_rules, record_rules, simulate_schedule
+from crossrt.simulate.schedules import check_rules, record_rules, simulate_schedule
 from crossrt.records.schema import Counters, PromptResult, RunRecord
-from crossrt.run.simulate import Oracle, build_oracle
+from crossrt.simulate.oracle import Oracle, build_oracle
 
 PARTS = ("counting", "rendering", "schedule and rules", "numerics", "residual")
 # Schedules whose runtimes print tokens per step as emitted / steps (first token and cut tokens

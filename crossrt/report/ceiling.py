@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from crossrt.errors import SettingsError
-from crossrt.run.simulate import CostModel, Policy, Simulation, simulate
-from crossrt.run.tree import RankOracle, Tree, TreeResult, best_tree, simulate_top_b, simulate_tree, summarize_tree
+from crossrt.simulate.oracle import CostModel, Policy, Simulation, simulate
+from crossrt.run.tree import Tree
+from crossrt.simulate.trees import RankOracle, TreeResult, best_tree, simulate_top_b, simulate_tree, summarize_tree
 
 
 @dataclass(frozen=True)

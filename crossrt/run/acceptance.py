@@ -1,6 +1,6 @@
 """Which draft tokens the target accepts: the acceptance rules of crossrt's one loop
-(crossrt/run/loop.py) and of the simulators that replay it (crossrt/run/simulate.py,
-crossrt/run/schedule_sim.py).
+(crossrt/run/loop.py) and of the simulators that replay it (crossrt/simulate/oracle.py,
+crossrt/simulate/schedules.py).
 
 - Greedy: the longest run of draft tokens equal to the target's argmax after what came before;
   on a tree, from the root, the child holding the target's argmax while there is one. An EOS is

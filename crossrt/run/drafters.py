@@ -23,16 +23,15 @@ tells it what the target kept.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
 from crossrt.records.trace import TraceRecorder
 from crossrt.run.acceptance import Proposal
 from crossrt.run.runtime import ModelSession, Rows
+from crossrt.run.tree import Tree
 
-if TYPE_CHECKING:  # crossrt/run/tree.py imports the simulator, which runs the loop that imports this
-    from crossrt.run.tree import Tree
 
 
 def candidates(row: np.ndarray, width: int) -> list[int]:

@@ -23,7 +23,7 @@ schedule it takes its first token from a pass over the whole prompt, as llama-se
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -37,9 +37,7 @@ from crossrt.run.runtime import DraftRules, ModelSession, Rows
 from crossrt.run.schedules import (HF_SCHEDULE, SCHEDULE, SCHEDULE_TYPES, SCHEDULES, TRACED_SCHEDULES, Generation,
                                    Schedule, Tally, ViewRecorder, check_prompt, top_probability)
 from crossrt.run.strategies import Strategy, tree_spec
-
-if TYPE_CHECKING:  # crossrt/run/tree.py imports the simulator, which imports this loop
-    from crossrt.run.tree import Tree
+from crossrt.run.tree import Tree
 
 __all__ = ["HF_SCHEDULE", "SCHEDULE", "SCHEDULES", "TRACED_SCHEDULES", "greedy_generate", "speculative_generate"]
 

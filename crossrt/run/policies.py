@@ -1,12 +1,12 @@
 """How long each step's draft is: the k policies of crossrt's one loop (crossrt/run/loop.py),
-run for real and simulated exactly on the chain oracle (crossrt/run/adaptive.py, docs/ceiling.md).
+run for real and simulated exactly on the chain oracle (crossrt/simulate/adaptive.py, docs/ceiling.md).
 
 A policy picks each step's k from what the loop knows before drafting: fixed; per content type
 (code or prose, judged from the text of the last tokens, with a k per type, e.g. the
 simulator's best k per category); online from recent acceptance (after a step that accepted its
 whole draft, one more, else the accepted length plus one, within 1..k_max); and a
 drafter-confidence stop (stop before a token whose drafter top-1 probability is below min_p1;
-the pass that found it still costs, as in crossrt/run/simulate.py). The schedule then caps the
+the pass that found it still costs, as in crossrt/simulate/oracle.py). The schedule then caps the
 length at the budget. Under greedy acceptance a policy's decisions depend only on the target's
 greedy output and the drafter's greedy drafts, so the simulation reproduces a real run step for
 step (a test checks).

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from crossrt.errors import SettingsError
-
-if TYPE_CHECKING:
-    from crossrt.run.tree import Tree
+from crossrt.run.tree import Tree
 
 DRAFTINGS = ("model", "prompt-lookup", "tree")
 K_POLICIES = ("fixed", "content", "online", "confidence")
@@ -133,11 +131,9 @@ def parse_content_k(text: str) -> tuple[tuple[str, int], ...]:
     return content_k
 
 
-def tree_spec(spec: str) -> "Tree":
+def tree_spec(spec: str) -> Tree:
     """A run's tree: WxD (the full tree of width W and depth D) or a JSON choice-list file.
     best:N is chosen on simulation oracles (crossrt simulate --tree), not at run time."""
-    # Imported here: crossrt/run/tree.py imports the simulator, which runs the loop that imports this.
-    from crossrt.run.tree import Tree
     width, x, depth = spec.partition("x")
     if x and width.isdigit() and depth.isdigit():
         return Tree.full(int(width), int(depth))

@@ -1,6 +1,6 @@
 """Content-adaptive drafting simulated exactly on the chain oracle (docs/ceiling.md): the k
 policies of crossrt/run/policies.py, the same DraftPolicy objects the one loop
-(crossrt/run/loop.py) runs for real, replayed step for step on crossrt/run/simulate.py's oracle.
+(crossrt/run/loop.py) runs for real, replayed step for step on crossrt/simulate/oracle.py's oracle.
 
 Under the greedy rule a policy's decisions depend only on the target's greedy output and the
 drafter's greedy drafts, so simulate_policy reproduces a real run of the crossrt schedule step
@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 from crossrt.errors import SettingsError
 from crossrt.run.policies import CONTENT_WINDOW, DraftPolicy
-from crossrt.run.simulate import Oracle, SimRun, oracle_step
+from crossrt.simulate.oracle import Oracle, SimRun, oracle_step
 
 
 def simulate_policy(oracle: Oracle, policy: DraftPolicy, detokenize: Callable[[Sequence[int]], str]) -> SimRun:

@@ -6,7 +6,7 @@ The oracle of a prompt is the target's greedy output, and from every position j 
 the one after its end) the drafter's greedy continuation of prompt + output[:j], K tokens,
 with the target's greedy tokens past the output's end (past the budget or the EOS: schedules
 that verify drafts there count them). Greedy decoding makes every schedule a function of these
-alone (the other schedules: crossrt/run/schedule_sim.py). For the crossrt schedule: at emitted
+alone (the other schedules: crossrt/simulate/schedules.py). For the crossrt schedule: at emitted
 count e a step drafts row e (cut to the budget), the target's choice at draft position i is
 output[e + i] while the draft so far matched, so the step accepts the longest prefix of row e
 equal to output[e:] that holds no EOS, and emits one more token of output. The simulated
@@ -153,7 +153,7 @@ class Policy:
 class SimRun:
     """One prompt simulated on the oracle (under a policy, a tree or a schedule and its rules):
     what a real run would count, and where the schedule emits otherwise than step by step (the
-    schedule simulators, crossrt/run/schedule_sim.py), what it would emit."""
+    schedule simulators, crossrt/simulate/schedules.py), what it would emit."""
 
     prompt_id: str
     category: str

@@ -1,4 +1,4 @@
-"""Every schedule crossrt knows, simulated on one oracle (crossrt/run/simulate.py): the counts a
+"""Every schedule crossrt knows, simulated on one oracle (crossrt/simulate/oracle.py): the counts a
 real greedy run of that schedule makes with its drafting rules, step for step. Greedy decoding
 makes each schedule a function of the oracle alone: at emitted count e a draft is read from the
 oracle's row e (the drafter's greedy continuation there), and while the draft matches, the
@@ -42,7 +42,7 @@ from crossrt.run.acceptance import greedy_length, llama_verify as verify
 from crossrt.run.schedules import SERVER, SPEC_SIMPLE
 from crossrt.records.metrics import Totals
 from crossrt.records.schema import Counters, RunRecord
-from crossrt.run.simulate import Oracle, Policy, SimRun, simulate
+from crossrt.simulate.oracle import Oracle, Policy, SimRun, simulate
 
 EXLLAMAV3 = "exllamav3"
 EXLLAMAV3_DYNAMIC = "exllamav3-dynamic"

@@ -1,0 +1,179 @@
+"""What-if tree verification, exact for greedy decoding: static draft trees (crossrt/run/tree.py)
+simulated on the rank oracle, and the best tree within a node budget. docs/ceiling.md gives the rules and measured numbers.
+
+A tree is a set of rank paths: [0] is the drafter's top-1 after the context, [1] its
+runner-up, [0, 1] the runner-up after the context plus the top-1, and so on; every prefix of a
+path is in the set. A step verifies the context's last token plus every node of the tree in
+one target pass (crossrt/run/loop.py runs it, crossrt/run/drafters.py TreeDrafter drafts it). Under greedy decoding only the nodes on the
+target's own output matter: the step accepts the longest run of the target's next tokens whose
+ranks among the drafter's candidates form a path of the tree, and adds the target's token after
+it (the bonus), as the chain loop does.
+
+The assumption that makes one pass enough: the drafter is a model conditioned on its prefix
+only (a draft model, a layer-skip drafter). Along an accepted path the prefix is the target's
+greedy output, so the drafter's candidates at every on-path node are those of one
+teacher-forced drafter pass over prompt + output: the rank oracle stores, per output position,
+the rank of the target's token in that pass (ranks from top_b on are stored as top_b: "not
+among the top-b"). Drafters that see more than the prefix (Medusa heads reading the target's
+hidden state, EAGLE's features) need their own pass.
+
+The schedule is the crossrt chain schedule's: at emitted count e the tree is cut to depth
+min(depth, budget - e - 1), an EOS is never accepted as a draft token (it ends the step as
+its bonus), so a width-1 tree of depth k is the chain at k, step for step (a test checks).
+Costs: a step verifies 1 + nodes tokens (CostModel.verify_s[nodes]) and makes one drafter pass
+per node that has children, the root included (the chain's one pass per draft token).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from crossrt.errors import SettingsError
+from crossrt.records.metrics import Totals
+from crossrt.run.runtime import ModelSession, Rows
+from crossrt.run.tree import RankPath, Tree
+from crossrt.simulate.oracle import CHUNK, CostModel, Oracle, SimRun
+
+
+@dataclass(frozen=True, eq=False)
+class RankOracle:
+    """One prompt's target greedy output and, per output position j, the rank of output[j]
+    among the drafter's candidates after prompt + output[:j] (top_b: not among the top-b)."""
+
+    prompt_id: str
+    category: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    output: tuple[int, ...]
+    ranks: np.ndarray  # int16 (len(output),)
+    top_b: int
+    eog_ids: frozenset[int]
+
+
+def token_rank(row: np.ndarray, token: int) -> int:
+    """The rank of token in row: logits above it, then equal ones with a lower id (the order of
+    a stable descending sort, which drafters.candidates picks by)."""
+    value = row[token]
+    return int(np.count_nonzero(row > value) + np.count_nonzero(row[:token] == value))
+
+
+def build_rank_oracle(drafter: ModelSession, oracle: Oracle, top_b: int) -> RankOracle:
+    """The rank oracle of a chain oracle's prompt and output: one teacher-forced drafter pass,
+    in the chain oracle's chunks so that its first-token rows match."""
+    if top_b < 1:
+        raise SettingsError(f"top-b must be at least 1, got {top_b}")
+    prompt_ids, output = oracle.prompt_ids, oracle.output
+    ranks = np.full(len(output), top_b, dtype=np.int16)
+    drafter.truncate(0)
+    drafter.eval(prompt_ids[:-1], Rows.NONE)
+    lasts = (prompt_ids[-1],) + output[:-1]
+    for start in range(0, len(output), CHUNK):
+        rows = drafter.eval(lasts[start:start + CHUNK], Rows.ALL)
+        for offset, row in enumerate(rows):
+            ranks[start + offset] = min(top_b, token_rank(row, output[start + offset]))
+    return RankOracle(oracle.prompt_id, oracle.category, prompt_ids, oracle.max_new_tokens, output, ranks,
+                      top_b, oracle.eog_ids)
+
+
+def _steps(oracle: RankOracle, depth: int, accepts, shape) -> SimRun:
+    """Steps of the crossrt schedule: accepts(path) says whether a path of ranks is a node,
+    shape(cap) gives (nodes verified, drafter passes) of the tree cut to depth cap."""
+    output, ranks, eog = oracle.output, oracle.ranks, oracle.eog_ids
+    step_drafted, step_accepted = [], []
+    calls = emitted = 0
+    while emitted < len(output):
+        cap = min(depth, oracle.max_new_tokens - emitted - 1)
+        nodes, passes = shape(cap)
+        path: RankPath = ()
+        while len(path) < cap and output[emitted + len(path)] not in eog:
+            longer = path + (int(ranks[emitted + len(path)]),)
+            if longer[-1] >= oracle.top_b or not accepts(longer):
+                break
+            path = longer
+        step_drafted.append(nodes)
+        step_accepted.append(len(path))
+        calls += passes
+        emitted += len(path) + 1
+    return SimRun(oracle.prompt_id, oracle.category, tuple(step_drafted), tuple(step_accepted), calls)
+
+
+def simulate_tree(oracle: RankOracle, tree: Tree) -> SimRun:
+    """The steps a real tree-verification run of tree makes on the oracle's prompt."""
+    if max(max(p) for p in tree.paths) >= oracle.top_b:
+        raise SettingsError(f"tree {tree.label} uses ranks from {oracle.top_b} on; the oracle stores ranks "
+                            f"below top-b {oracle.top_b}")
+    nodes = set(tree.paths)
+    shapes = {}
+    for cap in range(tree.depth + 1):
+        cut = tree.cut(cap)
+        shapes[cap] = (cut.n_nodes, cut.internal()) if cut else (0, 0)
+    return _steps(oracle, tree.depth, nodes.__contains__, shapes.__getitem__)
+
+
+def simulate_top_b(oracle: RankOracle, width: int, depth: int) -> SimRun:
+    """The ceiling at top-b: accept while the target's token is among the drafter's width best
+    (the full width-ary tree of depth, simulated without listing its nodes)."""
+    def shape(cap: int) -> tuple[int, int]:
+        return sum(width ** d for d in range(1, cap + 1)), sum(width ** d for d in range(cap))
+
+    return _steps(oracle, depth, lambda path: path[-1] < width, shape)
+
+
+def best_tree(oracles: Sequence[RankOracle], budget: int, max_depth: int, label: Optional[str] = None) -> Tree:
+    """The tree of at most budget nodes that accepts the most tokens on these oracles if every
+    position started a step (Sequoia's positional assumption, measured rank acceptance): a
+    node's worth is the number of positions whose next ranks begin with its path, so the best
+    tree holds the budget's most frequent paths, and a parent is never rarer than its child."""
+    counts: Counter = Counter()
+    for oracle in oracles:
+        ranks, output, eog = oracle.ranks, oracle.output, oracle.eog_ids
+        for start in range(len(output)):
+            path: RankPath = ()
+            for j in range(start, min(start + max_depth, len(output))):
+                if ranks[j] >= oracle.top_b or output[j] in eog:
+                    break
+                path += (int(ranks[j]),)
+                counts[path] += 1
+    chosen = sorted(counts, key=lambda p: (-counts[p], len(p), p))[:budget]
+    if not chosen:
+        return Tree(label or f"best {budget}", ((0,),))
+    return Tree.of(label or f"best {budget}", chosen)
+
+
+@dataclass(frozen=True)
+class TreeResult:
+    """A tree's summed counts over one group of prompts (category None: all of them)."""
+
+    tree: str
+    nodes: int
+    depth: int
+    category: Optional[str]
+    steps: int
+    emitted: int
+    tau: Optional[float]
+    verify_tokens: float  # mean tokens per target pass (1 + nodes verified)
+    speedup: Optional[float]
+
+
+def summarize_tree(runs: Sequence[SimRun], costs: Optional[CostModel], label: str, nodes: int,
+                   depth: int) -> list[TreeResult]:
+    """One result per category (sorted), then one over every run; no speedup without costs or
+    where a step verified more tokens than the cost model was measured for."""
+    results = []
+    for category in [*sorted({run.category for run in runs}), None]:
+        group = [run for run in runs if category is None or run.category == category]
+        steps = sum(run.steps for run in group)
+        emitted = sum(run.emitted for run in group)
+        drafted = sum(run.drafted for run in group)
+        timed = costs is not None and all(d < len(costs.verify_s) for run in group for d in run.step_drafted)
+        # The record's metrics over the cost model's seconds (none: no speedup).
+        totals = Totals(steps, drafted, sum(run.accepted for run in group), emitted,
+                        sum(costs.speculative_s(run) for run in group) if timed else 0.0,
+                        emitted, costs.plain_s(emitted) if timed else 0.0)
+        results.append(TreeResult(label, nodes, depth, category, steps, emitted, totals.tau,
+                                  1 + drafted / steps if steps else 0.0, totals.speedup))
+    return results
