@@ -174,6 +174,10 @@ k_max = 5
     assert records["fixed"].params.k_policy == "fixed" and records["fixed"].params.k == 3
     for record in records.values():
         assert all(r.ok and r.lossless for r in record.results)
+    # The index names each cell's strategy, so a query can group by it.
+    _, rows = store.query("SELECT k_policy, drafting, acceptance, lossy, tau FROM cells ORDER BY k_policy")
+    assert [row[:4] for row in rows] == [("fixed", "model", "greedy", False), ("online", "model", "greedy", False)]
+    assert all(row[4] > 1 for row in rows)
 
 
 def test_a_native_cell_with_drafting_rules_its_runtime_lacks_is_skipped(tmp_path):

@@ -119,15 +119,10 @@ def strategy_params(strategy: Strategy) -> dict:
         lossy=strategy.lossy)
 
 
-def _tree_session(request: RunRequest, path: Path, stack: contextlib.ExitStack) -> ModelSession:
-    """The target's tree session, for tree drafting: llama.cpp's, the one runtime that has one."""
-    if request.runtime != "llama-cpp":
-        raise SettingsError(f"tree drafting verifies a tree in one batch: the llama-cpp runtime's tree session, "
-                            f"not {request.runtime}")
-    # Imported here: llama.cpp is loaded only when a run uses it (crossrt/run/runtime.py's registry).
-    from crossrt.backends.llama_cpp_tree import load_tree_session
+def _tree_session(runtime: Runtime, request: RunRequest, path: Path, stack: contextlib.ExitStack) -> ModelSession:
+    """The target's tree session, for tree drafting (Runtime.load_tree: runtimes without one refuse)."""
     leaves = len(tree_spec(request.strategy.tree).leaves())
-    return stack.enter_context(load_tree_session(request.options, path, leaves))
+    return stack.enter_context(runtime.load_tree(path, leaves))
 
 
 def run_prompt_native(session: NativeSession, prompt: Prompt, max_new_tokens: int, k: int,
@@ -224,7 +219,7 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
     else:
         target = stack.enter_context(runtime.load(paths["target"]))
         drafter = None if lookup else stack.enter_context(runtime.load(paths["drafter"]))
-    tree_target = _tree_session(request, paths["target"], stack) if strategy.drafting == "tree" else None
+    tree_target = _tree_session(runtime, request, paths["target"], stack) if strategy.drafting == "tree" else None
     return (lambda prompt, trace, baselines: run_prompt(target, drafter, prompt, request.rules,
                                                         request.max_new_tokens, request.schedule, shared(prompt),
                                                         trace, baselines, strategy, tree_target)), None, target

@@ -23,6 +23,13 @@ K_POLICIES = ("fixed", "content", "online", "confidence")
 ACCEPTANCES = ("greedy", "relaxed")
 CONTENT_TYPES = ("code", "prose")  # crossrt/run/policies.py content_type's verdicts
 
+# Each parameter and the choice it belongs to (part, choice): a parameter means nothing under
+# another choice, so the CLI refuses one given alone and a sweep cell drops it.
+STRATEGY_PARTS = {"tree": ("drafting", "tree"), "ngram_max": ("drafting", "prompt-lookup"),
+                  "ngram_min": ("drafting", "prompt-lookup"), "content_k": ("k_policy", "content"),
+                  "k_max": ("k_policy", "online"), "min_p1": ("k_policy", "confidence"),
+                  "top_m": ("acceptance", "relaxed"), "delta": ("acceptance", "relaxed")}
+
 
 def _one_of(what: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from crossrt.errors import CrossrtError, SettingsError
 from crossrt.run import loop
 from crossrt.run.runtime import DraftRules, RuntimeUnavailable, runtime_class
-from crossrt.run.strategies import Strategy, parse_content_k
+from crossrt.run.strategies import STRATEGY_PARTS, Strategy, parse_content_k
 
 class SweepError(CrossrtError, ValueError):
     """A sweep file that cannot be read, or a sweep directory that does not match it."""
@@ -23,11 +23,6 @@ class SweepError(CrossrtError, ValueError):
 # A driven run's strategy settings (crossrt/run/strategies.py), as crossrt run's --drafting,
 # --k-policy, --acceptance and their parameters; content_k is written as in --content-k.
 STRATEGY_DEFAULTS: dict[str, Any] = {field.name: field.default for field in dataclasses.fields(Strategy)}
-# Each strategy parameter, and the choice it belongs to (crossrt run refuses it without that choice).
-STRATEGY_PARTS = {"tree": ("drafting", "tree"), "ngram_max": ("drafting", "prompt-lookup"),
-                  "ngram_min": ("drafting", "prompt-lookup"), "content_k": ("k_policy", "content"),
-                  "k_max": ("k_policy", "online"), "min_p1": ("k_policy", "confidence"),
-                  "top_m": ("acceptance", "relaxed"), "delta": ("acceptance", "relaxed")}
 # Every setting of one cell, with the value a cell has when neither the axes nor a rule set it;
 # k and spec_type None: the pair's, as crossrt run takes them (run_k, run_spec_type).
 DEFAULTS: dict[str, Any] = {

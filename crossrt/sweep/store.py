@@ -35,7 +35,7 @@ from crossrt.records.metrics import Totals
 from crossrt.records.record_json import load_record, record_from_json, save_record
 from crossrt.run.run_writer import RecordBusy, lock_path, record_lock
 from crossrt.records.schema import RecordError, RunRecord
-from crossrt.sweep.plan import Cell, SweepError
+from crossrt.sweep.cell import STRATEGY_DEFAULTS, Cell, SweepError
 
 INDEX = "index.parquet"
 LOCK = "sweep"  # record_lock(root / LOCK) holds root/sweep.lock
@@ -50,6 +50,7 @@ CELL_COLUMNS = [
     ("draft_p_min", "DOUBLE"), ("spec_type", "VARCHAR"), ("prompts", "VARCHAR"), ("max_new_tokens", "INTEGER"),
     ("n_ctx", "INTEGER"), ("threads", "INTEGER"), ("n_gpu_layers", "INTEGER"), ("gpu_split", "VARCHAR"),
     ("f32_kv_cache", "BOOLEAN"), ("flash_attn", "BOOLEAN"),
+    ("drafting", "VARCHAR"), ("k_policy", "VARCHAR"), ("acceptance", "VARCHAR"), ("lossy", "BOOLEAN"),
     ("runtime_version", "VARCHAR"), ("device", "VARCHAR"), ("kv_cache", "VARCHAR"), ("record_schedule", "VARCHAR"),
     ("host", "VARCHAR"), ("executor", "VARCHAR"), ("cell_wall_s", "DOUBLE"),
 ]
@@ -60,6 +61,8 @@ PROMPT_COLUMNS = [
     ("emitted", "INTEGER"), ("unverified", "INTEGER"), ("cut", "INTEGER"), ("lossless", "BOOLEAN"),
     ("prefill_s", "DOUBLE"), ("decode_s", "DOUBLE"), ("baseline_prefill_s", "DOUBLE"), ("baseline_decode_s", "DOUBLE"),
 ]
+# A cell's strategy choices, each a column (a cell written before strategies were kept: the default's).
+STRATEGY_CHOICES = ("drafting", "k_policy", "acceptance")
 # crossrt_metric('tau', struct_pack(steps := ..., ...)): a metric by its own formula, in SQL, over
 # a struct of the columns named as metrics.Totals' fields (sums, in the cells view).
 METRIC_FUNCTION = "crossrt_metric"
@@ -94,7 +97,8 @@ def cells_view() -> str:
     return f"""
 CREATE VIEW cells AS SELECT *, {rates} FROM (SELECT cell_id, any_value(cell_name) AS cell_name,
   any_value(pair) AS pair, any_value(runtime) AS runtime, any_value(mode) AS mode, any_value(schedule) AS schedule,
-  any_value(k) AS k, any_value(prompts) AS prompts, count(*) AS n_prompts, count(*) FILTER (status <> 'ok') AS failed,
+  any_value(k) AS k, any_value(drafting) AS drafting, any_value(k_policy) AS k_policy,
+  any_value(acceptance) AS acceptance, any_value(lossy) AS lossy, any_value(prompts) AS prompts, count(*) AS n_prompts, count(*) FILTER (status <> 'ok') AS failed,
   count(*) FILTER (lossless) AS lossless, {sums}, any_value(cell_wall_s) AS cell_wall_s, any_value(host) AS host
 FROM prompts GROUP BY cell_id)"""
 
@@ -246,7 +250,8 @@ class SweepStore:
             split = params["gpu_split"]
             settings = (cell.meta["id"], cell.meta["name"], *(params[name] for name, _ in CELL_COLUMNS[2:15]),
                     ",".join(f"{v:g}" for v in split) if split else None, params["f32_kv_cache"],
-                    params["flash_attn"], record.runtime.version, record.runtime.device, record.runtime.kv_cache,
+                    params["flash_attn"], *(params.get(part, STRATEGY_DEFAULTS[part]) for part in STRATEGY_CHOICES),
+                    record.params.lossy, record.runtime.version, record.runtime.device, record.runtime.kv_cache,
                     record.params.schedule, cell.meta["host"], cell.meta["executor"], cell.meta["wall_s"])
             for r in record.results:
                 c, t = r.counters, r.timings
