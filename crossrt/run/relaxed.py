@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from crossrt.records.metrics import Totals
 from crossrt.run.loop import speculative_generate
 from crossrt.run.runtime import DraftRules, ModelSession, Rows
 from crossrt.run.strategies import Strategy
@@ -51,8 +52,8 @@ class RelaxedResult:
     decode_s: float
 
     @property
-    def tau(self) -> float:
-        return self.emitted / self.steps
+    def tau(self) -> Optional[float]:
+        return Totals(steps=self.steps, accepted=self.accepted, emitted=self.emitted).tau
 
 
 def drift(output: Sequence[int], greedy: Sequence[int]) -> tuple[Optional[int], float]:
