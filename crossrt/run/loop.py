@@ -174,7 +174,10 @@ def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], 
         proposal = drafts.propose(context, plan.n_max(target, tally, k))
         if plan.llama and not rules.kept(len(proposal)):
             proposal = Proposal.chain(())  # llama.cpp throws a short draft away
-        n_past = target.n_past
+        # What the target should hold: the context but its last token, which this step verifies.
+        # Taken from the context, not from target.n_past, so a runtime whose cache keeps a stale
+        # position shows as a disagreement in its outputs rather than drifting the drafter too.
+        n_past = len(context) - 1
         batch = [context[-1], *proposal.tokens]
         if plan.llama:
             drafts.mirror(n_past, batch)
