@@ -6,6 +6,7 @@ import pytest
 
 from crossrt.errors import ComparisonError
 from crossrt.compare.rescore import ScoredRows, agreement, top_k
+from crossrt.compare.tolerance import Tolerance
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -48,3 +49,18 @@ def test_scored_rows_reused_over_prefixes_give_the_sliced_arrays_agreement():
     assert agreement(rows_a, rows_b, length=3).top1_agreement == 1.0
     with pytest.raises(ComparisonError, match="logit shapes differ"):
         agreement(a, b[:, :999])
+
+
+def test_a_differing_argmax_at_a_near_tie_counts_as_the_same_top1_and_a_far_one_does_not():
+    """The top-1 bound of a tolerance forgives what numerics may flip: at position 0 the two rows
+    put their choices 0.3 apart in all (a near-tie under a 1.0 flip), at position 1 apart by 8."""
+    a = np.array([[1.0, 0.9, 0.0], [5.0, 1.0, 0.0], [0.0, 0.0, 2.0]], dtype=np.float32)
+    b = np.array([[0.9, 1.1, 0.0], [1.0, 5.0, 0.0], [0.0, 0.0, 2.0]], dtype=np.float32)
+    measured = agreement(a, b)
+    assert measured.top1_agreement == pytest.approx(1 / 3)
+    assert measured.top1_flips == pytest.approx((0.3, 8.0))
+    assert measured.top1_beyond_near_ties(1.0) == pytest.approx(2 / 3)
+    loose = Tolerance("test", top1=0.6, near_tie_flip=1.0)
+    strict = Tolerance("test", top1=0.6, near_tie_flip=0.1)
+    assert loose.problems(measured) == []
+    assert strict.problems(measured) and "same top-1 0.333 < 0.6" in strict.problems(measured)[0]

@@ -86,6 +86,16 @@ class LogitAgreement:
     kl_p99: float = 0.0
     kl_max: float = 0.0
     rms_delta_p: float = 0.0
+    # At each position whose argmaxes differ, the near-tie flip between them (crossrt/run/numerics.py:
+    # how far A's row put B's choice below its own, plus the same of B's row): a flip within a
+    # tolerance's near-tie threshold is a near-tie, which numerics may break either way.
+    top1_flips: tuple[float, ...] = ()
+
+    def top1_beyond_near_ties(self, near_tie_flip: float) -> float:
+        """The share of positions with the same argmax, counting a differing argmax at a
+        near-tie (flip within near_tie_flip) as the same."""
+        ties = sum(1 for flip in self.top1_flips if flip <= near_tie_flip)
+        return self.top1_agreement + ties / self.positions if self.positions else self.top1_agreement
 
 
 def top_k(rows: np.ndarray, k: int) -> np.ndarray:
@@ -157,7 +167,11 @@ def agreement(a, b, tokens: Optional[Sequence[int]] = None, length: Optional[int
     emitted = np.asarray(tokens if tokens is not None else top_a[:, 0])
     rows = np.arange(n)
     delta_p = np.exp(log_b[rows, emitted]) - a.probs[rows, emitted]  # b's whole probs only if b is ever A
+    first_a, first_b = top_a[:, 0], top_b[:, 0]
+    differ = np.flatnonzero(first_a != first_b)
+    flips = tuple(float(a.logits[i, first_a[i]] - a.logits[i, first_b[i]] + b.logits[i, first_b[i]]
+                        - b.logits[i, first_a[i]]) for i in differ)
     return LogitAgreement(n, float(difference.max()), float(difference.mean()),
-                          float(np.mean(top_a[:, 0] == top_b[:, 0])), float(overlap),
+                          float(np.mean(first_a == first_b)), float(overlap),
                           float(kl.mean()), float(np.median(kl)), float(np.percentile(kl, 99)), float(kl.max()),
-                          float(np.sqrt(np.mean(delta_p ** 2))))
+                          float(np.sqrt(np.mean(delta_p ** 2))), flips)
