@@ -132,6 +132,19 @@ class LlamaCppRuntime(Runtime):
         if llama_cpp is None:
             raise RuntimeUnavailable(_UNAVAILABLE)
 
+    @classmethod
+    def build_notes(cls) -> list[str]:
+        """The CPU kernels built, and what setup's probe said of them (backends/llama_build_probe.py)."""
+        from crossrt.backends.llama_build_probe import read_record, with_build_note
+
+        library = Path(os.environ.get("LLAMA_CPP_LIB_PATH", os.devnull))
+        kernels = with_build_note(system_info(llama_cpp.llama_print_system_info().decode("utf-8", errors="replace")),
+                                  library)
+        record = read_record() if library.resolve() == BUILD_BIN.resolve() else None
+        probed = ("not probed (scripts/setup probes it)" if record is None else
+                  "passed its probe" if record.passed else "failed its probe, kept as CMAKE_ARGS asked")
+        return [f"llama.cpp build {library}: {probed}", f"llama.cpp kernels: {kernels}"]
+
     def load(self, path: Path, n_outputs_max: int = 0) -> LlamaCppSession:
         """n_outputs_max > 0 caps the output rows per batch, as llama-speculative-simple does
         on its target context (1 + n_max); 0 leaves llama.cpp's default (n_batch)."""
@@ -150,6 +163,8 @@ class LlamaCppRuntime(Runtime):
         return load_tree_session(self.options, path, max_leaves)
 
     def info(self) -> RuntimeInfo:
+        from crossrt.backends.llama_build_probe import with_build_note  # it imports this module
+
         offloaded = self.options.n_gpu_layers > 0 and llama_cpp.llama_supports_gpu_offload()
         return RuntimeInfo(
             name=self.name,
@@ -160,7 +175,8 @@ class LlamaCppRuntime(Runtime):
             gpu_split=self.options.gpu_split,
             kv_cache="f32" if self.options.f32_kv_cache else "f16",
             flash_attn=self.options.flash_attn,
-            system_info=system_info(llama_cpp.llama_print_system_info().decode("utf-8", errors="replace")),
+            system_info=with_build_note(system_info(llama_cpp.llama_print_system_info().decode("utf-8", errors="replace")),
+                                        Path(os.environ.get("LLAMA_CPP_LIB_PATH", os.devnull))),
         )
 
 

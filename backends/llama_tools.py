@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
+from crossrt.backends.llama_build_probe import with_build_note
 from crossrt.backends.llama_cpp import BUILD_BIN, VENDORED_COMMIT, system_info
 from crossrt.run.runtime import RuntimeUnavailable
 
@@ -114,7 +115,9 @@ def _system_info(path: Path) -> Optional[str]:
     except (OSError, subprocess.TimeoutExpired):
         return None
     match = re.search(r"^system_info: (.*)$", done.stdout, re.M)
-    return system_info(match.group(1)) if done.returncode == 0 and match else None
+    if done.returncode != 0 or not match:
+        return None
+    return with_build_note(system_info(match.group(1)), path.parent)
 
 
 @lru_cache(maxsize=8)

@@ -77,6 +77,12 @@ PRESETS = {
     "tiny-hd64": PairPreset(512, ModelSpec("target", 128, 2, 2, 1, 256, 30.0, 0.5, 2.0),
                             ModelSpec("drafter", 64, 1, 1, 1, 128, 30.0, 0.3, 2.0),
                             0.15, ("f32", "hf")),
+    # For setup's probe of the llama.cpp build (backends/llama_build_probe.py): n_embd 256, so
+    # quantized to Q4_K, Q8_0 or Q4_0 every matmul keeps its type and its type's kernels (K-quants
+    # need rows of 256; smaller rows fall back to other types).
+    "probe": PairPreset(512, ModelSpec("target", 256, 2, 4, 2, 512, 30.0, 0.5, 2.0),
+                        ModelSpec("drafter", 256, 1, 4, 2, 512, 30.0, 0.3, 2.0),
+                        0.15, ("f32",)),
     "bench": PairPreset(512, ModelSpec("target", 640, 13, 10, 5, 1792, 30.0, 0.5, 2.0),
                         ModelSpec("drafter", 384, 6, 6, 6, 896, 30.0, 0.3, 2.0),
                         0.15, ("f32",)),

@@ -176,6 +176,9 @@ def runtimes(usable: bool) -> None:
     reasons = {name: availability(name) for name in runtime_names()}
     rows = [[name, "yes" if reason is None else "no", reason or ""] for name, reason in reasons.items()]
     click.echo(format_table([["runtime", "usable", "why not"]] + rows))
+    notes = [line for name, reason in reasons.items() if reason is None for line in runtime_class(name).build_notes()]
+    for line in dict.fromkeys(notes):  # runtimes sharing one build say it once
+        click.echo(line)
 
 
 main.add_command(parity)

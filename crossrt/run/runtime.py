@@ -284,6 +284,11 @@ class Runtime(abc.ABC):
     def info(self) -> RuntimeInfo:
         """Name, version, build and device, for the run record."""
 
+    @classmethod
+    def build_notes(cls) -> list[str]:
+        """Lines for `crossrt runtimes` on how a usable runtime was built (kernels, fallbacks)."""
+        return []
+
 
 def runtime_names() -> list[str]:
     return list(RUNTIMES)
