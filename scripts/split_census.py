@@ -9,7 +9,8 @@ Each batch of generated prompts runs through llama.cpp in-process under three nu
 (F16 and F32 KV cache, flash attention off; --two-threads adds 2 threads) and llama-server
 natively; every
 record of a batch is compared with every other (`crossrt parity`'s comparisons, with native
-splits re-scored), and the splits are counted by kind and cause. Exit 1 if any comparison failed.
+splits re-scored), and the splits are counted by kind and cause. Exit 1 if any comparison failed
+or a batch compared no token ids at all.
 """
 
 import sys

@@ -57,7 +57,9 @@ def test_shipped_claims_tiny_reproduces_and_community_is_not_run_here(tmp_path):
 
 
 def test_strict_fails_on_claims_that_could_not_run(tmp_path):
-    assert invoke(COMMUNITY, "--claim", "community-llama-cpp-mtp-prose", "--out-dir", tmp_path).exit_code == 0
+    # Alone, the claim compares no number here: a verdict about nothing fails, strict or not.
+    alone = invoke(COMMUNITY, "--claim", "community-llama-cpp-mtp-prose", "--out-dir", tmp_path)
+    assert alone.exit_code == 1 and "nothing compared: none of the 1 claimed number(s) was measured" in alone.output
     strict = invoke(COMMUNITY, "--claim", "community-llama-cpp-mtp-prose", "--out-dir", tmp_path, "--strict")
     assert strict.exit_code == 1 and "the target's gguf path is left empty" in strict.output
     assert not list(tmp_path.iterdir())  # nothing ran
@@ -114,7 +116,7 @@ def test_claims_that_cannot_run_list_every_reason(tmp_path):
     path = claims_file(tmp_path / "no.toml", "[claim.expect.math]\ntau = 2.0\n", pair="missing.toml",
                        crossrt_runtime="llama-spec-cli", sampling="temperature 0.7", mode="driven", prompts="builtin")
     result = invoke(path, "--out-dir", tmp_path / "runs")
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # no number compared
     for reason in ("sampling 'temperature 0.7': crossrt decodes greedily only",
                    "runtime 'llama-spec-cli' has no driven mode",
                    "pair manifest not found: missing.toml",

@@ -170,9 +170,17 @@ def test_report_puts_them_side_by_side(side_by_side, tmp_path):
 def test_parity_says_what_an_import_cannot_compare(side_by_side):
     vllm, crossrt = side_by_side
     result = invoke("parity", vllm, crossrt, "--no-logits")
-    assert result.exit_code == 0, result.output
     assert "imported from vllm-log: no token ids, no lossless check" in result.output
     assert "outputs not compared" in result.output and "counters not compared" in result.output
+    # Nothing of the pair was compared (no ids; other k and schedule): a verdict about nothing fails,
+    # also when counters alone would be accepted, since these were not compared either.
+    assert "1 not comparable (no token ids: imported from vllm-log); counters not compared (k differs: 6 vs 4; " \
+           "schedule differs: vllm vs crossrt;" in result.output
+    for result in (result, invoke("parity", vllm, crossrt, "--no-logits", "--counters-only")):
+        assert result.exit_code == 1, result.output
+        # (without --counters-only the import's own lossless check compared nothing too)
+        assert re.match(r"parity: FAILED: nothing compared between vllm/native and llama-cpp/driven( \(and 1 more "
+                        r"pair\(s\) of runs\))?: no token ids", result.output.strip().splitlines()[-1]), result.output
 
 
 def test_reproduce_checks_a_claim_against_an_import(side_by_side, tmp_path):
@@ -247,8 +255,9 @@ def test_llama_server_round_trip(tmp_path, monkeypatch):
     record = load_record(tmp_path / "imported.json")
     assert totals(record) == totals(native)
     assert record.pair == native.pair and record.params.k == 4
-    parity = invoke("parity", out, tmp_path / "imported.json", "--no-logits")
+    parity = invoke("parity", out, tmp_path / "imported.json", "--no-logits", "--counters-only")
     assert parity.exit_code == 0, parity.output
+    assert parity.output.strip().splitlines()[-1].startswith("parity: OK, counters only; compared token ids in ")
     assert "counters compared on sums over all prompts: steps, drafted, accepted, emitted, unverified, cut" \
         in parity.output
     log = tmp_path / "native.logs" / "llama-server-speculative.log"

@@ -55,7 +55,10 @@ def test_first_divergence_never_drops_the_tail():
 def test_identical_runs_agree_and_ci_reports_say_so(records, tmp_path):
     result = parity(records["f32"], records["f32-again"], "--junit", tmp_path / "p.xml", "--markdown", tmp_path / "p.md")
     assert result.exit_code == 0, result.output
-    assert "4 prompts: 4 identical, 0 explained, 0 failed; counters compared" in result.output and "parity: OK" in result.output
+    assert "4 prompts: 4 identical, 0 explained, 0 failed, 0 not comparable; counters compared" in result.output
+    # The closing line says what was compared: ids in 2 x 4 lossless checks and 4 cross-run comparisons.
+    assert result.output.strip().splitlines()[-1] == ("parity: OK; compared token ids in 12 comparisons, "
+                                                      "counters in 4 comparisons, logits in 4 comparisons")
     suite = ElementTree.parse(tmp_path / "p.xml").getroot()
     assert suite.get("failures") == "0" and int(suite.get("tests")) == 4 * 3 + 4  # lossless x2, pair, logits
     assert (tmp_path / "p.md").read_text().startswith("## crossrt parity: passed")

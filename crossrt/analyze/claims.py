@@ -323,10 +323,17 @@ class Outcome:
         return not self.skipped and self.error is None and all(c.verdict in (OK, MISS) for c in self.checks)
 
 
+def compared(outcomes: list[Outcome]) -> int:
+    """How many claimed numbers were measured and held against their claim (ok or MISS)."""
+    return sum(check.verdict in (OK, MISS) for outcome in outcomes for check in outcome.checks)
+
+
 def exit_code(outcomes: list[Outcome], strict: bool) -> int:
-    """1 when a number that ran missed (or a run broke); with strict, also when anything
-    claimed could not be checked here."""
-    if any(o.missed for o in outcomes) or (strict and not all(o.complete for o in outcomes)):
+    """1 when a number that ran missed (or a run broke), or when no number at all was compared
+    (a verdict about nothing must not pass); with strict, also when anything claimed could not
+    be checked here."""
+    if any(o.missed for o in outcomes) or (strict and not all(o.complete for o in outcomes)) \
+            or not compared(outcomes):
         return 1
     return 0
 
@@ -372,5 +379,9 @@ def render(outcomes: list[Outcome]) -> str:
               "missed": sum(o.missed and o.error is None for o in outcomes),
               "failed to run": sum(o.error is not None for o in outcomes),
               "not run here": sum(bool(o.skipped) for o in outcomes)}
-    lines += ["", f"{len(outcomes)} claim(s): " + ", ".join(f"{n} {what}" for what, n in counts.items() if n)]
+    numbers = sum(len(o.checks or o.claim.expectations) for o in outcomes)
+    lines += ["", f"compared {compared(outcomes)} of {numbers} claimed number(s)" if compared(outcomes) else
+              f"nothing compared: none of the {numbers} claimed number(s) was measured and checked here (reasons "
+              "above), so reproduce fails",
+              f"{len(outcomes)} claim(s): " + ", ".join(f"{n} {what}" for what, n in counts.items() if n)]
     return "\n".join(lines)

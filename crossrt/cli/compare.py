@@ -65,6 +65,10 @@ def distinct_records(paths: Sequence[Path]) -> None:
 @click.option("--strict", is_flag=True, help="Fail on every divergence, also those explained as numerics "
               "(a near-tie a verification batch or another runtime breaks the other way).")
 @click.option("--no-logits", is_flag=True, help="Skip re-scoring outputs to compare logits.")
+@click.option("--counters-only", is_flag=True, help="Accept a pair of runs whose counters alone were compared: "
+              "imported records (crossrt import) hold no token ids. Without it such a pair fails, since parity "
+              "compared none of its outputs; with it the verdict says `counters only`. A pair whose counters "
+              "were not compared either fails whatever the option.")
 @click.option("--no-rescore", is_flag=True, help="Explain splits only from what the runs recorded: a native run's "
               "split with no driven twin stays unexplained (and fails) instead of being re-scored in-process in "
               "its schedule's pass shapes.")
@@ -79,7 +83,7 @@ def distinct_records(paths: Sequence[Path]) -> None:
 @chat_options
 @runtime_options
 def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max_new_tokens, out_dir,
-           baselines, counter_tolerance, logit_tolerance, strict, no_logits, no_rescore, jobs, junit,
+           baselines, counter_tolerance, logit_tolerance, strict, no_logits, counters_only, no_rescore, jobs, junit,
            markdown, html, chat, chat_template, template_vars, turn, first_answers_file, options) -> None:
     """Check that runs agree: same token ids over the full length, counters equal between runs
     with the same schedule, each run lossless, logits close along common outputs.
@@ -89,7 +93,10 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
     Run a matrix:           crossrt parity --pair tiny --runtimes llama-cpp,transformers --modes driven,native
     Guard an upgrade:       crossrt parity --pair tiny --against runs/saved.json
 
-    Exit code 0 only when everything agrees; 1 when something differs or could not run.
+    Each pair of runs is counted identical / explained / failed / not comparable, and the last
+    line says what was compared (token ids, counters, logits). Exit code 0 only when everything
+    agrees; 1 when something differs or could not run, or when a pair of runs compared nothing
+    (imported records: no token ids; see --counters-only).
     """
     written = {option: path for option, path in (("--junit", junit), ("--markdown", markdown), ("--html", html))
                if path}
@@ -129,7 +136,7 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
 
     scored = [run for run in runs if not run[1].imported]  # imported: no outputs to re-score
     checks = () if no_logits else logit_checks(comparisons, score_records(scored), tolerance)
-    report = ParityReport(tuple(comparisons), checks, tuple(not_run))
+    report = ParityReport(tuple(comparisons), checks, tuple(not_run), counters_only)
     for line in skipped:
         click.echo(f"skipped {line}", err=True)
     if len(runs) < 2 and not baselines:

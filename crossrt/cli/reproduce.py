@@ -189,8 +189,8 @@ def reproduce(claims_files: Sequence[Path], only, prompt_source, max_new_tokens,
 
     Claims that cannot run here (runtime unavailable, pair paths not filled in, a drafting
     method crossrt lacks...) are listed with the reason. Exit code 0 when every number that
-    ran is within tolerance; 1 when one misses or a run breaks, and with --strict also when
-    anything claimed could not be checked.
+    ran is within tolerance; 1 when one misses or a run breaks, or when no claimed number at all
+    could be compared here, and with --strict also when anything claimed could not be checked.
     """
     claims = [claim for path in claims_files for claim in load_claims(path)]
     ids = [claim.id for claim in claims]

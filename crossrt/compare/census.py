@@ -80,11 +80,19 @@ class Census:
     kinds: Counter = field(default_factory=Counter)
     causes: Counter = field(default_factory=Counter)  # (kind, cause) -> splits
     failures: list[str] = field(default_factory=list)
+    compared: int = 0  # comparisons whose token ids were compared: a census of none counts nothing
     prompts: int = 0
     run_s: float = 0.0
     explain_s: float = 0.0
 
-    def add(self, comparisons: Sequence[PromptParity], native: set[str]) -> None:
+    def add(self, comparisons: Sequence[PromptParity], native: set[str], batch: str = "") -> None:
+        """Count a batch's comparisons; a batch that compared no token ids at all (every prompt
+        failed, say) is a failure, not a batch without splits."""
+        compared = sum(c.comparable for c in comparisons)
+        self.compared += compared
+        if not compared:
+            why = "; ".join(dict.fromkeys(c.no_ids for c in comparisons if c.no_ids)) or "no comparisons"
+            self.failures.append(f"{batch or 'a batch'}: nothing compared ({why})")
         for comparison in comparisons:
             kind = kind_of(comparison, native)
             if kind is not None:
@@ -99,7 +107,8 @@ class Census:
         return sum(n for (_, cause), n in self.causes.items() if cause not in NUMERICS)
 
     def render(self) -> str:
-        lines = [f"{self.prompts} prompts; runs {self.run_s:.1f} s, explaining {self.explain_s:.1f} s",
+        lines = [f"{self.prompts} prompts, {self.compared} comparisons of token ids; runs {self.run_s:.1f} s, "
+                 f"explaining {self.explain_s:.1f} s",
                  "| kind | splits | causes |", "|---|---|---|"]
         for kind in KINDS:
             causes = ", ".join(f"{cause} {n}" for (k, cause), n in sorted(self.causes.items()) if k == kind)
@@ -129,7 +138,7 @@ def take_census(run_one: RunOne, folder: Path, variants: Sequence[Variant] = NUM
         native = {label for (label, _), v in zip(runs, variants) if v.mode == "native"}
         started = time.perf_counter()
         with Replayer() as replay:
-            census.add(compare_all(runs, replay=replay), native)
+            census.add(compare_all(runs, replay=replay), native, batch=f"batch {number} ({prompts.name})")
         census.explain_s += time.perf_counter() - started
         census.prompts += batch
         if on_batch is not None:

@@ -18,6 +18,8 @@ from crossrt.records.schema import PromptResult, RunRecord
 
 OWN_BASELINE = "its baseline"  # run_b of a run's lossless check against its own greedy baseline
 COMPARED_COUNTERS = ("steps", "drafted", "accepted", "emitted", "unverified", "cut")
+COUNTING = ("k", "schedule", "draft_n_min", "draft_p_min", "max_new_tokens")  # settings that change how runs count
+IDS, COUNTERS = "token ids", "counters"  # what a comparison may have compared (PromptParity.compared)
 
 
 def run_label(record: RunRecord) -> str:
@@ -55,11 +57,21 @@ class PromptParity:
     # The kind of each split found (crossrt/compare/diagnosis.py), explained or not: the headline counts them.
     causes: tuple[str, ...] = ()
     splits: tuple[Split, ...] = ()  # those splits themselves: sides, gaps, verdicts (for the report)
+    # What was really compared (IDS, COUNTERS): a verdict is honest only about what it compared.
+    compared: tuple[str, ...] = ()
+    no_ids: str = ""  # why token ids were not compared ("" when they were, or the comparison failed first)
+    no_counters: str = ""  # why counters were not compared (a lossless check compares none: "")
+    imported: bool = False  # a run of it is an import: no token ids by nature
+
+    @property
+    def comparable(self) -> bool:
+        """Token ids were compared: without them a verdict of "identical" would be about nothing."""
+        return IDS in self.compared
 
     @property
     def identical(self) -> bool:
         """Nothing parted: same ids (and counts, where compared), no split of any kind."""
-        return self.ok and not self.causes and self.divergence is None
+        return self.ok and not self.causes and self.divergence is None and bool(self.compared)
 
     @property
     def ok(self) -> bool:
@@ -75,9 +87,17 @@ def _counter_gaps(a: PromptResult, b: PromptResult, tolerance: float) -> tuple[C
     return tuple(gaps)
 
 
-def _same_counting(a: RunRecord, b: RunRecord) -> bool:
-    keys = ("k", "schedule", "draft_n_min", "draft_p_min", "max_new_tokens")
-    return all(getattr(a.params, key) == getattr(b.params, key) for key in keys)
+def counting_difference(a: RunRecord, b: RunRecord) -> str:
+    """What makes two runs count differently, each setting with both values ("k differs: 4 vs 2"),
+    "" when they count alike. A setting an import does not state (None) differs from every value."""
+    parts = [f"{key} differs: {getattr(a.params, key)} vs {getattr(b.params, key)}" for key in COUNTING
+             if None not in (getattr(a.params, key), getattr(b.params, key))
+             and getattr(a.params, key) != getattr(b.params, key)]
+    for record in dict.fromkeys(r for r in (a, b) if r.imported):  # one line per import, not per side
+        unstated = [key for key in COUNTING if getattr(record.params, key) is None]
+        if unstated:
+            parts.append(f"the {record.imported.format} import states no {', '.join(unstated)}")
+    return "; ".join(parts)
 
 
 def _split_line(split: Split) -> str:
@@ -90,7 +110,8 @@ def compare_prompt(a: RunRecord, b: RunRecord, result_a: PromptResult, result_b:
     problems = [f"{label} failed: {result.error}"
                 for label, result in zip(labels, (result_a, result_b), strict=True) if not result.ok]
     if problems:
-        return PromptParity(result_a.prompt_id, *labels, tuple(problems), None, (), False)
+        return PromptParity(result_a.prompt_id, *labels, tuple(problems), None, (), False,
+                            no_ids="a run failed the prompt")
     if result_a.prompt_ids != result_b.prompt_ids:
         at = first_divergence(result_a.prompt_ids, result_b.prompt_ids)
         problems.append(f"prompt token ids differ at position {at}")
@@ -111,7 +132,8 @@ def compare_prompt(a: RunRecord, b: RunRecord, result_a: PromptResult, result_b:
     elif divergence is not None:
         problems.append(f"outputs part at token {divergence}")
     # Counters of runs whose outputs part count different tokens: not compared.
-    compared = _same_counting(a, b) and divergence is None
+    differs = counting_difference(a, b) or ("outputs part" if divergence is not None else "")
+    compared = not differs
     gaps = _counter_gaps(result_a, result_b, counter_tolerance) if compared else ()
     if gaps:
         counted = "; ".join(f"{gap.name}: {gap.a} vs {gap.b}" for gap in gaps)
@@ -121,7 +143,8 @@ def compare_prompt(a: RunRecord, b: RunRecord, result_a: PromptResult, result_b:
         line = f"{counted}: {split.kind}: {split.detail}"
         (explained if split.numerics and not strict else problems).append(line)
     return PromptParity(result_a.prompt_id, *labels, tuple(problems), divergence, gaps, compared, tuple(explained),
-                        tuple(causes), tuple(found))
+                        tuple(causes), tuple(found), compared=(IDS, COUNTERS) if compared else (IDS,),
+                        no_counters=differs)
 
 
 def refuse_lossy(label: str, record: RunRecord) -> None:
@@ -177,18 +200,21 @@ def compare_aggregates(a: RunRecord, b: RunRecord, counter_tolerance: float, lab
     names = [name for name in COMPARED_COUNTERS if _gives(a, name) and _gives(b, name)]
     sums = [{name: sum(getattr(r.counters, name) for r in record.results if r.ok) for name in names}
             for record in (a, b)]
-    compared = _same_counting(a, b)
+    differs = counting_difference(a, b) or ("" if names else "the two give no counter in common")
+    compared = not differs
     gaps = tuple(CounterGap(name, sums[0][name], sums[1][name]) for name in names if compared
                  and abs(sums[0][name] - sums[1][name]) > counter_tolerance * max(sums[0][name], sums[1][name]))
     if not compared:
-        notes.append("counters not compared: the runs count differently, or an import does not state how "
-                     "(k, schedule, draft_n_min, draft_p_min, max_new_tokens)")
+        notes.append(f"counters not compared: {differs}")
     else:
         notes.append(f"counters compared on sums over all prompts: {', '.join(names)}"
                      + ("" if a.pair.target and b.pair.target else "; an imported run names no pair files"))
     prompt_id = next(record.results[0].prompt_id for record in (a, b) if record.imported)
+    no_ids = "no token ids: imported from " + ", ".join(dict.fromkeys(record.imported.format for record in (a, b)
+                                                                     if record.imported))
     return PromptParity(prompt_id, *labels, tuple(f"{gap.name}: {gap.a} vs {gap.b}" for gap in gaps), None, gaps,
-                        compared, tuple(notes))
+                        compared, tuple(notes), compared=(COUNTERS,) if compared else (), no_ids=no_ids,
+                        no_counters=differs, imported=True)
 
 
 def lossless_checks(label: str, record: RunRecord, explainer: Explainer, strict: bool = False) -> list[PromptParity]:
@@ -198,7 +224,8 @@ def lossless_checks(label: str, record: RunRecord, explainer: Explainer, strict:
     refuse_lossy(label, record)
     if record.imported:
         return [PromptParity(r.prompt_id, label, OWN_BASELINE, (), None, (), False,
-                             (f"imported from {record.imported.format}: no token ids, no lossless check",))
+                             (f"imported from {record.imported.format}: no token ids, no lossless check",),
+                             no_ids=f"no token ids: imported from {record.imported.format}", imported=True)
                 for r in record.results]
     checks = []
     for result in record.results:
@@ -220,9 +247,12 @@ def lossless_checks(label: str, record: RunRecord, explainer: Explainer, strict:
         if template is not None:
             problems.append(f"{template.kind} split: {template.detail}")
             causes.append(template.kind)
+        # A failed prompt has no output to hold against its baseline: nothing compared, not "identical".
         checks.append(PromptParity(result.prompt_id, label, OWN_BASELINE, tuple(problems),
                                    split.index if split is not None else None, (), False, tuple(explained),
-                                   tuple(causes), tuple(s for s in (split, template) if s is not None)))
+                                   tuple(causes), tuple(s for s in (split, template) if s is not None),
+                                   compared=(IDS,) if result.ok else (),
+                                   no_ids="" if result.ok else f"the prompt failed ({result.error})"))
     return checks
 
 

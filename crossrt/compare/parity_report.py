@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from crossrt.compare.parity import OWN_BASELINE, PromptParity
+from crossrt.compare.parity import COUNTERS, IDS, OWN_BASELINE, PromptParity
 from crossrt.compare.rescore import LogitAgreement, ScoredRows, agreement
 from crossrt.compare.tolerance import Tolerance
 
@@ -34,6 +34,29 @@ class LogitCheck:
 class NotRun:
     run: str
     reason: str
+    what: str = "not run"  # or "crashed": its process died mid-run (crossrt/run/isolation.py)
+
+
+def _reasons(group: Sequence[PromptParity], counters: bool = True) -> str:
+    """Why a group's comparisons compared nothing: its distinct reasons, in order (counters: with
+    why their counters were not compared either)."""
+    found = [c.no_ids for c in group if c.no_ids]
+    if counters:
+        found += [f"counters not compared: {c.no_counters}" for c in group if c.no_counters and c.run_b != OWN_BASELINE]
+    return "; ".join(dict.fromkeys(found)) or "nothing to compare"
+
+
+@dataclass(frozen=True)
+class Incomparable:
+    """A pair of runs of which nothing was compared that the verdict needs."""
+
+    run_a: str
+    run_b: str
+    why: str
+    counters: bool  # their counters were compared: --counters-only would accept them
+
+    def describe(self) -> str:
+        return f"{self.run_a} vs {self.run_b}: nothing compared: {self.why}"
 
 
 @dataclass(frozen=True)
@@ -41,19 +64,59 @@ class ParityReport:
     comparisons: tuple[PromptParity, ...]
     logit_checks: tuple[LogitCheck, ...] = ()
     not_run: tuple[NotRun, ...] = ()
+    counters_only: bool = False  # counters alone may pass a pair of runs (parity --counters-only)
+
+    def comparable(self, comparison: PromptParity) -> bool:
+        """Whether a comparison compared what the verdict needs: token ids, or (counters only) counters."""
+        return comparison.comparable or (self.counters_only and COUNTERS in comparison.compared)
+
+    def incomparable(self) -> list[Incomparable]:
+        """Pairs of runs whose every comparison passed by comparing nothing: a verdict about nothing
+        must not pass. With counters_only an import's own lossless check is not asked for (it has no
+        token ids by nature)."""
+        found = []
+        for run_a, run_b in _pairs(self):
+            group = [c for c in self.comparisons if (c.run_a, c.run_b) == (run_a, run_b)]
+            if not all(c.ok for c in group) or any(self.comparable(c) for c in group):
+                continue
+            if self.counters_only and run_b == OWN_BASELINE and all(c.imported for c in group):
+                continue
+            found.append(Incomparable(run_a, run_b, _reasons(group), any(COUNTERS in c.compared for c in group)))
+        return sorted(found, key=lambda pair: pair.run_b == OWN_BASELINE)  # pairs of two runs first
 
     @property
     def ok(self) -> bool:
         return (all(c.ok for c in self.comparisons) and all(c.ok for c in self.logit_checks)
-                and not self.not_run)
+                and not self.not_run and not self.incomparable())
 
     def failures(self) -> list[str]:
         lines = [f"{c.run_a} vs {c.run_b}, {c.prompt_id}: {'; '.join(c.problems)}"
                  for c in self.comparisons if not c.ok]
         lines += [f"{c.run_a} vs {c.run_b}, {c.prompt_id}: logits: {'; '.join(c.problems)} "
                   f"(tolerance for {c.tolerance.reason})" for c in self.logit_checks if not c.ok]
-        lines += [f"{n.run}: not run: {n.reason}" for n in self.not_run]
+        lines += [f"{n.run}: {n.what}: {n.reason}" for n in self.not_run]
+        lines += [pair.describe() for pair in self.incomparable()]
         return lines
+
+    def compared(self) -> str:
+        """What was really compared, counted: token ids, counters and logits."""
+        counts = ((IDS, sum(IDS in c.compared for c in self.comparisons)),
+                  (COUNTERS, sum(COUNTERS in c.compared for c in self.comparisons)),
+                  ("logits", len(self.logit_checks)))
+        return ", ".join(f"{what} in {n} comparison{'s' * (n != 1)}" for what, n in counts if n) or "nothing"
+
+    def verdict(self) -> str:
+        """The closing line: OK or FAILED, and what was compared (a pair of runs that compared
+        nothing is named, with why and what would compare it)."""
+        incomparable = self.incomparable()
+        if incomparable:
+            first = incomparable[0]
+            more = f" (and {len(incomparable) - 1} more pair(s) of runs)" if len(incomparable) > 1 else ""
+            hint = ("; pass --counters-only to accept their counters alone"
+                    if first.counters and not self.counters_only else "")
+            return f"parity: FAILED: nothing compared between {first.run_a} and {first.run_b}{more}: {first.why}{hint}"
+        only = ", counters only" if self.counters_only else ""
+        return f"parity: {'OK' if self.ok else 'FAILED'}{only}; compared {self.compared()}"
 
 
 def explained(report: ParityReport) -> list[str]:
@@ -68,35 +131,49 @@ def _pairs(report: ParityReport) -> list[tuple[str, str]]:
 def _counting(group: Sequence[PromptParity]) -> str:
     if group[0].run_b == OWN_BASELINE:
         return "lossless check"
-    return "counters compared" if any(c.counters_compared for c in group) else "counters not compared (schedules differ)"
+    if any(COUNTERS in c.compared for c in group):
+        return "counters compared"
+    why = "; ".join(dict.fromkeys(c.no_counters for c in group if c.no_counters))
+    return f"counters not compared ({why})" if why else "counters not compared"
 
 
 @dataclass(frozen=True)
 class Headline:
-    """One pair of runs, counted honestly: prompts identical, explained (by cause) and failed."""
+    """One pair of runs, counted honestly: prompts identical, explained (by cause), failed, and
+    not comparable (passed, but with nothing the verdict needs compared: an import's missing
+    token ids, a failed prompt's missing output), with why."""
 
     prompts: int
     identical: int
     explained: tuple[tuple[str, int], ...]  # (cause, prompts explained by it), by cause; a prompt may count twice
     explained_prompts: int
     failed: int
+    not_comparable: int = 0
+    why_not: str = ""  # why those were not comparable
 
     @classmethod
-    def of(cls, group: Sequence[PromptParity]) -> "Headline":
-        explained = [c for c in group if c.ok and not c.identical]
+    def of(cls, group: Sequence[PromptParity], counters_only: bool = False) -> "Headline":
+        def comparable(c: PromptParity) -> bool:
+            return c.comparable or (counters_only and COUNTERS in c.compared)
+
+        passed = [c for c in group if c.ok]
+        explained = [c for c in passed if comparable(c) and not c.identical]
+        incomparable = [c for c in passed if not comparable(c)]
         causes: dict[str, int] = {}
         for comparison in explained:
             for cause in dict.fromkeys(comparison.causes or ("noted",)):
                 causes[cause] = causes.get(cause, 0) + 1
-        return cls(len(group), sum(c.identical for c in group), tuple(sorted(causes.items())), len(explained),
-                   sum(not c.ok for c in group))
+        return cls(len(group), sum(c.identical and comparable(c) for c in group), tuple(sorted(causes.items())),
+                   len(explained), sum(not c.ok for c in group), len(incomparable),
+                   _reasons(incomparable, counters=False) if incomparable else "")
 
     def by_cause(self) -> str:
         return ", ".join(f"{cause} {n}" for cause, n in self.explained)
 
     def describe(self) -> str:
         return (f"{self.prompts} prompts: {self.identical} identical, {self.explained_prompts} explained"
-                + (f" ({self.by_cause()})" if self.explained else "") + f", {self.failed} failed")
+                + (f" ({self.by_cause()})" if self.explained else "") + f", {self.failed} failed, "
+                + f"{self.not_comparable} not comparable" + (f" ({self.why_not})" if self.not_comparable else ""))
 
 
 def headlines(report: ParityReport) -> list[tuple[str, str, Headline, str]]:
@@ -104,7 +181,7 @@ def headlines(report: ParityReport) -> list[tuple[str, str, Headline, str]]:
     found = []
     for run_a, run_b in _pairs(report):
         group = [c for c in report.comparisons if (c.run_a, c.run_b) == (run_a, run_b)]
-        found.append((run_a, run_b, Headline.of(group), _counting(group)))
+        found.append((run_a, run_b, Headline.of(group, report.counters_only), _counting(group)))
     return found
 
 
@@ -125,20 +202,22 @@ def render_text(report: ParityReport) -> str:
                          "(worst prompt each)")
     lines += [f"NOTE {line}" for line in explained(report)]
     lines += [f"FAIL {line}" for line in report.failures()]
-    lines.append("parity: OK" if report.ok else "parity: FAILED")
+    lines.append(report.verdict())
     return "\n".join(lines)
 
 
 def render_markdown(report: ParityReport) -> str:
-    lines = ["## crossrt parity: " + ("passed" if report.ok else "FAILED"), "",
-             "| run A | run B | prompts | identical | explained (by cause) | failed | first divergences | counters |",
-             "|---|---|---|---|---|---|---|---|"]
+    only = " (counters only)" if report.counters_only else ""
+    lines = ["## crossrt parity: " + ("passed" if report.ok else "FAILED") + only, "", report.verdict(), "",
+             "| run A | run B | prompts | identical | explained (by cause) | failed | not comparable | "
+             "first divergences | counters |", "|---|---|---|---|---|---|---|---|---|"]
     for run_a, run_b, headline, counting in headlines(report):
         group = [c for c in report.comparisons if (c.run_a, c.run_b) == (run_a, run_b)]
         parted = ", ".join(f"{c.prompt_id}@{c.divergence}" for c in group if c.divergence is not None) or "none"
         causes = headline.by_cause()
         lines.append(f"| {run_a} | {run_b} | {headline.prompts} | {headline.identical} | {headline.explained_prompts}"
-                     f"{f' ({causes})' if causes else ''} | {headline.failed} | {parted} | {counting} |")
+                     f"{f' ({causes})' if causes else ''} | {headline.failed} | {headline.not_comparable}"
+                     f"{f' ({headline.why_not})' if headline.not_comparable else ''} | {parted} | {counting} |")
     if report.logit_checks:
         lines += ["", "| run A | run B | prompt | max abs logit diff | same top-1 | top-5 overlap | KL mean | "
                   "KL median | KL p99 | KL max | RMS dp | tolerance |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -160,7 +239,8 @@ def render_junit(report: ParityReport) -> str:
     cases = [(f"{c.run_a} vs {c.run_b}", c.prompt_id, c.ok, "; ".join(c.problems)) for c in report.comparisons]
     cases += [(f"logits {c.run_a} vs {c.run_b}", c.prompt_id, c.ok, "; ".join(c.problems))
               for c in report.logit_checks]
-    cases += [(n.run, "run", False, f"not run: {n.reason}") for n in report.not_run]
+    cases += [(n.run, "run", False, f"{n.what}: {n.reason}") for n in report.not_run]
+    cases += [(f"{pair.run_a} vs {pair.run_b}", "compared", False, pair.describe()) for pair in report.incomparable()]
     for classname, name, ok, message in cases:
         case = ElementTree.SubElement(suite, "testcase", classname=classname, name=name)
         if not ok:
