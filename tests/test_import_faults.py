@@ -240,3 +240,51 @@ def test_bisection_finds_exactly_the_counts_trying_each_finds():
         mean = f"{1 + accepted / rng.randrange(low, high + 1):.2f}"
         assert list(fitting(lambda n: 1 + accepted / n, mean, low, high)) == [
             n for n in range(low, high + 1) if shown(1 + accepted / n, mean)], (accepted, low, high, mean)
+
+
+# Issue 40: garbage inside a field a reader parses, the 2^53 + 1 boundary, and messages that
+# named a later fault before the real one.
+@pytest.mark.parametrize("name, source, old, new, message", [
+    ("sglang-log-11948.log", "sglang-log", SGLANG_LINE, "accept len: 1.95, accept rate: abc",
+     "line 7: cannot read 'accept rate: abc"),
+    ("sglang-log-11948.log", "sglang-log", SGLANG_LINE, "accept len: 1.95x, accept rate: 0.49",
+     "line 7: a decode line without a readable"),
+    ("llama-server-log-tiny.log", "llama-server-log", LLAMA_LINE, LLAMA_LINE.replace("3.00", "2.0x"),
+     "line 36: a 'draft acceptance' line crossrt cannot read"),
+    ("vllm-log-club3090-105.log", "vllm-log", "Mean acceptance length: 2.72,", "Mean acceptance length: 2.72x,",
+     "line 9: cannot read 'Mean acceptance length: 2.72x"),
+    ("vllm-log-club3090-105.log", "vllm-log", "rate: 0.740, 0.473, 0.309,", "rate: 0.740, 0.473abc, 0.309,",
+     "line 7: cannot read 'Per-position acceptance rate:"),
+], ids=["sglang-rate", "sglang-len", "llama-server-mean-len", "vllm-mean", "vllm-rates"])
+def test_garbage_inside_a_parsed_field_is_refused_by_line(tmp_path, name, source, old, new, message):
+    extra = ("--k", 4) if source == "llama-server-log" else ()
+    assert message in refused(changed(tmp_path, name, old, new), source, *extra)
+
+
+def test_an_aiperf_sum_of_2_to_the_53_plus_1_is_refused_not_rounded(tmp_path):
+    """JSON parses 9007199254740993.0 to the float 2^53: a whole float at 2^53 may be a rounded count."""
+    for value in ("9007199254740993.0", "9007199254740992.0"):
+        path = changed(tmp_path, "aiperf-aggregate-mock.json", '"total_spec_decode_steps": {\n    "avg": 16.0',
+                       '"total_spec_decode_steps": {\n    "avg": ' + value)
+        assert "total_spec_decode_steps.avg is '9007199254740992.0', not a count (a whole number, exact as a " \
+               "float below 2^53)" in refused(path, "aiperf", "--k", 4)
+
+
+def test_import_says_the_real_fault_first(tmp_path):
+    # A crossrt record (an import's) given as an AIPerf export: it is a record, not AIPerf with speculation off.
+    record = tmp_path / "server.json"
+    result = CliRunner().invoke(main, ["import", str(FIXTURES / "llama-server-log-tiny.log"), "--from",
+                                       "llama-server-log", "--k", "4", "--out", str(record)])
+    assert result.exit_code == 0, result.output
+    line = refused(record, "aiperf")
+    assert "a crossrt record (crossrt reads it as it is: no import), not an AIPerf export" in line
+    assert "speculative decoding was off" not in line
+    # A missing file is missing, in whatever format it was named.
+    line = refused(tmp_path / "gone.log", "vllm-log")
+    assert line == f"Error: no file {tmp_path / 'gone.log'}"
+    # --before naming the scrape itself (also through another path) counts nothing: refused as such.
+    scrape = tmp_path / "after.txt"
+    scrape.write_text((FIXTURES / "llama-server-metrics-after-tiny.txt").read_text())
+    for before in (scrape, tmp_path / "." / "after.txt"):
+        line = refused(scrape, "llama-server-metrics", "--before", before)
+        assert f"--before {before} is the scrape itself ({scrape})" in line and "nothing was drafted" not in line

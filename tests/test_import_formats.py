@@ -60,16 +60,20 @@ def test_sglang_meta_info_counts_the_root_and_the_first_token_apart():
         imported(FIXTURES / "sglang-meta-info-pr13754.json", "sglang-metrics", k=3)
 
 
-def test_sglang_metrics_counters_cannot_tell_the_first_token_from_an_accepted_one():
+def test_sglang_metrics_counters_cannot_tell_the_first_token_from_an_accepted_one(tmp_path):
     record, counters = imported(FIXTURES / "sglang-metrics-constructed-pr13754.txt", "sglang-metrics", k=4)
     exact = imported(FIXTURES / "sglang-meta-info-pr13754.json", "sglang-metrics", k=4)[1]
     assert (counters.steps, counters.drafted, counters.emitted) == (exact.steps, exact.drafted, exact.emitted)
     # generation_tokens - verify calls: the request's first token lands in accepted
     assert counters.accepted == exact.accepted + 1 and counters.unverified == 0
     assert any("accepted includes that first token, one per request" in note for note in record.notes)
-    with pytest.raises(ImportFailure, match="no verification steps counted"):  # a scrape minus itself
-        imported(FIXTURES / "sglang-metrics-constructed-pr13754.txt", "sglang-metrics",
-                 FIXTURES / "sglang-metrics-constructed-pr13754.txt", k=4)
+    scrape = FIXTURES / "sglang-metrics-constructed-pr13754.txt"
+    with pytest.raises(ImportFailure, match="is the scrape itself"):  # the same file as --before
+        imported(scrape, "sglang-metrics", scrape, k=4)
+    again = tmp_path / "again.txt"  # a second scrape with nothing run between
+    again.write_text(scrape.read_text())
+    with pytest.raises(ImportFailure, match="no verification steps counted"):
+        imported(scrape, "sglang-metrics", again, k=4)
     with pytest.raises(ImportFailure, match="do not say the draft length: give --k"):
         imported(FIXTURES / "sglang-metrics-constructed-pr13754.txt", "sglang-metrics")
 

@@ -38,16 +38,17 @@ from crossrt.imports.imported import DIGITS, MAX_K, ImportFailure, SourceCounts,
 ENGINES = ("vllm",)  # engines whose counting crossrt maps (AIPerf's adapters)
 TOTALS = ("total_spec_decode_steps", "total_draft_tokens", "total_accepted_draft_tokens")
 HISTOGRAM = "pooled_spec_decode_acceptance_histogram"
-EXACT_FLOAT = 2 ** 53  # the largest whole float every count below it is exact as
+EXACT_FLOAT = 2 ** 53  # whole floats below it are exact; 2^53 itself may be 2^53 + 1 rounded by the parse
 
 
 def _count(value, where: str) -> int:
     """A count from JSON: AIPerf writes the record's fields as ints and the aggregate's sums as
-    floats (16.0), which count only when whole and within 2^53, where floats are exact."""
+    floats (16.0), which count only when whole and below 2^53, where a float is exact: the text
+    9007199254740993.0 parses to 2^53 (rounded), so 2^53 is refused too."""
     if isinstance(value, float):
-        if not (value.is_integer() and 0 <= value <= EXACT_FLOAT):
+        if not (value.is_integer() and 0 <= value < EXACT_FLOAT):
             raise ImportFailure(f"{where} is {str(value)[:40]!r}, not a count (a whole number, exact as a float "
-                                "up to 2^53)")
+                                "below 2^53)")
         value = int(value)
     return json_count(value, where)
 
@@ -207,6 +208,11 @@ def _from_records(text: str, options: ReadOptions) -> SourceCounts:
 
 def _from_aggregate(data: dict, options: ReadOptions) -> SourceCounts:
     missing = [name for name in TOTALS if not isinstance(data.get(name), dict)]
+    if len(missing) == len(TOTALS) and not any(isinstance(v, dict) and "avg" in v for v in data.values()):
+        # Not AIPerf's shape at all (its metrics are {"unit", "avg", ...} objects): say what it is not first.
+        what = "a crossrt record (crossrt reads it as it is: no import)" if "schema_version" in data else "a JSON object"
+        raise ImportFailure(f"{what}, not an AIPerf export: no metric objects ({', '.join(TOTALS)}) as in "
+                            "profile_export_aiperf.json, and no per-request 'metrics' as in profile_export.jsonl")
     if missing:
         raise ImportFailure(f"an AIPerf aggregate without {', '.join(missing)} (speculative decoding was off)")
     steps, drafted, accepted = (_count(data[name].get("avg"), f"{name}.avg") for name in TOTALS)

@@ -9,6 +9,7 @@ are given, so readers compare only those. docs/import.md gives each source's fie
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -76,6 +77,13 @@ def _text(path: Path) -> str:
         raise ImportFailure(f"cannot read {path}: {error.strerror or error}") from None
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)  # links too
+    except OSError:  # one is missing: _text says so
+        return False
+
+
 def read_counts(request: ImportRequest) -> SourceCounts:
     """The counts of request.path in its format, less those of request.before if given."""
     source = FORMATS[request.format]
@@ -85,11 +93,15 @@ def read_counts(request: ImportRequest) -> SourceCounts:
                             "it holds")
 
     def read(path: Path) -> SourceCounts:
+        text = _text(path)  # a missing or unreadable file is that, not a text of another format
         try:
-            return source.read(_text(path), request.options)
+            return source.read(text, request.options)
         except ImportFailure as error:
             raise ImportFailure(f"{path} is not a {request.format} text crossrt can read: {error}") from None
 
+    if request.before is not None and _same_file(request.path, request.before):
+        raise ImportFailure(f"--before {request.before} is the scrape itself ({request.path}): give the scrape made "
+                            "before the benchmark (FILE minus itself counts nothing)")
     counts = read(request.path)
     return counts.minus(read(request.before)) if request.before is not None else counts
 

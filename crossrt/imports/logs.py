@@ -26,6 +26,11 @@ class ReadOptions:
     decode_log_interval: int = 40  # SGLang's --decode-log-interval (its default: 40)
 
 
+# A number ends at a separator or the line's end: "2.0x" or "0.5abc" is garbage, not 2.0 or 0.5
+# with something after it (a regular expression stops where its digits stop).
+END = r"(?=[,;)\s]|$)"
+
+
 def _numbered(text: str, marker: str) -> list[tuple[int, str]]:
     return [(number, line) for number, line in enumerate(text.splitlines(), start=1) if marker in line]
 
@@ -54,10 +59,10 @@ def _excerpt(line: str) -> str:
 # 0.8.5 print the same fields in other orders (and 0.8.x "Draft acceptance rate" first), so each
 # is read by its name. The number of drafts is not printed: 1 + accepted / drafts is.
 VLLM_MARKER = "SpecDecoding metrics:"
-VLLM_MEAN = re.compile(r"Mean acceptance length: (\d+\.\d+)")
+VLLM_MEAN = re.compile(r"Mean acceptance length: (\d+\.\d+)" + END)
 VLLM_ACCEPTED = re.compile(r"Accepted: (\d+) tokens")
 VLLM_DRAFTED = re.compile(r"Drafted: (\d+) tokens")
-VLLM_RATES = re.compile(r"Per-position acceptance rate: (\d\.\d+(?:, \d\.\d+)*)")
+VLLM_RATES = re.compile(r"Per-position acceptance rate: (\d\.\d+(?:, \d\.\d+)*)(?=,\s*[A-Za-z]|\s*$)")
 VLLM_RATE = re.compile(r"Draft acceptance rate: (\d+\.\d)%")
 VLLM_VERSION = re.compile(r"vLLM API server version (\S+)|V1 LLM engine \(v(\S+?)\)")
 
@@ -111,8 +116,8 @@ def read_vllm_log(text: str, options: ReadOptions) -> SourceCounts:
 # accept rate = (accepted + verifies) / (verifies * speculative_num_draft_tokens): the bonus
 # token is in both and num_draft_tokens counts the root (the verified last token). Each pass
 # verifies one draft per running request; counts are printed for neither.
-SGLANG_DECODE = re.compile(r"Decode batch\W.*?#running-req: (\d+),.*?accept len: (\d+\.\d+)"
-                           r"(?:, accept rate: (\d+\.\d+))?")
+SGLANG_DECODE = re.compile(r"Decode batch\W.*?#running-req: (\d+),.*?accept len: (\d+\.\d+)" + END
+                           + r"(?:, accept rate: (\d+\.\d+)" + END + ")?")
 SGLANG_DECODE_MARKER = re.compile(r"Decode batch\W")
 SGLANG_PREFILL = "Prefill batch"
 SGLANG_RANK = re.compile(r"^\[[\d\-: .]+?(?: ([A-Z]+\d+(?: [A-Z]+\d+)*))?\]")  # "[date TP0]", "[date DP1 TP0]"
@@ -148,6 +153,10 @@ def _sglang_windows(text: str, interval: int) -> tuple[list[_Window], int]:
                                 f"...{_excerpt(line)}")
         decodes += 1
         running, length, rate = count(match.group(1), f"line {number}: #running-req"), match.group(2), match.group(3)
+        if rate is None and "accept rate:" in line:
+            at = line.index("accept rate:")
+            raise ImportFailure(f"line {number}: cannot read '{line[at:at + 36]}': accept rate followed by a value "
+                                "of another form (not a number, cut short)")
         if not 1 <= float(length) <= MAX_K + 1:
             raise ImportFailure(f"line {number}: accept len {length[:40]} is not between 1 (each verify pass emits a "
                                 f"token) and {MAX_K + 1} (a whole draft and its bonus)")
@@ -199,7 +208,7 @@ def read_sglang_log(text: str, options: ReadOptions) -> SourceCounts:
 # builds print "mean acceptance length = %5.2f, acceptance rate per position = (%.3f, ...)"
 # (ggml-org/llama.cpp PR 24536). The startup line "build: N (commit)" names the build.
 LLAMA_LINE = re.compile(r"draft acceptance = (\d\.\d+) \(\s*(\d+) accepted /\s*(\d+) generated\), "
-                        r"mean (?:len|acceptance length) =\s*(\d+\.\d+)"
+                        r"mean (?:len|acceptance length) =\s*(\d+\.\d+)" + END +
                         r"(?:, acceptance rate per position = \((\d\.\d+(?:, \d\.\d+)*)\))?")
 LLAMA_BUILD = re.compile(r"build: (\d+) \(([0-9a-f]+)\)")
 
