@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from crossrt.backends.llama_server_counts import Totals, speculative_counters
-from crossrt.backends.llama_server_process import ServerError, ServerProcess, find_executable
+from crossrt.backends.llama_server_process import HOST, ServerError, ServerProcess, find_executable
 from crossrt.backends.llama_tools import Build, probe
 from crossrt.errors import PromptRefused, SettingsError
 from crossrt.run.memory import check_gguf_fits
@@ -75,6 +75,11 @@ class LlamaServerSession(NativeSession):
     def pids(self) -> tuple[int, ...]:
         """Process ids of the running servers (speculative, baseline)."""
         return tuple(s.pid for s in (self._speculative, self._baseline) if s is not None)
+
+    @property
+    def urls(self) -> tuple[str, str]:
+        """The servers' addresses (speculative, baseline), to attach to them (backends/endpoint.py)."""
+        return tuple(f"http://{HOST}:{s.port}" for s in (self._speculative, self._baseline))
 
     @staticmethod
     def _check_drafting(server: ServerProcess, drafting: bool) -> None:

@@ -72,6 +72,10 @@ RUNTIME_OPTIONS = [
                  help="transformers: the weights' (and KV cache's) element type; a GGUF's conversion is cached per "
                  "dtype. Default: float32 on the CPU, bfloat16 on a GPU (float16 where it has no bfloat16). "
                  "llama.cpp runs a GGUF's own types and ignores it."),
+    click.option("--url", help="Runtime endpoint: the running llama-server, vLLM or SGLang server to attach to, "
+                 "e.g. http://127.0.0.1:8080 (an API key comes from CROSSRT_ENDPOINT_API_KEY; docs/endpoint.md)."),
+    click.option("--baseline-url", help="Runtime endpoint: a plain server of the same target (no drafter) for "
+                 "the greedy baseline."),
 ]
 RUNTIME_FIELDS = tuple(field.name for field in dataclasses.fields(RuntimeOptions) if field.name != "executable")
 
@@ -86,7 +90,8 @@ def _build_runtime_options(kwargs: dict[str, Any]) -> None:
 
 
 runtime_options = _group(RUNTIME_OPTIONS, _build_runtime_options)
-runtime_options.__doc__ = """--threads, --n-ctx, --n-gpu-layers, --gpu-split, --f32-kv-cache, --flash-attn and --dtype,
+runtime_options.__doc__ = """--threads, --n-ctx, --n-gpu-layers, --gpu-split, --f32-kv-cache, --flash-attn, --dtype and the
+endpoint runtime's --url and --baseline-url,
 as every command that loads models takes them, given to it as one RuntimeOptions (options=)."""
 
 

@@ -29,6 +29,7 @@ RUNTIMES: dict[str, str] = {
     "transformers": "crossrt.backends.transformers:TransformersRuntime",
     "exllamav3": "crossrt.backends.exllamav3:ExllamaV3Runtime",
     "vllm": "crossrt.backends.vllm:VllmRuntime",
+    "endpoint": "crossrt.backends.endpoint:EndpointRuntime",
 }
 
 
@@ -129,6 +130,10 @@ class RuntimeOptions:
     flash_attn: bool = True
     dtype: Optional[str] = None
     executable: Optional[Path] = None  # for runtimes that run a program (llama-server, ...)
+    # The endpoint runtime's running servers (backends/endpoint.py): the speculative one, and a
+    # plain one of the same target for the greedy baseline.
+    url: Optional[str] = None
+    baseline_url: Optional[str] = None
 
 
 class ModelSession(abc.ABC):
@@ -309,10 +314,10 @@ def runtime_class(name: str) -> type[Runtime]:
 def open_runtime(name: str, options: RuntimeOptions) -> Runtime:
     """The runtime called name, checked usable here; RuntimeUnavailable says why not.
 
-    An explicit executable (--executable PATH: the runtime's program) replaces the default lookup that
-    check_available makes; the runtime checks that path itself when constructed."""
+    An explicit executable (--executable PATH: the runtime's program) or server (--url) replaces the
+    default lookup that check_available makes; the runtime checks it itself when constructed."""
     cls = runtime_class(name)
-    if options.executable is None:
+    if options.executable is None and options.url is None:
         cls.check_available()
     return cls(options)
 
