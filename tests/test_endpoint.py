@@ -224,7 +224,7 @@ def test_a_wrong_url_is_refused_naming_what_answered(tiny_servers, tmp_path):
 
 def test_nothing_listening_is_one_line_at_the_command_line(tmp_path):
     port = free_port()
-    result = CliRunner().invoke(main, ["run", "--runtime", "endpoint", "--mode", "native", "--pair", str(TINY_PAIR),
+    result = CliRunner().invoke(main, ["run", "--runtime", "endpoint", "--pair", str(TINY_PAIR),  # native: its only mode
                                        "--url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "r.json")])
     assert_clean_error(result, rf"nothing is listening at http://127.0.0.1:{port} \(connection refused\)")
 

@@ -50,9 +50,10 @@ def main() -> None:
 @pair_options
 @click.option("--runtime", "runtime_name", type=click.Choice(runtime_names()), default="llama-cpp",
               show_default=True, help="Runtime to run the pair on (see `crossrt runtimes`).")
-@click.option("--mode", type=click.Choice(["driven", "native"]), default="driven", show_default=True,
+@click.option("--mode", type=click.Choice(["driven", "native"]),
               help="driven: crossrt's shared loop over the runtime's forward pass; native: the "
-              "runtime's own speculative decoding, its statistics normalized.")
+              "runtime's own speculative decoding, its statistics normalized. Default: driven, where the "
+              "runtime has no driven mode (llama-server, endpoint, ...) native.")
 @click.option("--schedule", type=click.Choice(SCHEDULES), default=SCHEDULE, show_default=True,
               help="Driven mode: whose schedule the loop follows (when drafts start, how they are "
               "cut near the budget), so counts can match a native runtime's exactly.")
@@ -93,6 +94,7 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
     """
     try:
         k = run_k(pair, k)
+        mode = mode or ("driven" if "driven" in runtime_class(runtime_name).modes else "native")
         options = with_executable(options, runtime_name, executable)
         named_out = out or Path("runs") / f"{pair.name}-{runtime_name}-k{k}.json"
         answers = first_answers(turn, first_answers_file, named_out.parent, pair, options, max_new_tokens)
