@@ -219,23 +219,27 @@ def _minus(now: tuple[int, ...], then: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def vllm_counters(before: Scrape, after: Scrape, emitted: int, k: int) -> tuple[Counters, Optional[UnfitCounts]]:
-    """vLLM's /metrics deltas: steps (num_drafts), drafted, accepted and per position; the tokens
-    outside steps (the prefill's first token) are what the identity leaves: unverified =
-    emitted - steps - accepted, where vLLM counts no cut (vllm#56101: an EOS inside an accepted
-    draft overcounts accepted, which then shows as a negative remainder, kept as unfit)."""
+    """vLLM's /metrics deltas: steps (num_drafts), drafted, accepted and per position; read as
+    crossrt's vllm runtime reads the same counters (backends/vllm.py, translate): the first token
+    comes from the prefill (unverified 1), and vLLM drafts k even where the budget ends, so the
+    accepted tokens past it are cut (cut = 1 + steps + accepted - emitted, at most k)."""
     steps, drafted = after.steps - before.steps, after.drafted - before.drafted
     accepted, per_pos = after.accepted - before.accepted, _minus(after.per_pos, before.per_pos)
-    rest = emitted - steps - accepted
+    unverified = 1 if emitted else 0
+    cut = unverified + steps + accepted - emitted
+    problems = ([f"{cut} tokens cut (1 + steps {steps} + accepted {accepted} - emitted {emitted}): only the last "
+                 f"step's accepted tokens can be"] if not 0 <= cut <= k else []) + \
+        ([f"acceptance beyond k={k}: {list(per_pos)}"] if any(per_pos[k:]) else [])
     unfit = None
-    if rest < 0 or any(per_pos[k:]):
-        unfit = UnfitCounts((f"emitted {emitted} < steps {steps} + accepted {accepted}",) if rest < 0 else
-                            (f"acceptance beyond k={k}: {list(per_pos)}",),
-                            {"emitted": emitted, "metrics.drafts": steps, "metrics.draft_tokens": drafted,
-                             "metrics.accepted": accepted},
-                            "cut = steps + accepted - emitted, unverified 0")
+    if problems:
+        unfit = UnfitCounts(tuple(problems), {"emitted": emitted, "metrics.drafts": steps,
+                                              "metrics.draft_tokens": drafted, "metrics.accepted": accepted},
+                            "unverified = emitted + cut - steps - accepted, cut clamped to 0..k")
+        cut = min(max(cut, 0), k)
+        unverified = emitted + cut - steps - accepted
     per_pos = (per_pos + (0,) * k)[:k] if sum(per_pos) == accepted and not any(per_pos[k:]) else None
     return Counters(steps=steps, drafted=drafted, accepted=accepted, emitted=emitted, accepted_per_pos=per_pos,
-                    step_drafted=None, step_accepted=None, unverified=max(rest, 0), cut=max(-rest, 0)), unfit
+                    step_drafted=None, step_accepted=None, unverified=unverified, cut=cut), unfit
 
 
 def sglang_counters(reply: Reply, emitted: int, k: int) -> tuple[Counters, Optional[UnfitCounts]]:
@@ -304,7 +308,8 @@ class EndpointRuntime(Runtime):
         how = {"llama-server": "drafted/accepted from the response's timings.draft_n/draft_n_accepted, steps and "
                                "accepted_per_pos from /metrics deltas, unverified = n_decode_total delta - steps",
                "vllm": "steps, drafted, accepted, accepted_per_pos from /metrics vllm:spec_decode_* deltas; "
-                       "unverified = emitted - steps - accepted; timings: the request's wall clock",
+                       "unverified 1 (the prefill's first token), cut = 1 + steps + accepted - emitted (drafts "
+                       "past the budget); timings: the request's wall clock",
                "sglang": "steps = meta_info.spec_verify_ct, accepted from meta_info, drafted = steps x k; "
                          "unverified = emitted - steps - accepted; timings: meta_info.e2e_latency"}
         return (f"attached: {speculative.describe()}; baseline: {baseline.describe()}",
