@@ -7,6 +7,7 @@ holds on another CPU."""
 
 import json
 
+import numpy as np
 import pytest
 
 from crossrt.backends.llama_cpp_tree import load_tree_session
@@ -99,11 +100,25 @@ def test_the_one_loop_equals_the_replaced_loops_on_f32_pairs(exact_runs):
         for key in COUNTS:
             assert found[key] == expected[key], f"{label}: {key}"
         if "view" in expected:  # the policy loop recorded no views
-            assert found["view"] == expected["view"], label
+            _assert_same_view(found["view"], expected["view"], label)
         if "drafter_calls" in expected:
             assert found["drafter_calls"] == expected["drafter_calls"], label
         kinds.add((case["kind"], case.get("schedule"), (case.get("strategy") or {}).get("drafting")))
     assert len(kinds) >= 8, kinds  # every schedule, trees, policies and prompt lookup were replayed
+
+
+# Margins and gaps are float32 logit differences: another CPU's kernels (instruction set, FMA
+# order) move their last digits (16.443212 here, 16.443180 there), never by a thousandth on F32.
+FLOAT_SLACK = 1e-3
+
+
+def _assert_same_view(found: dict, expected: dict, label: str) -> None:
+    """Which tokens each pass chose and ranked close are the loop's; the gaps only to FLOAT_SLACK."""
+    for key in ("pass_tokens", "runner_up", "close_ids"):
+        assert found[key] == expected[key], f"{label}: view {key}"
+    assert np.allclose(found["margins"], expected["margins"], rtol=0, atol=FLOAT_SLACK), f"{label}: margins"
+    for ours, theirs in zip(found["close_gaps"], expected["close_gaps"], strict=True):
+        assert np.allclose(ours, theirs, rtol=0, atol=FLOAT_SLACK), f"{label}: close gaps"
 
 
 def _first_split(a, b):
