@@ -18,7 +18,6 @@ import socket
 import socketserver
 import threading
 from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
