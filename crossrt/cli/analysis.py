@@ -16,6 +16,7 @@ import click
 from crossrt.analyze import analysis
 from crossrt.report.ceiling import load_ceilings
 from crossrt.cli.common import PROMPTS_HELP, refuse_inputs_as_outputs, user_errors
+from crossrt.cli.compare import distinct_records
 from crossrt.cli.options import pair_options, runtime_options, strategy_options
 from crossrt.cli.trees import max_tree_rows, render_ceiling, render_section, run_trees, tree_section
 from crossrt.errors import PromptRefused, SettingsError
@@ -117,6 +118,7 @@ def analyze(records: Sequence[Path], entropy_buckets, ceiling_path, grouping) ->
     target judged a draft token; acceptance per draft position; how well the i.i.d. model
     E = (1 - a^(k+1)) / (1 - a) predicts tau; and, for records run with --trace, acceptance
     by the target's entropy and by the drafter's confidence (docs/analysis.md)."""
+    distinct_records(records)  # one record twice would print, and count, the same run twice
     loaded = [(path, analysis.grouped(load_record(path), grouping)) for path in records]
     blocks = [render_record(path, record, analysis.load_trace(path, record), entropy_buckets)
               for path, record in loaded]

@@ -92,6 +92,9 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
     Writes a run record (JSON, schema in docs/schema.md) after every prompt, so an
     interrupted run keeps what finished; --resume continues it.
     """
+    if resume and overwrite:  # one keeps the record's prompts, the other throws them away
+        raise click.UsageError("--resume and --overwrite contradict each other: --resume continues the record at "
+                               "--out, --overwrite replaces it; pass one")
     try:
         k = run_k(pair, k)
         mode = mode or ("driven" if "driven" in runtime_class(runtime_name).modes else "native")

@@ -10,13 +10,15 @@ from typing import Optional
 import click
 
 from crossrt.cli.common import user_errors
-from crossrt.sweep.plan import STRATEGIES, SweepError, load_sweep, plan_rows
+from crossrt.sweep.plan import STRATEGIES, SweepError, load_sweep, plan_rows, unloadable_pairs
 from crossrt.sweep.runner import Executor, run_sweep
 from crossrt.sweep.store import INDEX, SweepStore, check_sweep_dir, table_rows
 from crossrt.records.tables import format_table, summary_rows
 
 SWEEP_FILE = click.Path(path_type=Path, dir_okay=False)
 SWEEP_DIR = click.Path(path_type=Path, file_okay=False)
+QUERY_LIMIT = 1000  # rows `sweep query` prints unless told otherwise
+QUERY_BATCH = 1000  # rows fetched (and, with --all-rows, printed) at a time
 
 
 def _default_dir(name: str) -> Path:
@@ -57,13 +59,20 @@ def _counts(loaded, store: Optional[SweepStore]) -> str:
 @click.argument("sweep_file", type=SWEEP_FILE)
 @click.option("--dir", "sweep_dir", type=SWEEP_DIR, help="Also say which cells are done in this sweep directory.")
 def plan(sweep_file: Path, sweep_dir: Optional[Path]) -> None:
-    """List the cells of SWEEP_FILE: id, name, what each needs, and those skipped and why."""
+    """List the cells of SWEEP_FILE: id, name, what each needs, and those skipped and why.
+    Exit code 1 when a cell to run names a pair whose manifest does not load here (`sweep run`
+    would fail it)."""
     loaded = load_sweep(sweep_file)
     store = SweepStore(sweep_dir) if sweep_dir else None
     done = store.done() if store else set()
     _warn(loaded)
-    click.echo(format_table(plan_rows(loaded, sorted(done))))
+    failing = unloadable_pairs(loaded)
+    click.echo(format_table(plan_rows(loaded, sorted(done), failing)))
     click.echo(_counts(loaded, store))
+    cells = sum(cell.pair in failing and cell.id not in done for cell in loaded.runnable())
+    if cells:
+        raise SweepError(f"{cells} cell(s) would fail in `crossrt sweep run`: " + "; ".join(
+            f"pair {name!r}: {why}" for name, why in failing.items()))
 
 
 @sweep.command(name="run")
@@ -133,18 +142,37 @@ def _warn_damaged(store: SweepStore) -> None:
 @click.argument("sweep_dir", type=SWEEP_DIR)
 @click.argument("sql")
 @click.option("--csv", "as_csv", is_flag=True, help="Print CSV instead of a table.")
-def query(sweep_dir: Path, sql: str, as_csv: bool) -> None:
+@click.option("--limit", type=click.IntRange(min=1), default=QUERY_LIMIT, show_default=True,
+              help="Print at most this many rows; a note on stderr says when the query gives more.")
+@click.option("--all-rows", is_flag=True, help="Print every row, streamed as DuckDB makes them (a table is "
+              f"aligned per block of {QUERY_BATCH:,} rows).")
+def query(sweep_dir: Path, sql: str, as_csv: bool, limit: int, all_rows: bool) -> None:
     """Run SQL (DuckDB) over a sweep directory's tables: `prompts` (one row per prompt: the
     cell's settings, counters, tau, alpha, lossless, timings) and `cells` (one row per cell)."""
     store = check_sweep_dir(sweep_dir)
-    columns, rows = store.query(sql)
-    _warn_damaged(store)
-    if as_csv:
-        writer = csv.writer(sys.stdout)
-        writer.writerow(columns)
-        writer.writerows(rows)
-    elif columns:
-        click.echo(format_table(table_rows(columns, rows)))
+    shown, more = 0, False
+    with store.results(sql, QUERY_BATCH) as (columns, batches):
+        _warn_damaged(store)
+        writer = csv.writer(sys.stdout) if as_csv else None
+        if writer:
+            writer.writerow(columns)
+        for rows in batches:
+            if not all_rows and shown >= limit:
+                more = True
+                break
+            kept = rows if all_rows else rows[:limit - shown]
+            more = len(kept) < len(rows)
+            if writer:
+                writer.writerows(kept)
+            else:  # the header once, above the first block
+                click.echo("\n".join(format_table(table_rows(columns, kept)).splitlines()[0 if not shown else 2:]))
+            shown += len(kept)
+            if more:
+                break
+    if not shown and not writer and columns:
+        click.echo(format_table(table_rows(columns, [])))
+    if more:
+        click.echo(f"note: the first {limit:,} rows; the query gives more: pass --limit N or --all-rows", err=True)
 
 
 @sweep.command()

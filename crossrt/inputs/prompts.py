@@ -315,9 +315,15 @@ def load_prompts(source: str) -> list[Prompt]:
 def _file_text(path: Path) -> str:
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-        return raw.decode("utf-8")
-    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as error:
+    except (OSError, EOFError, zlib.error) as error:
         raise PromptError(f"{path}: cannot read ({error})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:  # named by line, as every other fault of a prompt file is
+        line = raw.count(b"\n", 0, error.start) + 1
+        column = error.start - (raw.rfind(b"\n", 0, error.start) + 1) + 1
+        raise PromptError(f"{path} line {line}: not UTF-8 (byte 0x{raw[error.start]:02x} at column {column}): save "
+                          "the file as UTF-8") from None
 
 
 def _speedbench_prompts(path: Path) -> list[Prompt]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shlex
 import typing
 from functools import lru_cache
 from importlib import resources
@@ -141,14 +142,15 @@ def check_counters(record: RunRecord) -> None:
                 raise RecordError(f"result {result.prompt_id}: " + "; ".join(problems))
 
 
-def save_record(record: RunRecord, path: Path) -> bytes:
+def save_record(record: RunRecord, path: Path, option: str = "--out") -> bytes:
     """Validate, then write atomically, so an interrupted run never leaves half a file.
-    Returns the bytes written (a journal started beside them names their digest)."""
+    Returns the bytes written (a journal started beside them names their digest); option: the
+    command's option naming path, for a disk error's advice."""
     check_counters(record)
     data = record_to_json(record)
     validate_json(data)
     written = (json.dumps(data, indent=1) + "\n").encode()
-    write_atomically(Path(path), written)
+    write_atomically(Path(path), written, option)
     return written
 
 
@@ -202,6 +204,20 @@ def load_record(path: Path, remake: Optional[str] = REMAKE) -> RunRecord:
     except RecordError as error:
         raise RecordError(f"{path}: {error}") from None
     where = journal_path(path)
-    # Line 1 of a journal is its header, so entries start at line 2.
-    return record.with_results(_result_from_entry(line, data, record, f"{where} line {number}")
-                               for number, line in enumerate(entries, start=2))
+    results = []
+    for number, line in enumerate(entries, start=2):  # line 1 of a journal is its header
+        try:
+            results.append(_result_from_entry(line, data, record, f"{where} line {number}"))
+        except RecordError as error:
+            raise RecordError(f"{error}; {_kept_before(where, number)}") from None
+    return record.with_results(results)
+
+
+def _kept_before(journal: Path, line: int) -> str:
+    """How to keep the prompts a journal holds before its damaged line: each line was validated
+    alone when written, so the lines before the damage are whole prompts."""
+    if line == 2:
+        return f"no prompt precedes it: remove {journal} to read the record's own prompts"
+    quoted, kept = shlex.quote(str(journal)), shlex.quote(f"{journal}.kept")
+    return (f"the {line - 2} prompt(s) before it are intact: keep them by cutting the journal there "
+            f"(head -n {line - 1} {quoted} > {kept} && mv {kept} {quoted}), then --resume runs the others again")

@@ -30,17 +30,18 @@ def lock_path(record: Path) -> Path:
 
 
 @contextlib.contextmanager
-def record_lock(record: Path) -> Iterator[None]:
+def record_lock(record: Path, option: str = "--out") -> Iterator[None]:
     """Hold an exclusive flock on `<record>.lock` (which names the holder's pid) while the
     block runs; RecordBusy at once if another process holds it. The kernel drops the lock when
-    its holder dies, so a killed run never leaves the record locked."""
+    its holder dies, so a killed run never leaves the record locked. option: the command's option
+    naming where the lock lives, for a disk error's advice."""
     path = lock_path(record)
     while True:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             handle = open(path, "a+")
         except OSError as error:
-            raise storage_error(path, error) from None
+            raise storage_error(path, error, option=option) from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -333,12 +333,26 @@ def load_sweep(path: Path) -> Sweep:
         raise SweepError(f"{path}: {error}") from None
 
 
-def plan_rows(sweep: Sweep, done: Sequence[str] = ()) -> list[list[str]]:
-    """The plan as a table: id, name, what it needs, and to run / done / skipped with the reason."""
+def unloadable_pairs(sweep: Sweep) -> dict[str, str]:
+    """Each pair of the runnable cells whose manifest does not load here, with why: `sweep run`
+    here would fail every cell of it, so the plan says so first."""
+    found: dict[str, str] = {}
+    for name in dict.fromkeys(cell.pair for cell in sweep.runnable()):
+        try:
+            load_pair(manifest_path(sweep.resolve(name)))
+        except (PairError, OSError, ValueError) as error:
+            found[name] = str(error)
+    return found
+
+
+def plan_rows(sweep: Sweep, done: Sequence[str] = (), failing: Mapping[str, str] = {}) -> list[list[str]]:
+    """The plan as a table: id, name, what it needs, and to run / done / skipped with the reason;
+    failing: pairs that do not load here (unloadable_pairs), whose cells `sweep run` would fail."""
     rows = [["cell", "name", "threads", "gpus", "status"]]
     for planned in sweep.cells:
         needs = sweep.needs(planned.cell)
         status = (f"skipped: {planned.skipped}" if planned.skipped else
-                  "done" if planned.cell.id in done else "to run")
+                  "done" if planned.cell.id in done else
+                  f"fails here: {failing[planned.cell.pair]}" if planned.cell.pair in failing else "to run")
         rows.append([planned.cell.id, planned.cell.name, str(needs.threads), f"{needs.num_gpus:g}", status])
     return rows

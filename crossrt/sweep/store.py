@@ -147,7 +147,10 @@ def select_statement(duckdb, sql: str) -> str:
         raise SweepError(f"{len(statements)} statements given: sweep query runs one SELECT at a time")
     kind = statements[0].type
     if kind != duckdb.StatementType.SELECT:
-        raise SweepError(f"a {kind.name} statement is refused: sweep query runs one SELECT over the tables "
+        # DuckDB files INSTALL (and FORCE INSTALL) under LOAD: name the statement as written.
+        name = statements[0].query.split()[0].upper() if kind == duckdb.StatementType.LOAD else kind.name
+        article = "an" if name[0] in "AEIOU" else "a"
+        raise SweepError(f"{article} {name} statement is refused: sweep query runs one SELECT over the tables "
                          "prompts and cells, and writes nothing")
     return statements[0].query
 
@@ -215,7 +218,7 @@ class SweepStore:
         """Hold the sweep directory's lock (SweepError at once if another process holds it)."""
         with contextlib.ExitStack() as stack:
             try:
-                stack.enter_context(record_lock(self.root / LOCK))
+                stack.enter_context(record_lock(self.root / LOCK, option="--dir"))  # sweep run's option
             except RecordBusy:
                 holder = lock_path(self.root / LOCK).read_text(errors="replace").strip() or "unknown"
                 raise SweepError(f"{self.root} is being written by another `crossrt sweep run` (pid {holder}): "
@@ -228,15 +231,15 @@ class SweepStore:
         failure = self.failed_dir / f"{cell.id}.txt"
         if "error" in outcome:
             self.failed_dir.mkdir(parents=True, exist_ok=True)
-            write_atomically(failure, (outcome["error"] + "\n").encode(), "the sweep directory")
+            write_atomically(failure, (outcome["error"] + "\n").encode(), "--dir")
             return None
         record = record_from_json(outcome["record"])  # validated here too: a worker's bytes are not trusted
         self.cells_dir.mkdir(parents=True, exist_ok=True)
-        written = save_record(record, self.record_path(cell.id))
+        written = save_record(record, self.record_path(cell.id), "--dir")
         meta = {"id": cell.id, "name": cell.name, "params": cell.params(), "executor": executor,
                 "host": outcome.get("host"), "pid": outcome.get("pid"), "wall_s": outcome.get("wall_s"),
                 "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "record_sha256": _sha256(written)}
-        write_atomically(self._meta_path(cell.id), (json.dumps(meta, indent=1) + "\n").encode(), "the sweep directory")
+        write_atomically(self._meta_path(cell.id), (json.dumps(meta, indent=1) + "\n").encode(), "--dir")
         failure.unlink(missing_ok=True)
         return record
 
@@ -303,8 +306,15 @@ class SweepStore:
                 raise
 
     def query(self, sql: str) -> tuple[list[str], list[tuple]]:
-        """Column names and rows of one SELECT over the tables `prompts` (one row per prompt)
-        and `cells` (one row per cell), in a read-only database holding those alone."""
+        """Column names and every row of one SELECT (results())."""
+        with self.results(sql) as (columns, batches):
+            return columns, [row for rows in batches for row in rows]
+
+    @contextlib.contextmanager
+    def results(self, sql: str, batch: int = 1000) -> Iterator[tuple[list[str], Iterator[list[tuple]]]]:
+        """Column names and the rows of one SELECT over the tables `prompts` (one row per prompt)
+        and `cells` (one row per cell), in a read-only database holding those alone; the rows in
+        batches as DuckDB streams them, so a result of millions of rows costs one batch."""
         duckdb = _duckdb()
         select = select_statement(duckdb, sql)
         index = self.index_path()
@@ -318,9 +328,20 @@ class SweepStore:
                 _add_metric_function(duckdb, con)
                 try:
                     result = con.execute(select)
-                    return [d[0] for d in result.description], result.fetchall()
                 except duckdb.Error as error:
                     raise SweepError(f"query failed: {str(error).splitlines()[0]}") from None
+
+                def batches() -> Iterator[list[tuple]]:
+                    while True:
+                        try:
+                            rows = result.fetchmany(batch)
+                        except duckdb.Error as error:  # errors of later rows come as they are fetched
+                            raise SweepError(f"query failed: {str(error).splitlines()[0]}") from None
+                        if not rows:
+                            return
+                        yield rows
+
+                yield [d[0] for d in result.description], batches()
 
 
 def check_sweep_dir(path: Path) -> SweepStore:
