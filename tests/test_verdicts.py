@@ -61,7 +61,8 @@ def runs(tmp_path_factory):
 def test_two_imports_compare_nothing_and_fail(runs, tmp_path):
     """A llama-server log and an SGLang log: no token ids, counted differently. It used to print
     `1 identical` and `parity: OK`, exit 0."""
-    result = invoke("parity", runs["server"], runs["sglang"], "--no-logits", "--junit", tmp_path / "p.xml")
+    result = invoke("parity", runs["server"], runs["sglang"], "--no-logits", "--junit", tmp_path / "p.xml",
+                    "--html", tmp_path / "p.html")
     assert result.exit_code == 1, result.output
     assert ("llama-server/native vs sglang/native: 1 prompts: 0 identical, 0 explained, 0 failed, 1 not comparable "
             "(no token ids: imported from llama-server-log, sglang-log); counters not compared (k differs: 4 vs 3; "
@@ -71,6 +72,12 @@ def test_two_imports_compare_nothing_and_fail(runs, tmp_path):
     assert "parity: OK" not in result.output and " 1 identical" not in result.output
     suite = ElementTree.parse(tmp_path / "p.xml").getroot()
     assert suite.get("failures") == "3"  # the pair and each import's lossless check: nothing compared
+    page = ElementTree.parse(tmp_path / "p.html").getroot()
+    xhtml = "{http://www.w3.org/1999/xhtml}"
+    overview = next(s for s in page.iter(xhtml + "section") if s.get("id") == "parity")
+    assert [th.text for th in next(overview.iter(xhtml + "thead")).iter(xhtml + "th")][-1] == "not comparable"
+    rows = [[td.text for td in tr.iter(xhtml + "td")] for tr in next(overview.iter(xhtml + "tbody"))]
+    assert ["1 (no token ids: imported from llama-server-log, sglang-log)", "0"] == [rows[1][-1], rows[1][4]]
     # Counters alone would be accepted with --counters-only, but these were not compared either.
     only = invoke("parity", runs["server"], runs["sglang"], "--no-logits", "--counters-only")
     assert only.exit_code == 1 and "--counters-only" not in last_line(only), only.output

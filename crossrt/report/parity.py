@@ -264,12 +264,14 @@ def parity_sections(runs: Sequence[tuple[str, RunRecord]], report: ParityReport,
     split shows) and one section per split."""
     shown = shown_splits(report, runs, strict)
     verdicts = tuple((run_a, run_b, counting, str(h.prompts), str(h.identical),
-                      f"{h.explained_prompts}" + (f" ({h.by_cause()})" if h.explained else ""), str(h.failed))
+                      f"{h.explained_prompts}" + (f" ({h.by_cause()})" if h.explained else ""), str(h.failed),
+                      f"{h.not_comparable}" + (f" ({h.why_not})" if h.not_comparable else ""))
                      for run_a, run_b, h, counting in headlines(report))
     index = tuple((f"split-{n}", "FAIL" if s.failed else "NOTE", s.split.prompt_id, s.split.kind,
                    "; ".join(s.comparisons), s.split.verdict.describe() if s.split.verdict else "-",
                    "-" if s.split.index is None else str(s.split.index)) for n, s in enumerate(shown, start=1))
-    tables = [Table(("run A", "run B", "counters", "prompts", "identical", "explained (by cause)", "failed"),
+    tables = [Table(("run A", "run B", "counters", "prompts", "identical", "explained (by cause)", "failed",
+                     "not comparable"),
                     verdicts, 3, "verdicts per pair of runs (run B `its baseline`: the run's own lossless check)")]
     if index:
         tables.append(Table(("section", "status", "prompt", "kind", "in", "verdict", "token"), index, 6,
