@@ -123,6 +123,7 @@ def test_a_cache_truncated_one_position_short_is_a_disagreement(tmp_path, monkey
 
     monkeypatch.setattr(LlamaCppSession, "__init__", load)
     monkeypatch.setattr(LlamaCppSession, "truncate", cut)
+    monkeypatch.setenv("CROSSRT_IN_PROCESS", "1")  # the run in this process, where the patches are
     assert run("run", "--pair", TRAINED, "--prompts", prompts, "--max-new-tokens", 24,
                "--out", tmp_path / "broken.json").exit_code == 0
     monkeypatch.undo()

@@ -26,6 +26,7 @@ from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
 from crossrt.simulate.adaptive import simulate_policy
 from crossrt.run.policies import DraftPolicy
+from crossrt.run.isolation import call_isolated, isolated
 from crossrt.run.runtime import DraftRules, open_runtime, runtime_names
 from crossrt.records.schema import RunRecord
 from crossrt.simulate.schedules import LLAMA, SIMULATED, ScheduleResult, compare_with_record, summarize_schedule
@@ -206,6 +207,47 @@ def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
     return result
 
 
+def _simulation(pair, runtime_name, options, prompts, max_k, max_new_tokens, thresholds, records, schedules,
+                draft_n_min, draft_p_min, strategy, tree_specs, ceiling_k, tree_budget, top_b, run_trees_too):
+    """What simulate computes with the models loaded: the oracles and everything read from them,
+    with the pair's and runtime's info (run in a process of its own for an in-process runtime)."""
+    with contextlib.ExitStack() as stack:  # the sessions, freed however the block ends
+        runtime = open_runtime(runtime_name, options)
+        info = pair_info(pair, runtime.model_format)
+        sessions = {role: stack.enter_context(runtime.load(pair.path(role, runtime.model_format)))
+                    for role in ROLES}
+        oracles = []
+        for prompt in prompts:
+            try:
+                oracles.append(build_oracle(sessions["target"], sessions["drafter"], prompt.id, prompt.category,
+                                            sessions["target"].tokenize(prompt.text), max_new_tokens, max_k))
+            except PromptRefused as error:
+                click.echo(f"skipped {prompt.id}: {error}", err=True)
+        if not oracles:
+            raise PromptRefused("no prompt could run")
+        # Passes are timed at the average decoding position of the median prompt.
+        typical = sorted(oracles, key=lambda o: len(o.prompt_ids) + len(o.output))[len(oracles) // 2]
+        context = typical.prompt_ids + typical.output[:len(typical.output) // 2]
+        rows = max(max_k + 1, max_tree_rows(tree_specs, tree_budget)) if tree_specs else max_k + 1
+        costs = measure_costs(sessions["target"], sessions["drafter"], context, rows)
+        sim = simulate_suite(oracles, costs, max_k, thresholds)
+        k = run_k(pair, ceiling_k)
+        k_policy = [] if strategy.k_policy == "fixed" else summarize(
+            [simulate_policy(oracle, DraftPolicy.of(strategy, k), sessions["target"].detokenize)
+             for oracle in oracles], costs, strategy.label())
+        section = None
+        if tree_specs:
+            section = tree_section(sessions["drafter"], oracles, sim, tree_specs, k, tree_budget, top_b, max_k)
+        if run_trees_too:
+            if section is None:
+                raise SettingsError("--run-trees runs the --tree trees: name one")
+            section = run_trees(section, runtime, pair.path("target", runtime.model_format), sessions["target"],
+                                sessions["drafter"])
+        checks = [(path, *compare_with_record(oracles, load_record(path))) for path in records]
+        what_if = schedule_results(oracles, schedules, draft_n_min, draft_p_min, max_k)
+    return info, runtime.info(), oracles, sim, k_policy, section, checks, what_if
+
+
 @click.command(name="simulate")
 @user_errors
 @pair_options
@@ -263,41 +305,12 @@ def simulate_command(pair, runtime_name, prompt_source, max_k, max_new_tokens, t
     check_simulated(strategy, drafting, tree_specs)
     if out:  # before the models load; a --tree may name a choice-list file
         refuse_inputs_as_outputs({"--out": out}, [*records, *(Path(s) for s in tree_specs if Path(s).is_file())])
-    with contextlib.ExitStack() as stack:  # the sessions, freed however the block ends
-        prompts = load_prompts(prompt_source)
-        runtime = open_runtime(runtime_name, options)
-        info = pair_info(pair, runtime.model_format)
-        sessions = {role: stack.enter_context(runtime.load(pair.path(role, runtime.model_format)))
-                    for role in ROLES}
-        oracles = []
-        for prompt in prompts:
-            try:
-                oracles.append(build_oracle(sessions["target"], sessions["drafter"], prompt.id, prompt.category,
-                                            sessions["target"].tokenize(prompt.text), max_new_tokens, max_k))
-            except PromptRefused as error:
-                click.echo(f"skipped {prompt.id}: {error}", err=True)
-        if not oracles:
-            raise PromptRefused("no prompt could run")
-        # Passes are timed at the average decoding position of the median prompt.
-        typical = sorted(oracles, key=lambda o: len(o.prompt_ids) + len(o.output))[len(oracles) // 2]
-        context = typical.prompt_ids + typical.output[:len(typical.output) // 2]
-        rows = max(max_k + 1, max_tree_rows(tree_specs, tree_budget)) if tree_specs else max_k + 1
-        costs = measure_costs(sessions["target"], sessions["drafter"], context, rows)
-        sim = simulate_suite(oracles, costs, max_k, thresholds)
-        k = run_k(pair, ceiling_k)
-        k_policy = [] if strategy.k_policy == "fixed" else summarize(
-            [simulate_policy(oracle, DraftPolicy.of(strategy, k), sessions["target"].detokenize)
-             for oracle in oracles], costs, strategy.label())
-        section = None
-        if tree_specs:
-            section = tree_section(sessions["drafter"], oracles, sim, tree_specs, k, tree_budget, top_b, max_k)
-        if run_trees_too:
-            if section is None:
-                raise SettingsError("--run-trees runs the --tree trees: name one")
-            section = run_trees(section, runtime, pair.path("target", runtime.model_format), sessions["target"],
-                                sessions["drafter"])
-        checks = [(path, *compare_with_record(oracles, load_record(path))) for path in records]
-        what_if = schedule_results(oracles, schedules, draft_n_min, draft_p_min, max_k)
+    prompts = load_prompts(prompt_source)
+    args = (pair, runtime_name, options, prompts, max_k, max_new_tokens, thresholds, records, schedules, draft_n_min,
+            draft_p_min, strategy, tree_specs, ceiling_k, tree_budget, top_b, run_trees_too)
+    # The models load and run in a process of their own where the runtime runs in-process: a crash is one line.
+    info, runtime_info, oracles, sim, k_policy, section, checks, what_if = (
+        call_isolated(runtime_name, _simulation, *args) if isolated(runtime_name) else _simulation(*args))
     click.echo(f"{info.name} on {runtime_name}: {len(oracles)} prompts, {max_new_tokens} new tokens, "
                f"oracle drafts of {max_k}\n")
     click.echo(render_simulation(sim, k_policy))
@@ -314,7 +327,7 @@ def simulate_command(pair, runtime_name, prompt_source, max_k, max_new_tokens, t
             click.echo(f"  {line}")
     if out:
         results = json.dumps({
-            "pair": dataclasses.asdict(info), "runtime": dataclasses.asdict(runtime.info()),
+            "pair": dataclasses.asdict(info), "runtime": dataclasses.asdict(runtime_info),
             "prompts": prompt_source, "max_new_tokens": max_new_tokens, "max_k": max_k,
             "thresholds": list(thresholds), **dataclasses.asdict(sim),
             "k_policy": [dataclasses.asdict(r) for r in k_policy],

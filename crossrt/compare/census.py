@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -117,7 +117,7 @@ class Census:
         return "\n".join(lines)
 
 
-RunOne = Callable[[Variant, Path, Path], RunRecord]
+RunOne = Callable[[Variant, Path, Path], Union[RunRecord, str]]  # a record, or why the variant has none (it crashed)
 
 
 def take_census(run_one: RunOne, folder: Path, variants: Sequence[Variant] = NUMERICS_VARIANTS,
@@ -132,10 +132,13 @@ def take_census(run_one: RunOne, folder: Path, variants: Sequence[Variant] = NUM
         prompts = folder / f"prompts-{number}.jsonl"
         prompts.write_text("".join(json.dumps(p) + "\n" for p in generated_prompts(number, batch)))
         started = time.perf_counter()
-        records = [run_one(variant, prompts, folder / f"{variant.name}-{number}.json") for variant in variants]
+        outcomes = [run_one(variant, prompts, folder / f"{variant.name}-{number}.json") for variant in variants]
         census.run_s += time.perf_counter() - started
-        runs = labelled(records, [v.name for v in variants])
-        native = {label for (label, _), v in zip(runs, variants) if v.mode == "native"}
+        # A variant whose runtime crashed is a failure; the others are still compared.
+        census.failures += [f"{v.name}: {outcome}" for v, outcome in zip(variants, outcomes) if isinstance(outcome, str)]
+        ran = [(v, outcome) for v, outcome in zip(variants, outcomes) if not isinstance(outcome, str)]
+        runs = labelled([record for _, record in ran], [v.name for v, _ in ran])
+        native = {label for (label, _), (v, _) in zip(runs, ran) if v.mode == "native"}
         started = time.perf_counter()
         with Replayer() as replay:
             census.add(compare_all(runs, replay=replay), native, batch=f"batch {number} ({prompts.name})")

@@ -4,9 +4,8 @@ re-scored on each record's runtime, for crossrt.compare.parity and crossrt.compa
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -14,7 +13,8 @@ import numpy as np
 
 from crossrt.run.baselines import BaselineStore
 from crossrt.inputs.chat_template import ChatRendering
-from crossrt.run.driver import RunRequest, run_pair
+from crossrt.run.driver import RunRequest
+from crossrt.run.isolation import IsolatedRun, RuntimeCrashed
 from crossrt.inputs.pairs import Pair
 from crossrt.compare.parity_report import NotRun
 from crossrt.inputs.prompts import Prompt
@@ -36,27 +36,55 @@ class Matrix:
     prompt_format: Optional[PromptFormat] = None
 
 
-def _run_cell(matrix: Matrix, name: str, mode: str, prompts: Sequence[Prompt],
-              shared_ids: Optional[dict]) -> RunRecord | NotRun:
-    """One (runtime, mode) of the matrix: its record, or why the runtime could not run."""
+def _request(matrix: Matrix, name: str, mode: str, shared_ids: Optional[dict]) -> RunRequest:
     out = matrix.out_dir / f"{matrix.pair.name}-{name}-{mode}-k{matrix.rules.k}.json"
-    request = RunRequest(matrix.pair, name, matrix.options, matrix.rules, matrix.max_new_tokens,
-                         out, mode=mode, overwrite=True, shared_prompt_ids=shared_ids,
-                         chat=matrix.chat, prompt_format=matrix.prompt_format, baselines=BaselineStore.default())
+    return RunRequest(matrix.pair, name, matrix.options, matrix.rules, matrix.max_new_tokens,
+                      out, mode=mode, overwrite=True, shared_prompt_ids=shared_ids,
+                      chat=matrix.chat, prompt_format=matrix.prompt_format, baselines=BaselineStore.default())
+
+
+def _outcome(run: IsolatedRun, label: str) -> RunRecord | NotRun:
+    """A cell's record, or why it has none: the runtime could not run here, or it crashed."""
     try:
-        return run_pair(request, prompts)
+        return run.outcome()
     except RuntimeUnavailable as error:
-        return NotRun(f"{name}/{mode}", str(error))
+        return NotRun(label, str(error))
+    except RuntimeCrashed as crash:
+        return NotRun(label, crash.cause() + (f"; {crash.detail}" if crash.detail else ""), what="crashed")
+
+
+def _run_cells(matrix: Matrix, cells: Sequence[tuple[str, str]], prompts: Sequence[Prompt],
+               shared_ids: Optional[dict], jobs: int, announce: Callable[[str], None]) -> list[RunRecord | NotRun]:
+    """The cells, up to jobs at once, each in a process of its own; outcomes in cells' order."""
+    outcomes: list[Optional[RunRecord | NotRun]] = [None] * len(cells)
+    waiting = list(enumerate(cells))
+    running: dict[int, IsolatedRun] = {}
+    try:
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                index, (name, mode) = waiting.pop(0)
+                announce(f"{name}/{mode}")
+                running[index] = IsolatedRun(_request(matrix, name, mode, shared_ids), prompts)
+            ready = wait([run.connection for run in running.values()])
+            for index, run in list(running.items()):
+                if run.connection in ready and run.step():
+                    outcomes[index] = _outcome(running.pop(index), "/".join(cells[index]))
+    except KeyboardInterrupt:
+        for run in running.values():
+            run.interrupt()
+        raise
+    return outcomes
 
 
 def run_matrix(matrix: Matrix, prompts: Sequence[Prompt], on_run: Optional[Callable[[str], None]] = None,
                jobs: int = 1) -> tuple[list[RunRecord], list[NotRun], list[str]]:
-    """Records of every (runtime, mode) the runtime has; the combinations that could not run
-    (failures), and those skipped because the runtime lacks the mode (not failures).
+    """Records of every (runtime, mode) the runtime has; the combinations that could not run or
+    crashed (failures), and those skipped because the runtime lacks the mode (not failures).
 
-    The first run's tokenization feeds every later run, so cells run one by one until one has
-    run; with jobs > 1 the others then run that many at once, each in a process of its own
-    (spawned: a runtime's libraries and threads are not forked), results kept in matrix order."""
+    Every cell runs in a process of its own (spawned: a runtime's libraries and threads are not
+    forked; crossrt/run/isolation.py), so a runtime that crashes is its cell's failure and every
+    other cell still runs. The first run's tokenization feeds every later run, so cells run one
+    by one until one has run; then jobs at once, results kept in matrix order."""
     cells, skipped = [], []
     for name in matrix.runtimes:
         for mode in matrix.modes:
@@ -68,22 +96,10 @@ def run_matrix(matrix: Matrix, prompts: Sequence[Prompt], on_run: Optional[Calla
     outcomes: list[RunRecord | NotRun] = []
     shared_ids = None
     while cells and shared_ids is None:
-        name, mode = cells.pop(0)
-        announce(f"{name}/{mode}")
-        outcomes.append(_run_cell(matrix, name, mode, prompts, None))
+        outcomes += _run_cells(matrix, [cells.pop(0)], prompts, None, 1, announce)
         if isinstance(outcomes[-1], RunRecord):
             shared_ids = {r.prompt_id: r.prompt_ids for r in outcomes[-1].results if r.prompt_ids}
-    if jobs > 1 and len(cells) > 1:
-        with ProcessPoolExecutor(min(jobs, len(cells)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = []
-            for name, mode in cells:
-                announce(f"{name}/{mode}")
-                futures.append(pool.submit(_run_cell, matrix, name, mode, prompts, shared_ids))
-            outcomes += [future.result() for future in futures]
-    else:
-        for name, mode in cells:
-            announce(f"{name}/{mode}")
-            outcomes.append(_run_cell(matrix, name, mode, prompts, shared_ids))
+    outcomes += _run_cells(matrix, cells, prompts, shared_ids, jobs, announce)
     records = [o for o in outcomes if isinstance(o, RunRecord)]
     return records, [o for o in outcomes if isinstance(o, NotRun)], skipped
 

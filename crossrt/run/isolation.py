@@ -1,0 +1,362 @@
+"""A runtime in a process of its own: a crash is a verdict about that runtime, not the end of crossrt.
+
+An in-process runtime (llama.cpp through its binding, transformers) runs native code inside
+crossrt's process, where a fault (SIGSEGV in a CPU kernel, SIGILL for an instruction the CPU
+cannot run, SIGABRT from an assertion) ends the process with no Python exception to catch. So the
+call that loads and runs it goes to a child process (a fresh interpreter: a runtime's libraries
+and threads are not forked), with Python's faulthandler writing the child's stack into a file.
+When the child dies by a signal, the caller gets a RuntimeCrashed naming the runtime, the signal,
+and from that stack the innermost Python frame outside crossrt (the binding's call into native
+code) and the crossrt call it came from. What the child finished stays where it put it (a run's
+journal: crossrt/records/journal.py).
+
+The child never outlives its parent (the kernel's parent-death signal) and sits in a process
+group of its own, so a terminal's Ctrl-C reaches the parent alone, which passes one SIGINT on
+and waits for the child to keep what it finished.
+
+Test hook: CROSSRT_TEST_CRASH_AFTER=RUNTIME:N[:SIGNAL] makes a child running RUNTIME die by a
+real signal after N finished prompts (SIGSEGV: a read of address 0; another: sent to itself),
+for the tests that check what a crash leaves (tests/test_isolation.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import importlib.util
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import crossrt
+from crossrt.errors import USER_ERRORS, CrossrtError
+from crossrt.inputs.prompts import Prompt
+from crossrt.records.record_json import load_record
+from crossrt.records.schema import PromptResult, RunRecord
+from crossrt.run.driver import RunRequest, run_pair
+from crossrt.run.runtime import RuntimeFailure, runtime_class
+
+CRASH_HOOK = "CROSSRT_TEST_CRASH_AFTER"
+IN_PROCESS = "CROSSRT_IN_PROCESS"
+PR_SET_PDEATHSIG = 1
+# faulthandler's frame line: `  File "/path/module.py", line 12 in function`
+_FRAME = re.compile(r'^\s*File "(?P<path>.+)", line (?P<line>\d+) in (?P<function>\S+)')
+
+
+# crossrt's own source folders (backends/ is installed as crossrt.backends from a folder of its own),
+# by the name their frames are shown with.
+_OURS = {"crossrt/backends/": Path(importlib.util.find_spec("crossrt.backends").submodule_search_locations[0]),
+         "crossrt/": Path(crossrt.__file__).parent}
+
+
+@dataclass(frozen=True)
+class Frame:
+    path: str
+    line: int
+    function: str
+
+    def _ours(self) -> Optional[str]:
+        """The path as crossrt/... when the frame is crossrt's own code, else None."""
+        for name, folder in _OURS.items():
+            if self.path.startswith(str(folder) + os.sep):
+                return name + self.path[len(str(folder)) + 1:]
+        return None
+
+    @property
+    def in_crossrt(self) -> bool:
+        return self._ours() is not None
+
+    @property
+    def in_backend(self) -> bool:
+        return (self._ours() or "").startswith("crossrt/backends/")
+
+    def short(self) -> str:
+        """`crossrt/backends/llama_cpp.py:212 _forward`, `llama_cpp/_internals.py:310 decode`: the
+        path from its package on (after site-packages/ or the standard library's folder)."""
+        path = self._ours() or self.path
+        if "/site-packages/" in path:
+            path = path.rsplit("/site-packages/", 1)[1]
+        elif re.search(r"/lib/python[\d.]+/", path):
+            path = re.split(r"/lib/python[\d.]+/", path)[-1]
+        return f"{path}:{self.line} {self.function}"
+
+
+def crashed_stack(dump: str) -> list[Frame]:
+    """The faulting thread's frames, innermost first, from faulthandler's dump (empty if none)."""
+    blocks = dump.split("\n\n")
+    current = [b for b in blocks if "Current thread" in b or "Stack (most recent call first)" in b]
+    lines = (current[0] if current else "").splitlines()
+    return [Frame(m["path"], int(m["line"]), m["function"]) for m in map(_FRAME.match, lines) if m]
+
+
+class RuntimeCrashed(RuntimeFailure):
+    """A runtime's process died by a signal (or exited without an answer): one line naming the
+    runtime, the signal, the call outside crossrt it died in and the crossrt call that made it."""
+
+    def __init__(self, runtime: str, signal_name: Optional[str], native: Optional[str] = None,
+                 frame: Optional[str] = None, detail: str = "", exit_code: Optional[int] = None):
+        self.runtime, self.signal_name, self.native, self.frame = runtime, signal_name, native, frame
+        self.detail, self.exit_code = detail, exit_code
+        super().__init__(self.describe())
+
+    def __reduce__(self):
+        return RuntimeCrashed, (self.runtime, self.signal_name, self.native, self.frame, self.detail, self.exit_code)
+
+    def cause(self) -> str:
+        """The crash without the runtime's name: `SIGSEGV (Segmentation fault) in ..., from ...`."""
+        if self.signal_name is None:
+            what = f"its process exited with code {self.exit_code} without an answer"
+        else:
+            meaning = ("killed: out of memory, or by a user" if self.signal_name == "SIGKILL"
+                       else signal.strsignal(signal.Signals[self.signal_name]))
+            what = f"{self.signal_name} ({meaning})"
+        where = (f" in {self.native}" if self.native else "") + (f", from {self.frame}" if self.frame else "")
+        return what + where
+
+    def describe(self) -> str:
+        return f"{self.runtime} crashed: {self.cause()}" + (f"; {self.detail}" if self.detail else "")
+
+    def with_detail(self, detail: str) -> "RuntimeCrashed":
+        return RuntimeCrashed(self.runtime, self.signal_name, self.native, self.frame, detail, self.exit_code)
+
+
+def crash_of(runtime: str, exit_code: Optional[int], dump: str) -> RuntimeCrashed:
+    """The RuntimeCrashed for a child that ended with exit_code (negative: the signal) and left
+    faulthandler's dump: the innermost frame outside crossrt, and the innermost crossrt frame
+    (a backend's, where one is on the stack)."""
+    name = signal.Signals(-exit_code).name if exit_code is not None and exit_code < 0 else None
+    # The child's own frames (_main, the hook's counting) are left out; the test hook's _crash stays.
+    frames = [f for f in crashed_stack(dump) if f.path != "<string>"
+              and (f.function == "_crash" or not f.path.endswith(os.sep + "isolation.py"))]
+    outside = next((f for f in frames if not f.in_crossrt), None)
+    ours = [f for f in frames if f.in_crossrt]
+    backend = next((f for f in ours if f.in_backend), ours[0] if ours else None)
+    return RuntimeCrashed(runtime, name, outside.short() if outside else None, backend.short() if backend else None,
+                          exit_code=exit_code)
+
+
+def isolated(runtime: str) -> bool:
+    """Whether runs of the runtime go to a process of their own: those whose native code runs in
+    crossrt's process, which are those with a driven mode (crossrt's loop calls their forward
+    pass), unless CROSSRT_IN_PROCESS=1 keeps them here (a debugger's breakpoints then reach the
+    backend, and a crash ends crossrt). Native-only runtimes run their own programs or servers."""
+    return "driven" in runtime_class(runtime).modes and os.environ.get(IN_PROCESS) != "1"
+
+
+class ChildTraceback(Exception):
+    """The child's traceback, kept as the cause of an exception it raised (as concurrent.futures does)."""
+
+
+def _die_with_parent(parent: int) -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _main() -> None:
+    """The child: `python -c` runs this with the message pipe's descriptor, the dump file and the
+    parent's pid; sys.path and the call come pickled on stdin."""
+    write_fd, dump_path, parent = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    _die_with_parent(parent)
+    connection = Connection(write_fd, readable=False)
+    faulthandler.enable(open(dump_path, "w"), all_threads=True)
+    sys.path[:] = pickle.load(sys.stdin.buffer)  # first, so the call's own modules import
+    function, args, events = pickle.load(sys.stdin.buffer)
+    try:
+        emit = (lambda payload: connection.send(("event", payload))) if events else None
+        result = function(*args, emit=emit) if events else function(*args)
+        connection.send(("result", result))
+    except KeyboardInterrupt:
+        connection.send(("interrupted", None))
+    except BaseException as error:  # handed to the parent, which raises it
+        connection.send(("error", (_portable(error), traceback.format_exc())))
+
+
+def _portable(error: BaseException) -> BaseException:
+    """error, or where it does not survive pickling (an __init__ taking other arguments than its
+    message) the same message as a CrossrtError (still one line) or a RuntimeError (a bug)."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        kind = CrossrtError if isinstance(error, CrossrtError) else RuntimeError
+        return kind(str(error) if kind is CrossrtError else f"{type(error).__name__}: {error}")
+
+
+class Isolated:
+    """One call running in a child process. step() reads what the child sent (for waiting on
+    several: multiprocessing.connection.wait on .connection); outcome() is its result, its
+    exception, or RuntimeCrashed."""
+
+    def __init__(self, runtime: str, function: Callable, args: tuple, events: bool = False):
+        self.runtime = runtime
+        self._folder = tempfile.mkdtemp(prefix="crossrt-isolated-")
+        self._dump = Path(self._folder) / "faulthandler.txt"
+        read_fd, write_fd = os.pipe()
+        # `python -c`, not multiprocessing's spawn, which would import the parent's __main__ (the
+        # whole command line) again; a process group of its own keeps a terminal's Ctrl-C here.
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "from crossrt.run.isolation import _main; _main()", str(write_fd),
+             str(self._dump), str(os.getpid())], stdin=subprocess.PIPE, pass_fds=(write_fd,), process_group=0)
+        os.close(write_fd)
+        self.connection = Connection(read_fd, writable=False)
+        try:
+            pickle.dump(sys.path, self.process.stdin)
+            pickle.dump((function, args, events), self.process.stdin)
+            self.process.stdin.close()
+        except BrokenPipeError:  # the child died at once: step() sees it gone
+            pass
+        self._outcome: Optional[tuple[str, Any]] = None
+
+    def step(self, on_event: Optional[Callable[[Any], None]] = None) -> bool:
+        """Read one message; True once the call is over (answered, or the child is gone)."""
+        try:
+            kind, payload = self.connection.recv()
+        except (EOFError, OSError):
+            kind, payload = "gone", None
+        if kind == "event":
+            if on_event is not None:
+                on_event(payload)
+            return False
+        self._outcome = (kind, payload)
+        self.process.wait()
+        return True
+
+    def outcome(self) -> Any:
+        kind, payload = self._outcome
+        try:
+            if kind == "result":
+                return payload
+            if kind == "interrupted":
+                raise KeyboardInterrupt
+            if kind == "error":
+                error, text = payload
+                raise error from ChildTraceback(f"\n(in {self.runtime}'s process)\n{text}")
+            dump = self._dump.read_text(errors="replace") if self._dump.is_file() else ""
+            raise crash_of(self.runtime, self.process.returncode, dump)
+        finally:
+            self.close()
+
+    def wait(self, on_event: Optional[Callable[[Any], None]] = None) -> Any:
+        """Run to the end here: events as they come, then the outcome. Ctrl-C is passed on once,
+        and the child is waited for, so it keeps what it finished before the interrupt is raised."""
+        try:
+            while not self.step(on_event):
+                pass
+        except KeyboardInterrupt:
+            self.interrupt()
+            raise
+        return self.outcome()
+
+    def interrupt(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            self.process.wait()
+        self.close()
+
+    def close(self) -> None:
+        if self.process.poll() is None:  # a caller that gave up on it
+            self.process.kill()
+            self.process.wait()
+        self.connection.close()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def call_isolated(runtime: str, function: Callable, *args, on_event: Optional[Callable[[Any], None]] = None) -> Any:
+    """function(*args) run in a child process (function(*args, emit=...) when on_event is given:
+    each emit(payload) in the child calls on_event(payload) here); its result or exception, or
+    RuntimeCrashed. function and args must pickle."""
+    return Isolated(runtime, function, args, events=on_event is not None).wait(on_event)
+
+
+def crash_hook(runtime: str) -> Optional[tuple[int, signal.Signals]]:
+    """(prompts, signal) from CROSSRT_TEST_CRASH_AFTER when it names this runtime, else None."""
+    value = os.environ.get(CRASH_HOOK, "")
+    parts = value.split(":")
+    if len(parts) < 2 or parts[0] != runtime:
+        return None
+    return int(parts[1]), signal.Signals[parts[2] if len(parts) > 2 else "SIGSEGV"]
+
+
+def _crash(number: signal.Signals) -> None:
+    """Die by the signal for real: SIGSEGV by reading address 0, others sent to this process."""
+    if number == signal.SIGSEGV:
+        ctypes.string_at(0)
+    os.kill(os.getpid(), number)
+
+
+OnPrompt = Callable[[Prompt, Optional[PromptResult]], None]
+_finished = 0  # prompts this process finished, for the test hook
+
+
+def crash_after(runtime: str, on_prompt: Optional[OnPrompt] = None) -> Optional[OnPrompt]:
+    """run_pair's on_prompt, which with the test hook set for runtime makes this process die after
+    its N-th finished prompt, over all its runs (not counting those a resumed record held)."""
+    hook = crash_hook(runtime)
+    if hook is None:
+        return on_prompt
+
+    def counting(prompt: Prompt, result: Optional[PromptResult]) -> None:
+        global _finished
+        if on_prompt is not None:
+            on_prompt(prompt, result)
+        _finished += result is not None
+        if _finished == hook[0]:
+            _crash(hook[1])
+    return counting
+
+
+def _run_pair_child(request: RunRequest, prompts: Sequence[Prompt], emit=None) -> RunRecord:
+    """driver.run_pair in the child: each prompt's (id, result) sent to the parent as it ends."""
+    def on_prompt(prompt: Prompt, result: Optional[PromptResult]) -> None:
+        if emit is not None:
+            emit((prompt.id, result))
+    return run_pair(request, prompts, crash_after(request.runtime, on_prompt))
+
+
+def kept(out: Path, prompts: int) -> str:
+    """What a crashed run left: `2 of 3 prompts finished, kept in runs/x.json`."""
+    try:
+        finished = sum(result.ok for result in load_record(out).results) if out.is_file() else 0
+    except USER_ERRORS:  # a record the crash left unreadable says so where it is read
+        finished = 0
+    if not finished:
+        return "no prompt finished"
+    return f"{finished} of {prompts} prompts finished, kept in {out}"
+
+
+class IsolatedRun(Isolated):
+    """driver.run_pair(request, prompts) in a child process; a crash says what the run kept."""
+
+    def __init__(self, request: RunRequest, prompts: Sequence[Prompt], events: bool = False):
+        super().__init__(request.runtime, _run_pair_child, (request, list(prompts)), events)
+        self.request, self.prompts = request, tuple(prompts)
+
+    def outcome(self) -> RunRecord:
+        try:
+            return super().outcome()
+        except RuntimeCrashed as crash:
+            raise crash.with_detail(kept(self.request.out, len(self.prompts))) from None
+
+
+def run_pair_isolated(request: RunRequest, prompts: Sequence[Prompt],
+                      on_prompt: Optional[OnPrompt] = None) -> RunRecord:
+    """driver.run_pair in a process of its own, on_prompt called here as each prompt ends."""
+    by_id = {prompt.id: prompt for prompt in prompts}
+
+    def on_event(payload) -> None:
+        prompt_id, result = payload
+        if on_prompt is not None:
+            on_prompt(by_id[prompt_id], result)
+    return IsolatedRun(request, prompts, events=True).wait(on_event)

@@ -1,0 +1,164 @@
+"""A crashed runtime is a verdict, not the end (crossrt/run/isolation.py): runtime processes that
+really die by a signal, with the real llama.cpp runtime loaded on the tiny pair (the test hook
+CROSSRT_TEST_CRASH_AFTER=RUNTIME:N[:SIGNAL] kills the run's own process after N finished prompts:
+SIGSEGV by reading address 0, other signals sent to itself), and what `crossrt run`, `parity` and
+`sweep run` make of it: one line naming the runtime, the signal and where it died, the finished
+prompts kept, the other runtimes and cells still run."""
+
+import ctypes
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from crossrt.records.record_json import load_record
+import crossrt
+import crossrt.backends
+from crossrt.run.isolation import CRASH_HOOK, RuntimeCrashed, call_isolated, crash_of, crashed_stack, isolated
+from crossrt.run.runtime import availability
+
+from conftest import TINY_PAIR
+
+CROSSRT = str(Path(sys.executable).parent / "crossrt")
+PROMPTS = [{"id": "code", "category": "code", "prompt": "def add(a, b):"},
+           {"id": "prose", "category": "prose", "prompt": "The river"},
+           {"id": "story", "category": "prose", "prompt": "Once upon a time"}]
+RUN = ["run", "--pair", str(TINY_PAIR), "--threads", "1", "--k", "3", "--max-new-tokens", "8"]
+
+
+def prompt_file(folder: Path, count: int = 3) -> Path:
+    path = folder / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:count]))
+    return path
+
+
+def cli(*args, cwd: Path, crash: str = "") -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key != CRASH_HOOK}
+    if crash:
+        env[CRASH_HOOK] = crash
+    return subprocess.run([CROSSRT, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+
+
+def comparable(result):
+    return (result.prompt_id, result.status, result.prompt_ids, result.output_ids, result.baseline_ids,
+            result.counters)
+
+
+def test_a_crashed_run_is_one_line_that_keeps_its_prompts_and_resumes(tmp_path):
+    prompts, out = prompt_file(tmp_path), tmp_path / "run.json"
+    args = [*RUN, "--prompts", prompts, "--out", out]
+    crashed = cli(*args, cwd=tmp_path, crash="llama-cpp:1")
+    assert crashed.returncode == 1, crashed.stderr
+    assert "Traceback" not in crashed.stderr
+    line = crashed.stderr.strip().splitlines()[-1]
+    resume = shlex.join(["crossrt", *map(str, args), "--resume"])
+    assert re.fullmatch(r"Error: llama-cpp crashed: SIGSEGV \(Segmentation fault\) in ctypes/__init__\.py:\d+ "
+                        r"string_at, from crossrt/run/isolation\.py:\d+ _crash; 1 of 3 prompts finished, kept in "
+                        + re.escape(f"{out}; continue with: {resume}"), line), line
+    kept = load_record(out).results
+    assert [r.prompt_id for r in kept] == ["code"] and kept[0].ok
+    resumed = cli(*shlex.split(resume)[1:], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    results = load_record(out).results
+    assert [r.prompt_id for r in results] == ["code", "prose", "story"] and all(r.ok for r in results)
+    assert comparable(results[0]) == comparable(kept[0])
+
+
+@pytest.mark.skipif(availability("transformers") is not None, reason=f"{availability('transformers')}")
+def test_a_crashed_runtime_fails_parity_and_the_other_runtime_still_runs(tmp_path):
+    """llama-cpp, the matrix's first cell (whose tokenization would feed the others), dies by
+    SIGABRT after one prompt; transformers still runs and is checked; parity fails naming it."""
+    out_dir = tmp_path / "parity"
+    done = cli("parity", "--pair", TINY_PAIR, "--runtimes", "llama-cpp,transformers", "--modes", "driven",
+                   "--prompts", prompt_file(tmp_path, 2), "--max-new-tokens", 8, "--threads", 1, "--no-logits",
+                   "--out-dir", out_dir, cwd=tmp_path, crash="llama-cpp:1:SIGABRT")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    crashed = out_dir / "tiny-llama-cpp-driven-k4.json"
+    assert re.search(r"^FAIL llama-cpp/driven: crashed: SIGABRT \(Aborted\), from crossrt/run/isolation\.py:\d+ "
+                     rf"_crash; 1 of 2 prompts finished, kept in {re.escape(str(crashed))}$", done.stdout, re.M), \
+        done.stdout
+    assert re.search(r"^transformers/driven vs its baseline: 2 prompts: 2 identical", done.stdout, re.M), done.stdout
+    assert done.stdout.strip().splitlines()[-1].startswith("parity: FAILED")
+    assert [r.prompt_id for r in load_record(crashed).results] == ["code"]
+    assert [r.ok for r in load_record(out_dir / "tiny-transformers-driven-k4.json").results] == [True, True]
+
+
+SWEEP = """
+name = "crash"
+[axes]
+runtime = ["llama-cpp"]
+k = [2, 3, 4]
+prompts = "one.jsonl"
+max_new_tokens = 8
+[resources.llama-cpp]
+threads = 1
+"""
+
+
+@pytest.mark.parametrize("cpus", [None, 2], ids=["in-order", "parallel"])
+def test_a_crashed_sweep_cell_fails_in_one_line_and_the_others_run(tmp_path, cpus):
+    """In order, the cells of one runtime share a process (their models stay loaded): with one
+    prompt per cell and a crash after the second finished prompt, k=3 crashes and k=4 runs in a
+    fresh process. In worker processes each cell has its own, so each crashes after one prompt."""
+    (tmp_path / "one.jsonl").write_text(json.dumps(PROMPTS[0]) + "\n")
+    (tmp_path / "sweep.toml").write_text(SWEEP)
+    args = ["sweep", "run", "sweep.toml", "--dir", tmp_path / "store", *(["--cpus", cpus] if cpus else [])]
+    done = cli(*args, cwd=tmp_path, crash="llama-cpp:2" if cpus is None else "llama-cpp:1")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("[")]
+    failed = [line for line in lines if "FAILED: llama-cpp crashed: SIGSEGV (Segmentation fault)" in line]
+    assert len(lines) == 3 and len(failed) == (1 if cpus is None else 3), done.stderr
+    if cpus is None:
+        assert "-driven-k3-" in failed[0], failed
+
+
+@pytest.mark.parametrize("call, args, cause", [
+    (ctypes.string_at, (0,), r"SIGSEGV \(Segmentation fault\) in ctypes/__init__\.py:\d+ string_at"),
+    (signal.raise_signal, (signal.SIGKILL,), r"SIGKILL \(killed: out of memory, or by a user\)"),
+    (os._exit, (3,), r"its process exited with code 3 without an answer")], ids=["segv", "killed", "exit"])
+def test_a_child_that_dies_is_runtime_crashed(call, args, cause):
+    """Standard library calls (no crossrt frame on the stack) dying three ways in the child."""
+    with pytest.raises(RuntimeCrashed) as crash:
+        call_isolated("llama-cpp", call, *args)
+    assert re.fullmatch(cause, crash.value.cause()), crash.value.cause()
+    assert str(crash.value) == f"llama-cpp crashed: {crash.value.cause()}"
+
+
+def test_an_exception_in_the_child_is_raised_here_and_answers_come_back():
+    assert call_isolated("llama-cpp", sorted, [3, 1, 2]) == [1, 2, 3]
+    with pytest.raises(ValueError, match="invalid literal"):
+        call_isolated("llama-cpp", int, "x")
+
+
+def test_the_crashed_threads_frames_name_the_binding_call_and_the_backend():
+    """A dump written in faulthandler's format (Python 3.11, all threads: other threads first,
+    then the current one) for a fault inside llama.cpp's decode, as the binding calls it from
+    crossrt's backend: the innermost frame outside crossrt, and the backend's frame."""
+    backends = Path(crossrt.backends.__path__[0])
+    dump = ('Fatal Python error: Segmentation fault\n\nThread 0x00007f1 (most recent call first):\n'
+            '  File "/usr/lib/python3.11/threading.py", line 320 in wait\n\n'
+            'Current thread 0x00007f2 (most recent call first):\n'
+            '  File "/venv/lib/python3.11/site-packages/llama_cpp/_internals.py", line 310 in decode\n'
+            f'  File "{backends}/llama_cpp.py", line 212 in _forward\n'
+            f'  File "{Path(crossrt.__file__).parent}/run/loop.py", line 90 in greedy_generate\n'
+            '\nExtension modules: numpy (total: 1)\n')
+    assert [(f.function, f.line) for f in crashed_stack(dump)] == [("decode", 310), ("_forward", 212),
+                                                                   ("greedy_generate", 90)]
+    assert crash_of("llama-cpp", -signal.SIGSEGV, dump).cause() == (
+        "SIGSEGV (Segmentation fault) in llama_cpp/_internals.py:310 decode, from crossrt/backends/llama_cpp.py:212 "
+        "_forward")
+    assert crash_of("llama-cpp", -signal.SIGILL, "").cause() == "SIGILL (Illegal instruction)"
+
+
+def test_in_process_runtimes_are_isolated_and_programs_are_not(monkeypatch):
+    assert isolated("llama-cpp") and isolated("transformers")
+    assert not isolated("llama-server") and not isolated("llama-spec-cli")
+    monkeypatch.setenv("CROSSRT_IN_PROCESS", "1")
+    assert not isolated("llama-cpp")
