@@ -1,21 +1,68 @@
 """Shared fixtures: the committed tiny pair, loaded once per session in real llama.cpp.
 
 Every test uses n_threads=1: ggml's worker threads busy-wait, and with two cores a second
-thread next to any other load makes tiny models orders of magnitude slower.
+thread next to any other load makes tiny models orders of magnitude slower. scripts/test runs
+two pytest-xdist workers, one per core, so OpenMP and BLAS pools get one thread each too.
 """
 
+import os
 import re
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from crossrt.inputs.pairs import PairError, load_pair
+import crash_report
+import schedule_alone
+from crossrt.inputs.pairs import PairError, cache_dir, load_pair
 from crossrt.run.runtime import RuntimeOptions, open_runtime
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_PAIR = REPO / "models" / "pairs" / "tiny.toml"
 REAL_PAIR = REPO / "models" / "pairs" / "gemma3-270m.toml"
+# Conversions for a runtime, keyed by their source's digest and written under a temporary name:
+# the session's cache reads the user's (scripts/setup converted the real model there).
+SHARED_CACHE = ("hf-from-gguf", "vllm-folders")
+THREAD_POOLS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def pytest_configure(config):
+    for plugin in (crash_report, schedule_alone):  # scripts/test's pytest-xdist run
+        if not config.pluginmanager.has_plugin(plugin.__name__):
+            config.pluginmanager.register(plugin, plugin.__name__)
+    if not hasattr(config, "workerinput"):  # xdist's workers inherit the controller's environment
+        for name in THREAD_POOLS:
+            os.environ.setdefault(name, "1")
+        session_cache(config)
+
+
+def session_cache(config) -> None:
+    """One $CROSSRT_CACHE for the session, shared by its workers and the crossrt processes tests
+    start: a baseline is decoded once per session (the store's lock makes the other worker
+    wait and read it) and never comes from an earlier session's code; the conversions and file
+    digests already made are the user's."""
+    user, folder = cache_dir(), Path(tempfile.mkdtemp(prefix="crossrt-test-cache-"))
+    for name in SHARED_CACHE:
+        try:
+            (user / name).mkdir(parents=True, exist_ok=True)
+            (folder / name).symlink_to(user / name, target_is_directory=True)
+        except OSError:
+            pass  # a read-only home: the session converts into its own folder
+    if (user / "sha256.json").is_file():
+        shutil.copyfile(user / "sha256.json", folder / "sha256.json")
+    before = os.environ.get("CROSSRT_CACHE")
+    os.environ["CROSSRT_CACHE"] = str(folder)
+
+    def restore():
+        shutil.rmtree(folder, ignore_errors=True)  # the links, not what they point to
+        if before is None:
+            os.environ.pop("CROSSRT_CACHE", None)
+        else:
+            os.environ["CROSSRT_CACHE"] = before
+
+    config.add_cleanup(restore)
 
 
 @pytest.fixture(scope="session")

@@ -176,6 +176,7 @@ def test_an_interrupted_native_run_leaves_no_server_and_resumes(tmp_path, sig):
 # ---- a hung llama-speculative-simple ---------------------------------------------------------
 
 @pytest.mark.skipif(availability("llama-spec-cli") is not None, reason=f"{availability('llama-spec-cli')}")
+@pytest.mark.alone  # sub-second probes and 1-3 s timeouts that a prompt must beat: not beside another worker
 @pytest.mark.parametrize("settings, message", [
     ({"PROBE_S": 0.5}, r"stopped by a signal\): still stopped at 3 probes in a row"),
     ({"STOPPED_PROBES": 10 ** 6, "TOOL_BASE_S": 3.0, "TOOL_S_PER_TOKEN": 0.0}, r"did not end within 3 s"),

@@ -242,6 +242,7 @@ def test_gpu_split_without_a_gpu_warns(tmp_path):
 
 # ---- a hung llama-server --------------------------------------------------------------------
 
+@pytest.mark.alone  # sub-second probes and 1-3 s timeouts that a prompt must beat: not beside another worker
 @pytest.mark.parametrize("settings, message", [
     ({"HEALTH_PROBE_S": 0.5}, "no answer to 3 /health probes"),
     ({"HEALTH_MISSES": 10 ** 6, "REQUEST_BASE_S": 1.0, "REQUEST_S_PER_TOKEN": 0.0}, "no answer within 1 s"),
