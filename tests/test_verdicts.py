@@ -155,3 +155,17 @@ def test_a_census_batch_that_compared_nothing_fails(tmp_path):
     assert any(re.match(r"batch 0 \(prompts-0.jsonl\): nothing compared \(the prompt failed", line)
                for line in census.failures), census.failures
     assert "2 prompts, 0 comparisons of token ids" in census.render()
+
+
+def test_simulate_against_a_record_sharing_no_prompt_fails(runs, tmp_path):
+    """`against R: 0 prompts compared, 0 match step for step` used to exit 0."""
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"id": "not-in-the-record", "category": "prose", "prompt": "river value code"}\n')
+    simulate = ("simulate", "--pair", TINY_PAIR, "--max-new-tokens", 12, "--threads", 1, "--max-k", 4)
+    result = invoke(*simulate, "--prompts", other, "--against", runs["k4"])
+    assert result.exit_code == 1, result.output
+    assert last_line(result) == (f"against {runs['k4']}: nothing compared: none of its finished prompts is among "
+                                 "the 1 simulated (--prompts)")
+    same = invoke(*simulate, "--prompts", "builtin", "--against", runs["k4"])
+    assert same.exit_code == 0 and last_line(same) == f"against {runs['k4']}: 10 prompts compared, 10 match step for " \
+                                                      "step", same.output

@@ -322,6 +322,10 @@ def simulate_command(pair, runtime_name, prompt_source, max_k, max_new_tokens, t
         click.echo("")
     for path, compared, differences in checks:
         verdict = "differ" if differences else "match step for step"
+        if not compared:  # a check of nothing passes nothing (issue 40)
+            click.echo(f"against {path}: nothing compared: none of its finished prompts is among the "
+                       f"{len(oracles)} simulated (--prompts)")
+            continue
         click.echo(f"against {path}: {compared} prompts compared, {len(differences) or compared} {verdict}")
         for line in differences:
             click.echo(f"  {line}")
@@ -337,6 +341,6 @@ def simulate_command(pair, runtime_name, prompt_source, max_k, max_new_tokens, t
         # Whole or not at all; a full disk or a read-only folder is a one-line error (user_errors).
         write_atomically(out, results.encode())
         click.echo(f"\nresults: {out}")
-    if any(differences for _, _, differences in checks) or \
+    if any(differences or not compared for _, compared, differences in checks) or \
             (section is not None and any(run.as_simulated < run.lossless for run in section.runs)):
         sys.exit(1)
