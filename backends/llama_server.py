@@ -21,7 +21,7 @@ from crossrt.backends.llama_server_counts import Totals, speculative_counters
 from crossrt.backends.llama_server_process import HOST, ServerError, ServerProcess, find_executable
 from crossrt.backends.llama_tools import Build, probe
 from crossrt.errors import PromptRefused, SettingsError
-from crossrt.run.memory import check_gguf_fits
+from crossrt.run.memory import check_gguf_fits, plan_processes
 from crossrt.run.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeOptions,
                              RuntimeUnavailable)
 from crossrt.records.schema import RuntimeInfo
@@ -35,6 +35,8 @@ METRICS_WAIT_S = 5.0
 # (numpy's argmax), then picks it.
 GREEDY = {"temperature": 0.0, "samplers": ["temperature"]}
 GREEDY_IF_REPORTED = {"dynatemp_range": 0.0, "mirostat": 0, "ignore_eos": False}
+ONE_AT_A_TIME = ("the baseline and speculative servers did not fit in memory together: every baseline was "
+                 "decoded first, then the baseline server stopped and the speculative server started")
 
 
 @dataclass(frozen=True)
@@ -52,24 +54,46 @@ class Launcher:
 class LlamaServerSession(NativeSession):
     schedule = SCHEDULE
 
-    def __init__(self, speculative: Launcher, baseline: Launcher, rules: DraftRules, notes: tuple[str, ...]):
+    def __init__(self, speculative: Launcher, baseline: Launcher, rules: DraftRules, notes: tuple[str, ...],
+                 one_at_a_time: bool = False):
         self.rules = rules
         self.notes = notes
+        # Where both servers do not fit in memory together: only the one generating runs (the
+        # driver decodes every baseline first), and the other is stopped before it starts.
+        self.one_at_a_time = one_at_a_time
         self._speculative_launcher = speculative
+        self._baseline_launcher = baseline
         self._speculative: Optional[ServerProcess] = None
         self._baseline: Optional[ServerProcess] = None
         self._template: Optional[tuple[str, ServerProcess]] = None  # (template text, its server)
+        self._totals: Optional[Totals] = None  # the speculative server's, read when it starts
         try:
-            self._speculative = speculative.start()
-            self._baseline = baseline.start()
-            self._check_drafting(self._speculative, True)
-            self._check_drafting(self._baseline, False)
-            props = self._speculative.call_json("GET", "/props")
+            first = self._server(speculative=False)
+            if not one_at_a_time:
+                self._server(speculative=True)
+            props = first.call_json("GET", "/props")
             self.n_ctx = int(props["default_generation_settings"]["n_ctx"])
-            self._totals = self._read_totals()
         except BaseException:
             self.close()
             raise
+
+    def _server(self, speculative: bool) -> ServerProcess:
+        """The running server of this kind, started (after stopping the other, one at a time) if it is not."""
+        running = self._speculative if speculative else self._baseline
+        if running is not None:
+            return running
+        other = self._baseline if speculative else self._speculative
+        if self.one_at_a_time and other is not None:
+            other.stop()
+            self._baseline, self._speculative = (None, self._speculative) if speculative else (self._baseline, None)
+        if speculative:
+            self._speculative = self._speculative_launcher.start()
+            self._check_drafting(self._speculative, True)
+            self._totals = self._read_totals()
+            return self._speculative
+        self._baseline = self._baseline_launcher.start()
+        self._check_drafting(self._baseline, False)
+        return self._baseline
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -114,10 +138,11 @@ class LlamaServerSession(NativeSession):
     def tokenize(self, text: str) -> list[int]:
         # As the in-process runtime: BOS (add_special) and special tokens parsed.
         request = {"content": text, "add_special": True, "parse_special": True}
+        server = self._speculative or self._baseline  # the same target, tokenized alike
         try:
-            return list(self._speculative.call_json("POST", "/tokenize", request)["tokens"])
+            return list(server.call_json("POST", "/tokenize", request)["tokens"])
         except ServerError as error:
-            raise self._speculative.failure(f"/tokenize: {error}") from None
+            raise server.failure(f"/tokenize: {error}") from None
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, speculative: bool) -> NativeGeneration:
         if not prompt_ids:
@@ -127,11 +152,11 @@ class LlamaServerSession(NativeSession):
         if len(prompt_ids) + max_new_tokens + 1 > self.n_ctx:
             raise PromptRefused(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens (+ 1 spare) "
                              f"does not fit the context of {self.n_ctx} tokens")
+        server = self._server(speculative)
         if speculative and self._totals.largest >= PRECISION_LIMIT:
             self._speculative.stop()
-            self._speculative = self._speculative_launcher.start()
-            self._totals = self._read_totals()
-        server = self._speculative if speculative else self._baseline
+            self._speculative = None
+            server = self._server(speculative)
         before = self._totals
         request = {"prompt": list(prompt_ids), "n_predict": max_new_tokens, "cache_prompt": False,
                    "return_tokens": True, "stream": False, **GREEDY}
@@ -292,16 +317,19 @@ class LlamaServerRuntime(Runtime):
         for path in (target, drafter):
             if not Path(path).is_file():
                 raise FileNotFoundError(f"model file not found: {path}")
-        # The speculative server holds target and drafter, the baseline server the target again.
-        check_gguf_fits([target, drafter, target], self.options, self.name, gpu=self.options.n_gpu_layers > 0
-                        and self._has_gpu())
+        # The baseline server holds the target, the speculative server target and drafter again.
+        gpu = self.options.n_gpu_layers > 0 and self._has_gpu()
+        held = ([target], [target, drafter])
+        together = plan_processes(self.name, ("baseline server", "speculative server"), lambda which: check_gguf_fits(
+            [path for i in which for path in held[i]], self.options, self.name, gpu=gpu))
         model = ["-m", str(target)]
         speculative = Launcher(self.build.path, tuple(model + self._speculative_args(drafter, rules)
                                                       + self._common_args()),
                                Path(work_dir) / "llama-server-speculative.log")
         baseline = Launcher(self.build.path, tuple(model + self._common_args()),
                             Path(work_dir) / "llama-server-baseline.log")
-        return LlamaServerSession(speculative, baseline, rules, self._notes(rules))
+        notes = self._notes(rules) + (() if together else (ONE_AT_A_TIME,))
+        return LlamaServerSession(speculative, baseline, rules, notes, one_at_a_time=not together)
 
     def _notes(self, rules: DraftRules) -> tuple[str, ...]:
         ngram = (f"ngram-simple: --spec-ngram-simple-size-m {rules.k} (drafts of at most k, where llama.cpp's default "

@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 
 from crossrt.backends.llama_tools import BUILD_BIN, find_tool, log_tail
 from crossrt.records.journal import storage_error
+from crossrt.run.processes import ProcessTree
 from crossrt.run.runtime import RuntimeFailure
 
 BUILT_EXECUTABLE = BUILD_BIN / "llama-server"
@@ -83,6 +84,7 @@ class ServerProcess:
 
     def __init__(self, process: subprocess.Popen, port: int, log_path: Path, log_file):
         self.process = process
+        self.tree = ProcessTree(process.pid)  # its memory, and how it ended
         self.port = port
         self.log_path = log_path
         self._log_file = log_file
@@ -126,7 +128,11 @@ class ServerProcess:
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        sampled = 0.0
         while True:
+            if time.monotonic() - sampled >= 1.0:
+                self.tree.sample()
+                sampled = time.monotonic()
             if self.process.poll() is not None:
                 self._raise_exited()
             if time.monotonic() >= deadline:
@@ -144,7 +150,8 @@ class ServerProcess:
         tail = self.log_tail_text()
         if "couldn't bind" in tail:
             raise PortInUse(f"llama-server could not bind {HOST}:{self.port} (port in use){tail}")
-        raise RuntimeFailure(f"llama-server exited with code {self.process.returncode} while starting{tail}")
+        ended = self.tree.ended(self.process.returncode, during=" while starting")
+        raise RuntimeFailure(f"llama-server (pid {self.pid}) {ended}{tail}")
 
     @property
     def pid(self) -> int:
@@ -160,7 +167,7 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             state = "stopped by a signal" if self._stopped() else "still running"
         else:
-            state = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            state = self.tree.ended(code).removeprefix("was ")
         return RuntimeFailure(f"llama-server (pid {self.pid}, {state}): {what}{self.log_tail_text()}")
 
     def _stopped(self) -> bool:
@@ -201,6 +208,7 @@ class ServerProcess:
             worker.join(HEALTH_PROBE_S)
             if not worker.is_alive():
                 break
+            self.tree.sample()
             try:
                 status, _ = self._request("GET", "/health", timeout=HEALTH_PROBE_S)
             except (OSError, http.client.HTTPException):

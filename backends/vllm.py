@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import select
 import subprocess
 import time
@@ -34,10 +35,13 @@ from crossrt.errors import ModelError, SettingsError
 from crossrt.inputs.pairs import cache_dir
 from crossrt.run.runtime import (DTYPES, DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                              RuntimeOptions, RuntimeUnavailable)
+from crossrt.run.memory import Uncounted, plan_processes
+from crossrt.run.processes import ProcessTree
 from crossrt.run.schedules import check_fits
 from crossrt.records.schema import Counters, CountsDoNotAddUp, RuntimeInfo
 from crossrt.backends.llama_server_process import _LIBC, _die_with_parent
 from crossrt.backends.llama_tools import log_tail
+from crossrt.backends.vllm_memory import ENGINES, KV_CACHE_GIB, check_engines, dtype_of, engine_needs
 
 VERSION = "0.32.0"  # scripts/setup_vllm's pin
 VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
@@ -51,7 +55,12 @@ HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 LOAD_TIMEOUT_S = 900.0
 REQUEST_BASE_S, REQUEST_S_PER_TOKEN = 60.0, 2.0
 LOG_TAIL_LINES = 30
-KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: the KV cache vLLM reserves, in GiB (default 4)
+ONE_AT_A_TIME = ("the baseline and speculative engines did not fit in memory together: every baseline was "
+                 "decoded first, then the baseline engine closed and the speculative engine started")
+# How vLLM reports one of its processes ending under it (v1/executor/multiproc_executor.py,
+# v1/engine/utils.py): its name and exit code, negative for a signal.
+INNER_EXITS = (re.compile(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+)\)"),
+               re.compile(r"Failed core proc\(s\): \{'([^']+)': (-?\d+)"))
 
 NOTES = (
     "speculative runs: vLLM's draft_model speculative decoding (schedule vllm); per-step drafted and "
@@ -62,11 +71,6 @@ NOTES = (
     "timings: vLLM's engine-core timestamps of the request: prefill_s from scheduled to first token, "
     "decode_s from first to last token",
 )
-
-
-def dtype_of(options: RuntimeOptions) -> str:
-    """--dtype, else float32: vLLM casts the float32 folders crossrt gives it on load."""
-    return options.dtype or "float32"
 
 
 def _cpu_flags() -> set[str]:
@@ -142,7 +146,8 @@ def vllm_folder(folder: Path) -> Path:
 class Worker:
     """One vLLM engine in a process of vLLM's environment, spoken to in JSON lines."""
 
-    def __init__(self, config: dict, log: Path, threads: int):
+    def __init__(self, name: str, config: dict, log: Path, threads: int):
+        self.name = name  # "baseline engine", "speculative engine": for messages
         environment = dict(os.environ)
         # One engine process computing on `threads` cores, not bound to any (a shared machine).
         environment.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads),
@@ -158,6 +163,7 @@ class Worker:
         self._process = subprocess.Popen([str(PYTHON), str(WORKER), json.dumps(config)], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=self._log_file, env=environment,
                                          preexec_fn=_die_with_parent(os.getpid()) if _LIBC is not None else None)
+        self._tree = ProcessTree(self._process.pid)  # its engine processes, sampled while it is waited on
 
     def wait_ready(self) -> dict:
         """The worker's first line: versions, system_info and load time, once vLLM has loaded."""
@@ -169,17 +175,25 @@ class Worker:
         deadline = time.monotonic() + timeout
         stdout = self._process.stdout
         while True:
-            ready, _, _ = select.select([stdout], [], [], max(0.0, min(5.0, deadline - time.monotonic())))
+            self._tree.sample()
+            ready, _, _ = select.select([stdout], [], [], max(0.0, min(0.5, deadline - time.monotonic())))
             if ready:
                 line = stdout.readline()
                 if line:
                     reply = json.loads(line)
                     if "error" in reply:
+                        lost = self._tree.oom_victim(f" while {doing}")
+                        if lost:  # the engine's error then only says that its engine core died
+                            raise RuntimeFailure(f"vLLM's {self.name} {lost}; vLLM said: {reply['error']}; log "
+                                                 f"{self._log}")
                         raise RuntimeFailure(f"vLLM failed {doing}: {reply['error']}; log {self._log}")
                     return reply
             if self._process.poll() is not None or (ready and not line):
-                raise RuntimeFailure(f"vLLM's worker exited with {self._process.wait()} while {doing}; log "
-                                     f"{self._log}:\n{log_tail(self._log, LOG_TAIL_LINES)}")
+                code, tail = self._process.wait(), log_tail(self._log, LOG_TAIL_LINES)
+                inner = next(((name, int(exit_code)) for pattern in INNER_EXITS
+                              for name, exit_code in pattern.findall(tail) if int(exit_code) < 0), None)
+                raise RuntimeFailure(f"vLLM's {self.name} {self._tree.ended(code, inner, f' while {doing}')}; log "
+                                     f"{self._log}:\n{tail}")
             if time.monotonic() >= deadline:
                 raise RuntimeFailure(f"vLLM did not answer within {timeout:g} s while {doing}: hung; log {self._log}")
 
@@ -236,34 +250,44 @@ class VllmSession(NativeSession):
     schedule = SCHEDULE
     notes = NOTES
 
-    def __init__(self, target: Path, drafter: Path, rules: DraftRules, options: RuntimeOptions, work_dir: Path):
+    def __init__(self, target: Path, drafter: Path, rules: DraftRules, options: RuntimeOptions, work_dir: Path,
+                 one_at_a_time: bool = False):
         self._k = rules.k
         self._n_ctx = options.n_ctx
+        self._threads = options.threads
+        # Where both engines do not fit in memory together, one runs at a time (the driver decodes
+        # every baseline first) and the other is closed before it starts.
+        self.one_at_a_time = one_at_a_time
         work_dir.mkdir(parents=True, exist_ok=True)
         base = {"model": str(target), "k": rules.k, "n_ctx": options.n_ctx, "dtype": dtype_of(options)}
-        self._workers: list[Worker] = []
+        self._configs = {False: ({**base, "drafter": None}, work_dir / "vllm-baseline.log"),
+                         True: ({**base, "drafter": str(drafter)}, work_dir / "vllm-speculative.log")}
+        self._workers: dict[bool, Worker] = {}  # by speculative
         try:
-            # Both engines load at once: loading is mostly imports and process start-up.
-            self._plain = self._start({**base, "drafter": None}, work_dir / "vllm-baseline.log", options)
-            self._speculative = self._start({**base, "drafter": str(drafter)}, work_dir / "vllm-speculative.log",
-                                            options)
-            self._plain.wait_ready()
-            self.ready = self._speculative.wait_ready()
+            # Together, both engines load at once: loading is mostly imports and process start-up.
+            for speculative in (False,) if one_at_a_time else (False, True):
+                self._workers[speculative] = Worker(ENGINES[speculative], *self._configs[speculative], self._threads)
+            self.ready = [worker.wait_ready() for worker in self._workers.values()][-1]
         except BaseException:
             self.close()
             raise
 
-    def _start(self, config: dict, log: Path, options: RuntimeOptions) -> Worker:
-        worker = Worker(config, log, options.threads)
-        self._workers.append(worker)
-        return worker
+    def _worker(self, speculative: bool) -> Worker:
+        """The engine for this generation, started (after closing the other, one at a time) if it is not."""
+        if speculative not in self._workers:
+            if self.one_at_a_time:
+                self.close()
+            self._workers[speculative] = Worker(ENGINES[speculative], *self._configs[speculative], self._threads)
+            self._workers[speculative].wait_ready()
+        return self._workers[speculative]
 
     def tokenize(self, text: str) -> list[int]:
-        return self._speculative.ask({"op": "tokenize", "text": text}, REQUEST_BASE_S, "tokenizing")["ids"]
+        worker = next(iter(self._workers.values()))  # both engines hold the target's tokenizer
+        return worker.ask({"op": "tokenize", "text": text}, REQUEST_BASE_S, "tokenizing")["ids"]
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, speculative: bool) -> NativeGeneration:
         check_fits(prompt_ids, max_new_tokens, self._n_ctx)
-        worker = self._speculative if speculative else self._plain
+        worker = self._worker(speculative)
         timeout = REQUEST_BASE_S + REQUEST_S_PER_TOKEN * (len(prompt_ids) + max_new_tokens)
         reply = worker.ask({"op": "generate", "prompt_ids": list(prompt_ids), "max_new_tokens": max_new_tokens},
                            timeout, "generating")
@@ -277,7 +301,7 @@ class VllmSession(NativeSession):
 
     def close(self) -> None:
         while self._workers:
-            self._workers.pop().close()
+            self._workers.popitem()[1].close()
 
 
 class VllmRuntime(Runtime):
@@ -312,13 +336,27 @@ class VllmRuntime(Runtime):
         if not rules.fixed:
             raise SettingsError(f"vLLM drafts k={rules.k} tokens every step: it has no n_min or p_min rules "
                                      f"(got n_min={rules.n_min}, p_min={rules.p_min})")
-        folders = [vllm_folder(hf_folder(path)) for path in (target, drafter)]
+        for path in (target, drafter):
+            if not Path(path).exists():
+                raise FileNotFoundError(f"model not found: {path}")
+        try:  # counted from the files given, before any conversion: an engine too big is refused first
+            needs = engine_needs(target, drafter, self.options)
+            halved = engine_needs(target, drafter, self.options, "bfloat16")
+        except Uncounted:  # vLLM's own load says what is wrong with the file
+            needs = halved = None
+        for engine in range(len(ENGINES) if needs else 0):
+            check_engines(needs, [engine], self.options, halved)
+        folders = [vllm_folder(hf_folder(path)) for path in (target, drafter)]  # conversions, one at a time
         for role, folder in zip(("target", "drafter"), folders):
             size = head_size(_config(folder))
             if size not in HEAD_SIZES:
                 raise RuntimeUnavailable(f"vLLM's CPU attention cannot run the {role}'s head size {size} "
                                          f"(it runs {', '.join(map(str, HEAD_SIZES))}): {folder}")
-        session = VllmSession(folders[0], folders[1], rules, self.options, Path(work_dir))
+        # Against what is free now, after the conversions, before any engine starts.
+        together = needs is None or plan_processes("vLLM", ENGINES, lambda which: check_engines(
+            needs, which, self.options, halved))
+        session = VllmSession(folders[0], folders[1], rules, self.options, Path(work_dir), one_at_a_time=not together)
+        session.notes = NOTES + (() if together else (ONE_AT_A_TIME,))
         self._ready = session.ready
         return session
 

@@ -181,7 +181,7 @@ def test_model_that_fails_to_load_raises_with_the_log_and_leaves_no_process(runt
     before = server_children()
     broken = tmp_path / "broken.gguf"
     broken.write_text("not a model")
-    with pytest.raises(RuntimeFailure, match="(?s)exited with code 1 while starting.*failed to load model"):
+    with pytest.raises(RuntimeFailure, match="(?s)exited with 1 while starting.*failed to load model"):
         runtime.open_native(broken, tiny_pair.path("drafter", "gguf"), DraftRules(4), tmp_path)
     assert server_children() == before
 
@@ -223,7 +223,7 @@ def test_server_killed_mid_run_keeps_finished_prompts(tmp_path):
         for pid in server_children() - before:
             os.kill(pid, signal.SIGKILL)
 
-    with pytest.raises(RuntimeFailure, match="(?s)killed by signal 9.*last lines"):
+    with pytest.raises(RuntimeFailure, match="(?s)killed by SIGKILL.*last lines"):
         run_pair(run_request(tmp_path), PROMPTS[:3], on_prompt=kill_servers)
     record = load_record(tmp_path / "run.json")
     assert [r.prompt_id for r in record.results] == [PROMPTS[0].id] and record.results[0].lossless

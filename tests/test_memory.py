@@ -5,7 +5,10 @@ what would fit, and each suggestion does fit. Too big honestly: a context whose 
 exceeds this machine's MemAvailable, or CROSSRT_MEMORY_LIMIT, the documented override of the
 free memory crossrt measures. Tiny pair and the real model's GGUF, 1 thread."""
 
+import os
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,9 +16,13 @@ from click.testing import CliRunner
 
 from crossrt.cli import main
 from crossrt.errors import CrossrtError
-from crossrt.run.memory import LIMIT_ENV, Device, MemoryShort, check_fits, footprint, parse_size
+from crossrt.run.memory import LIMIT_ENV, Device, MemoryShort, check_fits, footprint, loading, parse_size
 from crossrt.inputs.pairs import gguf_metadata
-from crossrt.run.runtime import RuntimeOptions, Rows, open_runtime
+from crossrt.backends.llama_server import ONE_AT_A_TIME
+from crossrt.inputs.pairs import load_pair
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.driver import RunRequest, run_pair
+from crossrt.run.runtime import DraftRules, RuntimeOptions, Rows, open_runtime
 
 from conftest import REPO, assert_clean_error
 
@@ -175,3 +182,92 @@ def test_sizes_are_read_with_binary_suffixes_and_a_bad_one_is_one_line():
     assert parse_size("4G") == 4 * 2 ** 30 and parse_size("512MiB") == 512 * 2 ** 20 and parse_size("100") == 100
     with pytest.raises(CrossrtError, match=f"{LIMIT_ENV}='lots' is not a size"):
         parse_size("lots")
+
+
+def llama_servers() -> int:
+    """Live llama-server processes this test process started."""
+    count = 0
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            name = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+        count += int(fields[1]) == os.getpid() and fields[0] != "Z" and name.endswith(b"llama-server")
+    return count
+
+
+def test_servers_that_do_not_fit_together_run_one_after_the_other_with_the_same_record(monkeypatch, capsys,
+                                                                                      tmp_path):
+    """llama-server's baseline server holds the target, its speculative server target and drafter.
+    A limit between the speculative server's need and both servers' makes crossrt run them one
+    after the other (every baseline first, then the speculative server alone), says so once, and
+    the record has the ids and counters of the run with both servers at once."""
+    n_ctx, prompts = 512, load_prompts("builtin")[:3]
+    baseline = footprint(TARGET, None, "f16").need(n_ctx)
+    speculative = baseline + footprint(DRAFTER, None, "f16").need(n_ctx)
+    servers = []
+
+    def run_with(name: str):
+        request = RunRequest(load_pair(REPO / "models" / "pairs" / "tiny.toml"), "llama-server", RuntimeOptions(n_ctx=n_ctx, threads=1),
+                             DraftRules(3), 16, tmp_path / name, mode="native")
+        return run_pair(request, prompts, on_prompt=lambda prompt, result: servers.append(llama_servers()))
+
+    together = run_with("together.json")
+    assert servers == [2, 2, 2] and "do not fit" not in capsys.readouterr().err
+    servers.clear()
+    monkeypatch.setenv(LIMIT_ENV, str((speculative + baseline + speculative) // 2))
+    apart = run_with("apart.json")
+    assert servers == [1, 1, 1]  # only the speculative server, at every prompt
+    said = [line for line in capsys.readouterr().err.splitlines() if "do not fit in memory together" in line]
+    assert len(said) == 1 and said[0].startswith("note: llama-server's baseline server and speculative server")
+    assert ONE_AT_A_TIME in apart.notes and ONE_AT_A_TIME not in together.notes
+    assert [r.prompt_id for r in apart.results] == [p.id for p in prompts]
+    for ours, theirs in zip(apart.results, together.results):
+        assert ours.ok and theirs.ok
+        assert (ours.prompt_ids, ours.baseline_ids, ours.output_ids) == \
+            (theirs.prompt_ids, theirs.baseline_ids, theirs.output_ids)
+        assert ours.counters == theirs.counters
+
+    monkeypatch.setenv(LIMIT_ENV, str(speculative - 1))  # the speculative server alone does not fit
+    with pytest.raises(MemoryShort, match=r"^not enough memory for target.f32.gguf \+ drafter.f32.gguf on "
+                                          r"llama-server: .* short; would fit: --n-ctx \d+ or less$"):
+        run_with("refused.json")
+
+
+def blocked_on_a_lock(root: int) -> bool:
+    """root or a process under it waits for a flock (/proc/locks lists waiters as '-> FLOCK ... pid')."""
+    parents = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+
+    def under_root(pid: int) -> bool:
+        while pid not in (root, 0, 1) and pid in parents:
+            pid = parents[pid]
+        return pid == root
+
+    return any(fields[1:3] == ["->", "FLOCK"] and under_root(int(fields[5]))
+               for fields in map(str.split, Path("/proc/locks").read_text().splitlines()))
+
+
+def test_runs_sharing_a_loading_lock_check_and_load_one_at_a_time(tmp_path):
+    """parity --jobs starts its runs at once, each checking against memory free now: runs that
+    share RunRequest.loading_lock hold it from their check until their models are in memory.
+    Held here, a run in another thread waits at it, then loads and runs once let go."""
+    lock = tmp_path / "loading.lock"
+    request = RunRequest(load_pair(REPO / "models" / "pairs" / "tiny.toml"), "llama-cpp",
+                         RuntimeOptions(n_ctx=512, threads=1), DraftRules(3), 4, tmp_path / "run.json",
+                         loading_lock=lock)
+    outcome = {}
+    runner = threading.Thread(target=lambda: outcome.update(record=run_pair(request, load_prompts("code")[:1])))
+    with loading(lock):
+        runner.start()
+        deadline = time.monotonic() + 120
+        while not blocked_on_a_lock(os.getpid()) and runner.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert blocked_on_a_lock(os.getpid()) and not outcome
+    runner.join(300)
+    assert outcome["record"].results[0].ok

@@ -8,7 +8,11 @@ needs no vLLM (refusals, the folder vLLM reads, the counting) runs everywhere.
 """
 
 import json
+import os
 import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,7 @@ from click.testing import CliRunner
 from crossrt.backends import vllm
 from crossrt.builders.tinypair import build_pair
 from crossrt.cli import main
+from crossrt.inputs.pairs import load_pair
 from crossrt.errors import SettingsError
 from crossrt.records.record_json import load_record
 from crossrt.run.runtime import DraftRules, RuntimeFailure, RuntimeOptions, RuntimeUnavailable, availability
@@ -206,3 +211,45 @@ def test_the_real_model_runs_natively_on_vllm(real_pair, tmp_path):
     (only,) = load_record(out).results
     assert only.ok and only.prompt_ids[0] == 2 and 1 <= len(only.output_ids) <= 8  # Gemma's BOS first
     assert_vllm_counts(only, 7)
+
+
+def worker_children(drafter: bool) -> list[int]:
+    """Live vLLM workers this test process started, with or without a drafter."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and any(a.endswith(b"vllm_worker.py") for a in argv):
+            found += [int(entry)] if (b'"drafter": null' not in argv[-2]) == drafter else []
+    return found
+
+
+@needs_vllm
+def test_a_worker_killed_while_loading_is_named_by_its_signal(hd64_pair, tmp_path):
+    """A real vLLM worker killed by SIGKILL while it loads (the OOM killer's signal, sent from
+    here): the failure names the engine and the signal, never an exit code, and the other
+    engine's worker is stopped too."""
+    pair = load_pair(hd64_pair)
+    killed = []
+
+    def kill_the_baseline_worker():
+        deadline = time.monotonic() + 300
+        while not killed and time.monotonic() < deadline:
+            for pid in worker_children(drafter=False):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_baseline_worker)
+    killer.start()
+    try:
+        with pytest.raises(RuntimeFailure, match=r"^vLLM's baseline engine was killed by SIGKILL while "
+                                                 r"loading[^;]*; log "):
+            vllm.VllmRuntime(RuntimeOptions(threads=1)).open_native(
+                pair.path("target", "hf"), pair.path("drafter", "hf"), DraftRules(K), tmp_path)
+    finally:
+        killer.join()
+    assert killed and worker_children(drafter=True) == [] and worker_children(drafter=False) == []

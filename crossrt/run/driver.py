@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from crossrt.run import loop
 from crossrt.run.baselines import BaselineStore, RunBaselines, run_key
@@ -19,6 +19,7 @@ from crossrt.errors import PromptRefused, SettingsError
 from crossrt.records.journal import storage_error
 from crossrt.inputs.pairs import ROLES, Pair, pair_info
 from crossrt.inputs.prompts import Prompt
+from crossrt.run.memory import loading
 from crossrt.run.resume import check_prompts, prompt_sha256, starting_record
 from crossrt.run.run_writer import RunWriter, record_lock
 from crossrt.run.runtime import (DraftRules, ModelSession, NativeSession, Runtime, RuntimeOptions,
@@ -55,6 +56,9 @@ class RunRequest:
     # record names each baseline's source either way.
     baselines: Optional[BaselineStore] = None
     strategy: Strategy = Strategy()  # driven mode only: drafting, k policy, acceptance (crossrt/run/strategies.py)
+    # Runs started at once (parity --jobs) share this lock file, held from each one's memory check
+    # until its models are loaded (crossrt.run.memory.loading); None: no lock.
+    loading_lock: Optional[Path] = None
 
 
 def _baseline(baselines: Optional[RunBaselines], prompt_ids: tuple[int, ...], max_new_tokens: int,
@@ -125,16 +129,41 @@ def _tree_session(runtime: Runtime, request: RunRequest, path: Path, stack: cont
     return stack.enter_context(runtime.load_tree(path, leaves))
 
 
-def run_prompt_native(session: NativeSession, prompt: Prompt, max_new_tokens: int, k: int,
-                      shared_ids: Optional[Sequence[int]] = None,
-                      baselines: Optional[RunBaselines] = None) -> PromptResult:
-    """The runtime's own plain and speculative generation of one prompt. A prompt that cannot
-    run becomes a failed result; a runtime that breaks (RuntimeFailure) ends the run."""
+@dataclass(frozen=True)
+class NativeBaseline:
+    """One prompt's ids and plain greedy baseline on a native session, or why it was refused."""
+
+    prompt_ids: tuple[int, ...]
+    own_ids: Optional[tuple[int, ...]] = None
+    baseline: Any = None  # (Baseline or NativeGeneration, its BaselineSource)
+    refused: Optional[str] = None
+
+
+def native_baseline(session: NativeSession, prompt: Prompt, max_new_tokens: int,
+                    shared_ids: Optional[Sequence[int]] = None,
+                    baselines: Optional[RunBaselines] = None) -> NativeBaseline:
     prompt_ids: tuple[int, ...] = ()
     try:
         prompt_ids, own_ids = _prompt_ids(session.tokenize, prompt, shared_ids)
-        baseline, source = _baseline(baselines, prompt_ids, max_new_tokens, False,
-                                     lambda: session.generate(prompt_ids, max_new_tokens, speculative=False))
+        return NativeBaseline(prompt_ids, own_ids, _baseline(
+            baselines, prompt_ids, max_new_tokens, False,
+            lambda: session.generate(prompt_ids, max_new_tokens, speculative=False)))
+    except PromptRefused as error:
+        return NativeBaseline(prompt_ids, refused=str(error))
+
+
+def run_prompt_native(session: NativeSession, prompt: Prompt, max_new_tokens: int, k: int,
+                      shared_ids: Optional[Sequence[int]] = None,
+                      baselines: Optional[RunBaselines] = None, first: Optional[NativeBaseline] = None) -> PromptResult:
+    """The runtime's own plain and speculative generation of one prompt (first: its baseline,
+    decoded before, where the session runs one process at a time). A prompt that cannot run
+    becomes a failed result; a runtime that breaks (RuntimeFailure) ends the run."""
+    first = first or native_baseline(session, prompt, max_new_tokens, shared_ids, baselines)
+    prompt_ids, own_ids = first.prompt_ids, first.own_ids
+    try:
+        if first.refused is not None:
+            raise PromptRefused(first.refused)
+        baseline, source = first.baseline
         speculative = session.generate(prompt_ids, max_new_tokens, speculative=True)
     except PromptRefused as error:
         return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
@@ -184,8 +213,9 @@ class LoadedModels:
 def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.ExitStack,
                    models: Optional[LoadedModels] = None):
     """A function running one prompt (and filling a trace recorder) in the requested mode,
-    the native session when the mode is native, and the session that tokenizes prompts (and
-    renders chat templates, where the runtime does)."""
+    the native session when the mode is native, the session that tokenizes prompts (and
+    renders chat templates, where the runtime does), and what runs before the prompts (native
+    mode: every baseline first, where the session runs one process at a time) or None."""
     if request.mode not in runtime.modes:
         raise RuntimeUnavailable(f"runtime {runtime.name!r} has no {request.mode} mode "
                                  f"(it has: {', '.join(runtime.modes)})")
@@ -206,23 +236,37 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
             work_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise storage_error(work_dir, error) from None
-        session = stack.enter_context(runtime.open_native(paths["target"], paths["drafter"], request.rules, work_dir))
-        return (lambda prompt, _, baselines: run_prompt_native(session, prompt, request.max_new_tokens,
-                                                              request.rules.k, shared(prompt), baselines)), \
-            session, session
+        with loading(request.loading_lock):
+            session = stack.enter_context(runtime.open_native(paths["target"], paths["drafter"], request.rules,
+                                                              work_dir))
+        firsts: dict[str, NativeBaseline] = {}
+
+        def run_native(prompt: Prompt, _, baselines: Optional[RunBaselines]) -> PromptResult:
+            return run_prompt_native(session, prompt, request.max_new_tokens, request.rules.k, shared(prompt),
+                                     baselines, firsts.pop(prompt.id, None))
+
+        def baselines_first(todo: Sequence[Prompt], baselines: Optional[RunBaselines]) -> None:
+            """Where the session runs one process at a time, every baseline before the first
+            speculative run, so its processes start once each (NativeSession.one_at_a_time)."""
+            if session.one_at_a_time:
+                firsts.update((p.id, native_baseline(session, p, request.max_new_tokens, shared(p), baselines))
+                              for p in todo)
+
+        return run_native, session, session, baselines_first
     strategy = request.strategy
     loop.check_strategy(strategy, request.schedule, request.rules, request.trace)  # before any loading
     lookup = strategy.drafting == "prompt-lookup"
-    if models is not None:
-        target = models.load(runtime, paths["target"])
-        drafter = None if lookup else models.load(runtime, paths["drafter"])
-    else:
-        target = stack.enter_context(runtime.load(paths["target"]))
-        drafter = None if lookup else stack.enter_context(runtime.load(paths["drafter"]))
-    tree_target = _tree_session(runtime, request, paths["target"], stack) if strategy.drafting == "tree" else None
+    with loading(request.loading_lock):
+        if models is not None:
+            target = models.load(runtime, paths["target"])
+            drafter = None if lookup else models.load(runtime, paths["drafter"])
+        else:
+            target = stack.enter_context(runtime.load(paths["target"]))
+            drafter = None if lookup else stack.enter_context(runtime.load(paths["drafter"]))
+        tree_target = _tree_session(runtime, request, paths["target"], stack) if strategy.drafting == "tree" else None
     return (lambda prompt, trace, baselines: run_prompt(target, drafter, prompt, request.rules,
                                                         request.max_new_tokens, request.schedule, shared(prompt),
-                                                        trace, baselines, strategy, tree_target)), None, target
+                                                        trace, baselines, strategy, tree_target)), None, target, None
 
 
 def run_pair(request: RunRequest, prompts: Sequence[Prompt],
@@ -241,7 +285,7 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
         stack.enter_context(record_lock(request.out))  # first: a second writer is refused before any loading
         runtime = open_runtime(request.runtime, request.options)
         info = pair_info(request.pair, runtime.model_format)
-        run_one, native, prompt_session = _prompt_runner(runtime, request, stack, models)
+        run_one, native, prompt_session, before_prompts = _prompt_runner(runtime, request, stack, models)
         driven = native is None
         # k: the most a step drafts (a k policy's largest, a tree's nodes), which the counters are checked against.
         params = RunParams(k=loop.draft_bound(request.strategy, request.rules.k) if driven else request.rules.k,
@@ -265,6 +309,8 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
         resumed = request.out.exists() and not request.overwrite  # starting_record refused anything else
         writer = RunWriter(record, request.out, traces if request.trace else None, continues=resumed)
         try:
+            if before_prompts is not None:
+                before_prompts([prompt for prompt in prompts if prompt.id not in done], baselines)
             for prompt in prompts:
                 result = None
                 if prompt.id not in done:

@@ -17,13 +17,21 @@ memory for the layers offloaded (n_gpu_layers of the model's blocks), shared as 
 says, else by free memory as llama.cpp splits. Compute buffers, logits and the runtime itself
 are not counted: the check refuses what cannot fit, it does not promise what can.
 
+A runtime that keeps models in more than one process (llama-server's speculative and baseline
+servers, vLLM's two engines) asks plan_processes before starting any: all of them together if
+they fit, else one after the other (the baseline's, then the speculative one's: said once on
+stderr), else the one-line refusal of the one that does not fit alone.
+
 CROSSRT_MEMORY_LIMIT=SIZE (bytes, or with K/M/G/T, e.g. 4G) replaces the free memory crossrt
-measures on every device, RAM and each GPU: to see what a smaller machine would refuse, or to
-let a run past a check that counts memory the machine can still make (swap).
+measures on every device, RAM and each GPU: to see what a smaller machine would refuse or run
+one process at a time, or to let a run past a check that counts memory the machine can still
+make (swap).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import mmap
@@ -32,9 +40,12 @@ import re
 import struct
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+import click
 
 from crossrt.errors import CrossrtError, SettingsError
 from crossrt.inputs.gguf_file import read_layout
@@ -56,7 +67,12 @@ ALL_LAYERS = 1 << 30  # gpu_layers for a runtime that puts a whole model on a GP
 
 
 class MemoryShort(CrossrtError):
-    """A run's models do not fit in the memory free on this machine: what, by how much, and what would."""
+    """A run's models do not fit in the memory free on this machine: what, by how much (shortage),
+    and what would (advice)."""
+
+    def __init__(self, shortage: str, advice: str):
+        super().__init__(f"{shortage}; {advice}")
+        self.shortage = shortage
 
 
 @dataclass(frozen=True)
@@ -137,10 +153,10 @@ def footprint(path: Path, dtype: Optional[str], kv_cache: str, converting: bool 
         return _gguf_footprint(path, dtype, KV_BYTES[kv_cache], converting)
     except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
         # The runtime's own load says what is wrong with the file; the check only cannot count it.
-        raise _Uncounted(f"{path}: {error}") from None
+        raise Uncounted(f"{path}: {error}") from None
 
 
-class _Uncounted(Exception):
+class Uncounted(Exception):
     """A model whose size cannot be read from its files: the check leaves it to the runtime's load."""
 
 
@@ -196,8 +212,8 @@ def gpus() -> list[Device]:
             for i, free in enumerate(free)]
 
 
-def _gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB / 10 else f"{n / 2 ** 20:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -248,7 +264,7 @@ def check_fits(paths: Sequence[Path], n_ctx: int, *, runtime: str, kv_cache: str
         gpu_layers = 0
     try:
         models = [footprint(path, dtype, kv_cache, converting) for path in paths]
-    except _Uncounted:
+    except Uncounted:
         return
     devices = {device.label: device for device in ([ram()] + (gpus() if gpu_layers > 0 else [])) if device}
     found = [device.free for label, device in devices.items() if label != "RAM"]
@@ -270,7 +286,7 @@ def check_fits(paths: Sequence[Path], n_ctx: int, *, runtime: str, kv_cache: str
     if smaller:
         halved = [footprint(path, smaller, "bf16" if kv_cache == "f32" else kv_cache, converting) for path in paths]
         if not _plan(halved, n_ctx, gpu_layers, shares).short(devices):
-            fits.append(f"--dtype {smaller} ({_gib(sum(m.need(n_ctx) for m in halved))})")
+            fits.append(f"--dtype {smaller} ({gib(sum(m.need(n_ctx) for m in halved))})")
     n_fit = _largest_ctx(models, gpu_layers, shares, devices)
     if n_fit >= MIN_CTX:
         fits.append(f"--n-ctx {n_fit} or less")
@@ -281,9 +297,9 @@ def check_fits(paths: Sequence[Path], n_ctx: int, *, runtime: str, kv_cache: str
     advice = ("would fit: " + ", ".join(fits)) if fits else "nothing smaller in dtype, context or split fits: " \
         "a smaller model or quantization, or more memory"
     raise MemoryShort(
-        f"not enough memory for {what} {where}: {_gib(plan.needs[label])} on {label} (weights {_gib(weights)} "
-        f"and KV cache {_gib(kv)} for n_ctx {n_ctx} in all) but {_gib(device.free)} free ({device.source}), "
-        f"{_gib(missing)} short; {advice}")
+        f"not enough memory for {what} {where}: {gib(plan.needs[label])} on {label} (weights {gib(weights)} "
+        f"and KV cache {gib(kv)} for n_ctx {n_ctx} in all) but {gib(device.free)} free ({device.source}), "
+        f"{gib(missing)} short", advice)
 
 
 def check_gguf_fits(paths: Sequence[Path], options: "RuntimeOptions", runtime: str, gpu: bool) -> None:
@@ -291,3 +307,51 @@ def check_gguf_fits(paths: Sequence[Path], options: "RuntimeOptions", runtime: s
     says, options.n_gpu_layers blocks offloaded where the build has a GPU (gpu)."""
     check_fits(paths, options.n_ctx, runtime=runtime, kv_cache="f32" if options.f32_kv_cache else "f16",
                gpu_layers=options.n_gpu_layers if gpu else 0, gpu_split=options.gpu_split)
+
+
+def plan_processes(runtime: str, names: Sequence[str], check: Callable[[Sequence[int]], None]) -> bool:
+    """Whether the processes called names (in the order they run one after the other) fit in
+    memory all at once (True), or only one at a time (False: said once, on stderr). check(indices)
+    raises MemoryShort when those processes together do not fit; a process that does not fit
+    alone is refused with its own MemoryShort."""
+    try:
+        check(range(len(names)))
+        return True
+    except MemoryShort as together:
+        for index in range(len(names)):
+            check([index])
+        click.echo(f"note: {runtime}'s {' and '.join(names)} do not fit in memory together ({together.shortage}), so "
+                   f"they run one after the other: {', then '.join(names)}", err=True)
+        return False
+
+
+
+_held_here = threading.local()
+
+
+@contextlib.contextmanager
+def loading(lock_file: Optional[Path]):
+    """Held while a run checks its models' memory and loads them, by the runs that share
+    lock_file (parity --jobs starts its runs at once, each checking against memory free now):
+    a second run's check waits until the first run's models are in memory, counted in what is
+    free. None: nothing held. Re-entered freely by one thread."""
+    depth = getattr(_held_here, "depth", 0)
+    if lock_file is None:
+        yield
+        return
+    if depth:
+        _held_here.depth = depth + 1
+        try:
+            yield
+        finally:
+            _held_here.depth -= 1
+        return
+    Path(lock_file).parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(lock_file, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        _held_here.depth = 1
+        yield
+    finally:
+        _held_here.depth = 0
+        os.close(descriptor)  # releases the lock

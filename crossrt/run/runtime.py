@@ -229,6 +229,10 @@ class NativeSession(abc.ABC):
 
     schedule: str
     notes: tuple[str, ...] = ()
+    # True where its baseline and speculative processes do not fit in memory together
+    # (crossrt.run.memory.plan_processes): one runs at a time, so the driver decodes every
+    # baseline before the first speculative generation.
+    one_at_a_time: bool = False
 
     @abc.abstractmethod
     def tokenize(self, text: str) -> list[int]:

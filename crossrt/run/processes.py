@@ -1,0 +1,125 @@
+"""How a child process crossrt started ended, told as it happened.
+
+A runtime's process (a llama-server, a vLLM worker with the engine-core and executor processes it
+starts) that the kernel's out-of-memory killer ends is otherwise reported as its exit code: vLLM's
+worker exits with 1 when the process holding its weights is killed under it. ProcessTree samples
+the process and its descendants while crossrt waits on them (what they hold, which are alive,
+the kernel's count of OOM kills), so that the end can be named: the signal, the process it
+reached, and the kernel's out-of-memory killer where its count rose meanwhile (its victims are
+always killed by SIGKILL), with the memory held and free just before.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Optional
+
+from crossrt.run.memory import gib, ram
+
+
+def oom_kills() -> Optional[int]:
+    """Processes the kernel's out-of-memory killer has killed since boot (/proc/vmstat oom_kill,
+    Linux 4.13 on), or None where it cannot be read."""
+    try:
+        match = re.search(r"^oom_kill (\d+)$", Path("/proc/vmstat").read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def _alive_descendants(root: int) -> dict[int, str]:
+    """pid -> name of root and every process under it that has not exited (zombies excluded)."""
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        rest = stat[stat.rindex(")") + 1:].split()
+        if rest[0] != "Z":
+            names[int(entry)] = stat[stat.index("(") + 1:stat.rindex(")")]
+            children.setdefault(int(rest[1]), []).append(int(entry))
+    found, todo = {}, [root] if root in names else []
+    while todo:
+        pid = todo.pop()
+        found[pid] = names[pid]
+        todo += children.get(pid, [])
+    return found
+
+
+def _held(pid: int) -> int:
+    """Bytes pid holds that the kernel cannot reclaim (RssAnon + RssShmem: the OOM killer's count)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return sum(int(kb) * 1024 for kb in re.findall(r"^Rss(?:Anon|Shmem):\s+(\d+) kB", status, re.MULTILINE))
+
+
+class ProcessTree:
+    """A child process and the processes under it, sampled while crossrt waits on it."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._oom_start = oom_kills()
+        self._alive: dict[int, tuple[str, int]] = {}  # pid -> (name, bytes held) at the last sample
+        self._before_oom = (0, 0)  # (bytes the tree held, RAM free) at the last sample before an OOM kill
+        self._victim: Optional[tuple[str, int]] = None  # (name, pid): the first to vanish after an OOM kill
+
+    def _oom_rose(self) -> bool:
+        now = oom_kills()
+        return None not in (now, self._oom_start) and now > self._oom_start
+
+    def sample(self, exited: bool = False) -> None:
+        """exited: the process itself has exited by itself (so it is not the OOM killer's victim)."""
+        alive = {pid: (name, _held(pid)) for pid, name in _alive_descendants(self.pid).items()}
+        if not self._oom_rose():
+            free = ram()
+            self._before_oom = (sum(held for _, held in alive.values()), free.free if free else 0)
+        elif self._victim is None:
+            # The OOM killer's victim is the process holding the most, and its SIGKILL leaves the
+            # others running a moment longer: the largest of the first to vanish.
+            gone = [(held, name, pid) for pid, (name, held) in self._alive.items()
+                    if pid not in alive and not (exited and pid == self.pid)]
+            if gone:
+                _, name, pid = max(gone)
+                self._victim = (name, pid)
+        self._alive = alive
+
+    def ended(self, returncode: int, inner: Optional[tuple[str, int]] = None, during: str = "") -> str:
+        """How the process ended, to follow its name: "was killed by SIGKILL{during}: the kernel's
+        out-of-memory killer (...)", or "exited with 1{during}" (during: " while loading", ...).
+        inner: (name, exit code) of one of its processes as the program itself reported it
+        (vLLM: "Worker proc ... died unexpectedly (exit code: -9)")."""
+        self.sample(exited=returncode >= 0)
+        number, who = None, ""
+        if returncode < 0:
+            number = -returncode
+        elif inner is not None and inner[1] < 0:
+            number, who = -inner[1], f" (its process {inner[0]})"
+        elif self._victim is not None:
+            number, who = signal.SIGKILL, f" (its process {self._victim[0]}, pid {self._victim[1]})"
+        if number is None:
+            return f"exited with {returncode}{during}"
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        killed = f"was killed by {name}{who}{during}"
+        if number != signal.SIGKILL or None in (oom_kills(), self._oom_start):
+            return killed
+        if self._oom_rose():
+            held, free = self._before_oom
+            return f"{killed}: the kernel's out-of-memory killer ({gib(held)} in use by its processes, {gib(free)} free)"
+        return f"{killed} (not by the kernel's out-of-memory killer: its count did not change)"
+
+    def oom_victim(self, during: str = "") -> Optional[str]:
+        """Where the kernel's out-of-memory killer killed one of the processes under a process that
+        lives on and reports the loss as an error of its own (vLLM's worker: "EngineDeadError"),
+        how, as ended() tells it ("was killed by SIGKILL (its process ...)..."); else None."""
+        self.sample()
+        return self.ended(0, during=during) if self._victim is not None else None
