@@ -1,7 +1,9 @@
 """A pytest plugin: pytest-xdist scheduling for scripts/test (--dist loadgroup).
 
 A test file runs whole on one worker, as with --dist loadfile, so its module-scoped models,
-servers and runs start once; and the tests marked alone (sub-second probes, timeouts a prompt
+servers and runs start once; the longest files start first (tests/file_durations.txt), so
+the two workers end about together instead of one starting a long file near the end; and the
+tests marked alone (sub-second probes, timeouts a prompt
 must beat) run last, by themselves: on one worker, once every other worker is idle and nothing
 else is left, so no other test shares the CPU with them.
 
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 from xdist.scheduler import LoadScopeScheduling
 
+DURATIONS = Path(__file__).with_name("file_durations.txt")
 ALONE = "alone"  # the marker, and the scheduler's unit of those tests
 WORKER_KEY = "crossrt_alone_ids"  # the file of alone test ids, in each worker's workerinput
 FOLDER = pytest.StashKey[Path]()
@@ -53,6 +56,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return None
 
 
+def file_durations() -> dict[str, float]:
+    """tests/file_durations.txt: "seconds path" lines, # comments."""
+    seconds = {}
+    for line in DURATIONS.read_text().splitlines() if DURATIONS.is_file() else []:
+        if line.strip() and not line.startswith("#"):
+            value, path = line.split()
+            seconds[path] = float(value)
+    return seconds
+
+
 class AloneLast(LoadScopeScheduling):
     """A worker holds its last test until it is given more or told to stop (pytest needs the
     next test to tear down fixtures), so "the others are idle" means "the others are down": once
@@ -64,6 +77,7 @@ class AloneLast(LoadScopeScheduling):
     def schedule(self) -> None:
         ids = self.config.stash[FOLDER] / "ids"  # written before the workers reported their collections
         self.alone = set(ids.read_text().splitlines()) if ids.is_file() else set()
+        self.seconds = file_durations()
         super().schedule()
 
     def _split_scope(self, nodeid: str) -> str:
@@ -72,8 +86,9 @@ class AloneLast(LoadScopeScheduling):
         return nodeid.split("::", 1)[0]  # the file
 
     def _assign_work_unit(self, node) -> None:
-        if ALONE in self.workqueue and len(self.workqueue) > 1:
-            self.workqueue.move_to_end(ALONE)  # every other unit first
+        if len(self.workqueue) > 1:  # the longest file next; the alone tests after every file
+            longest = max(self.workqueue, key=lambda scope: -1.0 if scope == ALONE else self.seconds.get(scope, 0.0))
+            self.workqueue.move_to_end(longest, last=False)
         elif list(self.workqueue) == [ALONE] and len(self.assigned_work) > 1:
             return  # not yet: _reschedule stops the other workers first
         super()._assign_work_unit(node)
