@@ -90,6 +90,36 @@ def test_a_crashed_runtime_fails_parity_and_the_other_runtime_still_runs(tmp_pat
     assert [r.ok for r in load_record(out_dir / "tiny-transformers-driven-k4.json").results] == [True, True]
 
 
+@pytest.fixture(scope="module")
+def two_records(tmp_path_factory):
+    """Two runs of the tiny pair on llama.cpp (k 3 and 2): the same outputs, other counts."""
+    folder = tmp_path_factory.mktemp("two")
+    prompts = prompt_file(folder)
+    for k in (3, 2):
+        done = cli("run", "--pair", TINY_PAIR, "--threads", 1, "--k", k, "--max-new-tokens", 8, "--prompts", prompts,
+                   "--out", folder / f"k{k}.json", cwd=folder)
+        assert done.returncode == 0, done.stderr
+    return folder / "k3.json", folder / "k2.json"
+
+
+def test_a_crash_while_re_scoring_fails_parity_and_the_runs_are_still_compared(two_records, tmp_path):
+    """Explaining splits and re-scoring logits load llama.cpp in a process of their own: the same
+    verdict as in crossrt's process when it lives; when it dies (here as it starts), a FAIL
+    naming it, and the runs compared from what they recorded."""
+    a, b = two_records
+    whole = cli("parity", a, b, "--threads", 1, cwd=tmp_path)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    assert "logits along common outputs: 3/3 within tolerance" in whole.stdout, whole.stdout
+    crashed = cli("parity", a, b, "--threads", 1, cwd=tmp_path, crash="re-scoring:0")
+    assert crashed.returncode == 1 and "Traceback" not in crashed.stderr, crashed.stdout + crashed.stderr
+    assert re.search(r"^FAIL re-scoring: crashed: SIGSEGV \(Segmentation fault\) in ctypes/__init__\.py:\d+ "
+                     r"string_at, from crossrt/run/isolation\.py:\d+ _crash; the runs were compared from what they "
+                     r"recorded, nothing re-scored$", crashed.stdout, re.M), crashed.stdout
+    assert re.search(r"^llama-cpp/driven \(k3\.json\) vs llama-cpp/driven \(k2\.json\): 3 prompts: 3 identical",
+                     crashed.stdout, re.M), crashed.stdout
+    assert "logits along common outputs" not in crashed.stdout
+
+
 SWEEP = """
 name = "crash"
 [axes]

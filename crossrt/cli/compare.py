@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -17,9 +16,9 @@ from crossrt.compare.diff import diff_records, render_diff, render_record_splits
 from crossrt.errors import ComparisonError
 from crossrt.records.journal import write_atomically
 from crossrt.inputs.pairs import resolve_pair, run_k
-from crossrt.compare.parity import compare_against, compare_all, labelled
-from crossrt.compare.parity_report import ParityReport, logit_checks, render_junit, render_markdown, render_text
-from crossrt.compare.parity_run import Matrix, run_matrix, score_records
+from crossrt.compare.parity import labelled
+from crossrt.compare.parity_report import ParityReport, render_junit, render_markdown, render_text
+from crossrt.compare.parity_run import Matrix, compare_isolated, run_matrix
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
 from crossrt.records.schema import RecordError
@@ -27,7 +26,6 @@ from crossrt.compare.replay import Replayer
 from crossrt.report.parity import parity_html
 from crossrt.run.runtime import DraftRules, runtime_names, usable_runtimes
 from crossrt.compare.tau_gap import parity_gaps
-from crossrt.compare.tolerance import tolerance_for
 
 
 def distinct_records(paths: Sequence[Path]) -> None:
@@ -119,24 +117,13 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
         records_run, not_run, skipped = run_matrix(matrix, prompts, jobs=jobs,
                                                    on_run=lambda label: click.echo(f"running {label}", err=True))
         runs = labelled(records_run, [""] * len(records_run))
-    with Replayer() as replay:
-        started = time.perf_counter()
-        comparisons = compare_all(runs, counter_tolerance, logit_tolerance, strict,
-                                  replay=None if no_rescore else replay)
-        if baselines:
-            comparisons += compare_against(runs, [load_record(path) for path in baselines], counter_tolerance,
-                                           None if no_rescore else replay)
-        if replay.passes:
-            click.echo(f"explaining: {replay.passes} passes re-scored in {time.perf_counter() - started:.1f} s",
-                       err=True)
-    by_label = dict(runs)
-
-    def tolerance(label_a: str, label_b: str):
-        return tolerance_for(by_label[label_a], by_label[label_b], logit_tolerance)
-
-    scored = [run for run in runs if not run[1].imported]  # imported: no outputs to re-score
-    checks = () if no_logits else logit_checks(comparisons, score_records(scored), tolerance)
-    report = ParityReport(tuple(comparisons), checks, tuple(not_run), counters_only)
+    # Explaining splits and re-scoring logits load runtimes: in a process of their own, where a crash
+    # is a FAIL and the runs are still compared from what they recorded.
+    verdicts, crashed = compare_isolated(runs, [load_record(path) for path in baselines], counter_tolerance,
+                                         logit_tolerance, strict, not no_rescore, not no_logits)
+    if verdicts.passes:
+        click.echo(f"explaining: {verdicts.passes} passes re-scored in {verdicts.explain_s:.1f} s", err=True)
+    report = ParityReport(verdicts.comparisons, verdicts.logit_checks, tuple(not_run) + tuple(crashed), counters_only)
     for line in skipped:
         click.echo(f"skipped {line}", err=True)
     if len(runs) < 2 and not baselines:

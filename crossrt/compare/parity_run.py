@@ -1,9 +1,11 @@
-"""Running a parity matrix: one record per (runtime, mode), then logits of every output
-re-scored on each record's runtime, for crossrt.compare.parity and crossrt.compare.parity_report."""
+"""Running a parity matrix: one record per (runtime, mode), then the runs compared, splits
+explained and logits of every output re-scored on each record's runtime, for
+crossrt.compare.parity and crossrt.compare.parity_report."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -14,9 +16,12 @@ import numpy as np
 from crossrt.run.baselines import BaselineStore
 from crossrt.inputs.chat_template import ChatRendering
 from crossrt.run.driver import RunRequest
-from crossrt.run.isolation import IsolatedRun, RuntimeCrashed
+from crossrt.run.isolation import IsolatedRun, RuntimeCrashed, call_isolated
 from crossrt.inputs.pairs import Pair
-from crossrt.compare.parity_report import NotRun
+from crossrt.compare.parity import PromptParity, compare_against, compare_all
+from crossrt.compare.parity_report import LogitCheck, NotRun, logit_checks
+from crossrt.compare.replay import Replayer
+from crossrt.compare.tolerance import tolerance_for
 from crossrt.inputs.prompts import Prompt
 from crossrt.compare.rescore import open_scorer, score, scoring_runtime
 from crossrt.run.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, runtime_class
@@ -113,7 +118,7 @@ def score_records(runs: Sequence[tuple[str, RunRecord]]) -> dict[tuple[str, str]
     scored = {}
     with contextlib.ExitStack() as stack:
         for label, record in runs:
-            key = (scoring_runtime(record.runtime.name), record.pair.target.path, record.runtime.kv_cache,
+            key = (scoring_runtime(record.runtime), record.pair.target.path, record.runtime.kv_cache,
                    record.runtime.flash_attn)
             if key not in scorers:
                 scorers[key] = stack.enter_context(open_scorer(record))
@@ -122,3 +127,50 @@ def score_records(runs: Sequence[tuple[str, RunRecord]]) -> dict[tuple[str, str]
                     scored[(label, result.prompt_id)] = score(scorers[key], result.prompt_ids, result.output_ids)
     return scored
 
+
+
+RESCORING = "re-scoring"  # what a crash while explaining splits or re-scoring logits is named after
+
+
+@dataclass(frozen=True)
+class Verdicts:
+    comparisons: tuple[PromptParity, ...]
+    logit_checks: tuple[LogitCheck, ...]
+    passes: int  # passes re-scored to explain splits
+    explain_s: float
+
+
+def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecord], counter_tolerance: float,
+                 logit_tolerance: Optional[float], strict: bool, rescore: bool, logits: bool) -> Verdicts:
+    """Every comparison of the runs (and of them against saved records), splits explained by
+    re-scoring passes where rescore, logits along common outputs re-scored where logits."""
+    with Replayer() as replay:
+        started = time.perf_counter()
+        comparisons = compare_all(runs, counter_tolerance, logit_tolerance, strict, replay=replay if rescore else None)
+        if saved:
+            comparisons += compare_against(runs, saved, counter_tolerance, replay if rescore else None)
+        passes, explain_s = replay.passes, time.perf_counter() - started
+    by_label = dict(runs)
+    checks = ()
+    if logits:
+        scored = [run for run in runs if not run[1].imported]  # imported: no outputs to re-score
+        checks = logit_checks(comparisons, score_records(scored),
+                              lambda a, b: tolerance_for(by_label[a], by_label[b], logit_tolerance))
+    return Verdicts(tuple(comparisons), tuple(checks), passes, explain_s)
+
+
+def compare_isolated(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecord], counter_tolerance: float,
+                     logit_tolerance: Optional[float], strict: bool, rescore: bool,
+                     logits: bool) -> tuple[Verdicts, list[NotRun]]:
+    """compare_runs in a process of its own where it may load a runtime to re-score (the scoring
+    runtimes run in-process: crossrt/run/isolation.py). If that process crashes, the crash is a failure (NotRun, crashed)
+    and the runs are compared here from what they recorded, nothing re-scored."""
+    if not (rescore or logits) or all(record.imported for _, record in runs):  # nothing to load
+        return compare_runs(runs, saved, counter_tolerance, logit_tolerance, strict, rescore, logits), []
+    try:
+        return call_isolated(RESCORING, compare_runs, list(runs), list(saved), counter_tolerance, logit_tolerance,
+                             strict, rescore, logits), []
+    except RuntimeCrashed as crash:
+        verdicts = compare_runs(runs, saved, counter_tolerance, logit_tolerance, strict, False, False)
+        return verdicts, [NotRun(RESCORING, f"{crash.cause()}; the runs were compared from what they recorded, "
+                                            "nothing re-scored", what="crashed")]

@@ -15,8 +15,8 @@ group of its own, so a terminal's Ctrl-C reaches the parent alone, which passes 
 and waits for the child to keep what it finished.
 
 Test hook: CROSSRT_TEST_CRASH_AFTER=RUNTIME:N[:SIGNAL] makes a child running RUNTIME die by a
-real signal after N finished prompts (SIGSEGV: a read of address 0; another: sent to itself),
-for the tests that check what a crash leaves (tests/test_isolation.py).
+real signal after N finished prompts (N = 0: as it starts; SIGSEGV: a read of address 0;
+another: sent to itself), for the tests that check what a crash leaves (tests/test_isolation.py).
 """
 
 from __future__ import annotations
@@ -165,14 +165,17 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _main() -> None:
-    """The child: `python -c` runs this with the message pipe's descriptor, the dump file and the
-    parent's pid; sys.path and the call come pickled on stdin."""
-    write_fd, dump_path, parent = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    """The child: `python -c` runs this with the message pipe's descriptor, the dump file, the
+    parent's pid and the runtime's name; sys.path and the call come pickled on stdin."""
+    write_fd, dump_path, parent, runtime = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
     _die_with_parent(parent)
     connection = Connection(write_fd, readable=False)
     faulthandler.enable(open(dump_path, "w"), all_threads=True)
     sys.path[:] = pickle.load(sys.stdin.buffer)  # first, so the call's own modules import
     function, args, events = pickle.load(sys.stdin.buffer)
+    hook = crash_hook(runtime)
+    if hook is not None and hook[0] == 0:  # the test hook's "after 0 prompts": at once
+        _crash(hook[1])
     try:
         emit = (lambda payload: connection.send(("event", payload))) if events else None
         result = function(*args, emit=emit) if events else function(*args)
@@ -208,7 +211,7 @@ class Isolated:
         # whole command line) again; a process group of its own keeps a terminal's Ctrl-C here.
         self.process = subprocess.Popen(
             [sys.executable, "-c", "from crossrt.run.isolation import _main; _main()", str(write_fd),
-             str(self._dump), str(os.getpid())], stdin=subprocess.PIPE, pass_fds=(write_fd,), process_group=0)
+             str(self._dump), str(os.getpid()), runtime], stdin=subprocess.PIPE, pass_fds=(write_fd,), process_group=0)
         os.close(write_fd)
         self.connection = Connection(read_fd, writable=False)
         try:
