@@ -192,3 +192,12 @@ def test_in_process_runtimes_are_isolated_and_programs_are_not(monkeypatch):
     assert not isolated("llama-server") and not isolated("llama-spec-cli")
     monkeypatch.setenv("CROSSRT_IN_PROCESS", "1")
     assert not isolated("llama-cpp")
+
+
+def test_simulate_builds_its_oracle_in_a_process_of_its_own(tmp_path):
+    """The oracle's models load in the child: its death (the hook at once) is simulate's one line."""
+    done = cli("simulate", "--pair", TINY_PAIR, "--threads", 1, "--max-k", 2, "--max-new-tokens", 4,
+               "--prompts", prompt_file(tmp_path, 1), cwd=tmp_path, crash="llama-cpp:0:SIGILL")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert re.fullmatch(r"Error: llama-cpp crashed: SIGILL \(Illegal instruction\), from crossrt/run/isolation\.py:\d+ "
+                        r"_crash", done.stderr.strip().splitlines()[-1]), done.stderr
