@@ -267,7 +267,6 @@ class EndpointRuntime(Runtime):
     name = "endpoint"
     model_format = ("gguf", "hf")  # the target file crossrt tokenizes to check the server's model
     modes = ("native",)
-    scored_by = "llama-cpp"  # logits of a GGUF target re-scored in-process (parity --no-logits otherwise)
 
     def __init__(self, options: RuntimeOptions):
         super().__init__(options)
@@ -279,6 +278,12 @@ class EndpointRuntime(Runtime):
     @classmethod
     def check_available(cls) -> None:
         raise RuntimeUnavailable("attaches to a server you run: give --url (and --baseline-url)")
+
+    @classmethod
+    def scorer(cls, info: RuntimeInfo) -> Optional[str]:
+        """llama.cpp in-process for an attached llama-server (the same kernels and GGUF); transformers
+        for vLLM and SGLang, which run a model's float weights as transformers does."""
+        return "llama-cpp" if info.version.startswith("llama-server ") else "transformers"
 
     def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path) -> EndpointSession:
         speculative = self.attached

@@ -45,7 +45,7 @@ class Replayer:
     @staticmethod
     def _key(record: RunRecord, role: str) -> tuple:
         model = record.pair.target if role == "target" else record.pair.drafter
-        return (scoring_runtime(record.runtime.name), getattr(model, "path", None), record.runtime.kv_cache,
+        return (scoring_runtime(record.runtime), getattr(model, "path", None), record.runtime.kv_cache,
                 record.runtime.flash_attn, record.runtime.threads or 1, record.params.n_ctx)
 
     def session(self, record: RunRecord, role: str) -> ModelSession:
@@ -56,7 +56,7 @@ class Replayer:
         return self._sessions[key]
 
     def scorer_name(self, record: RunRecord) -> str:
-        return scoring_runtime(record.runtime.name)
+        return scoring_runtime(record.runtime)
 
     def gap(self, record: RunRecord, prefix: Sequence[int], following: Sequence[int], shape: int,
             emitted: int, other: int) -> Gap:

@@ -17,24 +17,25 @@ import numpy as np
 
 from crossrt.errors import ComparisonError
 from crossrt.run.runtime import ModelSession, Rows, RuntimeOptions, RuntimeUnavailable, open_runtime, runtime_class
-from crossrt.records.schema import RunRecord
+from crossrt.records.schema import RunRecord, RuntimeInfo
 
 
-def scoring_runtime(name: str) -> str:
-    """The runtime whose forward pass scores sequences for records of runtime name."""
-    cls = runtime_class(name)
+def scoring_runtime(runtime: RuntimeInfo) -> str:
+    """The runtime whose forward pass scores sequences for a record made on runtime."""
+    cls = runtime_class(runtime.name)
     if "driven" in cls.modes:
-        return name
-    if cls.scored_by is None:
-        raise RuntimeUnavailable(f"runtime {name!r} cannot re-score outputs and names no in-process "
+        return runtime.name
+    scorer = cls.scorer(runtime)
+    if scorer is None:
+        raise RuntimeUnavailable(f"runtime {runtime.name!r} cannot re-score outputs and names no in-process "
                                  "sibling that can: pass --no-logits")
-    return cls.scored_by
+    return scorer
 
 
 def open_scorer(record: RunRecord, role: str = "target", threads: int = 1) -> ModelSession:
     """The record's target (or drafter) loaded on its scoring runtime, with the record's KV
     cache type and flash attention."""
-    name = scoring_runtime(record.runtime.name)
+    name = scoring_runtime(record.runtime)
     model = record.pair.target if role == "target" else record.pair.drafter
     if model is None:
         raise ComparisonError(f"{record.runtime.name}'s record names no {role} model file to re-score with")

@@ -92,7 +92,7 @@ QUANTIZED_HALF = Tolerance("quantized weights, dequantized to half precision in 
 def _same_kernels(a: RunRecord, b: RunRecord) -> bool:
     """Both runs computed on one runtime's kernels (llama.cpp's tools score in-process)."""
     try:
-        return scoring_runtime(a.runtime.name) == scoring_runtime(b.runtime.name)
+        return scoring_runtime(a.runtime) == scoring_runtime(b.runtime)
     except CrossrtError:  # a runtime that names no scorer: not known to share kernels
         return False
 

@@ -294,6 +294,12 @@ class Runtime(abc.ABC):
         """Name, version, build and device, for the run record."""
 
     @classmethod
+    def scorer(cls, info: RuntimeInfo) -> Optional[str]:
+        """The in-process runtime that re-scores this runtime's record with info (a native-only
+        runtime's sibling): scored_by, unless the record tells which weights ran."""
+        return cls.scored_by
+
+    @classmethod
     def build_notes(cls) -> list[str]:
         """Lines for `crossrt runtimes` on how a usable runtime was built (kernels, fallbacks)."""
         return []
