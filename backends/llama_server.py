@@ -101,9 +101,10 @@ class LlamaServerSession(NativeSession):
         return tuple(s.pid for s in (self._speculative, self._baseline) if s is not None)
 
     @property
-    def urls(self) -> tuple[str, str]:
-        """The servers' addresses (speculative, baseline), to attach to them (backends/endpoint.py)."""
-        return tuple(f"http://{HOST}:{s.port}" for s in (self._speculative, self._baseline))
+    def urls(self) -> tuple[Optional[str], Optional[str]]:
+        """The servers' addresses (speculative, baseline), to attach to them (backends/endpoint.py);
+        None for one not running (one at a time, where both do not fit in memory)."""
+        return tuple(f"http://{HOST}:{s.port}" if s is not None else None for s in (self._speculative, self._baseline))
 
     @staticmethod
     def _check_drafting(server: ServerProcess, drafting: bool) -> None:
