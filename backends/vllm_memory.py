@@ -81,7 +81,8 @@ def check_engines(needs: Sequence[int], which: Sequence[int], options: RuntimeOp
     if dtype_of(options) == "float32" and sum(halved[i] for i in which) <= free.free:
         fits.append(f"--dtype bfloat16 ({gib(sum(halved[i] for i in which))})")
     reserve = kv_reserve() // GIB
-    smaller = reserve - -(need - free.free) // (len(which) * GIB)  # whole GiB less per engine
+    cut = -(-(need - free.free) // (len(which) * GIB))  # whole GiB less per engine, rounded up
+    smaller = reserve - cut
     if 1 <= smaller < reserve:
         fits.append(f"VLLM_CPU_KVCACHE_SPACE={smaller}")
     advice = ("would fit: " + ", ".join(fits)) if fits else \

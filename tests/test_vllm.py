@@ -21,7 +21,9 @@ from click.testing import CliRunner
 from crossrt.backends import vllm
 from crossrt.builders.tinypair import build_pair
 from crossrt.cli import main
+from crossrt.backends.vllm_memory import check_engines, engine_needs
 from crossrt.inputs.pairs import load_pair
+from crossrt.run.memory import GIB, LIMIT_ENV, MemoryShort
 from crossrt.errors import SettingsError
 from crossrt.records.record_json import load_record
 from crossrt.run.runtime import DraftRules, RuntimeFailure, RuntimeOptions, RuntimeUnavailable, availability
@@ -253,3 +255,25 @@ def test_a_worker_killed_while_loading_is_named_by_its_signal(hd64_pair, tmp_pat
     finally:
         killer.join()
     assert killed and worker_children(drafter=True) == [] and worker_children(drafter=False) == []
+
+
+def test_engines_are_counted_and_each_suggestion_fits(hd64_pair, monkeypatch):
+    """backends/vllm_memory.py, without vLLM: both engines fit or not against CROSSRT_MEMORY_LIMIT,
+    one alone that does not fit is refused in one line, and what it suggests (a smaller KV
+    reserve, bfloat16) fits."""
+    pair = load_pair(hd64_pair)
+    target, drafter = pair.path("target", "hf"), pair.path("drafter", "hf")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    options = RuntimeOptions(threads=1)
+    needs, halved = engine_needs(target, drafter, options), engine_needs(target, drafter, options, "bfloat16")
+    assert needs[1] > needs[0] > halved[0] and needs[0] > 3 * GIB
+    monkeypatch.setenv(LIMIT_ENV, str(needs[0] - GIB // 2))
+    with pytest.raises(MemoryShort, match=r"^not enough memory for vLLM's baseline engine in float32: .* short; "
+                                          r"would fit: VLLM_CPU_KVCACHE_SPACE=2$"):
+        check_engines(needs, [0], options, halved)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    check_engines(engine_needs(target, drafter, options), [0], options, halved)
+    monkeypatch.setenv(LIMIT_ENV, str(sum(needs) - 1))
+    check_engines(needs, [1], options, halved)
+    with pytest.raises(MemoryShort, match="baseline engine and speculative engine"):
+        check_engines(needs, [0, 1], options, halved)
