@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-import crash_report
-import schedule_alone
 from crossrt.inputs.pairs import PairError, cache_dir, load_pair
 from crossrt.run.runtime import RuntimeOptions, open_runtime
 
@@ -29,7 +27,14 @@ THREAD_POOLS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def pytest_configure(config):
-    for plugin in (crash_report, schedule_alone):  # scripts/test's pytest-xdist run
+    import crash_report  # for scripts/test's pytest-xdist run
+
+    plugins = [crash_report]
+    if config.pluginmanager.hasplugin("xdist"):  # a plain pytest without it still runs every test
+        import schedule_alone
+
+        plugins.append(schedule_alone)
+    for plugin in plugins:
         if not config.pluginmanager.has_plugin(plugin.__name__):
             config.pluginmanager.register(plugin, plugin.__name__)
     if not hasattr(config, "workerinput"):  # xdist's workers inherit the controller's environment
