@@ -17,7 +17,9 @@ import signal
 import socket
 import socketserver
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -168,12 +170,24 @@ def test_a_restarted_server_ends_the_run_and_resume_continues_with_the_key_never
     assert proxy.url in written and "sekrit" not in written
 
 
+def dead(pid: int) -> bool:
+    """pid has exited with all its threads (a zombie until its parent reaps it, or gone): its
+    sockets are closed only once the last thread is."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state in ("Z", "X") and len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except OSError:
+        return True
+
+
 @needs_server
 def test_a_killed_server_ends_the_run_keeping_finished_prompts(tmp_path):
     pair = load_pair(TINY_PAIR)
     with serve(pair, 3, tmp_path) as servers:
         def kill(prompt, result):
             os.kill(servers.pids[0], signal.SIGKILL)
+            while not dead(servers.pids[0]):  # the kill lands asynchronously; its socket closes at exit
+                time.sleep(0.01)
 
         out = tmp_path / "run.json"
         with pytest.raises(RuntimeFailure, match=r"nothing is listening at http://127.0.0.1:\d+ \(connection refused\)"):
