@@ -100,11 +100,11 @@ def test_a_busy_server_is_one_line(real_servers, monkeypatch):
     speculative, baseline = (Attached.attach(url) for url in real_servers.urls)
     session = EndpointSession(speculative, baseline, DraftRules(7), ())
     someone_else = threading.Thread(target=speculative.endpoint.call_json, args=("POST", "/completion", {
-        "prompt": "Once upon a time", "n_predict": 48, "temperature": 0.0}, 120))
+        "prompt": "Once upon a time", "n_predict": 96, "temperature": 0.0}, 120))
     someone_else.start()
     try:
         while speculative.kind.scrape(speculative.endpoint).busy == 0:
-            pass
+            assert someone_else.is_alive(), "the other request ended before the server showed it"
         with pytest.raises(RuntimeFailure, match=r"is busy: 1 requests running or waiting for 0.5 s"):
             session.generate(session.tokenize("Hello"), 4, speculative=True)
     finally:
