@@ -29,7 +29,7 @@ def matrix(tmp_path_factory):
 def test_llama_cpp_and_transformers_agree_token_for_token_and_in_logits(matrix):
     result, out = matrix
     assert result.exit_code == 0, result.output
-    assert "llama-cpp/driven vs transformers/driven: 10 prompts: 10 identical, 0 explained, 0 failed; counters compared" in result.output
+    assert "llama-cpp/driven vs transformers/driven: 10 prompts: 10 identical, 0 explained, 0 failed, 0 not comparable; counters compared" in result.output
     assert "transformers/driven vs transformers/native: 10 prompts: 10 identical, 0 explained, 0 failed" in result.output
     assert "logits along common outputs: 30/30 within tolerance" in result.output
     records = {path.name: load_record(path) for path in out.glob("*.json")}
@@ -63,7 +63,7 @@ def test_default_numerics_differ_in_logits_not_tokens(tmp_path):
     result = invoke("parity", "--pair", TINY_PAIR, "--runtimes", "llama-cpp,transformers", "--modes", "driven",
                     "--max-new-tokens", 16, "--out-dir", tmp_path, "--logit-tolerance", "1e-4")
     assert result.exit_code == 1
-    assert "10 prompts: 10 identical, 0 explained, 0 failed; counters compared" in result.output
+    assert "10 prompts: 10 identical, 0 explained, 0 failed, 0 not comparable; counters compared" in result.output
     assert "logits: max abs logit diff" in result.output and "(tolerance for --logit-tolerance)" in result.output
 
 

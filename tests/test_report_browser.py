@@ -265,9 +265,11 @@ def test_the_parity_verdicts_and_every_split_are_on_screen(runs, swapped, tmp_pa
 
     # The verdict table as it reads: one row per pair of runs, failures as crossrt parity counts them.
     header, *rows = parity["tables"][0]
-    assert header == ["run A", "run B", "counters", "prompts", "identical", "explained (by cause)", "failed"]
+    assert header == ["run A", "run B", "counters", "prompts", "identical", "explained (by cause)", "failed",
+                      "not comparable"]
     assert len(rows) == 3  # each run's lossless check, and the two runs
-    assert all(int(row[3]) == int(row[4]) + int(row[5].split()[0]) + int(row[6]) for row in rows)
+    assert all(int(row[3]) == int(row[4]) + int(row[5].split()[0]) + int(row[6]) + int(row[7].split()[0])
+               for row in rows)
     checked = CliRunner().invoke(main, ["parity", *map(str, paths), "--no-logits"])
     assert checked.exit_code == 1
     fails = [line for line in checked.output.splitlines() if line.startswith("FAIL ")]

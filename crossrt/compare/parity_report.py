@@ -37,6 +37,11 @@ class NotRun:
     what: str = "not run"  # or "crashed": its process died mid-run (crossrt/run/isolation.py)
 
 
+def comparable(comparison: PromptParity, counters_only: bool) -> bool:
+    """Whether a comparison compared what the verdict needs: token ids, or (counters only) counters."""
+    return comparison.comparable or (counters_only and COUNTERS in comparison.compared)
+
+
 def _reasons(group: Sequence[PromptParity], counters: bool = True) -> str:
     """Why a group's comparisons compared nothing: its distinct reasons, in order (counters: with
     why their counters were not compared either)."""
@@ -66,10 +71,6 @@ class ParityReport:
     not_run: tuple[NotRun, ...] = ()
     counters_only: bool = False  # counters alone may pass a pair of runs (parity --counters-only)
 
-    def comparable(self, comparison: PromptParity) -> bool:
-        """Whether a comparison compared what the verdict needs: token ids, or (counters only) counters."""
-        return comparison.comparable or (self.counters_only and COUNTERS in comparison.compared)
-
     def incomparable(self) -> list[Incomparable]:
         """Pairs of runs whose every comparison passed by comparing nothing: a verdict about nothing
         must not pass. With counters_only an import's own lossless check is not asked for (it has no
@@ -77,7 +78,7 @@ class ParityReport:
         found = []
         for run_a, run_b in _pairs(self):
             group = [c for c in self.comparisons if (c.run_a, c.run_b) == (run_a, run_b)]
-            if not all(c.ok for c in group) or any(self.comparable(c) for c in group):
+            if not all(c.ok for c in group) or any(comparable(c, self.counters_only) for c in group):
                 continue
             if self.counters_only and run_b == OWN_BASELINE and all(c.imported for c in group):
                 continue
@@ -153,17 +154,15 @@ class Headline:
 
     @classmethod
     def of(cls, group: Sequence[PromptParity], counters_only: bool = False) -> "Headline":
-        def comparable(c: PromptParity) -> bool:
-            return c.comparable or (counters_only and COUNTERS in c.compared)
-
         passed = [c for c in group if c.ok]
-        explained = [c for c in passed if comparable(c) and not c.identical]
-        incomparable = [c for c in passed if not comparable(c)]
+        explained = [c for c in passed if comparable(c, counters_only) and not c.identical]
+        incomparable = [c for c in passed if not comparable(c, counters_only)]
         causes: dict[str, int] = {}
         for comparison in explained:
             for cause in dict.fromkeys(comparison.causes or ("noted",)):
                 causes[cause] = causes.get(cause, 0) + 1
-        return cls(len(group), sum(c.identical and comparable(c) for c in group), tuple(sorted(causes.items())),
+        return cls(len(group), sum(c.identical and comparable(c, counters_only) for c in group),
+                   tuple(sorted(causes.items())),
                    len(explained), sum(not c.ok for c in group), len(incomparable),
                    _reasons(incomparable, counters=False) if incomparable else "")
 
