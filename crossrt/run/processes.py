@@ -17,7 +17,7 @@ import signal
 from pathlib import Path
 from typing import Optional
 
-from crossrt.run.memory import gib, ram
+from crossrt.run.memory import gib
 
 
 def oom_kills() -> Optional[int]:
@@ -51,6 +51,14 @@ def _alive_descendants(root: int) -> dict[int, str]:
     return found
 
 
+def _mem_available() -> int:
+    """The machine's MemAvailable (not CROSSRT_MEMORY_LIMIT: the kernel acts on what is there)."""
+    try:
+        return int(re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)[1]) * 1024
+    except (OSError, TypeError):
+        return 0
+
+
 def _held(pid: int) -> int:
     """Bytes pid holds that the kernel cannot reclaim (RssAnon + RssShmem: the OOM killer's count)."""
     try:
@@ -78,8 +86,7 @@ class ProcessTree:
         """exited: the process itself has exited by itself (so it is not the OOM killer's victim)."""
         alive = {pid: (name, _held(pid)) for pid, name in _alive_descendants(self.pid).items()}
         if not self._oom_rose():
-            free = ram()
-            self._before_oom = (sum(held for _, held in alive.values()), free.free if free else 0)
+            self._before_oom = (sum(held for _, held in alive.values()), _mem_available())
         elif self._victim is None:
             # The OOM killer's victim is the process holding the most, and its SIGKILL leaves the
             # others running a moment longer: the largest of the first to vanish.
