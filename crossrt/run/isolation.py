@@ -44,6 +44,7 @@ from crossrt.inputs.prompts import Prompt
 from crossrt.records.record_json import load_record
 from crossrt.records.schema import PromptResult, RunRecord
 from crossrt.run.driver import RunRequest, run_pair
+from crossrt.run.run_writer import OWNER_PID
 from crossrt.run.runtime import RuntimeFailure, runtime_class
 
 CRASH_HOOK = "CROSSRT_TEST_CRASH_AFTER"
@@ -169,6 +170,7 @@ def _main() -> None:
     parent's pid and the runtime's name; sys.path and the call come pickled on stdin."""
     write_fd, dump_path, parent, runtime = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
     _die_with_parent(parent)
+    os.environ[OWNER_PID] = str(parent)  # a record's lock names the crossrt the user started
     connection = Connection(write_fd, readable=False)
     faulthandler.enable(open(dump_path, "w"), all_threads=True)
     sys.path[:] = pickle.load(sys.stdin.buffer)  # first, so the call's own modules import

@@ -24,6 +24,11 @@ class RecordBusy(StorageError):
     """Another process is writing the record."""
 
 
+# Set in a runtime's isolated child (crossrt/run/isolation.py): the pid of the crossrt the user
+# started, which a lock names, so "another crossrt (pid N)" is a process the user can see and stop.
+OWNER_PID = "CROSSRT_OWNER_PID"
+
+
 def lock_path(record: Path) -> Path:
     record = Path(record)
     return record.with_name(record.name + ".lock")
@@ -62,7 +67,7 @@ def record_lock(record: Path, option: str = "--out") -> Iterator[None]:
     try:
         try:
             handle.truncate(0)
-            handle.write(f"{os.getpid()}\n")
+            handle.write(f"{os.environ.get(OWNER_PID) or os.getpid()}\n")
             handle.flush()
         except OSError as error:
             raise storage_error(path, error) from None
