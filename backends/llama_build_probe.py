@@ -285,6 +285,8 @@ def write_fallbacks(requested: Sequence[str], fallbacks: Sequence[Fallback], rea
 
 
 def current_system_info() -> str:
+    """The build's system_info, read in a child: after a rebuild this process still holds the
+    libraries it loaded before it."""
     done = _run("system info", [sys.executable, "-c", "from crossrt.backends.llama_cpp import llama_cpp, system_info;"
                                 "print(system_info(llama_cpp.llama_print_system_info().decode()))"])
     if not done.passed:

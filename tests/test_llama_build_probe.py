@@ -7,6 +7,7 @@ the AMD machines this was written on), so the fault is made on purpose, not hope
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 from click.testing import CliRunner
@@ -123,7 +124,7 @@ def test_runtimes_and_records_say_how_the_build_was_made(tmp_path, monkeypatch):
     # A build made after a fault carries it in system_info, which parity and the baseline store
     # read, so records built with and without a kernel never look alike.
     turned = probe.ProbeRecord("k", True, XEON_SYSTEM_INFO, ("AMX",), "the probe died by SIGSEGV in Q4_K_M", ())
-    (tmp_path / "probe.json").write_text(json.dumps(turned.__dict__ | {"turned_off": ["AMX"], "failures": []}))
+    (tmp_path / "probe.json").write_text(json.dumps(asdict(turned)))
     monkeypatch.setattr(probe, "RECORD", tmp_path / "probe.json")
     noted = probe.with_build_note("CPU : AVX512 = 1", probe.BUILD_BIN)
     assert noted == "CPU : AVX512 = 1 | crossrt build: AMX off (the probe died by SIGSEGV in Q4_K_M)"
