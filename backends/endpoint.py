@@ -29,7 +29,7 @@ from crossrt.backends.llama_server_counts import Totals, speculative_counters
 from crossrt.errors import ModelError, PromptRefused, SettingsError
 from crossrt.records.schema import Counters, RuntimeInfo, UnfitCounts
 from crossrt.run.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
-                                 RuntimeOptions, RuntimeUnavailable)
+                                 RuntimeOptions, RuntimeUnavailable, Server)
 
 # A text whose tokenization tells vocabularies apart: words, digits, code, a non-Latin script.
 PROBE_TEXT = "Speculative decoding: def f(x):\n    return x ** 2  # 12345 — naïve café, 東京, Привет!"
@@ -61,6 +61,12 @@ class Attached:
 
     def describe(self) -> str:
         return f"{self.served.kind} {self.served.version} at {self.endpoint.display} serving {self.served.model}"
+
+    def identity(self) -> str:
+        """What the server is while it runs: kind, version, model, URL (without credentials) and
+        the speculative settings it reports that stay put (a sweep cell's id digests it)."""
+        fixed = [f"{name} {value}" for name, value in self.served.speculative if name not in self.kind.volatile]
+        return f"{self.describe()} ({', '.join(fixed)})"
 
 
 def local_vocabulary(path: Path) -> tuple[int, Callable[[str], list[int]]]:
@@ -123,6 +129,7 @@ class EndpointSession(NativeSession):
         reply, wall = self._timed(server, prompt_ids, max_new_tokens)
         after = self._scrape_after(server, before, len(reply.output_ids))
         self._last = after
+        self._check_draft_length(after)
         counters, unfit = self._counters(reply, before, after, len(prompt_ids))
         return NativeGeneration(reply.output_ids, reply.stop_reason, counters, *self._seconds(reply, wall), unfit)
 
@@ -151,6 +158,12 @@ class EndpointSession(NativeSession):
                 raise RuntimeFailure(f"{server.describe()} is busy: {scrape.busy} requests running or waiting for "
                                      f"{BUSY_WAIT_S:g} s; per-prompt counters need it to serve crossrt alone")
             time.sleep(0.2)
+
+    def _check_draft_length(self, now: Optional[Scrape]) -> None:
+        """A server that did not say its draft length on attaching (llama-server prints its n_max
+        positions in /metrics once it has drafted) is checked once it has."""
+        if now is not None and now.per_pos and len(now.per_pos) != self.rules.k:
+            raise SettingsError(k_mismatch(self._speculative, len(now.per_pos), self.rules.k))
 
     def _check_same_process(self, now: Optional[Scrape]) -> None:
         last = self._last
@@ -198,6 +211,12 @@ class EndpointSession(NativeSession):
 
     def close(self) -> None:
         """Nothing to stop: the servers are the user's."""
+
+
+def k_mismatch(attached: Attached, server_k: int, k: int) -> str:
+    """The one line for a run whose k is not the server's draft length (a server setting)."""
+    return (f"{attached.describe()} drafts up to {server_k} tokens (its own setting), the run's k is {k}: run with "
+            f"k {server_k}, or attach a server started with k {k}")
 
 
 def other_work(before: Scrape, after: Scrape, emitted: int, n_prompt: int) -> Optional[str]:
@@ -267,6 +286,7 @@ class EndpointRuntime(Runtime):
     name = "endpoint"
     model_format = ("gguf", "hf")  # the target file crossrt tokenizes to check the server's model
     modes = ("native",)
+    attaches = True
 
     def __init__(self, options: RuntimeOptions):
         super().__init__(options)
@@ -278,6 +298,11 @@ class EndpointRuntime(Runtime):
     @classmethod
     def check_available(cls) -> None:
         raise RuntimeUnavailable("attaches to a server you run: give --url (and --baseline-url)")
+
+    @classmethod
+    def attach_server(cls, url: str) -> Server:
+        attached = Attached.attach(url)
+        return Server(attached.endpoint.display, attached.identity(), attached.served.k)
 
     @classmethod
     def scorer(cls, info: RuntimeInfo) -> Optional[str]:
@@ -301,8 +326,7 @@ class EndpointRuntime(Runtime):
             raise SettingsError(f"--baseline-url: {baseline.describe()} drafts: the baseline needs a plain server")
         served = speculative.served
         if served.k is not None and served.k != rules.k:
-            raise SettingsError(f"{speculative.describe()} drafts up to {served.k} tokens, the run's k is {rules.k}: "
-                                f"pass --k {served.k}")
+            raise SettingsError(k_mismatch(speculative, served.k, rules.k))
         for attached in (speculative, baseline):
             check_target(attached, Path(target))
         return EndpointSession(speculative, baseline, rules, self._notes(speculative, baseline))

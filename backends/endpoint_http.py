@@ -16,10 +16,10 @@ import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from crossrt.errors import SettingsError
-from crossrt.run.runtime import RuntimeFailure
+from crossrt.run.runtime import RuntimeFailure, without_user_info
 
 API_KEY_VARIABLE = "CROSSRT_ENDPOINT_API_KEY"
 # Identification and counter scrapes answer at once on an idle server; a generation may take
@@ -66,12 +66,12 @@ class Endpoint:
     def parse(cls, url: str) -> "Endpoint":
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise SettingsError(f"--url {_without_user_info(url)!r}: give a server's address as "
+            raise SettingsError(f"--url {without_user_info(url)!r}: give a server's address as "
                                 "http://HOST:PORT (or https://...)")
         try:
             port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
-            raise SettingsError(f"--url {_without_user_info(url)!r}: the port is not a number from 1 to 65535") from None
+            raise SettingsError(f"--url {without_user_info(url)!r}: the port is not a number from 1 to 65535") from None
         authorization = None
         key = os.environ.get(API_KEY_VARIABLE)
         if key:
@@ -79,7 +79,7 @@ class Endpoint:
         elif parts.username is not None:
             pair = f"{parts.username}:{parts.password or ''}".encode()
             authorization = "Basic " + base64.b64encode(pair).decode()
-        return cls(_without_user_info(url), parts.scheme, parts.hostname, port, parts.path.rstrip("/"), authorization)
+        return cls(without_user_info(url), parts.scheme, parts.hostname, port, parts.path.rstrip("/"), authorization)
 
     def request(self, method: str, path: str, body: Any = None, timeout: Optional[float] = None) -> Answer:
         """The server's answer, whatever its status; RuntimeFailure (one line) when there is none:
@@ -145,24 +145,6 @@ class Endpoint:
 
 def generation_timeout(work_tokens: int) -> float:
     return REQUEST_BASE_S + REQUEST_S_PER_TOKEN * work_tokens
-
-
-def _without_user_info(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if ":" in host:  # an IPv6 literal
-        host = f"[{host}]"
-    netloc = host + (f":{parts.port}" if _port_or_none(parts) else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-
-
-def _port_or_none(parts) -> Optional[int]:
-    try:
-        return parts.port
-    except ValueError:
-        return None
 
 
 def _error_text(body: bytes) -> str:

@@ -101,6 +101,9 @@ class ServerKind:
 
     name: str
     has_per_request_counts: bool = False  # the response itself carries the prompt's counts
+    # Reported settings that change while the server runs (set by the last request, or printed
+    # only once it drafted): left out of the server's identity, which must stay put.
+    volatile: tuple[str, ...] = ()
 
     def identify(self, endpoint: Endpoint) -> Optional[Served]:
         raise NotImplementedError
@@ -143,6 +146,7 @@ LLAMA_GREEDY = {"temperature": 0.0, "samplers": ["temperature"]}
 class LlamaServer(ServerKind):
     name = "llama-server"
     has_per_request_counts = True  # drafted and accepted; steps come from /metrics
+    volatile = ("speculative.types", "draft n_max (/metrics positions)")
 
     def identify(self, endpoint: Endpoint) -> Optional[Served]:
         props = endpoint.probe_json("/props")
@@ -211,6 +215,7 @@ VLLM_METRICS = {"steps": "vllm:spec_decode_num_drafts_total", "drafted": "vllm:s
 
 class Vllm(ServerKind):
     name = "vllm"
+    volatile = ("num_speculative_tokens (/metrics positions)",)
 
     def identify(self, endpoint: Endpoint) -> Optional[Served]:
         version = endpoint.probe_json("/version")

@@ -58,9 +58,10 @@ def machine() -> dict[str, Any]:
 
 def run_key(runtime_info: Any, options: Any, target_sha256: str, mode: str) -> dict[str, Any]:
     """The parts of a baseline's key one run shares across its prompts (RuntimeInfo and
-    RuntimeOptions as plain JSON values)."""
-    return {"runtime": _plain(dataclasses.asdict(runtime_info)), "options": _plain(dataclasses.asdict(options)),
-            "target_sha256": target_sha256, "mode": mode, "machine": machine()}
+    RuntimeOptions as plain JSON values; a server's URL without its password)."""
+    return {"runtime": _plain(dataclasses.asdict(runtime_info)),
+            "options": _plain(dataclasses.asdict(options.public())), "target_sha256": target_sha256, "mode": mode,
+            "machine": machine()}
 
 
 def prompt_key(base: Mapping[str, Any], prompt_ids: Sequence[int], max_new_tokens: int,

@@ -11,11 +11,13 @@ logits for the rows asked for, cut the cache back, tokenize and detokenize.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import ClassVar, Optional, Sequence, Union
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
@@ -134,6 +136,41 @@ class RuntimeOptions:
     # plain one of the same target for the greedy baseline.
     url: Optional[str] = None
     baseline_url: Optional[str] = None
+
+    def public(self) -> "RuntimeOptions":
+        """These options as they may be written (a baseline store's key): the URLs without user
+        info, which may hold a password."""
+        return dataclasses.replace(self, url=without_user_info(self.url),
+                                   baseline_url=without_user_info(self.baseline_url))
+
+
+def without_user_info(url: Optional[str]) -> Optional[str]:
+    """url without its user:password@ part: what crossrt shows and records of a server's address."""
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if ":" in host:  # an IPv6 literal
+        host = f"[{host}]"
+    try:
+        port = parts.port
+    except ValueError:  # not a number: Endpoint.parse refuses it, naming this URL
+        port = None
+    return urlunsplit((parts.scheme, host + (f":{port}" if port else ""), parts.path, parts.query, parts.fragment))
+
+
+@dataclass(frozen=True)
+class Server:
+    """A running server that a runtime attaches to (Runtime.attach_server), as a sweep or
+    reproduce plans with it before any prompt runs."""
+
+    url: str  # without user info
+    # What it is: kind, version, model and the speculative settings it reports that stay put
+    # while it runs; a sweep cell's id digests it, so another server makes other cells.
+    identity: str
+    k: Optional[int]  # the draft length it reports; None where it does not (yet)
 
 
 class ModelSession(abc.ABC):
@@ -264,6 +301,10 @@ class Runtime(abc.ABC):
     # DraftRules' llama.cpp drafting rules its native mode honours: "n_min" (shorter drafts are
     # dropped), "p_min" (drafting stops below a drafter probability). Others refuse them.
     drafting_rules: ClassVar[tuple[str, ...]] = ()
+    # Whether it attaches to a server the user runs (RuntimeOptions.url): that server fixes its own
+    # draft length and numerics, and its counters are read around each request, so requests to
+    # one server go one at a time (sweeps never run two of its cells at once).
+    attaches: ClassVar[bool] = False
 
     def __init__(self, options: RuntimeOptions):
         self.options = options
@@ -292,6 +333,12 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def info(self) -> RuntimeInfo:
         """Name, version, build and device, for the run record."""
+
+    @classmethod
+    def attach_server(cls, url: str) -> Server:
+        """The server at url as this runtime sees it (attaches only); RuntimeFailure or
+        RuntimeUnavailable when nothing fit answers there."""
+        raise SettingsError(f"--url {without_user_info(url)}: runtime {cls.name!r} attaches to no server")
 
     @classmethod
     def scorer(cls, info: RuntimeInfo) -> Optional[str]:
