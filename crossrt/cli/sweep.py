@@ -12,6 +12,7 @@ import click
 from crossrt.cli.common import user_errors
 from crossrt.sweep.plan import STRATEGIES, SweepError, load_sweep, plan_rows, unloadable_pairs
 from crossrt.sweep.runner import Executor, run_sweep
+from crossrt.sweep.servers import Servers
 from crossrt.sweep.store import INDEX, SweepStore, check_sweep_dir, table_rows
 from crossrt.records.tables import format_table, summary_rows
 
@@ -23,6 +24,19 @@ QUERY_BATCH = 1000  # rows fetched (and, with --all-rows, printed) at a time
 
 def _default_dir(name: str) -> Path:
     return Path("runs") / "sweeps" / name
+
+
+def server_options(command):
+    """--url and --baseline-url: the running servers of the cells whose runtime attaches to one
+    (endpoint), given to the command as servers= (Servers)."""
+    command = click.option("--baseline-url", "baseline_urls", multiple=True, metavar="URL",
+                           help="A plain server of the same target (no drafter) for the endpoint cells' baselines: "
+                           "once for all, or once per --url in the same order.")(command)
+    command = click.option("--url", "urls", multiple=True, metavar="URL",
+                           help="A running llama-server, vLLM or SGLang server for the cells of runtime endpoint "
+                           "(docs/endpoint.md); repeat it for a server axis. Each cell runs on one server at the "
+                           "server's own draft length; cells of one server never run at once.")(command)
+    return command
 
 
 @click.group()
@@ -39,6 +53,11 @@ def sweep() -> None:
 
 
 def _warn(loaded) -> None:
+    for attachment in loaded.attachments.values():
+        server = attachment.server
+        click.echo(f"attached: {server.identity}; draft length "
+                   f"{server.k if server.k is not None else 'not reported yet (checked after its first draft)'}",
+                   err=True)
     for warning in loaded.warnings:
         click.echo(f"warning: {warning}", err=True)
 
@@ -58,11 +77,13 @@ def _counts(loaded, store: Optional[SweepStore]) -> str:
 @user_errors
 @click.argument("sweep_file", type=SWEEP_FILE)
 @click.option("--dir", "sweep_dir", type=SWEEP_DIR, help="Also say which cells are done in this sweep directory.")
-def plan(sweep_file: Path, sweep_dir: Optional[Path]) -> None:
+@server_options
+def plan(sweep_file: Path, sweep_dir: Optional[Path], urls: tuple[str, ...], baseline_urls: tuple[str, ...]) -> None:
     """List the cells of SWEEP_FILE: id, name, what each needs, and those skipped and why.
     Exit code 1 when a cell to run names a pair whose manifest does not load here (`sweep run`
-    would fail it)."""
-    loaded = load_sweep(sweep_file)
+    would fail it). With --url, endpoint cells are planned per server, which is asked what it is
+    and its draft length (no generation); the ids are those `sweep run` with the same servers uses."""
+    loaded = load_sweep(sweep_file, Servers(urls, baseline_urls))
     store = SweepStore(sweep_dir) if sweep_dir else None
     done = store.done() if store else set()
     _warn(loaded)
@@ -91,12 +112,19 @@ def plan(sweep_file: Path, sweep_dir: Optional[Path]) -> None:
               help="Ray: runs of a cell whose worker died. Default: the sweep file's [ray] max_retries (2).")
 @click.option("--fresh-baseline", is_flag=True, help="Every cell decodes its plain baselines (replacing their "
               "baseline store entries) instead of the first cell decoding each and the others reading it.")
+@server_options
 def run_command(sweep_file: Path, sweep_dir: Optional[Path], ray_address: Optional[str], thread_budget: Optional[int],
-                strategy: Optional[str], max_retries: Optional[int], fresh_baseline: bool) -> None:
+                strategy: Optional[str], max_retries: Optional[int], fresh_baseline: bool, urls: tuple[str, ...],
+                baseline_urls: tuple[str, ...]) -> None:
     """Run the cells of SWEEP_FILE not finished in the sweep directory (finished cells are
-    skipped, failed ones tried again), keeping each as it finishes; Ctrl-C keeps them too."""
+    skipped, failed ones tried again), keeping each as it finishes; Ctrl-C keeps them too.
+
+    \b
+    Cells of runtime endpoint attach to the servers you run:
+      crossrt sweep run endpoint.toml --url http://gpu1:8080 --url http://gpu2:8080 --baseline-url http://gpu1:8081
+    """
     try:
-        loaded = load_sweep(sweep_file)
+        loaded = load_sweep(sweep_file, Servers(urls, baseline_urls))
         store = SweepStore(sweep_dir or _default_dir(loaded.name))
         _warn(loaded)
         for planned in loaded.cells:

@@ -23,6 +23,12 @@ class SweepError(CrossrtError, ValueError):
 # A driven run's strategy settings (crossrt/run/strategies.py), as crossrt run's --drafting,
 # --k-policy, --acceptance and their parameters; content_k is written as in --content-k.
 STRATEGY_DEFAULTS: dict[str, Any] = {field.name: field.default for field in dataclasses.fields(Strategy)}
+# A cell of a runtime that attaches to a running server (crossrt/sweep/servers.py): the server's
+# URL without credentials and its identity; None for every other cell.
+SERVER_DEFAULTS: dict[str, Any] = {"server": None, "server_identity": None}
+# Settings a cell's id digests only where they differ from these: a cell keeps the id (and the
+# store entries) it had before strategies and servers were settings.
+OPTIONAL_DEFAULTS: dict[str, Any] = {**STRATEGY_DEFAULTS, **SERVER_DEFAULTS}
 # Every setting of one cell, with the value a cell has when neither the axes nor a rule set it;
 # k and spec_type None: the pair's, as crossrt run takes them (run_k, run_spec_type).
 DEFAULTS: dict[str, Any] = {
@@ -75,12 +81,13 @@ class Cell:
     acceptance: str = "greedy"
     top_m: int = 2
     delta: float = 1.0
+    server: Optional[str] = None
+    server_identity: Optional[str] = None
 
     def params(self) -> dict[str, Any]:
-        """Every setting, less the strategy's at their defaults: a cell of the default strategy
-        keeps the id (and the store entries) it had before strategies were sweep settings."""
+        """Every setting, less the strategy's and the server's at their defaults (OPTIONAL_DEFAULTS)."""
         return {key: value for key, value in dataclasses.asdict(self).items()
-                if key not in STRATEGY_DEFAULTS or value != STRATEGY_DEFAULTS[key]}
+                if key not in OPTIONAL_DEFAULTS or value != OPTIONAL_DEFAULTS[key]}
 
     @property
     def strategy(self) -> Strategy:
@@ -118,6 +125,8 @@ class Cell:
                 parts.append(self.strategy.label())
             except SettingsError:  # skipped, skip_reason says why
                 parts.append("bad-strategy")
+        if self.server is not None:  # which server: its address (host:port and path)
+            parts.append("@" + self.server.split("://", 1)[-1])
         return "-".join(str(p) for p in parts)
 
 
@@ -158,6 +167,8 @@ def skip_reason(cell: Cell) -> Optional[str]:
         return None
     if cell.mode not in runtime.modes:
         return f"{cell.runtime} has no {cell.mode} mode (it has: {', '.join(runtime.modes)})"
+    if runtime.attaches and cell.server is None:
+        return f"{cell.runtime} attaches to a server you run: give `crossrt sweep run --url URL --baseline-url URL`"
     lacking = [rule for rule, value, unset in (("n_min", rules.n_min, rules.k), ("p_min", rules.p_min, 0.0))
                if value != unset and rule not in runtime.drafting_rules]
     if cell.mode == "native" and lacking:

@@ -39,10 +39,17 @@ class CellJob:
     prompts: str
     # Decode every baseline (and replace its store entry) rather than take it from the store.
     fresh_baseline: bool = False
+    # A cell attaching to a server: its URLs as given (user info sent, never written), and the
+    # servers (URLs without credentials) no other cell may use while it runs.
+    url: Optional[str] = None
+    baseline_url: Optional[str] = None
+    exclusive: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, sweep: Sweep, cell: Cell, fresh_baseline: bool = False) -> "CellJob":
-        return cls(cell, sweep.resolve(cell.pair), sweep.resolve(cell.prompts), fresh_baseline)
+        attachment = sweep.attachments.get(cell.server) if cell.server is not None else None
+        servers = (attachment.url, attachment.baseline_url, attachment.exclusive) if attachment else (None, None, ())
+        return cls(cell, sweep.resolve(cell.pair), sweep.resolve(cell.prompts), fresh_baseline, *servers)
 
 
 def run_job(job: CellJob, on_prompt: Optional[Callable[[Prompt, Optional[PromptResult]], None]] = None,
@@ -57,7 +64,8 @@ def run_job(job: CellJob, on_prompt: Optional[Callable[[Prompt, Optional[PromptR
         pair = resolve_pair(job.pair)
         prompts, rendering, prompt_format = apply_template(load_prompts(job.prompts), pair, "auto", None, ())
         options = RuntimeOptions(n_ctx=cell.n_ctx, threads=cell.threads, n_gpu_layers=cell.n_gpu_layers,
-                                 gpu_split=cell.gpu_split, f32_kv_cache=cell.f32_kv_cache, flash_attn=cell.flash_attn)
+                                 gpu_split=cell.gpu_split, f32_kv_cache=cell.f32_kv_cache, flash_attn=cell.flash_attn,
+                                 url=job.url, baseline_url=job.baseline_url)
         rules = DraftRules(cell.k, cell.draft_n_min, cell.draft_p_min, cell.spec_type)
         with tempfile.TemporaryDirectory(prefix=f"crossrt-cell-{cell.id}-") as work:
             request = RunRequest(pair, cell.runtime, options, rules, cell.max_new_tokens, Path(work) / "record.json",

@@ -81,18 +81,24 @@ def run_in_parallel(jobs: Sequence[CellJob], on_done: OnDone, needs: Callable[[C
                     thread_budget: int) -> None:
     """Cells in processes of their own (a fresh interpreter each: spawn, as runtimes hold threads
     that do not survive a fork), started in plan order while their threads fit in thread_budget.
-    A cell needing more than the whole budget runs alone. A cell whose process crashes fails in
-    one line naming the signal (crossrt/run/isolation.py); the others go on."""
+    A cell needing more than the whole budget runs alone. A cell attaching to a server waits while
+    another cell uses that server (its counters are read around each request: CellJob.exclusive).
+    A cell whose process crashes fails in one line naming the signal (crossrt/run/isolation.py);
+    the others go on."""
     waiting = list(jobs)
     running: dict[Isolated, tuple[CellJob, int, float]] = {}
     used = 0
     try:
         while waiting or running:
             while waiting:
-                threads = needs(waiting[0].cell).threads
+                serving = {server for job, _, _ in running.values() for server in job.exclusive}
+                job = next((job for job in waiting if serving.isdisjoint(job.exclusive)), None)
+                if job is None:
+                    break
+                threads = needs(job.cell).threads
                 if running and used + threads > thread_budget:
                     break
-                job = waiting.pop(0)
+                waiting.remove(job)
                 running[Isolated(job.cell.runtime, _run_one, (job,))] = (job, threads, time.perf_counter())
                 used += threads
             ready = wait([cell.connection for cell in running])

@@ -25,6 +25,9 @@ A sweep file (TOML, models/sweeps/*.toml, docs/scale.md):
     strategy = "task"            # "task": one Ray task per cell; "actor": one actor per (runtime, pair)
     max_retries = 2              # a cell whose worker dies is run again this many times
 
+Cells of a runtime that attaches to a running server (endpoint) are made one per server the
+command line gives (--url; crossrt/sweep/servers.py), the servers' own draft length checked here.
+
 Anything else is refused: a top-level key other than these six, a file without [axes], an
 axis without values, a runtime crossrt does not know, a product above MAX_CELLS cells.
 Duplicates (two names of one pair manifest too), k at or above the token budget and very
@@ -37,13 +40,14 @@ import collections
 import difflib
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from crossrt.inputs.pairs import DEFAULT_K, PairError, load_pair, manifest_path, run_k, run_spec_type
 from crossrt.run.runtime import runtime_names
 from crossrt.sweep.cell import DEFAULTS, Cell, SweepError, make_cell, skip_reason
+from crossrt.sweep.servers import Attachment, Servers, attach_cells, one_k_per_server
 
 try:
     import tomllib
@@ -89,6 +93,8 @@ class Sweep:
     strategy: str = "task"
     max_retries: int = 2
     warnings: tuple[str, ...] = ()  # duplicates, k at or above the budget, a very large plan
+    # The servers its attaching cells run against, by URL without credentials (Cell.server).
+    attachments: Mapping[str, Attachment] = field(default_factory=dict)
 
     def runnable(self) -> list[Cell]:
         return [p.cell for p in self.cells if p.skipped is None]
@@ -178,7 +184,8 @@ def _rules(value: Any, name: str) -> list[dict[str, Any]]:
 def _checked_keys(table: Mapping[str, Any], where: str) -> None:
     unknown = sorted(set(table) - set(DEFAULTS))
     if unknown:
-        hint = " (threads are set per runtime, in [resources.<runtime>])" if "threads" in unknown else ""
+        hint = " (threads are set per runtime, in [resources.<runtime>])" if "threads" in unknown else \
+            " (servers are given on the command line: sweep run --url)" if {"server", "url"} & set(unknown) else ""
         raise SweepError(f"{where}: unknown setting(s) {', '.join(unknown)}{hint}; settings: {', '.join(DEFAULTS)}")
     empty = [key for key, value in table.items() if value == []]
     if empty:
@@ -278,7 +285,7 @@ def _warnings(cells: Sequence[Planned], axes: Mapping[str, Any], duplicates: int
     return tuple(warnings)
 
 
-def parse_sweep(data: Mapping[str, Any], source: Path) -> Sweep:
+def parse_sweep(data: Mapping[str, Any], source: Path, servers: Servers = Servers()) -> Sweep:
     _top_level(data)
     axes = _normalized(data["axes"])
     _checked_keys(axes, "[axes]")
@@ -297,7 +304,9 @@ def parse_sweep(data: Mapping[str, Any], source: Path) -> Sweep:
     for rule in rules["include"]:
         values += _product(rule, {**DEFAULTS, **{k: _as_list(v)[0] for k, v in single.items()}})
     aliases = _one_name_per_pair(values, source)
+    values, attachments, attached = attach_cells(values, servers)
     _pairs_defaults(values, source)
+    one_k_per_server(values, attachments)
     planned: dict[str, Planned] = {}
     seen: set[str] = set()
     duplicates = 0
@@ -310,10 +319,10 @@ def parse_sweep(data: Mapping[str, Any], source: Path) -> Sweep:
         planned.setdefault(cell.id, Planned(cell, skip_reason(cell)))
     cells = tuple(planned.values())
     return Sweep(_name(data, source), source, cells, resources, strategy, max_retries,
-                 (*aliases, *_warnings(cells, axes, duplicates)))
+                 (*aliases, *attached, *_warnings(cells, axes, duplicates)), attachments)
 
 
-def load_sweep(path: Path) -> Sweep:
+def load_sweep(path: Path, servers: Servers = Servers()) -> Sweep:
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -328,7 +337,7 @@ def load_sweep(path: Path) -> Sweep:
     except tomllib.TOMLDecodeError as error:
         raise SweepError(f"{path} is not TOML: {error}") from None
     try:
-        return parse_sweep(data, path)
+        return parse_sweep(data, path, servers)
     except SweepError as error:
         raise SweepError(f"{path}: {error}") from None
 

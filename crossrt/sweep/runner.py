@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 from crossrt.records.schema import RunRecord
 from crossrt.sweep.cell_run import CellJob
-from crossrt.sweep.local import run_local
+from crossrt.sweep.local import run_in_order, run_local
 from crossrt.sweep.cell import Cell
 from crossrt.sweep.plan import Sweep
 from crossrt.sweep.store import SweepStore
@@ -64,11 +64,17 @@ def run_sweep(sweep: Sweep, store: SweepStore, executor: Executor, on_cell: Opti
             elif jobs:
                 from crossrt.sweep.on_ray import connect, import_ray, run_on_ray  # Ray only when asked for
 
-                started = connect(executor.ray, executor.thread_budget)
+                # Cells attaching to a server run here, one after another: the server does their
+                # work, and two of its cells at once would mix their counters.
+                attached = [job for job in jobs if job.exclusive]
+                others = [job for job in jobs if not job.exclusive]
+                started = connect(executor.ray, executor.thread_budget) if others else False
                 try:
-                    run_on_ray(jobs, keep, sweep.needs, executor.strategy or sweep.strategy,
-                               sweep.max_retries if executor.max_retries is None else executor.max_retries,
-                               executor.kill_once)
+                    if others:
+                        run_on_ray(others, keep, sweep.needs, executor.strategy or sweep.strategy,
+                                   sweep.max_retries if executor.max_retries is None else executor.max_retries,
+                                   executor.kill_once)
+                    run_in_order(attached, keep)
                 finally:
                     if started:
                         import_ray().shutdown()
