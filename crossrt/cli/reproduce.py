@@ -6,10 +6,11 @@ pair files, prompts) rather than stopping at the first, so one pass shows all th
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import click
 
@@ -23,7 +24,8 @@ from crossrt.run.driver import RunRequest, run_pair
 from crossrt.run.loop import SCHEDULE
 from crossrt.inputs.pairs import ROLES, Pair, PairError, resolve_pair
 from crossrt.inputs.prompts import Prompt, PromptError, load_prompts, relabel, source_relative_to
-from crossrt.run.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, availability, runtime_class
+from crossrt.run.runtime import (DraftRules, RuntimeOptions, RuntimeUnavailable, Server, availability, runtime_class,
+                                 runtime_names)
 from crossrt.records.record_json import load_record
 from crossrt.records.schema import RunRecord
 
@@ -37,6 +39,8 @@ class Settings:
     out_dir: Path
     hardware: Optional[str]
     resume: bool
+    # The servers attaching runtimes found at --url, or why none: asked once per command.
+    servers: dict[tuple[str, str], Union[Server, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,31 @@ def _pair_reasons(claim: Claim, model_format: Optional[str]) -> list[str]:
     return []
 
 
+def _attached(runtime: str, url: str) -> Union[Server, str]:
+    """The server at url as runtime attaches to it; else why not."""
+    try:
+        return runtime_class(runtime).attach_server(url)
+    except USER_ERRORS as error:
+        return str(error)
+
+
+def _server_reasons(runtime: str, claim: Claim, settings: Settings) -> list[str]:
+    """Why claim cannot run on the server the runtime attaches to (--url): none given, nothing
+    fit there, or a draft length (the server's own setting) other than the claim's k."""
+    url = settings.options.url
+    if url is None:
+        return [f"runtime {runtime!r} attaches to a server you run: give --url URL (and --baseline-url URL)"]
+    if (runtime, url) not in settings.servers:  # asked once per command
+        settings.servers[runtime, url] = _attached(runtime, url)
+    server = settings.servers[runtime, url]
+    if isinstance(server, str):
+        return [server]
+    if server.k is not None and server.k != claim.k:
+        return [f"the server at {server.url} drafts up to {server.k} tokens (its own setting), the claim's k is "
+                f"{claim.k}: attach a server started with k {claim.k}"]
+    return []  # a server that does not report its draft length yet: the run checks it once it has drafted
+
+
 def plan_claim(claim: Claim, settings: Settings) -> tuple[Optional[Plan], list[str]]:
     """The run reproducing claim, or every reason it cannot run on this machine."""
     reasons = []
@@ -93,13 +122,16 @@ def plan_claim(claim: Claim, settings: Settings) -> tuple[Optional[Plan], list[s
     if claim.crossrt_runtime is None:
         reasons.append(f"no crossrt runtime reproduces {claim.runtime!r} (crossrt_runtime)")
     else:
-        unavailable = availability(claim.crossrt_runtime)
-        if unavailable:
-            reasons.append(unavailable)
         try:
             runtime = runtime_class(claim.crossrt_runtime)
         except RuntimeUnavailable:
             pass  # unknown or not importable here: the availability reason says so
+        if runtime is not None and runtime.attaches:  # usable wherever its server answers
+            reasons += _server_reasons(claim.crossrt_runtime, claim, settings)
+        else:
+            unavailable = availability(claim.crossrt_runtime)
+            if unavailable:
+                reasons.append(unavailable)
     mode = claim.mode or ("native" if runtime is not None and "native" in runtime.modes else "driven")
     if runtime is not None and mode not in runtime.modes:
         reasons.append(f"runtime {runtime.name!r} has no {mode} mode (it has: {', '.join(runtime.modes)})")
@@ -177,15 +209,20 @@ def _measured_record(claim_id: str, path: Path) -> RunRecord:
 @click.option("--measured", multiple=True, metavar="CLAIM=RECORD",
               help="Check the claim with this id against RECORD instead of running it: a record of the claimed "
               "runtime imported from its own statistics (crossrt import), say; repeatable.")
+@click.option("--runtime", "runtime_name", type=click.Choice(runtime_names()),
+              help="Run every claim on this crossrt runtime instead of the claim's crossrt_runtime: endpoint with "
+              "--url (and --baseline-url) checks the claims on a server you run, at the server's own draft length "
+              "(a claim with another k is not run, with that reason).")
 @runtime_options
 def reproduce(claims_files: Sequence[Path], only, prompt_source, max_new_tokens, out_dir, hardware, strict, resume,
-              measured, options) -> None:
+              measured, runtime_name, options) -> None:
     """Check published speculative decoding numbers: run every claim this machine can (claims
     format: docs/claims.md) and print claimed against measured, with tolerances.
 
     \b
     crossrt reproduce models/claims/community.toml
     crossrt reproduce my-claims.toml --claim tiny-llama-cpp-k4 --hardware '2x NVIDIA T4'
+    crossrt reproduce my-claims.toml --runtime endpoint --url http://gpu:8080 --baseline-url http://gpu:8081
 
     Claims that cannot run here (runtime unavailable, pair paths not filled in, a drafting
     method crossrt lacks...) are listed with the reason. Exit code 0 when every number that
@@ -193,6 +230,8 @@ def reproduce(claims_files: Sequence[Path], only, prompt_source, max_new_tokens,
     could be compared here, and with --strict also when anything claimed could not be checked.
     """
     claims = [claim for path in claims_files for claim in load_claims(path)]
+    if runtime_name is not None:
+        claims = [dataclasses.replace(claim, crossrt_runtime=runtime_name) for claim in claims]
     ids = [claim.id for claim in claims]
     repeated = sorted({i for i in ids if ids.count(i) > 1})
     if repeated:
