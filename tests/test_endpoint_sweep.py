@@ -22,8 +22,8 @@ from crossrt.inputs.pairs import load_pair
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
 from crossrt.run.runtime import DraftRules, RuntimeOptions, Server, availability, open_runtime
-from crossrt.sweep.plan import SweepError
-from crossrt.sweep.servers import Attachment, one_k_per_server
+from crossrt.sweep.plan import SweepError, load_sweep
+from crossrt.sweep.servers import Attachment, Servers, one_k_per_server
 from crossrt.sweep.store import SweepStore
 
 from conftest import TINY_PAIR, assert_clean_error
@@ -91,6 +91,9 @@ def test_a_sweep_on_an_attached_server_equals_crossrt_run_on_it_and_writes_no_pa
     assert results(swept) == results(run) and all(r.ok for r in run.results)
     assert sum(r.counters.steps for r in swept.results) > 0  # it drafted
     assert (swept.runtime.version, swept.runtime.device) == (run.runtime.version, f"server {servers.urls[0]}")
+    # The server's identity stays put as it serves: planned again after more requests, the same cell.
+    (again,) = load_sweep(path, Servers((url,), (baseline,))).runnable()
+    assert again.id == cell.meta["id"]
     # sweep query names the server and what it is.
     result = runner.invoke(main, ["sweep", "query", str(tmp_path / "store"),
                                   "SELECT server, runtime, runtime_version, k, n_prompts FROM cells"])
