@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.backends.endpoint import Attached, EndpointSession
+from crossrt.backends.llama_server_process import free_port
 from crossrt.cli import main
 from crossrt.errors import SettingsError
 from crossrt.inputs.pairs import load_pair
@@ -247,6 +248,11 @@ def test_endpoint_cells_without_a_server_are_skipped_and_named(tmp_path):
     assert "skipped: endpoint attaches to a server you run: give `crossrt sweep run --url URL" in result.output
     result = CliRunner().invoke(main, ["sweep", "plan", str(path), "--baseline-url", "http://127.0.0.1:9"])
     assert_clean_error(result, r"--baseline-url without --url")
+    port = free_port()
+    result = CliRunner().invoke(main, ["sweep", "run", str(path), "--url", f"http://u:sekrit@127.0.0.1:{port}"])
+    assert_clean_error(result, rf"--url http://127.0.0.1:{port}: nothing is listening at http://127.0.0.1:{port} "
+                               r"\(connection refused\)")
+    assert "sekrit" not in result.output and len(result.output.strip().splitlines()) == 1
 
 
 def test_a_server_that_does_not_say_its_draft_length_takes_one_k():
