@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import platform
-import re
 import select
 import subprocess
 import time
@@ -51,17 +50,12 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 SCHEDULE = "vllm"
 # vLLM's CPU attention (v1/attention/backends/cpu_attn.py, get_supported_head_sizes).
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-# Loading starts vLLM's engine process and imports torch twice: minutes on a busy 2-core machine.
+# Loading imports torch and vLLM (~15 CPU-s) and loads the weights: minutes on a busy 2-core machine.
 LOAD_TIMEOUT_S = 900.0
 REQUEST_BASE_S, REQUEST_S_PER_TOKEN = 60.0, 2.0
 LOG_TAIL_LINES = 30
 ONE_AT_A_TIME = ("the baseline and speculative engines did not fit in memory together: every baseline was "
                  "decoded first, then the baseline engine closed and the speculative engine started")
-# How vLLM reports one of its processes ending under it (v1/executor/multiproc_executor.py,
-# v1/engine/utils.py): its name and exit code, negative for a signal.
-INNER_EXITS = (re.compile(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+)\)"),
-               re.compile(r"Failed core proc\(s\): \{'([^']+)': (-?\d+)"))
-
 NOTES = (
     "speculative runs: vLLM's draft_model speculative decoding (schedule vllm); per-step drafted and "
     "accepted from vLLM's per-request metrics (level detailed), checked equal to the deltas of its "
@@ -152,7 +146,7 @@ class Worker:
         # One engine process computing on `threads` cores, not bound to any (a shared machine).
         environment.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads),
                             "VLLM_CPU_KVCACHE_SPACE": environment.get("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB),
-                            "TOKENIZERS_PARALLELISM": "false"})
+                            "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
         # vLLM warns that speculative decoding without Intel OpenMP preloaded is much slower;
         # the wheel installs it into the environment's lib/.
         iomp = VENV / "lib" / "libiomp5.so"
@@ -182,17 +176,11 @@ class Worker:
                 if line:
                     reply = json.loads(line)
                     if "error" in reply:
-                        lost = self._tree.oom_victim(f" while {doing}")
-                        if lost:  # the engine's error then only says that its engine core died
-                            raise RuntimeFailure(f"vLLM's {self.name} {lost}; vLLM said: {reply['error']}; log "
-                                                 f"{self._log}")
                         raise RuntimeFailure(f"vLLM failed {doing}: {reply['error']}; log {self._log}")
                     return reply
             if self._process.poll() is not None or (ready and not line):
                 code, tail = self._process.wait(), log_tail(self._log, LOG_TAIL_LINES)
-                inner = next(((name, int(exit_code)) for pattern in INNER_EXITS
-                              for name, exit_code in pattern.findall(tail) if int(exit_code) < 0), None)
-                raise RuntimeFailure(f"vLLM's {self.name} {self._tree.ended(code, inner, f' while {doing}')}; log "
+                raise RuntimeFailure(f"vLLM's {self.name} {self._tree.ended(code, f' while {doing}')}; log "
                                      f"{self._log}:\n{tail}")
             if time.monotonic() >= deadline:
                 raise RuntimeFailure(f"vLLM did not answer within {timeout:g} s while {doing}: hung; log {self._log}")

@@ -1,11 +1,11 @@
 """What vLLM's engines hold in memory, counted before any starts (backends/vllm.py plans them
 with crossrt.run.memory.plan_processes: together, one after the other, or refused).
 
-An engine is three processes, each with torch and vLLM imported: crossrt's worker
-(backends/vllm_worker.py, the `vllm.LLM` front end and its tokenizer), vLLM's engine core, and
-its executor's worker, which holds the weights (in the run's dtype: vLLM casts the float32
-folders crossrt gives it) and the KV cache vLLM reserves whole at start
-(VLLM_CPU_KVCACHE_SPACE GiB).
+An engine is one process with torch and vLLM imported: crossrt's worker
+(backends/vllm_worker.py), which runs vLLM's `LLM` front end, its engine core and its one CPU
+worker in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the uni executor) and holds the tokenizer,
+the weights (in the run's dtype: vLLM casts the float32 folders crossrt gives it) and the KV
+cache vLLM reserves whole at start (VLLM_CPU_KVCACHE_SPACE GiB).
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from crossrt.run.runtime import RuntimeOptions
 
 KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: the KV cache vLLM reserves, in GiB (default 4)
 # Measured by scripts/measure_memory.py (docs/vllm.md, "Memory"), anonymous memory of each
-# engine's three processes (crossrt's worker, vLLM's engine core, its executor's worker), each
-# with torch and vLLM imported, beyond the weights and the KV reserve: 1.21 GiB on the tiny-hd64
-# pair (vocabulary 512); on Gemma 3 270M (262,144 tokens, float32) the baseline engine held
-# 6.36 GiB and the speculative engine 8.75 GiB, what grows with the vocabulary (logits, sampler
-# and tokenizer buffers) about 12,900 bytes per token for the target and 5,800 more for the drafter.
-ENGINE_OVERHEAD = int(1.25 * GIB)
-VOCAB_BYTES = {"target": 13_000, "drafter": 6_000}  # per vocabulary entry
+# engine's process beyond the weights and the KV reserve: 0.44 GiB on the tiny-hd64 pair
+# (vocabulary 512; torch and vLLM imported); on Gemma 3 270M (262,144 tokens, float32) the
+# baseline engine held up to 4.93 GiB and the speculative engine 7.29 GiB, what grows with the
+# vocabulary (logits, sampler and tokenizer buffers) about 10,200 bytes per token for the target
+# and 5,700 more for the drafter. Rounded up, so a plan errs on the side of one at a time.
+ENGINE_OVERHEAD = GIB // 2
+VOCAB_BYTES = {"target": 10_500, "drafter": 6_000}  # per vocabulary entry
 ENGINES = ("baseline engine", "speculative engine")  # in the order they run one after the other
 
 
@@ -60,7 +60,7 @@ def vocab_size(path: Path) -> int:
 def engine_needs(target: Path, drafter: Path, options: RuntimeOptions, dtype: Optional[str] = None) -> tuple[int, int]:
     """Bytes the baseline engine (the target) and the speculative engine (target and drafter)
     hold once loaded: weights in the run's dtype (a GGUF's counted as its conversion will be),
-    buffers that grow with the vocabulary (VOCAB_BYTES), the KV reserve and the processes' own
+    buffers that grow with the vocabulary (VOCAB_BYTES), the KV reserve and the process's own
     (ENGINE_OVERHEAD)."""
     dtype = dtype or dtype_of(options)
     held = [footprint(path, dtype, "f32").weights + VOCAB_BYTES[role] * vocab_size(path)
@@ -89,5 +89,5 @@ def check_engines(needs: Sequence[int], which: Sequence[int], options: RuntimeOp
         "nothing smaller in dtype or KV reserve fits: a smaller model, or more memory"
     raise MemoryShort(
         f"not enough memory for vLLM's {' and '.join(ENGINES[i] for i in which)} in {dtype_of(options)}: "
-        f"{gib(need)} (per engine {gib(kv_reserve())} KV reserve and {gib(ENGINE_OVERHEAD)} of processes; the "
+        f"{gib(need)} (per engine {gib(kv_reserve())} KV reserve and {gib(ENGINE_OVERHEAD)} of its process; the "
         f"rest weights and buffers the size of the vocabulary) but {gib(free.free)} free ({free.source}), {gib(need - free.free)} short", advice)

@@ -82,6 +82,10 @@ def build(config: dict):
     return LLM(model=config["model"], dtype=config["dtype"], max_model_len=config["n_ctx"], seed=0,
                # CUDA graphs and torch.compile do not apply on the CPU; eager skips their warm-up.
                enforce_eager=True,
+               # The model runs in this process (with VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the
+               # runtime): vLLM's default starts an engine-core process and a worker process,
+               # each importing vLLM and torch again (~14 CPU-s apiece here), for one CPU worker.
+               distributed_executor_backend="uni",
                # Every prompt prefills whole: a cached prefix from an earlier prompt would change
                # its prefill time, and crossrt compares runs prompt by prompt.
                enable_prefix_caching=False,
@@ -147,5 +151,5 @@ def main() -> None:
         replies.write(json.dumps(reply) + "\n")
 
 
-if __name__ == "__main__":  # vllm.LLM spawns its engine core, which imports this module again
+if __name__ == "__main__":
     main()

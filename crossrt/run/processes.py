@@ -97,17 +97,13 @@ class ProcessTree:
                 self._victim = (name, pid)
         self._alive = alive
 
-    def ended(self, returncode: int, inner: Optional[tuple[str, int]] = None, during: str = "") -> str:
+    def ended(self, returncode: int, during: str = "") -> str:
         """How the process ended, to follow its name: "was killed by SIGKILL{during}: the kernel's
-        out-of-memory killer (...)", or "exited with 1{during}" (during: " while loading", ...).
-        inner: (name, exit code) of one of its processes as the program itself reported it
-        (vLLM: "Worker proc ... died unexpectedly (exit code: -9)")."""
+        out-of-memory killer (...)", or "exited with 1{during}" (during: " while loading", ...)."""
         self.sample(exited=returncode >= 0)
         number, who = None, ""
         if returncode < 0:
             number = -returncode
-        elif inner is not None and inner[1] < 0:
-            number, who = -inner[1], f" (its process {inner[0]})"
         elif self._victim is not None:
             number, who = signal.SIGKILL, f" (its process {self._victim[0]}, pid {self._victim[1]})"
         if number is None:
@@ -123,10 +119,3 @@ class ProcessTree:
             held, free = self._before_oom
             return f"{killed}: the kernel's out-of-memory killer ({gib(held)} in use by its processes, {gib(free)} free)"
         return f"{killed} (not by the kernel's out-of-memory killer: its count did not change)"
-
-    def oom_victim(self, during: str = "") -> Optional[str]:
-        """Where the kernel's out-of-memory killer killed one of the processes under a process that
-        lives on and reports the loss as an error of its own (vLLM's worker: "EngineDeadError"),
-        how, as ended() tells it ("was killed by SIGKILL (its process ...)..."); else None."""
-        self.sample()
-        return self.ended(0, during=during) if self._victim is not None else None
