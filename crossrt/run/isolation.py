@@ -3,16 +3,19 @@
 An in-process runtime (llama.cpp through its binding, transformers) runs native code inside
 crossrt's process, where a fault (SIGSEGV in a CPU kernel, SIGILL for an instruction the CPU
 cannot run, SIGABRT from an assertion) ends the process with no Python exception to catch. So the
-call that loads and runs it goes to a child process (a fresh interpreter: a runtime's libraries
-and threads are not forked), with Python's faulthandler writing the child's stack into a file.
+call that loads and runs it goes to a child process, with Python's faulthandler writing the
+child's stack into a file. The child is forked by the runtime's zygote (crossrt/run/zygote.py),
+a process that has only imported crossrt and the runtime's Python modules: no model, no kernel
+and no thread of crossrt's own process is in it, and it starts in milliseconds, not the seconds
+of a fresh interpreter's imports.
 When the child dies by a signal, the caller gets a RuntimeCrashed naming the runtime, the signal,
 and from that stack the innermost Python frame outside crossrt (the binding's call into native
 code) and the crossrt call it came from. What the child finished stays where it put it (a run's
 journal: crossrt/records/journal.py).
 
-The child never outlives its parent (the kernel's parent-death signal) and sits in a process
-group of its own, so a terminal's Ctrl-C reaches the parent alone, which passes one SIGINT on
-and waits for the child to keep what it finished.
+The child never outlives its parent (the kernel's parent-death signal, through its zygote) and
+sits in a process group of its own (its zygote's), so a terminal's Ctrl-C reaches the parent
+alone, which passes one SIGINT on and waits for the child to keep what it finished.
 
 Test hook: CROSSRT_TEST_CRASH_AFTER=RUNTIME:N[:SIGNAL] makes a child running RUNTIME die by a
 real signal after N finished prompts (N = 0: as it starts; SIGSEGV: a read of address 0;
@@ -29,7 +32,6 @@ import pickle
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import traceback
@@ -45,11 +47,18 @@ from crossrt.records.record_json import load_record
 from crossrt.records.schema import PromptResult, RunRecord
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.run.run_writer import OWNER_PID
-from crossrt.run.runtime import RuntimeFailure, runtime_class
+from crossrt.run.processes import oom_kills
+from crossrt.run.runtime import RUNTIMES, RuntimeFailure, runtime_class
+from crossrt.run.zygote import zygote_for
 
 CRASH_HOOK = "CROSSRT_TEST_CRASH_AFTER"
 IN_PROCESS = "CROSSRT_IN_PROCESS"
-PR_SET_PDEATHSIG = 1
+ENTRY = "crossrt.run.isolation:_serve_call"
+# What SIGKILL means, by whether the kernel's OOM-kill count (/proc/vmstat) rose while the child ran
+# (its victims are always killed by SIGKILL; None: the count cannot be read here).
+KILLED = {True: "killed by the kernel's out-of-memory killer",
+          False: "killed, not by the kernel's out-of-memory killer: its count did not change",
+          None: "killed: out of memory, or by a user"}
 # faulthandler's frame line: `  File "/path/module.py", line 12 in function`
 _FRAME = re.compile(r'^\s*File "(?P<path>.+)", line (?P<line>\d+) in (?P<function>\S+)')
 
@@ -105,20 +114,23 @@ class RuntimeCrashed(RuntimeFailure):
     runtime, the signal, the call outside crossrt it died in and the crossrt call that made it."""
 
     def __init__(self, runtime: str, signal_name: Optional[str], native: Optional[str] = None,
-                 frame: Optional[str] = None, detail: str = "", exit_code: Optional[int] = None):
+                 frame: Optional[str] = None, detail: str = "", exit_code: Optional[int] = None,
+                 out_of_memory: Optional[bool] = None):
         self.runtime, self.signal_name, self.native, self.frame = runtime, signal_name, native, frame
-        self.detail, self.exit_code = detail, exit_code
+        # For SIGKILL: whether the kernel's OOM-kill count rose while the child ran (None: unknown).
+        self.detail, self.exit_code, self.out_of_memory = detail, exit_code, out_of_memory
         super().__init__(self.describe())
 
     def __reduce__(self):
-        return RuntimeCrashed, (self.runtime, self.signal_name, self.native, self.frame, self.detail, self.exit_code)
+        return RuntimeCrashed, (self.runtime, self.signal_name, self.native, self.frame, self.detail, self.exit_code,
+                                self.out_of_memory)
 
     def cause(self) -> str:
         """The crash without the runtime's name: `SIGSEGV (Segmentation fault) in ..., from ...`."""
         if self.signal_name is None:
             what = f"its process exited with code {self.exit_code} without an answer"
         else:
-            meaning = ("killed: out of memory, or by a user" if self.signal_name == "SIGKILL"
+            meaning = (KILLED[self.out_of_memory] if self.signal_name == "SIGKILL"
                        else signal.strsignal(signal.Signals[self.signal_name]))
             what = f"{self.signal_name} ({meaning})"
         where = (f" in {self.native}" if self.native else "") + (f", from {self.frame}" if self.frame else "")
@@ -128,22 +140,25 @@ class RuntimeCrashed(RuntimeFailure):
         return f"{self.runtime} crashed: {self.cause()}" + (f"; {self.detail}" if self.detail else "")
 
     def with_detail(self, detail: str) -> "RuntimeCrashed":
-        return RuntimeCrashed(self.runtime, self.signal_name, self.native, self.frame, detail, self.exit_code)
+        return RuntimeCrashed(self.runtime, self.signal_name, self.native, self.frame, detail, self.exit_code,
+                              self.out_of_memory)
 
 
-def crash_of(runtime: str, exit_code: Optional[int], dump: str) -> RuntimeCrashed:
+def crash_of(runtime: str, exit_code: Optional[int], dump: str, out_of_memory: Optional[bool] = None) -> RuntimeCrashed:
     """The RuntimeCrashed for a child that ended with exit_code (negative: the signal) and left
     faulthandler's dump: the innermost frame outside crossrt, and the innermost crossrt frame
-    (a backend's, where one is on the stack)."""
+    (a backend's, where one is on the stack). out_of_memory: for SIGKILL, whether the kernel's
+    OOM-kill count rose meanwhile."""
     name = signal.Signals(-exit_code).name if exit_code is not None and exit_code < 0 else None
-    # The child's own frames (_main, the hook's counting) are left out; the test hook's _crash stays.
-    frames = [f for f in crashed_stack(dump) if f.path != "<string>"
+    # The child's own frames (its zygote's, _serve_call, the hook's counting) are left out; the
+    # test hook's _crash stays.
+    frames = [f for f in crashed_stack(dump) if f.path != "<string>" and not f.path.endswith(os.sep + "zygote.py")
               and (f.function == "_crash" or not f.path.endswith(os.sep + "isolation.py"))]
     outside = next((f for f in frames if not f.in_crossrt), None)
     ours = [f for f in frames if f.in_crossrt]
     backend = next((f for f in ours if f.in_backend), ours[0] if ours else None)
     return RuntimeCrashed(runtime, name, outside.short() if outside else None, backend.short() if backend else None,
-                          exit_code=exit_code)
+                          exit_code=exit_code, out_of_memory=out_of_memory if name == "SIGKILL" else None)
 
 
 def isolated(runtime: str) -> bool:
@@ -158,34 +173,33 @@ class ChildTraceback(Exception):
     """The child's traceback, kept as the cause of an exception it raised (as concurrent.futures does)."""
 
 
-def _die_with_parent(parent: int) -> None:
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-def _main() -> None:
-    """The child: `python -c` runs this with the message pipe's descriptor, the dump file, the
-    parent's pid and the runtime's name; sys.path and the call come pickled on stdin."""
-    write_fd, dump_path, parent, runtime = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    _die_with_parent(parent)
+def _serve_call(message_fd: int, call_fd: int, dump_path: str, parent: int, runtime: str) -> None:
+    """The child, forked by the zygote: the call comes pickled on call_fd, every message goes to
+    the parent on message_fd; before its outcome, the modules it imported for its zygote to learn."""
     os.environ[OWNER_PID] = str(parent)  # a record's lock names the crossrt the user started
-    connection = Connection(write_fd, readable=False)
+    connection = Connection(message_fd, readable=False)
     faulthandler.enable(open(dump_path, "w"), all_threads=True)
-    sys.path[:] = pickle.load(sys.stdin.buffer)  # first, so the call's own modules import
-    function, args, events = pickle.load(sys.stdin.buffer)
+    warm = set(sys.modules)
+    with os.fdopen(call_fd, "rb") as call:
+        function, args, events = pickle.load(call)
     hook = crash_hook(runtime)
     if hook is not None and hook[0] == 0:  # the test hook's "after 0 prompts": at once
         _crash(hook[1])
     try:
         emit = (lambda payload: connection.send(("event", payload))) if events else None
-        result = function(*args, emit=emit) if events else function(*args)
-        connection.send(("result", result))
+        outcome = ("result", function(*args, emit=emit) if events else function(*args))
     except KeyboardInterrupt:
-        connection.send(("interrupted", None))
+        outcome = ("interrupted", None)
     except BaseException as error:  # handed to the parent, which raises it
-        connection.send(("error", (_portable(error), traceback.format_exc())))
+        outcome = ("error", (_portable(error), traceback.format_exc()))
+    connection.send(("imported", sorted(set(sys.modules) - warm)))
+    connection.send(outcome)
+
+
+def preloads(runtime: str) -> list[str]:
+    """What a zygote for runtime imports before its first child: crossrt's side of the call and
+    the runtime's backend module (a name that is not a runtime's: crossrt's side alone)."""
+    return [__name__] + ([RUNTIMES[runtime].split(":")[0]] if runtime in RUNTIMES else [])
 
 
 def _portable(error: BaseException) -> BaseException:
@@ -208,18 +222,19 @@ class Isolated:
         self.runtime = runtime
         self._folder = tempfile.mkdtemp(prefix="crossrt-isolated-")
         self._dump = Path(self._folder) / "faulthandler.txt"
+        self._oom_kills = oom_kills()
         read_fd, write_fd = os.pipe()
-        # `python -c`, not multiprocessing's spawn, which would import the parent's __main__ (the
-        # whole command line) again; a process group of its own keeps a terminal's Ctrl-C here.
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", "from crossrt.run.isolation import _main; _main()", str(write_fd),
-             str(self._dump), str(os.getpid()), runtime], stdin=subprocess.PIPE, pass_fds=(write_fd,), process_group=0)
-        os.close(write_fd)
+        call_read, call_write = os.pipe()
+        self._zygote = zygote_for(runtime, preloads(runtime))
+        try:
+            self.process = self._zygote.fork((1, 2, write_fd, call_read), ENTRY, str(self._dump), os.getpid(), runtime)
+        finally:
+            os.close(write_fd)
+            os.close(call_read)
         self.connection = Connection(read_fd, writable=False)
         try:
-            pickle.dump(sys.path, self.process.stdin)
-            pickle.dump((function, args, events), self.process.stdin)
-            self.process.stdin.close()
+            with os.fdopen(call_write, "wb") as call:
+                pickle.dump((function, args, events), call)
         except BrokenPipeError:  # the child died at once: step() sees it gone
             pass
         self._outcome: Optional[tuple[str, Any]] = None
@@ -233,6 +248,9 @@ class Isolated:
         if kind == "event":
             if on_event is not None:
                 on_event(payload)
+            return False
+        if kind == "imported":
+            self._zygote.preload(payload)
             return False
         self._outcome = (kind, payload)
         self.process.wait()
@@ -249,7 +267,9 @@ class Isolated:
                 error, text = payload
                 raise error from ChildTraceback(f"\n(in {self.runtime}'s process)\n{text}")
             dump = self._dump.read_text(errors="replace") if self._dump.is_file() else ""
-            raise crash_of(self.runtime, self.process.returncode, dump)
+            now = oom_kills()
+            raise crash_of(self.runtime, self.process.returncode, dump,
+                           None if None in (now, self._oom_kills) else now > self._oom_kills)
         finally:
             self.close()
 
