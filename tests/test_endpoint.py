@@ -394,3 +394,11 @@ def test_sglang_in_its_source_formats_gives_ids_and_per_request_counts():
     counters = result.counters
     assert (counters.steps, counters.drafted, counters.accepted, counters.unverified) == (2, 6, 3, 1)
     assert result.decode_s == 0.25 and not counters.identity_violations(3)
+
+
+@pytest.mark.skipif(availability("exllamav3") is None, reason="exllamav3 runs here: no unusable runtime to check")
+def test_a_url_skips_the_availability_check_of_the_runtime_that_attaches_only():
+    """In a parity matrix with --url, the other runtimes are still checked before they run."""
+    options = RuntimeOptions(threads=1, url="http://127.0.0.1:9")
+    with pytest.raises(RuntimeUnavailable):
+        open_runtime("exllamav3", options)

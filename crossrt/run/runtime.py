@@ -371,10 +371,12 @@ def runtime_class(name: str) -> type[Runtime]:
 def open_runtime(name: str, options: RuntimeOptions) -> Runtime:
     """The runtime called name, checked usable here; RuntimeUnavailable says why not.
 
-    An explicit executable (--executable PATH: the runtime's program) or server (--url) replaces the
-    default lookup that check_available makes; the runtime checks it itself when constructed."""
+    An explicit executable (--executable PATH: the runtime's program) or, for a runtime that
+    attaches, a server (--url) replaces the default lookup that check_available makes; the runtime
+    checks it itself when constructed. Other runtimes of the same command (a parity matrix with
+    an attached server) are checked as always."""
     cls = runtime_class(name)
-    if options.executable is None and options.url is None:
+    if options.executable is None and not (cls.attaches and options.url is not None):
         cls.check_available()
     return cls(options)
 
