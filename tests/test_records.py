@@ -27,6 +27,7 @@ from crossrt.records.record_json import load_record, save_record
 from crossrt.records.trace import TraceRecorder, load_trace, read_traces, trace_entry, trace_path
 
 from conftest import REPO, TINY_PAIR
+from test_faults import alive, child_pids
 
 K = 3
 PROMPTS = load_prompts("builtin")[:4]
@@ -200,10 +201,18 @@ def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_one(tmp_path):
     while time.monotonic() < deadline and process.poll() is None:
         journal = journal_path(killed)
         if journal.exists() and journal.read_bytes().count(b"\n") > 10:  # header + 10 prompts
+            zygotes = child_pids(process.pid)
+            run_processes = zygotes + [pid for zygote in zygotes for pid in child_pids(zygote)]
             os.kill(process.pid, signal.SIGKILL)
             break
         time.sleep(0.005)
     assert process.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    # The runtime's process dies with crossrt through its zygote's death, a few milliseconds later,
+    # and may finish one more prompt meanwhile: what the run kept is read once it is gone.
+    deadline = time.monotonic() + 15
+    while any(alive(pid) for pid in run_processes) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert run_processes and not any(alive(pid) for pid in run_processes), "the runtime's process outlived crossrt"
     assert json.loads(killed.read_text())["results"] == []  # the record file: as the run started it
     kept = load_record(killed)
     assert 10 <= len(kept.results) < len(load_prompts("categories"))
