@@ -79,8 +79,9 @@ def run_in_order(jobs: Sequence[CellJob], on_done: OnDone) -> None:
 
 def run_in_parallel(jobs: Sequence[CellJob], on_done: OnDone, needs: Callable[[Cell], Resources],
                     thread_budget: int) -> None:
-    """Cells in processes of their own (a fresh interpreter each: spawn, as runtimes hold threads
-    that do not survive a fork), started in plan order while their threads fit in thread_budget.
+    """Cells in processes of their own (each forked by its runtime's zygote, never from this
+    process: runtimes hold threads that do not survive a fork), started in plan order while
+    their threads fit in thread_budget.
     A cell needing more than the whole budget runs alone. A cell attaching to a server waits while
     another cell uses that server (its counters are read around each request: CellJob.exclusive).
     A cell whose process crashes fails in one line naming the signal (crossrt/run/isolation.py);
