@@ -28,6 +28,8 @@ from crossrt.sweep.servers import Attachment, Servers, one_k_per_server
 from crossrt.sweep.store import SweepStore
 
 from conftest import TINY_PAIR, assert_clean_error
+from test_endpoint import _copy
+from test_sweep import write_sweep
 
 needs_server = pytest.mark.skipif(availability("llama-server") is not None,
                                   reason=f"llama-server not usable: {availability('llama-server')}")
@@ -37,15 +39,8 @@ K = 3  # the servers' draft length; the tiny pair's own k is 4, so a cell at 3 t
 
 def sweep_file(folder: Path, axes: str = "") -> Path:
     """One code and one prose prompt, 8 tokens, runtime endpoint, no k: the server's."""
-    prompts = {p.id: p for p in load_prompts("builtin")}
-    with open(folder / "two.jsonl", "w") as out:
-        for prompt_id in ("code-fib", "prose-river"):
-            p = prompts[prompt_id]
-            out.write(json.dumps({"id": p.id, "category": p.category, "prompt": p.text}) + "\n")
-    path = folder / "sweep.toml"
-    path.write_text(f'name = "attached"\n[axes]\npair = "tiny"\nruntime = "endpoint"\nmode = "native"\n'
-                    f'prompts = "two.jsonl"\nmax_new_tokens = 8\n{axes}')
-    return path
+    return write_sweep(folder, f'name = "attached"\n[axes]\npair = "tiny"\nruntime = "endpoint"\nmode = "native"\n'
+                               f'prompts = "two.jsonl"\nmax_new_tokens = 8\n{axes}')
 
 
 def generated(url: str) -> int:
@@ -161,12 +156,6 @@ class CountingHandler(socketserver.BaseRequestHandler):
             upstream.close()
             if generation:
                 self.server.count(-1)
-
-
-def _copy(source, sink):
-    while data := source.recv(65536):
-        sink.sendall(data)
-    sink.shutdown(socket.SHUT_WR)
 
 
 @needs_server
