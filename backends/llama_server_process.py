@@ -10,22 +10,21 @@ raising. Every failure carries the tail of the server's log, which is kept in a 
 
 from __future__ import annotations
 
-import ctypes
 import http.client
 import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from crossrt.backends.llama_tools import BUILD_BIN, find_tool, log_tail
 from crossrt.records.journal import storage_error
-from crossrt.run.processes import ProcessTree
+from crossrt.run.processes import ProcessTree, die_with_parent
 from crossrt.run.runtime import RuntimeFailure
 
 BUILT_EXECUTABLE = BUILD_BIN / "llama-server"
@@ -40,10 +39,6 @@ HEALTH_PROBE_S = 5.0  # between probes, and each probe's own timeout
 HEALTH_MISSES = 3  # probes in a row without an answer: the server is hung
 STOP_TIMEOUT_S = 10.0
 PORT_ATTEMPTS = 3
-PR_SET_PDEATHSIG = 1
-
-# Loaded before any fork: the child only calls into it between fork and exec.
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 class PortInUse(RuntimeFailure):
@@ -67,16 +62,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe_socket:
         probe_socket.bind((HOST, 0))
         return probe_socket.getsockname()[1]
-
-
-def _die_with_parent(parent_pid: int):
-    """preexec_fn: have the kernel kill the child when its parent dies; if the parent died
-    before prctl took effect, give up at once rather than run orphaned."""
-    def preexec() -> None:
-        _LIBC.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        if os.getppid() != parent_pid:
-            os._exit(1)
-    return preexec
 
 
 class ServerProcess:
@@ -117,7 +102,7 @@ class ServerProcess:
         log_file.flush()
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                    start_new_session=True,
-                                   preexec_fn=_die_with_parent(os.getpid()) if _LIBC is not None else None)
+                                   preexec_fn=partial(die_with_parent, os.getpid()))
         server = cls(process, port, log_path, log_file)
         try:
             server._wait_healthy(health_timeout_s)

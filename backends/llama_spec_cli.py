@@ -27,12 +27,14 @@ import re
 import subprocess
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Optional, Sequence
 
 from crossrt.run import loop
 from crossrt.errors import ModelError, PromptRefused
 from crossrt.run.memory import check_gguf_fits
+from crossrt.run.processes import die_with_parent
 from crossrt.run.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                              RuntimeOptions, RuntimeUnavailable)
 from crossrt.run.schedules import SPEC_SIMPLE, check_prompt
@@ -40,7 +42,6 @@ from crossrt.records.schema import Counters, CountsDoNotAddUp, RuntimeInfo
 # _internals: llama_cpp's module, None where llama_cpp did not import (reported by check_available)
 from crossrt.backends.llama_cpp import LlamaCppRuntime, _internals, llama_cpp
 from crossrt.backends.llama_tools import BUILD_BIN, find_tool, log_tail, probe
-from crossrt.backends.llama_server_process import _LIBC, _die_with_parent
 
 TOOL = "llama-speculative-simple"
 REPO_TOOL = BUILD_BIN / TOOL
@@ -238,7 +239,7 @@ class LlamaSpecCliSession(NativeSession):
         timeout = TOOL_BASE_S + TOOL_S_PER_TOKEN * work_tokens
         process = subprocess.Popen(command, stdout=out_file, stderr=log_file, stdin=subprocess.DEVNULL,
                                    env=environment,
-                                   preexec_fn=_die_with_parent(os.getpid()) if _LIBC is not None else None)
+                                   preexec_fn=partial(die_with_parent, os.getpid()))
         deadline = time.monotonic() + timeout
         stopped = 0
         try:

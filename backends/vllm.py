@@ -27,6 +27,7 @@ import platform
 import select
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -35,10 +36,9 @@ from crossrt.inputs.pairs import cache_dir
 from crossrt.run.runtime import (DTYPES, DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                              RuntimeOptions, RuntimeUnavailable)
 from crossrt.run.memory import Uncounted, plan_processes
-from crossrt.run.processes import ProcessTree
+from crossrt.run.processes import ProcessTree, die_with_parent
 from crossrt.run.schedules import check_fits
 from crossrt.records.schema import Counters, CountsDoNotAddUp, RuntimeInfo
-from crossrt.backends.llama_server_process import _LIBC, _die_with_parent
 from crossrt.backends.llama_tools import log_tail
 from crossrt.backends.vllm_memory import ENGINES, KV_CACHE_GIB, check_engines, dtype_of, engine_needs
 
@@ -156,7 +156,7 @@ class Worker:
         self._log_file = open(log, "wb")
         self._process = subprocess.Popen([str(PYTHON), str(WORKER), json.dumps(config)], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=self._log_file, env=environment,
-                                         preexec_fn=_die_with_parent(os.getpid()) if _LIBC is not None else None)
+                                         preexec_fn=partial(die_with_parent, os.getpid()))
         self._tree = ProcessTree(self._process.pid)  # its engine processes, sampled while it is waited on
 
     def wait_ready(self) -> dict:

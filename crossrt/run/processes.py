@@ -1,23 +1,39 @@
 """How a child process crossrt started ended, told as it happened.
 
-A runtime's process (a llama-server, a vLLM worker with the engine-core and executor processes it
-starts) that the kernel's out-of-memory killer ends is otherwise reported as its exit code: vLLM's
-worker exits with 1 when the process holding its weights is killed under it. ProcessTree samples
+A runtime's process (a llama-server, a vLLM worker) that the kernel's out-of-memory killer ends
+is otherwise reported as its exit code, or as that of a parent that exits when a process under
+it is killed. ProcessTree samples
 the process and its descendants while crossrt waits on them (what they hold, which are alive,
 the kernel's count of OOM kills), so that the end can be named: the signal, the process it
 reached, and the kernel's out-of-memory killer where its count rose meanwhile (its victims are
-always killed by SIGKILL), with the memory held and free just before.
+always killed by SIGKILL), with the memory held and free just before. die_with_parent makes a
+child end with crossrt.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 from typing import Optional
 
 from crossrt.run.memory import gib
+
+PR_SET_PDEATHSIG = 1
+# Loaded before any fork: a child only calls into it between fork and exec.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process (SIGKILL) when parent ends, or end it now if parent already
+    has: a child's first act (a preexec_fn, or right after a fork), so it never runs orphaned."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def oom_kills() -> Optional[int]:

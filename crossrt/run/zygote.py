@@ -27,7 +27,6 @@ a zygote's child whose zygote is killed dies by SIGKILL.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import importlib
 import json
 import os
@@ -41,7 +40,8 @@ import threading
 import traceback
 from typing import Optional, Sequence
 
-PR_SET_PDEATHSIG = 1
+from crossrt.run.processes import die_with_parent
+
 MESSAGE_BYTES = 1 << 20  # a request: a few paths and names, far below this
 PRELOAD_CHUNK = 500  # module names per message: a datagram must fit the socket's send buffer
 KEPT = 4  # zygotes one parent keeps (each with its imports resident: ~0.4 GiB with torch)
@@ -51,14 +51,6 @@ KEPT = 4  # zygotes one parent keeps (each with its imports resident: ~0.4 GiB w
 IMPORT_TIME = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "NUMEXPR_", "NPY_", "LD_", "CUDA_", "HIP_", "ROCM_",
                "ROCR_", "HSA_", "GGML_", "LLAMA_", "TORCH", "PYTORCH_", "TRANSFORMERS_", "HF_", "TOKENIZERS_",
                "PYTHON", "VLLM_", "EXLLAMA", "CROSSRT_LLAMA_")
-
-
-def die_with_parent(parent: int) -> None:
-    """This process gets SIGKILL when parent ends (exits at once if it already has)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def _import_all(names: Sequence[str]) -> None:
@@ -155,7 +147,6 @@ class Zygote:
 
     def __init__(self, modules: Sequence[str]):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.owner = os.getpid()
         self.modules = set(modules)
         self._learned: list[str] = []  # imported by children, sent to the zygote with the next fork
         # A process group of its own, as each child: a terminal's Ctrl-C reaches the parent alone.
@@ -185,6 +176,8 @@ class Zygote:
                 if kind == "forked":
                     self.running.add(payload)
                     return ForkedChild(self, payload)
+                if kind == "gone":
+                    raise OSError(f"crossrt's zygote (pid {self.process.pid}) died before it forked")
 
     def preload(self, modules: Sequence[str]) -> None:
         """Have the zygote import modules a child imported before it forks the next child."""
