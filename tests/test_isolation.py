@@ -13,6 +13,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,8 @@ import pytest
 from crossrt.records.record_json import load_record
 import crossrt
 import crossrt.backends
-from crossrt.run.isolation import CRASH_HOOK, RuntimeCrashed, call_isolated, crash_of, crashed_stack, isolated
+from crossrt.run.isolation import (CRASH_HOOK, Isolated, RuntimeCrashed, call_isolated, crash_of, crashed_stack, isolated,
+                                   prompt_hook)
 from crossrt.run.processes import oom_kills
 from crossrt.run.runtime import availability
 
@@ -172,6 +174,47 @@ def test_an_exception_in_the_child_is_raised_here_and_answers_come_back():
     assert call_isolated("llama-cpp", sorted, [3, 1, 2]) == [1, 2, 3]
     with pytest.raises(ValueError, match="invalid literal"):
         call_isolated("llama-cpp", int, "x")
+
+
+def interrupted_in_a_callback(marker: str, through_prompt_hook: bool) -> bytes:
+    """In the child: libc's qsort calling a Python comparator that is sleeping when the parent's
+    SIGINT comes, so the KeyboardInterrupt is raised inside a ctypes callback, which swallows it
+    (as llama.cpp's log callback did, loading a model); then the end of a prompt (prompt_hook),
+    or a result far bigger than a pipe holds."""
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+    def compare(a, b):
+        Path(marker).touch()
+        time.sleep(2)
+        return 0
+    ctypes.CDLL(None).qsort((ctypes.c_int * 2)(), 2, ctypes.sizeof(ctypes.c_int), compare)
+    if through_prompt_hook:
+        prompt_hook("llama-cpp")(None, None)
+    return bytes(1 << 20)
+
+
+@pytest.mark.parametrize("through_prompt_hook", [True, False], ids=["prompt-hook", "big-result"])
+def test_an_interrupt_a_native_callback_swallowed_ends_the_child_quietly(tmp_path, capfd, through_prompt_hook):
+    marker = tmp_path / "in-callback"
+    child = Isolated("llama-cpp", interrupted_in_a_callback, (str(marker), through_prompt_hook))
+    deadline = time.monotonic() + 60
+    while not marker.exists() and child.process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not marker.exists():
+        child.close()
+        pytest.fail("the child never reached its callback")
+    started = time.monotonic()
+    passing_on = threading.Thread(target=child.interrupt)
+    passing_on.start()
+    passing_on.join(timeout=30)
+    if passing_on.is_alive():
+        os.kill(child.process.pid, signal.SIGKILL)  # the thread's wait then ends
+        passing_on.join()
+        pytest.fail("the parent waited for a child that was waiting for the parent to read it")
+    assert time.monotonic() - started < 10
+    assert child.process.returncode == 0
+    assert child._outcome[0] == ("interrupted" if through_prompt_hook else "result")
+    printed = capfd.readouterr().err
+    assert "KeyboardInterrupt" not in printed and "Traceback" not in printed, printed
 
 
 def test_the_crashed_threads_frames_name_the_binding_call_and_the_backend():

@@ -15,7 +15,11 @@ journal: crossrt/records/journal.py).
 
 The child never outlives its parent (the kernel's parent-death signal, through its zygote) and
 sits in a process group of its own (its zygote's), so a terminal's Ctrl-C reaches the parent
-alone, which passes one SIGINT on and waits for the child to keep what it finished.
+alone, which passes one SIGINT on and waits for the child to keep what it finished, reading
+what it still sends (a child blocked on a full pipe would never end). The child raises
+KeyboardInterrupt at the signal; one raised inside a native library's callback (llama.cpp's log
+callback, through ctypes) is swallowed there, so it is kept quiet and raised again at the end of
+the prompt (prompt_hook).
 
 Test hook: CROSSRT_TEST_CRASH_AFTER=RUNTIME:N[:SIGNAL] makes a child running RUNTIME die by a
 real signal after N finished prompts (N = 0: as it starts; SIGSEGV: a read of address 0;
@@ -49,7 +53,7 @@ from crossrt.run.driver import RunRequest, run_pair
 from crossrt.run.run_writer import OWNER_PID
 from crossrt.run.processes import oom_kills
 from crossrt.run.runtime import RUNTIMES, RuntimeFailure, runtime_class
-from crossrt.run.zygote import zygote_for
+from crossrt.run.zygote import interrupted, note_interrupt, zygote_for
 
 CRASH_HOOK = "CROSSRT_TEST_CRASH_AFTER"
 IN_PROCESS = "CROSSRT_IN_PROCESS"
@@ -177,6 +181,8 @@ def _serve_call(message_fd: int, call_fd: int, dump_path: str, parent: int, runt
     """The child, forked by the zygote: the call comes pickled on call_fd, every message goes to
     the parent on message_fd; before its outcome, the modules it imported for its zygote to learn."""
     os.environ[OWNER_PID] = str(parent)  # a record's lock names the crossrt the user started
+    signal.signal(signal.SIGINT, _raise_interrupt)
+    sys.unraisablehook = _quiet_interrupt
     connection = Connection(message_fd, readable=False)
     faulthandler.enable(open(dump_path, "w"), all_threads=True)
     warm = set(sys.modules)
@@ -186,6 +192,8 @@ def _serve_call(message_fd: int, call_fd: int, dump_path: str, parent: int, runt
     if hook is not None and hook[0] == 0:  # the test hook's "after 0 prompts": at once
         _crash(hook[1])
     try:
+        if interrupted():  # passed on before the call began
+            raise KeyboardInterrupt
         emit = (lambda payload: connection.send(("event", payload))) if events else None
         outcome = ("result", function(*args, emit=emit) if events else function(*args))
     except KeyboardInterrupt:
@@ -194,6 +202,18 @@ def _serve_call(message_fd: int, call_fd: int, dump_path: str, parent: int, runt
         outcome = ("error", (_portable(error), traceback.format_exc()))
     connection.send(("imported", sorted(set(sys.modules) - warm)))
     connection.send(outcome)
+
+
+def _raise_interrupt(*_) -> None:
+    note_interrupt()
+    raise KeyboardInterrupt
+
+
+def _quiet_interrupt(unraisable) -> None:
+    """sys.unraisablehook in the child: a KeyboardInterrupt a ctypes callback swallowed is not
+    printed as a traceback (it is noted, and prompt_hook raises it again); others are."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
 
 
 def preloads(runtime: str) -> list[str]:
@@ -285,9 +305,12 @@ class Isolated:
         return self.outcome()
 
     def interrupt(self) -> None:
-        if self.process.poll() is None:
+        """Pass one SIGINT on and read what the child still sends until it ends: a child whose
+        outcome does not fit the pipe waits for a reader, and the parent must not wait for it."""
+        if self._outcome is None and self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
-            self.process.wait()
+            while not self.step():
+                pass
         self.close()
 
     def close(self) -> None:
@@ -325,21 +348,23 @@ OnPrompt = Callable[[Prompt, Optional[PromptResult]], None]
 _finished = 0  # prompts this process finished, for the test hook
 
 
-def crash_after(runtime: str, on_prompt: Optional[OnPrompt] = None) -> Optional[OnPrompt]:
-    """run_pair's on_prompt, which with the test hook set for runtime makes this process die after
-    its N-th finished prompt, over all its runs (not counting those a resumed record held)."""
+def prompt_hook(runtime: str, on_prompt: Optional[OnPrompt] = None) -> OnPrompt:
+    """run_pair's on_prompt in a child: on_prompt, then KeyboardInterrupt if a SIGINT came (one a
+    native callback swallowed: the prompt is kept, the run ends), and with the test hook set for
+    runtime, this process's death after its N-th finished prompt, over all its runs (not counting
+    those a resumed record held)."""
     hook = crash_hook(runtime)
-    if hook is None:
-        return on_prompt
 
-    def counting(prompt: Prompt, result: Optional[PromptResult]) -> None:
+    def hooked(prompt: Prompt, result: Optional[PromptResult]) -> None:
         global _finished
         if on_prompt is not None:
             on_prompt(prompt, result)
+        if interrupted():
+            raise KeyboardInterrupt
         _finished += result is not None
-        if _finished == hook[0]:
+        if hook is not None and _finished == hook[0]:
             _crash(hook[1])
-    return counting
+    return hooked
 
 
 def _run_pair_child(request: RunRequest, prompts: Sequence[Prompt], emit=None) -> RunRecord:
@@ -347,7 +372,7 @@ def _run_pair_child(request: RunRequest, prompts: Sequence[Prompt], emit=None) -
     def on_prompt(prompt: Prompt, result: Optional[PromptResult]) -> None:
         if emit is not None:
             emit((prompt.id, result))
-    return run_pair(request, prompts, crash_after(request.runtime, on_prompt))
+    return run_pair(request, prompts, prompt_hook(request.runtime, on_prompt))
 
 
 def kept(out: Path, prompts: int) -> str:

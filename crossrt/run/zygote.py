@@ -22,6 +22,10 @@ starts one child never pays for imports nobody uses. A child is the zygote's, no
 (negative: the signal that killed it) over the control socket; ForkedChild reads it like a
 subprocess.Popen. The zygote and its children die with their parent (the parent-death signal):
 a zygote's child whose zygote is killed dies by SIGKILL.
+
+A SIGINT (the parent passing on a Ctrl-C) is noted by the child from the moment it is forked
+(interrupted()); what it then does is its entry's choice (crossrt/run/isolation.py raises it, and
+raises it again where a native library's callback swallowed it).
 """
 
 from __future__ import annotations
@@ -51,6 +55,18 @@ KEPT = 4  # zygotes one parent keeps (each with its imports resident: ~0.4 GiB w
 IMPORT_TIME = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "NUMEXPR_", "NPY_", "LD_", "CUDA_", "HIP_", "ROCM_",
                "ROCR_", "HSA_", "GGML_", "LLAMA_", "TORCH", "PYTORCH_", "TRANSFORMERS_", "HF_", "TOKENIZERS_",
                "PYTHON", "VLLM_", "EXLLAMA", "CROSSRT_LLAMA_")
+_interrupted = False  # a SIGINT reached this child (the zygote's own never does: no terminal sends to its group)
+
+
+def note_interrupt(*_) -> None:
+    """SIGINT's handler in the zygote, so that each child inherits it: a SIGINT that comes before
+    the child's entry installs its own is kept, not lost."""
+    global _interrupted
+    _interrupted = True
+
+
+def interrupted() -> bool:
+    return _interrupted
 
 
 def _import_all(names: Sequence[str]) -> None:
@@ -74,6 +90,7 @@ def serve() -> None:
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so SIGCHLD writes to the wake-up pipe
+    signal.signal(signal.SIGINT, note_interrupt)
     selector = selectors.DefaultSelector()
     selector.register(control, selectors.EVENT_READ)
     selector.register(wake_read, selectors.EVENT_READ)

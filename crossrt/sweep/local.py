@@ -10,7 +10,7 @@ from multiprocessing.connection import wait
 from typing import Any, Callable, Optional, Sequence
 
 from crossrt.run.driver import LoadedModels
-from crossrt.run.isolation import Isolated, RuntimeCrashed, crash_after, isolated
+from crossrt.run.isolation import Isolated, RuntimeCrashed, prompt_hook, isolated
 from crossrt.sweep.cell_run import CellJob, run_job
 from crossrt.sweep.cell import Cell
 from crossrt.sweep.plan import Resources
@@ -29,7 +29,7 @@ def _run_group(jobs: Sequence[CellJob], emit) -> None:
     models = LoadedModels()
     try:
         for index, job in enumerate(jobs):
-            emit((index, run_job(job, crash_after(job.cell.runtime), models)))
+            emit((index, run_job(job, prompt_hook(job.cell.runtime), models)))
     finally:
         models.close()
 
@@ -121,7 +121,7 @@ def run_in_parallel(jobs: Sequence[CellJob], on_done: OnDone, needs: Callable[[C
 
 def _run_one(job: CellJob) -> dict[str, Any]:
     """In a child process: one cell (the test hook, if set, may crash it: crossrt/run/isolation.py)."""
-    return run_job(job, crash_after(job.cell.runtime))
+    return run_job(job, prompt_hook(job.cell.runtime))
 
 
 def run_local(jobs: Sequence[CellJob], on_done: OnDone, needs: Callable[[Cell], Resources],
