@@ -11,13 +11,13 @@ tests/test_crash_report.py runs it on tests that really crash.
 """
 
 import faulthandler
-import shutil
 import signal
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
+
+from controller_folder import make_controller_folder
 
 WORKER_KEY = "crossrt_fault_log"  # the file of a worker's fault handler, in its workerinput
 FOLDER = pytest.StashKey[Path]()  # the controller's folder of those files
@@ -30,10 +30,8 @@ def pytest_configure(config: pytest.Config) -> None:
         log = open(workerinput[WORKER_KEY], "w")  # noqa: SIM115 (open for the worker's life)
         config.add_cleanup(log.close)
         faulthandler.enable(file=log, all_threads=True)
-    elif workerinput is None and config.pluginmanager.hasplugin("xdist"):
-        folder = Path(tempfile.mkdtemp(prefix="crossrt-faults-"))
-        config.stash[FOLDER] = folder
-        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    else:
+        make_controller_folder(config, FOLDER, "crossrt-faults-")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -14,12 +14,12 @@ the controller's scheduler reads it. tests/conftest.py loads this plugin.
 """
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 from xdist.scheduler import LoadScopeScheduling
+
+from controller_folder import make_controller_folder
 
 DURATIONS = Path(__file__).with_name("file_durations.txt")
 ALONE = "alone"  # the marker, and the scheduler's unit of those tests
@@ -28,10 +28,7 @@ FOLDER = pytest.StashKey[Path]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if not hasattr(config, "workerinput") and config.pluginmanager.hasplugin("xdist"):
-        folder = Path(tempfile.mkdtemp(prefix="crossrt-alone-"))
-        config.stash[FOLDER] = folder
-        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    make_controller_folder(config, FOLDER, "crossrt-alone-")
 
 
 @pytest.hookimpl(optionalhook=True)
