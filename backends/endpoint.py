@@ -294,6 +294,7 @@ class EndpointRuntime(Runtime):
             raise SettingsError("the endpoint runtime attaches to a running server: give --url URL, and "
                                 "--baseline-url URL for a plain server of the same target")
         self.attached = Attached.attach(options.url)
+        self.baseline: Optional[Attached] = None  # the plain server, once open_native attached it
 
     @classmethod
     def check_available(cls) -> None:
@@ -329,6 +330,7 @@ class EndpointRuntime(Runtime):
             raise SettingsError(k_mismatch(speculative, served.k, rules.k))
         for attached in (speculative, baseline):
             check_target(attached, Path(target))
+        self.baseline = baseline
         return EndpointSession(speculative, baseline, rules, self._notes(speculative, baseline))
 
     @staticmethod
@@ -351,6 +353,12 @@ class EndpointRuntime(Runtime):
         served = self.attached.served
         return RuntimeInfo(name=self.name, version=f"{served.kind} {served.version}", build=served.build,
                            device=f"server {self.attached.endpoint.display}", threads=None, gpu_split=None,
-                           kv_cache="server's own", flash_attn=None,
-                           # What stays put while the server runs: a resumed run is compared on it.
-                           system_info=f"model {served.model}")
+                           kv_cache="server's own", flash_attn=None, system_info=self._what_stays_put())
+
+    def _what_stays_put(self) -> str:
+        """The model, and the baseline server's build and model: a resumed run is compared on them,
+        and the baseline store's key holds them, so a baseline server swapped for another build or
+        model behind the same URL never lends its predecessor's stored baselines."""
+        plain = self.baseline.served if self.baseline is not None else None
+        return f"model {self.attached.served.model}" + (
+            f"; baseline {plain.kind} {plain.version} serving {plain.model}" if plain is not None else "")

@@ -13,11 +13,14 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import signal
 import socket
 import socketserver
 import threading
 import time
+import urllib.error
+import urllib.request
 from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -35,6 +38,7 @@ from crossrt.errors import ModelError, PromptRefused, SettingsError
 from crossrt.inputs.pairs import load_pair
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
+from crossrt.run.baselines import BaselineStore
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.run.runtime import DraftRules, RuntimeFailure, RuntimeOptions, RuntimeUnavailable, availability, open_runtime
 
@@ -168,6 +172,69 @@ def test_a_restarted_server_ends_the_run_and_resume_continues_with_the_key_never
     assert all(r.ok and r.lossless and not r.counters.identity_violations(3) for r in record.results)
     written = "".join(path.read_text(errors="replace") for path in tmp_path.rglob("*") if path.is_file())
     assert proxy.url in written and "sekrit" not in written
+
+
+class RebuildingProxy(ThreadingHTTPServer):
+    """An HTTP proxy in front of a real llama-server whose /props can name another build: the
+    same server, as if upgraded behind the same URL (the only way to have two builds here)."""
+
+    def __init__(self, upstream: str):
+        super().__init__(("127.0.0.1", 0), RebuildingHandler)
+        self.upstream, self.build = upstream, None
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class RebuildingHandler(BaseHTTPRequestHandler):
+    def forward(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        ahead = urllib.request.Request(self.server.upstream + self.path, data=body if body else None,
+                                       method=self.command, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(ahead, timeout=120) as answer:
+                status, data, kind = answer.status, answer.read(), answer.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as error:
+            status, data, kind = error.code, error.read(), error.headers.get("Content-Type", "")
+        if self.path == "/props" and self.server.build is not None:
+            data = json.dumps({**json.loads(data), "build_info": self.server.build}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = forward
+
+    def log_message(self, *_):
+        pass
+
+
+@needs_server
+def test_a_baseline_server_of_another_build_behind_the_same_url_never_lends_its_stored_baselines(tiny_servers, tmp_path):
+    pair, store = load_pair(TINY_PAIR), BaselineStore(tmp_path / "store")
+    proxy = RebuildingProxy(tiny_servers.urls[1])
+    options = dataclasses.replace(OPTIONS, url=tiny_servers.urls[0], baseline_url=proxy.url)
+
+    def origins(name):
+        record = run_pair(dataclasses.replace(request(pair, "endpoint", options, 3, tmp_path / name, 8),
+                                              baselines=store), PROMPTS[:2])
+        assert all(r.ok for r in record.results)
+        return record, [r.baseline_source.origin for r in record.results]
+    try:
+        first, decoded = origins("first.json")
+        again, stored = origins("again.json")
+        proxy.build = "b9999-0123abc"
+        upgraded, after_upgrade = origins("upgraded.json")
+    finally:
+        proxy.shutdown()
+    assert (decoded, stored, after_upgrade) == (["decoded"] * 2, ["store"] * 2, ["decoded"] * 2)
+    named = re.fullmatch(r"model (\S+); baseline llama-server (\S+) serving (\S+)", first.runtime.system_info)
+    assert named and named[1] == named[3] and named[2] != "b9999-0123abc", first.runtime.system_info
+    assert upgraded.runtime.system_info == first.runtime.system_info.replace(named[2], "b9999-0123abc")
+    assert [r.baseline_ids for r in upgraded.results] == [r.baseline_ids for r in first.results]
 
 
 def dead(pid: int) -> bool:
