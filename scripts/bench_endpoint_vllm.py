@@ -5,6 +5,8 @@ model (Gemma 3 270M, float32, as crossrt's vllm runtime reads the GGUF) with its
 (draft_model, k = 7), and the target alone for the baseline; attaches to them with
 `crossrt run --runtime endpoint`; runs crossrt's in-process `--runtime vllm` and llama.cpp's
 `--runtime llama-server` on the same prompts; and prints `crossrt parity` over the three records.
+While the servers are up it also sweeps them (`crossrt sweep run --url --baseline-url`, one cell
+at the server's k) and checks that the swept cell equals the attached run, id for id and count for count.
 It takes minutes (vLLM loads slowly on a CPU), so it is a script, not a test. Figures:
 docs/endpoint.md.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,12 +29,24 @@ from pathlib import Path
 from crossrt.backends.llama_server_process import free_port
 from crossrt.backends.vllm import KV_CACHE_GIB, VENV, hf_folder, vllm_folder
 from crossrt.inputs.pairs import resolve_pair
+from crossrt.records.record_json import load_record
+from crossrt.sweep.store import SweepStore
 
 REPO = Path(__file__).resolve().parent.parent
 CROSSRT = REPO / ".venv" / "bin" / "crossrt"
 PROMPTS = REPO / "models" / "real" / "prompts.jsonl"
 K, N_CTX, MAX_NEW_TOKENS = 7, 512, 32
 LOAD_TIMEOUT_S = 1200
+# The attached servers as a sweep's axis: one cell per --url, at the server's own k.
+SWEEP = """name = "endpoint-vllm"
+[axes]
+pair = "gemma3-270m"
+runtime = "endpoint"
+mode = "native"
+k = {k}
+prompts = "{prompts}"
+max_new_tokens = {max_new_tokens}
+"""
 
 
 def serve(target: Path, drafter: Path | None, port: int, log: Path) -> subprocess.Popen:
@@ -101,6 +116,12 @@ def main() -> None:
         timings = {"endpoint": crossrt("run", "--runtime", "endpoint", "--url", f"http://127.0.0.1:{ports[0]}",
                                        "--baseline-url", f"http://127.0.0.1:{ports[1]}", *common,
                                        "--out", str(out / "endpoint.json"))}
+        sweep, store = out / "endpoint-sweep.toml", out / "sweep"
+        sweep.write_text(SWEEP.format(k=K, prompts=PROMPTS, max_new_tokens=MAX_NEW_TOKENS))
+        shutil.rmtree(store, ignore_errors=True)  # cells are named by the servers' ports: a new store each time
+        timings["endpoint sweep"] = crossrt("sweep", "run", str(sweep), "--dir", str(store),
+                                            "--url", f"http://127.0.0.1:{ports[0]}",
+                                            "--baseline-url", f"http://127.0.0.1:{ports[1]}")
     finally:
         for server in servers:
             os.killpg(server.pid, signal.SIGTERM)
@@ -109,6 +130,12 @@ def main() -> None:
     timings["vllm"] = crossrt("run", "--runtime", "vllm", "--mode", "native", *common, "--out", str(out / "vllm.json"))
     timings["llama-server"] = crossrt("run", "--runtime", "llama-server", "--mode", "native", *common,
                                       "--out", str(out / "llama-server.json"))
+    (cell,) = SweepStore(store).stored()
+    swept, attached = (
+        [(r.prompt_id, r.status, r.output_ids, r.baseline_ids, r.counters) for r in record.results]
+        for record in (cell.record(), load_record(out / "endpoint.json")))
+    print(f"swept cell {cell.meta['id']} (k {cell.meta['params']['k']}) "
+          f"{'equals' if swept == attached else 'DIFFERS FROM'} the attached run: {len(swept)} prompts")
     print("wall seconds per run: " + ", ".join(f"{name} {seconds:.0f}" for name, seconds in timings.items()))
     subprocess.run([str(CROSSRT), "parity", str(out / "endpoint.json"), str(out / "vllm.json"),
                     str(out / "llama-server.json"), "--no-logits", "--markdown", str(out / "parity.md")])
