@@ -174,13 +174,11 @@ def test_a_restarted_server_ends_the_run_and_resume_continues_with_the_key_never
     assert proxy.url in written and "sekrit" not in written
 
 
-class RebuildingProxy(ThreadingHTTPServer):
-    """An HTTP proxy in front of a real llama-server whose /props can name another build: the
-    same server, as if upgraded behind the same URL (the only way to have two builds here)."""
+class LoopbackServer(ThreadingHTTPServer):
+    """An HTTP server on a free loopback port, serving from a thread of its own until shutdown()."""
 
-    def __init__(self, upstream: str):
-        super().__init__(("127.0.0.1", 0), RebuildingHandler)
-        self.upstream, self.build = upstream, None
+    def __init__(self, handler):
+        super().__init__(("127.0.0.1", 0), handler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     @property
@@ -188,7 +186,31 @@ class RebuildingProxy(ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
 
-class RebuildingHandler(BaseHTTPRequestHandler):
+class QuietHandler(BaseHTTPRequestHandler):
+    """A handler without the request log, answering with reply()."""
+
+    def reply(self, status: int, data: bytes, content_type: str = "") -> None:
+        self.send_response(status)
+        if content_type:
+            self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+class RebuildingProxy(LoopbackServer):
+    """An HTTP proxy in front of a real llama-server whose /props can name another build: the
+    same server, as if upgraded behind the same URL (the only way to have two builds here)."""
+
+    def __init__(self, upstream: str):
+        self.upstream, self.build = upstream, None
+        super().__init__(RebuildingHandler)
+
+
+class RebuildingHandler(QuietHandler):
     def forward(self):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         ahead = urllib.request.Request(self.server.upstream + self.path, data=body if body else None,
@@ -200,16 +222,9 @@ class RebuildingHandler(BaseHTTPRequestHandler):
             status, data, kind = error.code, error.read(), error.headers.get("Content-Type", "")
         if self.path == "/props" and self.server.build is not None:
             data = json.dumps({**json.loads(data), "build_info": self.server.build}).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self.reply(status, data, kind)
 
     do_GET = do_POST = forward
-
-    def log_message(self, *_):
-        pass
 
 
 @needs_server
@@ -293,11 +308,10 @@ def test_a_wrong_url_is_refused_naming_what_answered(tiny_servers, tmp_path):
     with pytest.raises(RuntimeUnavailable, match=r"/nope is not llama-server, vLLM or SGLang .*\(/props HTTP 404"):
         Attached.attach(tiny_servers.urls[0] + "/nope")
     (tmp_path / "index.html").write_text("a web page")
-    web = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietFiles, directory=str(tmp_path)))
-    threading.Thread(target=web.serve_forever, daemon=True).start()
+    web = LoopbackServer(functools.partial(QuietFiles, directory=str(tmp_path)))
     try:
         with pytest.raises(RuntimeUnavailable, match=r"not llama-server, vLLM or SGLang .*/props HTTP 404"):
-            Attached.attach(f"http://127.0.0.1:{web.server_address[1]}")
+            Attached.attach(web.url)
     finally:
         web.shutdown()
 
@@ -344,37 +358,25 @@ class QuietFiles(SimpleHTTPRequestHandler):
         pass
 
 
-class FormatServer(ThreadingHTTPServer):
+class FormatServer(LoopbackServer):
     """A loopback server answering each route with a response in a server's own format (not
     that server: vLLM and SGLang do not run in this suite). routes: path -> function(body) ->
     (status, JSON value or text)."""
 
     def __init__(self, routes):
         self.routes = routes
-        super().__init__(("127.0.0.1", 0), _FormatHandler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.server_address[1]}"
+        super().__init__(_FormatHandler)
 
 
-class _FormatHandler(BaseHTTPRequestHandler):
+class _FormatHandler(QuietHandler):
     def _answer(self):
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length)) if length else None
         route = self.server.routes.get(self.path)
         status, value = route(body) if route else (404, {"detail": "Not Found"})
-        data = value.encode() if isinstance(value, str) else json.dumps(value).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self.reply(status, value.encode() if isinstance(value, str) else json.dumps(value).encode())
 
     do_GET = do_POST = _answer
-
-    def log_message(self, *args):
-        pass
 
 
 def vllm_routes(speculative: bool):
