@@ -2,6 +2,7 @@
 hold the records' numbers, the step-coloured output texts follow the records' steps and read as
 llama.cpp reads the tokens, record text is escaped, bad input gives a message."""
 
+import dataclasses
 import itertools
 import json
 import re
@@ -12,7 +13,9 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.analyze import analysis
+from crossrt.cli import main
 from crossrt.cli.report import report
+from crossrt.compare.tau_gap import PARTS
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.errors import CrossrtError
 from crossrt.inputs.prompts import Prompt, content_type, load_prompts
@@ -26,8 +29,10 @@ from conftest import assert_clean_error
 
 XHTML = "{http://www.w3.org/1999/xhtml}"
 SVG = "{http://www.w3.org/2000/svg}"
-CHARTED = ("tau", "positions", "entropy", "entropy-types", "speedup", "iid")
-SECTIONS = ("runs", "tau", "positions", "steps", "entropy", "entropy-types", "speedup", "iid")
+CHARTED = ("summary", "tau", "positions", "entropy", "entropy-types", "speedup", "iid")
+# The answer first (the verdict and the summary, parity), the details after, the runs last.
+SECTIONS = ("summary", "parity", "tau", "positions", "steps", "entropy", "entropy-types", "speedup", "iid", "runs")
+HEADINGS = (XHTML + "h2", XHTML + "h3", XHTML + "h4", XHTML + "summary")
 NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")  # shown as \xNN on the page
 HOSTILE_ID = '<script>alert("id")</script>&amp;'
 HOSTILE_CATEGORY = 'a<b>&"c"|d'
@@ -59,6 +64,11 @@ def html_sections(path):
     return root, {s.get("id"): s for s in root.iter(XHTML + "section")}
 
 
+def title(section):
+    """A section's title: its heading, or the summary line it is folded under."""
+    return next(child for child in section if child.tag in HEADINGS).text
+
+
 def html_table(section):
     """(header, rows) of a section's table, as text."""
     table = section.find(f"{XHTML}table")
@@ -72,8 +82,8 @@ def html_rows(section):
 
 
 def markdown_table(text, title):
-    """(header, rows) of the first table after the `## title` heading, cells unescaped."""
-    lines = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0].splitlines()
+    """(header, rows) of the first table after the `## title` heading (or ###, ####), cells unescaped."""
+    lines = re.split(f"#{{2,4}} {re.escape(title)}\n", text, maxsplit=1)[1].split("\n#", 1)[0].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("|"))
     table = list(itertools.takewhile(lambda line: line.startswith("|"), lines[start:]))
     cells = [[re.sub(r"\\(.)", r"\1", c.strip()) for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in table]
@@ -114,9 +124,9 @@ def test_html_report_charts_and_tables_hold_the_records_numbers(runs, tmp_path):
     result = invoke(runs[0][0], runs[1][0], "-o", out)
     assert result.exit_code == 0, result.output
     root, sections = html_sections(out)
-    # Two records: their parity after the runs (its splits, if any, vary by machine: test_report_parity.py).
-    assert list(sections)[:2] == ["runs", "parity"]
-    assert [name for name in sections if name != "parity" and not name.startswith("split-")] == list(SECTIONS)
+    # Two records: the summary with parity's verdict first, then parity (its splits, if any, vary by
+    # machine: test_report_parity.py), the details, and the runs last.
+    assert [name for name in sections if not name.startswith("split-")] == list(SECTIONS)
     for name in CHARTED:
         assert len(list(sections[name].iter(SVG + "svg"))) == 1, name
     assert not list(sections["runs"].iter(SVG + "svg")) and not list(sections["steps"].iter(SVG + "svg"))
@@ -296,6 +306,94 @@ def test_page_joins_sections_of_any_origin_and_refuses_a_shared_id():
     assert [s.id for s in page("t", [second, first]).sections] == ["b", "a"]
     with pytest.raises(CrossrtError, match="share the id"):
         page("t", [first, second, first])
+    with pytest.raises(CrossrtError, match="share the id"):  # a section within another is an anchor too
+        page("t", [first, dataclasses.replace(second, parts=(first,))])
+
+
+def banner(section):
+    """(status, verdict line, detail) of a section's banner."""
+    shown = next(p for p in section.iter(XHTML + "p") if "banner" in (p.get("class") or ""))
+    return shown.get("class").split()[1], shown.text, shown.find(XHTML + "span").text
+
+
+def test_the_page_opens_with_the_verdict_and_the_numbers_people_quote(runs, tmp_path):
+    out, md = tmp_path / "r.html", tmp_path / "r.md"
+    assert invoke(runs[0][0], runs[1][0], "-o", out, "--markdown", md).exit_code == 0
+    root, sections = html_sections(out)
+    summary = sections["summary"]
+    assert next(iter(sections)) == "summary"
+    # The verdict is the one `crossrt parity` prints on the same records (it re-scores no logits here).
+    checked = CliRunner().invoke(main, ["parity", str(runs[0][0]), str(runs[1][0]), "--no-logits"])
+    status, verdict, detail = banner(summary)
+    assert verdict == checked.output.splitlines()[-1] and verdict.startswith("parity: ")
+    assert status == ("ok" if checked.exit_code == 0 else "failed")
+    assert "prompts compared" in detail
+    # One row per run: the numbers `crossrt show` prints, then tau per category.
+    rows = {row["run"]: row for row in html_rows(summary)}
+    bars = {rect.find(SVG + "title").text for rect in summary.iter(SVG + "rect") if rect.get("class") == "bar"}
+    expected_bars = set()
+    for _, record, label in runs:
+        expected = expected_summary(record, None)
+        row = rows[label]
+        assert {name: row[name] for name in ("tau", "alpha", "lossless", "tok/s", "speedup")} == \
+            {name: expected[name] for name in ("tau", "alpha", "lossless", "tok/s", "speedup")}
+        for category in record.categories():
+            assert row[f"tau {category}"] == f"{record.summary(category).tau:.2f}"
+        expected_bars |= {f"{label}, {category or 'ALL'}: {record.summary(category).tau:.4g}"
+                          for category in [*record.categories(), None]}
+    assert bars == expected_bars
+    # The Markdown opens the same way.
+    text = md.read_text()
+    assert text.split("\n## ")[1].startswith("Summary\n\n**parity: ")
+    # One run: no parity across runs, and the summary says so.
+    alone = tmp_path / "alone.html"
+    assert invoke(runs[0][0], "-o", alone).exit_code == 0
+    _, sections = html_sections(alone)
+    assert not [p for p in sections["summary"].iter(XHTML + "p") if p.get("class")]
+    assert "One run: no parity" in "".join(sections["summary"].itertext())
+
+
+@pytest.fixture(scope="module")
+def server_schedule(tiny_pair, runs):
+    """The k = 4 run's prompts through the driven loop in llama-server's schedule: another schedule,
+    so its tau differs from crossrt's by a gap `crossrt parity` decomposes."""
+    path = runs[0][0].parent / "server-schedule.json"
+    request = RunRequest(tiny_pair, "llama-cpp", RuntimeOptions(n_ctx=256, threads=1), DraftRules(4), 24, path,
+                         schedule="llama-server")
+    run_pair(request, load_prompts("builtin"))
+    return path
+
+
+def test_tau_gaps_are_drawn_as_parity_prints_them(runs, server_schedule, tmp_path):
+    out = tmp_path / "r.html"
+    assert invoke(runs[0][0], server_schedule, "-o", out).exit_code == 0
+    _, sections = html_sections(out)
+    assert list(sections)[:3] == ["summary", "tau-gap", "parity"]
+    checked = CliRunner().invoke(main, ["parity", str(runs[0][0]), str(server_schedule), "--no-logits"])
+    said = [line for line in checked.output.splitlines() if line.startswith("tau gap ")]
+    overall = next(line for line in said if ", ALL (" in line)
+    # "tau gap A (schedule) vs B (schedule), ALL (n prompts): a - b = gap = counting +x + ... + residual +x"
+    figures = re.findall(r"[-+]?\d+\.\d+", overall.split("): ", 1)[1])
+    gap = sections["tau-gap"]
+    folded = next(gap.iter(XHTML + "details"))  # the tables, under the charts
+    tau_rows = html_rows(folded)
+    assert [[row["tau A"], row["tau B"], row["gap"], *(row[part] for part in PARTS)]
+            for row in tau_rows if row["category"] == "ALL"] == [figures]
+    assert len(tau_rows) == len(said)  # a row per category and ALL, as parity prints a line for each
+    # The waterfall: run B's tau, each part, run A's tau, in that order, each bar's tooltip its figure.
+    charts = list(gap.iter(SVG + "svg"))
+    assert len(charts) == 2  # tau, and alpha
+    bars = [rect.find(SVG + "title").text for rect in charts[0].iter(SVG + "rect") if "bar" in rect.get("class")]
+    assert [bar.split(": ")[0] for bar in bars] == ["B", *PARTS, "A"]
+    a, b, *parts = (float(x) for x in figures[:2] + figures[3:])
+    shown = [float(bar.split(": ")[1]) for bar in bars]
+    assert shown[0] == pytest.approx(b, abs=0.005) and shown[-1] == pytest.approx(a, abs=0.005)
+    assert shown[1:-1] == pytest.approx(parts, abs=0.005)
+    # Without the option the page has none, and with runs of one schedule it has none either.
+    assert invoke(runs[0][0], server_schedule, "-o", out, "--no-tau-gap").exit_code == 0
+    assert "tau-gap" not in html_sections(out)[1]
+    assert invoke(runs[0][0], runs[1][0], "-o", out).exit_code == 0
+    assert "tau-gap" not in html_sections(out)[1]
 
 
 def test_markdown_report_has_the_same_tables(runs, tmp_path):
@@ -308,9 +406,14 @@ def test_markdown_report_has_the_same_tables(runs, tmp_path):
                          runs)
     # Every table, iid fit and trace buckets included, cell for cell as in the HTML.
     root, sections = html_sections(html)
-    titles = {s.get("id"): s.find(f"{XHTML}h2").text for s in root.iter(XHTML + "section")}
+    titles = {s.get("id"): title(s) for s in root.iter(XHTML + "section")}
     for name, section in sections.items():
-        assert markdown_table(text, titles[name]) == html_table(section), name
+        if section.find(f"{XHTML}table") is not None:  # parity's verdicts: no table where every pair is identical
+            assert markdown_table(text, titles[name]) == html_table(section), name
+    # The same sections in the same order.
+    headings = [re.sub(r"\\(.)", r"\1", line.split(" ", 1)[1]) for line in text.splitlines()
+                if re.match("#{2,4} ", line)]
+    assert headings == [title(e) for e in root.iter() if e.tag in (XHTML + "section", XHTML + "details")]
     # -o picks the format from the suffix.
     alone = tmp_path / "alone.md"
     assert invoke(runs[0][0], runs[1][0], "-o", alone).exit_code == 0

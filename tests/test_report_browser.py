@@ -32,7 +32,9 @@ CHROMIUM = shutil.which("chromium")
 # GPU, no network services, no first-run or sync machinery.
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--window-size=1200,900", "--remote-debugging-pipe")
+         "--window-size=1366,768", "--remote-debugging-pipe")
+SCREEN = (1366, 768)  # the first screen the page must answer in: a common laptop's
+NARROW = 480  # a phone, or a window beside another: the page must not scroll sideways
 TIMEOUT_S = 60
 NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")  # shown as \xNN on the page
 
@@ -40,18 +42,34 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is n
                                 "could not install it here (no apt-get, or not root)")
 
 # What a person sees: the sections' titles, their tables' text, and the charts, chart marks and
-# step-coloured texts that are laid out with a size and not hidden.
+# step-coloured texts that are laid out with a size and not hidden; where they lie on the page
+# (top and bottom, scrolled to the top); the folds (<details>) with their one-line summaries.
 READ_PAGE = """(() => {
-  const shown = e => { const r = e.getBoundingClientRect(), s = getComputedStyle(e);
-                       return r.width > 0 && r.height > 0 && s.visibility !== "hidden" && s.display !== "none"; };
+  // checkVisibility: not hidden, not displayed none, and not folded in a closed <details>
+  // (content-visibility: hidden), which still lays its content out with a size.
+  const shown = e => { const r = e.getBoundingClientRect();
+                       return r.width > 0 && r.height > 0 && e.checkVisibility({visibilityProperty: true}); };
   const count = (root, selector) => [...root.querySelectorAll(selector)].filter(shown).length;
+  const place = e => e ? [e.getBoundingClientRect().top, e.getBoundingClientRect().bottom] : null;
+  window.scrollTo(0, 0);
   return {
     title: document.title,
+    screen: [window.innerWidth, window.innerHeight],
+    width: document.documentElement.scrollWidth,
+    folds: [...document.querySelectorAll("details")].map(d => ({
+      id: d.id, summary: d.querySelector("summary").innerText, shown: shown(d), mark: d.className,
+      background: getComputedStyle(d).backgroundColor, place: place(d)})),
     sections: [...document.querySelectorAll("section")].map(s => ({
       id: s.id,
-      title: s.querySelector("h2").innerText,
+      title: s.querySelector(":scope > h2, :scope > h3, :scope > h4").innerText,
       mark: s.className,
       shown: shown(s),
+      place: place(s),
+      banner: [...s.querySelectorAll(":scope > p.banner")].filter(shown).map(
+        b => ({text: b.firstChild.textContent, status: b.className, place: place(b)})),
+      firstTable: place(s.querySelector(":scope > table")),
+      firstChart: place(s.querySelector(":scope > figure > svg.chart")),
+      bars: [...s.querySelectorAll("svg.chart rect.bar")].filter(shown).map(r => r.querySelector("title").textContent),
       background: getComputedStyle(s).backgroundColor,
       charts: count(s, "svg.chart"),
       marks: count(s, "svg.chart rect.bar, svg.chart circle.point, svg.chart polyline.line"),
@@ -146,18 +164,38 @@ class Browser:
             self._log.close()
 
 
+OPEN_FOLDS = '(() => { const folds = [...document.querySelectorAll("details")]; folds.forEach(d => { d.open = true; }); ' \
+    'return folds.length; })()'
+
+
 def read_page(path, tmp_path):
-    """(what READ_PAGE returns, console errors) for the page at path, once loaded."""
+    """(what READ_PAGE returns, console errors) for the page at path, once loaded, on a screen of
+    SCREEN. What it returns also holds the page read again: as printed (`printed`), in a narrow
+    window (`narrow`), and with every fold opened (`opened`)."""
     browser = Browser(tmp_path / "profile")
     try:
         target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Page", "Runtime", "Log"):
             browser.send(f"{domain}.enable", session=session)
+        screen = {"width": SCREEN[0], "height": SCREEN[1], "deviceScaleFactor": 1, "mobile": False}
+        browser.send("Emulation.setDeviceMetricsOverride", screen, session=session)
         browser.send("Page.navigate", {"url": path.resolve().as_uri()}, session=session)
         browser.wait_for("Page.loadEventFired")
-        seen = browser.send("Runtime.evaluate", {"expression": READ_PAGE, "returnByValue": True},
-                            session=session)["result"]["value"]
+
+        def read(expression=READ_PAGE):
+            return browser.send("Runtime.evaluate", {"expression": expression, "returnByValue": True},
+                                session=session)["result"]["value"]
+        seen = read()
+        browser.send("Emulation.setEmulatedMedia", {"media": "print"}, session=session)
+        seen["printed"] = read()
+        browser.send("Emulation.setEmulatedMedia", {"media": "screen"}, session=session)
+        browser.send("Emulation.setDeviceMetricsOverride", {"width": NARROW, "height": SCREEN[1],
+                                                            "deviceScaleFactor": 1, "mobile": False}, session=session)
+        seen["narrow"] = read()
+        browser.send("Emulation.setDeviceMetricsOverride", screen, session=session)
+        read(OPEN_FOLDS)
+        seen["opened"] = read()
         return seen, browser.console_errors()
     finally:
         browser.close()
@@ -184,14 +222,16 @@ def test_the_rendered_page_shows_every_section_table_chart_and_step_text(runs, t
     seen, errors = read_page(out, tmp_path)
     assert errors == []
     assert seen["title"] == "seen"
-    # Two runs: their parity after the runs section (its splits vary by machine: the test below).
-    assert [s["id"] for s in seen["sections"]][:2] == ["runs", "parity"]
-    records = [s for s in seen["sections"] if s["id"] != "parity" and not s["id"].startswith("split-")]
+    # Two runs: the answer first (the summary, parity: its splits vary by machine, the test below),
+    # the details after, the runs last.
+    ids = [s["id"] for s in seen["sections"]]
+    assert ids[:2] == ["summary", "parity"] and ids[-1] == "runs"
+    records = [s for s in seen["sections"] if s["id"] not in ("summary", "parity") and not s["id"].startswith("split-")]
     sections = {s["id"]: s for s in records}
     assert [s["title"] for s in records] == [
-        "Runs", "Tau per category", "Acceptance per draft position", "Accepted length per step, in the output text",
+        "Tau per category", "Acceptance per draft position", "Accepted length per step, in the output text",
         "Acceptance by target entropy", "Acceptance by target entropy, per content type", "Speedup",
-        "i.i.d. fit per category"]
+        "i.i.d. fit per category", "Runs"]
     # A chart on screen in each charted section, with its marks drawn.
     assert {name: s["charts"] for name, s in sections.items()} == {
         "runs": 0, "tau": 1, "positions": 1, "steps": 0, "entropy": 1, "entropy-types": 1, "speedup": 1, "iid": 1}
@@ -226,6 +266,31 @@ def test_the_rendered_page_shows_every_section_table_chart_and_step_text(runs, t
                 assert colours.setdefault(accepted, colour) == colour
     assert len(set(colours.values())) == len(colours) > 1
     assert "rgba(0, 0, 0, 0)" not in colours.values()
+
+    # The answer in the first screen: the verdict `crossrt parity` prints on the same records, then
+    # the summary table and its chart, all above the parity section.
+    summary = next(s for s in seen["sections"] if s["id"] == "summary")
+    parity = next(s for s in seen["sections"] if s["id"] == "parity")
+    assert seen["screen"] == list(SCREEN)
+    checked = CliRunner().invoke(main, ["parity", str(runs[0][0]), str(runs[1][0]), "--no-logits"])
+    (banner,) = summary["banner"]
+    assert banner["text"] == checked.output.splitlines()[-1]
+    assert banner["status"] == "banner " + ("ok" if checked.exit_code == 0 else "failed")
+    assert 0 <= banner["place"][1] <= summary["firstTable"][0] < summary["firstTable"][1] \
+        <= summary["firstChart"][0] < summary["firstChart"][1] <= min(SCREEN[1], parity["place"][0])
+    # Its table and its bars hold the records' numbers: a row per run, a bar per run and category.
+    header, *rows = summary["tables"][0]
+    quoted = {row[0]: dict(zip(header, row, strict=True)) for row in rows}
+    expected_bars = []
+    for _, record, label in runs:
+        whole = record.summary()
+        assert (quoted[label]["tau"], quoted[label]["alpha"], quoted[label]["speedup"]) == (
+            f"{whole.tau:.2f}", f"{whole.alpha:.3f}", f"{whole.speedup:.2f}")
+        expected_bars += [f"{label}, {category or 'ALL'}: {record.summary(category).tau:.4g}"
+                          for category in [*record.categories(), None]]
+    assert sorted(summary["bars"]) == sorted(expected_bars)
+    # Narrow: the page does not scroll sideways (wide tables scroll within themselves, charts shrink).
+    assert seen["narrow"]["width"] <= NARROW
 
 
 def test_console_errors_and_missing_resources_are_seen(tmp_path):
@@ -262,30 +327,48 @@ def test_the_parity_verdicts_and_every_split_are_on_screen(runs, swapped, tmp_pa
     by_id = {s["id"]: s for s in seen["sections"]}
     parity = by_id["parity"]
     assert parity["shown"] and parity["title"] == "Parity: where the runs part, and why"
+    checked = CliRunner().invoke(main, ["parity", *map(str, paths), "--no-logits"])
+    assert checked.exit_code == 1
+    (banner,) = by_id["summary"]["banner"]  # the verdict first, in the first screen, above the splits
+    assert banner["text"] == checked.output.splitlines()[-1] and banner["status"] == "banner failed"
+    assert banner["place"][1] <= by_id["summary"]["firstChart"][1] <= min(SCREEN[1], parity["place"][0])
 
-    # The verdict table as it reads: one row per pair of runs, failures as crossrt parity counts them.
+    # The verdict table as it reads: one row per pair of runs not identical on every prompt, failures
+    # as crossrt parity counts them; the identical pairs in one line.
     header, *rows = parity["tables"][0]
     assert header == ["run A", "run B", "counters", "prompts", "identical", "explained (by cause)", "failed",
                       "not comparable"]
-    assert len(rows) == 3  # each run's lossless check, and the two runs
+    assert len(parity["tables"]) == 1  # the splits' tables are folded
+    assert 1 <= len(rows) <= 3  # each run's lossless check, and the two runs
     assert all(int(row[3]) == int(row[4]) + int(row[5].split()[0]) + int(row[6]) + int(row[7].split()[0])
                for row in rows)
-    checked = CliRunner().invoke(main, ["parity", *map(str, paths), "--no-logits"])
-    assert checked.exit_code == 1
     fails = [line for line in checked.output.splitlines() if line.startswith("FAIL ")]
     assert sum(int(row[6]) for row in rows) == len(fails) > 0
 
-    # Every split a section on screen, as many as the index lists, each with its verdict, marked
-    # FAIL or NOTE in its title and drawn apart by its colour.
+    # One line per cause on screen, FAIL before NOTE, below the verdict; each split folded under its
+    # cause: hidden until opened, shown when printed.
+    folds = [f for f in seen["folds"] if f["id"].startswith("cause-")]
+    assert folds and all(f["shown"] for f in folds)
+    assert [f["summary"].split()[0] for f in folds] == sorted((f["summary"].split()[0] for f in folds),
+                                                              key=lambda status: status != "FAIL")
+    assert all(parity["place"][0] < f["place"][0] for f in folds)
     splits = [s for s in seen["sections"] if s["id"].startswith("split-")]
-    index = parity["tables"][1][1:]
-    assert len([s for s in splits if s["shown"]]) == len(splits) == len(index) > 0
+    assert splits and not any(s["shown"] for s in splits)
+    assert all(s["shown"] for s in seen["printed"]["sections"] if s["id"].startswith("split-"))
+    assert sum(int(re.search(r": (\d+) splits? \(", f["summary"]).group(1)) for f in folds) == len(splits)
+
+    # Opened: every split a section on screen with its verdict, marked FAIL or NOTE in its title as
+    # its cause is, and drawn apart by its colour.
+    opened = [s for s in seen["opened"]["sections"] if s["id"].startswith("split-")]
+    assert len(opened) == len(splits) and all(s["shown"] for s in opened)
     backgrounds = {}
-    for section, row in zip(splits, index, strict=True):
-        status = row[1]
-        assert section["title"].startswith(f"{status} split ") and section["mark"] == status.lower()
+    for section in opened:
+        status = section["title"].split()[0]
+        assert status in ("FAIL", "NOTE") and section["mark"] == status.lower()
         verdict_header, verdict = section["tables"][0]
         assert verdict_header[0] == "verdict" and verdict[0].startswith(f"{status}: ")
         assert backgrounds.setdefault(status, section["background"]) == section["background"]
     assert "FAIL" in backgrounds and "rgba(0, 0, 0, 0)" not in backgrounds.values()
     assert len(set(backgrounds.values())) == len(backgrounds)
+    for fold in folds:
+        assert fold["mark"] == fold["summary"].split()[0].lower() and fold["background"] != "rgba(0, 0, 0, 0)"

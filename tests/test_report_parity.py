@@ -16,8 +16,8 @@ from crossrt.inputs.pairs import pair_from_paths
 from crossrt.compare.parity import compare_all
 from crossrt.inputs.prompts import load_prompts
 from crossrt.compare.replay import Replayer
-from crossrt.report.build import load_runs
-from crossrt.report.parity import compare_runs, parity_sections, report_parity, shown_splits, visible
+from crossrt.report.parity import compare_runs, parity_section, report_parity, shown_splits, visible
+from crossrt.report.runs import load_runs
 from crossrt.report.steps import load_vocab, token_texts
 from crossrt.run.runtime import DraftRules, RuntimeOptions
 
@@ -48,6 +48,18 @@ def fail_lines(output):
     return [line for line in output.splitlines() if line.startswith("FAIL ")]
 
 
+def verdict_rows(parity):
+    """The parity section's verdict table, as text: the table of the section itself, not of a split."""
+    table = parity.find(XHTML + "table")
+    return [] if table is None else [[td.text for td in tr.iter(XHTML + "td")] for tr in table.iter(XHTML + "tr")][1:]
+
+
+def identical_pairs(parity):
+    """The pairs of runs the parity section names identical on every prompt, in one line."""
+    said = [li.text for li in parity.find(XHTML + "ul") if li.text.startswith("identical on every prompt: ")]
+    return [pair.split(" vs ") for line in said for pair in line.split(": ", 1)[1].split("; ")]
+
+
 def test_sections_show_every_split_once_with_its_verdict_and_tokens(paths):
     runs = load_runs(paths)
     labelled = [(run.label, run.record) for run in runs]
@@ -55,28 +67,45 @@ def test_sections_show_every_split_once_with_its_verdict_and_tokens(paths):
         report, notes = compare_runs(labelled, replay)
         direct = compare_all(labelled, replay=replay)
     assert report.comparisons == tuple(direct) and notes == []  # one vocabulary: compare_all as it is
-    sections = parity_sections(labelled, report, rescored=True)
-    overview, splits = sections[0], sections[1:]
-    assert overview.id == "parity" and [s.id for s in splits] == [f"split-{n}" for n in range(1, len(splits) + 1)]
+    overview = parity_section(labelled, report, rescored=True)
+    assert overview.id == "parity"
 
-    # The verdict table: one row per pair of runs, its failed count as parity counts it.
-    verdicts, index = overview.tables[0], overview.tables[1]
+    # The verdict table: one row per pair of runs not identical on every prompt, its failed count as
+    # parity counts it; the identical pairs in one line.
+    verdicts = overview.tables[0]
     failed = {(row[0], row[1]): int(row[6]) for row in verdicts.rows}
     for (run_a, run_b), count in failed.items():
         assert count == sum(not c.ok for c in direct if (c.run_a, c.run_b) == (run_a, run_b))
     assert failed[(runs[0].label, runs[1].label)] > 0  # another model: its outputs part on some prompt
+    identical = {(c.run_a, c.run_b) for c in direct} - set(failed)
+    assert all(c.identical for c in direct if (c.run_a, c.run_b) in identical)
+    said = [note for note in overview.notes if note.startswith("identical on every prompt: ")]
+    assert said == ([f"identical on every prompt: {'; '.join(f'{a} vs {b}' for a, b in sorted(identical))}"]
+                    if identical else [])
 
-    # Every split of every comparison shown once, naming each comparison that holds it.
-    assert sum(len(row[4].split("; ")) for row in index.rows) == sum(len(c.splits) for c in direct)
-    assert 0 < len({split for c in direct for split in c.splits}) <= len(splits)
+    # Every split of every comparison shown once, under its cause, naming each comparison that holds it.
+    shown_all = shown_splits(report, labelled)
+    assert sum(len(s.comparisons) for s in shown_all) == sum(len(c.splits) for c in direct)
+    assert 0 < len({split for c in direct for split in c.splits}) <= len(shown_all)
+    causes = overview.parts
+    splits = {split.id: split for cause in causes for split in cause.parts}
+    assert sorted(splits) == sorted(f"split-{n}" for n in range(1, len(shown_all) + 1))
+    assert [cause.mark for cause in causes] == sorted((cause.mark for cause in causes), key=lambda m: m != "fail")
+    for cause in causes:  # one line: status, kind, how many, which prompts; the evidence folded under it
+        members = [shown_all[int(split.id.split("-")[1]) - 1] for split in cause.parts]
+        status, kinds = ("FAIL" if members[0].failed else "NOTE"), {m.split.kind for m in members}
+        assert cause.fold and len(kinds) == 1 and {m.failed for m in members} == {status == "FAIL"}
+        prompts = ", ".join(dict.fromkeys(m.split.prompt_id for m in members))
+        assert cause.title == f"{status} {kinds.pop()}: {len(members)} split{'s' * (len(members) > 1)} ({prompts})"
 
     vocab, _ = load_vocab(runs[0].record)
     with_candidates = 0
-    for section, shown, row in zip(splits, shown_splits(report, labelled), index.rows, strict=True):
+    for number, shown in enumerate(shown_all, start=1):
+        section = splits[f"split-{number}"]
         status = "FAIL" if shown.failed else "NOTE"
         assert shown.failed == (shown.split.kind not in NUMERICS)
         assert section.title.startswith(f"{status} {section.id.replace('-', ' ')}: {shown.split.prompt_id}")
-        assert section.mark == status.lower() and row[1] == status
+        assert section.mark == status.lower() and f"in: {', '.join(shown.comparisons)}" in section.notes
         verdict = section.tables[0]
         assert verdict.header[0] == "verdict" and verdict.rows[0][0].startswith(f"{status}: {shown.split.kind}")
         if shown.split.verdict is not None:  # a near-tie reads flip <= threshold, a finding flip > threshold
@@ -113,23 +142,22 @@ def test_report_and_parity_html_show_the_same_splits_and_failures(paths, tmp_pat
     for name in ("r", "p"):
         root = ET.parse(tmp_path / f"{name}.html").getroot()
         sections = list(root.iter(XHTML + "section"))
-        assert [s.get("id") for s in sections][:2] == ["runs", "parity"]
-        titles[name] = [s.find(XHTML + "h2").text for s in sections if s.get("id").startswith("split-")]
-        rows = [[td.text for td in tr.iter(XHTML + "td")]
-                for tr in next(sections[1].iter(XHTML + "tbody")).iter(XHTML + "tr")]
+        assert [s.get("id") for s in sections][:2] == ["summary", "parity"]
+        titles[name] = [s.find(XHTML + "h4").text for s in sections if s.get("id").startswith("split-")]
+        rows = verdict_rows(sections[1])
         assert sum(int(row[6]) for row in rows) == len(fail_lines(parity.output))
         assert all(s.get("class") in ("fail", "note") for s in sections if s.get("id").startswith("split-"))
     assert titles["r"] == titles["p"] and titles["r"]
     markdown = (tmp_path / "r.md").read_text()
-    assert [line[3:] for line in markdown.splitlines() if line.startswith("## FAIL ") or line.startswith("## NOTE ")] \
+    assert [line[5:] for line in markdown.splitlines() if line.startswith(("#### FAIL ", "#### NOTE "))] \
         == titles["r"]
 
 
 def test_without_rescoring_the_page_says_so_and_one_record_has_no_parity(paths, tmp_path):
     runs = load_runs(paths)
-    sections = report_parity(runs, rescore=False)
-    assert "Re-scoring was off (--no-rescore)" in sections[0].intro
-    assert report_parity(runs[:1]) == []
+    _, section = report_parity(runs, rescore=False)
+    assert "Re-scoring was off (--no-rescore)" in section.intro
+    assert report_parity(runs[:1]) is None
     assert cli("report", paths[0], "-o", tmp_path / "one.html").exit_code == 0
     assert 'id="parity"' not in (tmp_path / "one.html").read_text()
 
@@ -152,6 +180,6 @@ def test_a_parity_matrix_writes_its_page_without_record_paths(tmp_path):
     sections = {s.get("id"): s for s in root.iter(XHTML + "section")}
     runs = [[td.text for td in tr.iter(XHTML + "td")] for tr in next(sections["runs"].iter(XHTML + "tbody"))]
     assert [row[5] for row in runs] == ["(run by this command)"]  # the matrix's one run, held in memory
-    verdicts = [[td.text for td in tr.iter(XHTML + "td")] for tr in next(sections["parity"].iter(XHTML + "tbody"))]
-    assert [row[:2] for row in verdicts] == [["llama-cpp/driven", "its baseline"]]
+    verdicts = verdict_rows(sections["parity"])
+    assert [row[:2] for row in verdicts] + identical_pairs(sections["parity"]) == [["llama-cpp/driven", "its baseline"]]
     assert sum(int(row[6]) for row in verdicts) == len(fail_lines(result.output))

@@ -13,9 +13,11 @@ from crossrt.report.ceiling import ceiling_section, load_ceilings
 from crossrt.cli.analysis import Increasing
 from crossrt.cli.common import refuse_inputs_as_outputs, user_errors
 from crossrt.records.journal import write_atomically
-from crossrt.report.build import load_runs, record_sections, to_html, to_markdown
-from crossrt.report.page import page
-from crossrt.report.parity import report_parity, with_parity
+from crossrt.report.gaps import run_gaps
+from crossrt.report.layout import report_sections
+from crossrt.report.page import page, to_html, to_markdown
+from crossrt.report.parity import report_parity
+from crossrt.report.runs import load_runs
 
 # The output format follows the file name, so `-o report.md` cannot silently be HTML.
 FORMATS = {".html": to_html, ".htm": to_html, ".md": to_markdown, ".markdown": to_markdown}
@@ -45,12 +47,15 @@ def _writer(path: Path):
 @click.option("--no-rescore", is_flag=True, help="Explain the parity section's splits only from what the runs "
               "recorded (as `crossrt parity --no-rescore`): a native run's split with no driven twin stays "
               "unexplained instead of being re-scored in-process.")
+@click.option("--no-tau-gap", is_flag=True, help="Leave out why tau differs between runs whose schedules differ "
+              "(its oracle runs the pair once in llama.cpp, as `crossrt parity` does).")
 def report(records: Sequence[Path], out: Optional[Path], markdown_out: Optional[Path], title: str,
-           entropy_buckets, grouping, ceiling_path, no_rescore: bool) -> None:
-    """One report over any number of run records (runtimes, modes, schedules, k, pairs): the
-    runs, with two or more their parity (where they part and why), tau per category, acceptance
-    per draft position, acceptance by target entropy (runs with --trace), speedup, and the
-    i.i.d. model's fit (docs/report.md).
+           entropy_buckets, grouping, ceiling_path, no_rescore: bool, no_tau_gap: bool) -> None:
+    """One report over any number of run records (runtimes, modes, schedules, k, pairs): first
+    parity's verdict and per run tau, alpha, lossless, tokens/s and speedup; then why tau differs
+    between schedules, where the runs part and why (two or more records), tau per category,
+    acceptance per draft position, the output coloured by accepted length, acceptance by target
+    entropy (runs with --trace), speedup, the i.i.d. model's fit; the runs last (docs/report.md).
 
     \b
       crossrt report runs/*.json -o report.html
@@ -64,9 +69,11 @@ def report(records: Sequence[Path], out: Optional[Path], markdown_out: Optional[
     refuse_inputs_as_outputs({option: path for path, _, option in outputs},
                              [*records, *([ceiling_path] if ceiling_path else [])])
     loaded = load_runs(records)
-    parity = report_parity(loaded, rescore=not no_rescore)  # on the records as run, before any regrouping
+    # Parity and the tau gaps on the records as run, before any regrouping, as `crossrt parity` has them.
+    parity = report_parity(loaded, rescore=not no_rescore)
+    gaps = [] if no_tau_gap else run_gaps(loaded)
     runs = [dataclasses.replace(run, record=analysis.grouped(run.record, grouping)) for run in loaded]
-    built = page(title, with_parity(record_sections(runs, entropy_buckets), parity))
+    built = page(title, report_sections(runs, parity, gaps, entropy_buckets))
     if ceiling_path:
         built = dataclasses.replace(built, sections=built.sections + (
             ceiling_section(load_ceilings(ceiling_path), str(ceiling_path)),))

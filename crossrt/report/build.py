@@ -1,43 +1,26 @@
 """`crossrt report`: any number of run records in one file, HTML with inline SVG charts or
 Markdown with the same tables (docs/report.md).
 
-The report is built once as sections of plain text, tables and charts (record_sections), joined
-into a page with the parity sections of crossrt/report/parity.py (crossrt/report/page.py: page,
-where other readers' sections join them) and rendered (to_html, to_markdown), so both formats
-hold the same numbers. Every number comes
-from the record's summary or from crossrt/analyze/analysis.py, formatted as `crossrt show` and
-`crossrt analyze` print it; the step-coloured output texts are crossrt/report/steps.py.
+The details the records give are built here as sections of plain text, tables and charts
+(record_sections); crossrt/report/layout.py puts the answer before them (the verdict and the
+summary, the tau gaps, parity) and crossrt/report/page.py renders the page (to_html,
+to_markdown), so both formats hold the same numbers. Every number comes from the record's
+summary or from crossrt/analyze/analysis.py, formatted as `crossrt show` and `crossrt analyze`
+print it; the step-coloured output texts are crossrt/report/steps.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 from crossrt.records import metrics
 from crossrt.analyze import analysis
 from crossrt.imports.importer import import_summary
-from crossrt.compare.parity import run_label
-# to_html and to_markdown too: the command renders through this module
-from crossrt.report.page import Section, Table, to_html, to_markdown
+from crossrt.report.page import Section, Table
 from crossrt.report.steps import steps_section
-from crossrt.records.schema import RecordError, RunRecord
-from crossrt.records.record_json import load_record
+from crossrt.records.schema import RecordError
+from crossrt.report.runs import ReportRun, by_category_bars, categories, category_name, lossless_cell
 from crossrt.report.svg import Bars, Points, bar_chart, palette_color, xy_chart
-from crossrt.records.trace import PromptTrace
-
-ALL = "ALL"
-
-
-@dataclass(frozen=True, eq=False)
-class ReportRun:
-    label: str  # unique within the report: names the run in tables, charts and legends
-    path: str  # the record's path as given
-    record: RunRecord
-    trace: Mapping[str, PromptTrace]  # by prompt id; empty without one
-    trace_problem: Optional[str]  # why the trace the record names could not be read
-    color: str  # the run's colour in every chart
 
 
 def _fixed(value: Optional[float], digits: int = 2) -> str:
@@ -46,57 +29,6 @@ def _fixed(value: Optional[float], digits: int = 2) -> str:
 
 def _signed(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:+.2f}"
-
-
-def run_labels(records: Sequence[RunRecord], paths: Sequence[str]) -> list[str]:
-    """runtime/mode schedule k=K, with the pair where the records hold several, and the
-    record path where two runs would still share a label."""
-    several_pairs = len({record.pair.name for record in records}) > 1
-    bases = [f"{run_label(record)} {record.params.schedule} k={record.params.k}"
-             + (f" {record.pair.name}" if several_pairs else "") for record in records]
-    return [base if bases.count(base) == 1 else f"{base} ({path})" for base, path in zip(bases, paths, strict=True)]
-
-
-def load_runs(paths: Sequence[Path]) -> list[ReportRun]:
-    """The records at paths with their traces. A trace that cannot be read is reported in the
-    report, not raised: the record's other sections still stand."""
-    resolved = [Path(path).resolve() for path in paths]
-    for index, path in enumerate(resolved):
-        if path in resolved[:index]:
-            raise RecordError(f"{paths[index]} is given twice")
-    records = [load_record(path) for path in paths]
-    labels = run_labels(records, [str(path) for path in paths])
-    return [report_run(label, path, record, index)
-            for index, (path, record, label) in enumerate(zip(paths, records, labels, strict=True))]
-
-
-def report_run(label: str, path: Optional[Path], record: RunRecord, index: int) -> ReportRun:
-    """A run of the report, the index-th: its trace read where the record has a path (the runs
-    of a `crossrt parity --pair` matrix are passed in memory, without one)."""
-    if path is None:
-        return ReportRun(label, "(run by this command)", record, {}, None, palette_color(index))
-    try:
-        trace, problem = analysis.load_trace(path, record), None
-    except RecordError as error:
-        trace, problem = {}, str(error)
-    return ReportRun(label, str(path), record, trace, problem, palette_color(index))
-
-
-def _categories(runs: Sequence[ReportRun]) -> list[Optional[str]]:
-    """Every category of any run, sorted, then None for all prompts."""
-    return [*sorted({c for run in runs for c in run.record.categories()}), None]
-
-
-def _name(category: Optional[str]) -> str:
-    return ALL if category is None else category
-
-
-def _by_category_bars(runs: Sequence[ReportRun], field: str) -> list[Bars]:
-    """One series per run: the summary field per category (None where the run lacks it)."""
-    categories = _categories(runs)
-    return [Bars(run.label, tuple(getattr(run.record.summary(c), field)
-                                  if c is None or c in run.record.categories() else None
-                                  for c in categories), run.color) for run in runs]
 
 
 def _run_notes(run: ReportRun) -> list[str]:
@@ -130,19 +62,20 @@ def runs_section(runs: Sequence[ReportRun]) -> Section:
     table = Table(("run", "runtime", "mode", "schedule", "pair", "record", "trace", "k", "new tokens", "prompts",
                    "failed"), tuple(rows), 7)
     notes = tuple(note for run in runs for note in _run_notes(run))
-    return Section("runs", "Runs", f"{len(runs)} run record(s). The run label names each run in the tables "
-                   "and charts below.", None, (table,), notes)
+    return Section("runs", "Runs", f"{len(runs)} run record(s): what each is, where its record lies, and "
+                   "what its counts note. The run label names each run in the tables and charts above.",
+                   None, (table,), notes)
 
 
 def tau_section(runs: Sequence[ReportRun]) -> Section:
-    groups = [_name(c) for c in _categories(runs)]
-    chart = bar_chart("tau per category", groups, _by_category_bars(runs, "tau"), "tau (tokens per step)")
+    groups = [category_name(c) for c in categories(runs)]
+    chart = bar_chart("tau per category", groups, by_category_bars(runs, "tau"), "tau (tokens per step)")
     rows = []
     for run in runs:
         for category in [*run.record.categories(), None]:
             s = run.record.summary(category)
-            lossless = "-" if run.record.imported else f"{s.lossless}/{s.prompts - s.failed}"  # no token ids
-            rows.append((run.label, _name(category), str(s.prompts), str(s.failed), lossless, str(s.steps),
+            rows.append((run.label, category_name(category), str(s.prompts), str(s.failed), lossless_cell(run, s),
+                         str(s.steps),
                          *(metric.format(metric.of(s)) for metric in metrics.METRICS)))
     table = Table(("run", "category", "prompts", "failed", "lossless", "steps",
                    *(m.heading for m in metrics.METRICS)),
@@ -230,11 +163,11 @@ def entropy_by_type_section(runs: Sequence[ReportRun], edges: Sequence[float] = 
 
 
 def speedup_section(runs: Sequence[ReportRun]) -> Section:
-    groups = [_name(c) for c in _categories(runs)]
-    chart = bar_chart("speedup over plain greedy", groups, _by_category_bars(runs, "speedup"), "speedup",
+    groups = [category_name(c) for c in categories(runs)]
+    chart = bar_chart("speedup over plain greedy", groups, by_category_bars(runs, "speedup"), "speedup",
                       reference=(1.0, "plain greedy"))
     timed = [metric for metric in metrics.METRICS if metric.hardware_bound]
-    rows = [(run.label, _name(c), *(metric.format(metric.of(s)) for metric in timed))
+    rows = [(run.label, category_name(c), *(metric.format(metric.of(s)) for metric in timed))
             for run in runs for c in [*run.record.categories(), None] for s in [run.record.summary(c)]]
     table = Table(("run", "category", *(metric.heading for metric in timed)), tuple(rows), 2)
     return Section("speedup", "Speedup",
@@ -251,8 +184,8 @@ def iid_section(runs: Sequence[ReportRun]) -> Section:
             shown = [f for f in fits if f.measured_tau is not None and getattr(f, field) is not None]
             series.append(Points(f"{run.label}: {name}", tuple((f.measured_tau, getattr(f, field)) for f in shown),
                                  run.color, connect=False, hollow=hollow,
-                                 labels=tuple(_name(f.category) for f in shown)))
-        rows += [(run.label, _name(f.category), str(f.k), _fixed(f.measured_tau), _fixed(f.alpha, 3),
+                                 labels=tuple(category_name(f.category) for f in shown)))
+        rows += [(run.label, category_name(f.category), str(f.k), _fixed(f.measured_tau), _fixed(f.alpha, 3),
                   _fixed(f.predicted_tau), _signed(f.error), _fixed(f.accept_rate, 3),
                   _fixed(f.predicted_tau_reached), _signed(f.error_reached)) for f in fits]
     chart = xy_chart("i.i.d. model: predicted against measured tau", series, "measured tau", "predicted tau",
@@ -267,10 +200,10 @@ def iid_section(runs: Sequence[ReportRun]) -> Section:
 
 
 def record_sections(runs: Sequence[ReportRun], edges: Sequence[float] = analysis.ENTROPY_BUCKETS) -> list[Section]:
-    """Every section the records themselves give, in page order."""
+    """The details the records themselves give, in page order, the runs last: they come after
+    the answer (crossrt/report/layout.py)."""
     if not runs:
         raise RecordError("no run records to report on")
-    return [runs_section(runs), tau_section(runs), position_section(runs), steps_section(runs),
-            entropy_section(runs, edges), entropy_by_type_section(runs, edges), speedup_section(runs),
-            iid_section(runs)]
+    return [tau_section(runs), position_section(runs), steps_section(runs), entropy_section(runs, edges),
+            entropy_by_type_section(runs, edges), speedup_section(runs), iid_section(runs), runs_section(runs)]
 

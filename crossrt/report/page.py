@@ -25,6 +25,15 @@ class Table:
 
 
 @dataclass(frozen=True)
+class Banner:
+    """The page's answer in one line (parity's verdict), drawn large, green or red."""
+
+    ok: bool
+    text: str
+    detail: str = ""  # what the line does not say: where it comes from, what it left out
+
+
+@dataclass(frozen=True)
 class Section:
     id: str
     title: str
@@ -37,6 +46,18 @@ class Section:
     figures: tuple[str, ...] = ()
     # "fail" or "note": a finding's section, drawn apart (its title says which in Markdown too).
     mark: Optional[str] = None
+    banner: Optional[Banner] = None  # drawn before everything else in the section
+    # Sections within this one, after its own content (a heading level below), e.g. the splits
+    # of one cause within the parity section.
+    parts: tuple["Section", ...] = ()
+    chart_last: bool = False  # the chart after the tables: where the table is the answer (the summary)
+    # Evidence a reader opens on demand: in HTML the title is a one-line <summary> and the rest
+    # is folded under it (<details>); Markdown has no folding, so it is a heading there.
+    fold: bool = False
+
+
+def _ids(sections: Sequence[Section]) -> list[str]:
+    return [name for section in sections for name in (section.id, *_ids(section.parts))]
 
 
 @dataclass(frozen=True)
@@ -48,7 +69,7 @@ class Report:
 def page(title: str, sections: Sequence[Section]) -> Report:
     """The report of sections, in the order given. Section ids are the page's anchors (and what
     tests and scripts find sections by), so two sections may not share one."""
-    ids = [section.id for section in sections]
+    ids = _ids(sections)
     twice = sorted({name for name in ids if ids.count(name) > 1})
     if twice:
         raise CrossrtError(f"report sections share the id(s) {', '.join(twice)}")
@@ -56,19 +77,36 @@ def page(title: str, sections: Sequence[Section]) -> Report:
 
 
 STYLE = """
-body { font-family: sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em; color: #222; }
-table { border-collapse: collapse; margin: 1em 0; font-size: 14px; }
+body { font-family: sans-serif; max-width: 1100px; margin: 0.5em auto; padding: 0 1em; color: #222; }
+h1 { font-size: 1.5em; margin: 0.3em 0; }
+table { border-collapse: collapse; margin: 1em 0; font-size: 14px; display: block; overflow-x: auto; max-width: 100%; }
 th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
 th { background: #f3f3f3; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 figure { margin: 1em 0; }
+svg.chart { max-width: 100%; height: auto; }
+figure.charts { display: flex; flex-wrap: wrap; gap: 0 1em; }
+figure.charts figcaption { flex-basis: 100%; font-weight: bold; }
 section { margin-bottom: 2.5em; }
 figure.steps p { white-space: pre-wrap; font-family: monospace; font-size: 13px; line-height: 1.7; margin: 0.3em 0; }
 figure.steps span.step { border-radius: 2px; box-shadow: inset -1px 0 0 rgba(0, 0, 0, 0.3); }
 p.swatches span { display: inline-block; padding: 0 0.6em; margin-right: 0.3em; font-family: monospace; }
 caption { text-align: left; font-weight: bold; padding: 2px 0; }
-section.fail { border-left: 6px solid #c62828; background: #fff4f4; padding: 0.2em 1em; }
-section.note { border-left: 6px solid #e0a800; background: #fffbea; padding: 0.2em 1em; }
+section.fail, details.fail { border-left: 6px solid #c62828; background: #fff4f4; padding: 0.2em 1em; }
+section.note, details.note { border-left: 6px solid #e0a800; background: #fffbea; padding: 0.2em 1em; }
+details { margin: 0.4em 0; }
+details > summary { cursor: pointer; font-weight: bold; padding: 0.2em 0; }
+p.banner { font-size: 1.3em; font-weight: bold; padding: 0.4em 0.8em; margin: 0.3em 0; border-radius: 3px; }
+p.banner.ok { background: #e8f5e9; border-left: 8px solid #2e7d32; color: #1b5e20; }
+p.banner.failed { background: #fdecea; border-left: 8px solid #c62828; color: #b71c1c; }
+p.banner span { display: block; font-size: 0.65em; font-weight: normal; color: #444; }
+section#summary { margin-bottom: 1.5em; }
+section#summary table { margin: 0.5em 0; }
+@media print {
+  body { max-width: none; margin: 0; }
+  details::details-content { content-visibility: visible; }
+  figure, table, svg { break-inside: avoid; }
+}
 """
 
 
@@ -81,22 +119,39 @@ def _html_table(table: Table) -> str:
     return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>\n{body}</tbody></table>"
 
 
+def _html_section(section: Section, depth: int) -> list[str]:
+    mark = f' class="{section.mark}"' if section.mark else ""
+    title = escape(section.title)
+    if section.fold:
+        parts = [f'<details id="{section.id}"{mark}><summary>{title}</summary>']
+    else:
+        parts = [f'<section id="{section.id}"{mark}><h{depth}>{title}</h{depth}>']
+    if section.banner:
+        detail = f"<span>{escape(section.banner.detail)}</span>" if section.banner.detail else ""
+        status = "ok" if section.banner.ok else "failed"
+        parts.append(f'<p class="banner {status}">{escape(section.banner.text)}{detail}</p>')
+    if section.intro:
+        parts.append(f"<p>{escape(section.intro)}</p>")
+    chart = [f"<figure>{section.chart}</figure>"] if section.chart else []
+    tables = [_html_table(table) for table in section.tables]
+    parts += [*tables, *chart, *section.figures] if section.chart_last else [*chart, *section.figures, *tables]
+    if section.notes:
+        parts.append("<ul>" + "".join(f"<li>{escape(note)}</li>" for note in section.notes) + "</ul>")
+    for part in section.parts:
+        parts += _html_section(part, depth + 1)
+    parts.append("</details>" if section.fold else "</section>")
+    return parts
+
+
 def to_html(report: Report) -> str:
     """One self-contained page: no scripts, no external resources. It is also well-formed
     XML, so any XML parser can read the numbers back."""
     parts = ["<!DOCTYPE html>", '<html xmlns="http://www.w3.org/1999/xhtml" lang="en"><head><meta charset="utf-8"/>',
+             '<meta name="viewport" content="width=device-width, initial-scale=1"/>',
              f"<title>{escape(report.title)}</title><style>{STYLE}</style></head><body>",
              f"<h1>{escape(report.title)}</h1>"]
     for section in report.sections:
-        mark = f' class="{section.mark}"' if section.mark else ""
-        parts.append(f'<section id="{section.id}"{mark}><h2>{escape(section.title)}</h2><p>{escape(section.intro)}</p>')
-        if section.chart:
-            parts.append(f"<figure>{section.chart}</figure>")
-        parts += section.figures
-        parts += [_html_table(table) for table in section.tables]
-        if section.notes:
-            parts.append("<ul>" + "".join(f"<li>{escape(note)}</li>" for note in section.notes) + "</ul>")
-        parts.append("</section>")
+        parts += _html_section(section, 2)
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
@@ -119,15 +174,28 @@ def _markdown_table(table: Table) -> str:
     return "\n".join(lines)
 
 
+def _markdown_section(section: Section, depth: int) -> list[str]:
+    blocks = [f"{'#' * depth} {markdown_text(section.title)}"]
+    if section.banner:
+        blocks.append(f"**{markdown_text(section.banner.text)}**"
+                      + (f"  \n{markdown_text(section.banner.detail)}" if section.banner.detail else ""))
+    if section.intro:
+        blocks.append(markdown_text(section.intro))
+    blocks += [_markdown_table(table) for table in section.tables]
+    if section.notes:
+        blocks.append("\n".join(f"- {markdown_text(note)}" for note in section.notes))
+    for part in section.parts:
+        blocks += _markdown_section(part, depth + 1)
+    return blocks
+
+
 def to_markdown(report: Report) -> str:
-    """The same sections and tables as to_html, without charts: Markdown has no portable way to
-    embed SVG (GitHub drops data-URI images), and the tables hold every plotted number."""
+    """The same sections and tables as to_html, in the same order, without charts: Markdown has
+    no portable way to embed SVG (GitHub drops data-URI images), and the tables hold every
+    plotted number."""
     blocks = [f"# {markdown_text(report.title)}",
               "Charts are in the HTML form of this report (`crossrt report ... -o report.html`); every number "
               "they plot is in these tables."]
     for section in report.sections:
-        blocks += [f"## {markdown_text(section.title)}", markdown_text(section.intro)]
-        blocks += [_markdown_table(table) for table in section.tables]
-        if section.notes:
-            blocks.append("\n".join(f"- {markdown_text(note)}" for note in section.notes))
+        blocks += _markdown_section(section, 2)
     return "\n\n".join(blocks) + "\n"

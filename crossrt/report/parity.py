@@ -2,9 +2,11 @@
 `crossrt parity --html`; docs/report.md).
 
 The verdicts are crossrt/compare/parity.py's and crossrt/compare/diagnosis.py's, computed as `crossrt parity`
-computes them; this module only shows them: per pair of runs the headline (identical, explained
-by cause, failed), then one section per split with everything a person needs to tell a near-tie
-from a bug without reading JSON: the text up to the split, the two emitted tokens decoded, the
+computes them; this module only shows them: the closing verdict as the page's banner
+(verdict_banner), per pair of runs the headline (identical, explained by cause, failed; pairs
+identical on every prompt in one line), then one line per cause of split with its count and
+prompts, and folded under it one section per split with everything a person needs to tell a
+near-tie from a bug without reading JSON: the text up to the split, the two emitted tokens decoded, the
 gap each side's pass put between them and the pass shapes, the verdict (flip against threshold),
 the candidates each pass recorded near its choice, and the two continuations side by side.
 
@@ -23,14 +25,14 @@ from crossrt.run.numerics import CLOSE_MAX, CLOSE_WINDOW
 from crossrt.compare.parity import OWN_BASELINE, PromptParity, compare_all
 from crossrt.compare.parity_report import ParityReport, headlines
 from crossrt.compare.replay import Replayer
-from crossrt.report.build import record_sections, report_run
-from crossrt.report.page import Section, Table, page, to_html
+from crossrt.report.layout import report_sections
+from crossrt.report.page import Banner, Section, Table, page, to_html
+from crossrt.report.runs import ReportRun, report_run
 from crossrt.report.steps import Vocab, load_vocab, token_texts
 from crossrt.records.schema import PassView, PromptResult, RunRecord
 
 if TYPE_CHECKING:
     from crossrt.compare.diagnosis import Replay
-    from crossrt.report.build import ReportRun
 
 CONTEXT_TOKENS = 12  # tokens of text shown before a split
 CONTINUATION_TOKENS = 16  # tokens of each side shown from a split on
@@ -258,60 +260,82 @@ def split_section(number: int, shown: ShownSplit) -> Section:
                    mark="fail" if shown.failed else "note")
 
 
-def parity_sections(runs: Sequence[tuple[str, RunRecord]], report: ParityReport, rescored: bool,
-                    notes: Sequence[str] = (), strict: bool = False) -> list[Section]:
-    """The parity overview (the verdict per pair of runs, an index of the splits, the failures no
-    split shows) and one section per split."""
+def verdict_banner(report: ParityReport) -> Banner:
+    """parity's closing line, as `crossrt parity` prints it, and its prompt comparisons counted."""
+    counted = [headline for _, _, headline, _ in headlines(report)]
+    detail = (f"{len(counted)} comparisons of runs (each run's own lossless check among them), "
+              f"{sum(h.prompts for h in counted)} prompts compared: {sum(h.identical for h in counted)} identical, "
+              f"{sum(h.explained_prompts for h in counted)} explained, {sum(h.failed for h in counted)} failed, "
+              f"{sum(h.not_comparable for h in counted)} not comparable")
+    return Banner(report.ok, report.verdict(), detail)
+
+
+def _cause_groups(shown: Sequence[ShownSplit]) -> list[Section]:
+    """The splits by cause (FAIL or NOTE and the split's kind), findings first, then the most
+    common: one line each with the count and the prompts, every split's evidence folded under it."""
+    groups: dict[tuple[bool, str], list[tuple[int, ShownSplit]]] = {}
+    for number, split in enumerate(shown, start=1):
+        groups.setdefault((split.failed, split.split.kind), []).append((number, split))
+    ordered = sorted(groups.items(), key=lambda item: (not item[0][0], -len(item[1]), item[0][1]))
+    sections = []
+    for n, ((failed, kind), members) in enumerate(ordered, start=1):
+        prompts = ", ".join(dict.fromkeys(s.split.prompt_id for _, s in members))
+        status = "FAIL" if failed else "NOTE"
+        sections.append(Section(f"cause-{n}", f"{status} {kind}: {len(members)} split{'s' * (len(members) != 1)} "
+                                f"({prompts})", "", None, (), (),
+                                mark="fail" if failed else "note", fold=True,
+                                parts=tuple(split_section(number, s) for number, s in members)))
+    return sections
+
+
+def parity_section(runs: Sequence[tuple[str, RunRecord]], report: ParityReport, rescored: bool,
+                   notes: Sequence[str] = (), strict: bool = False) -> Section:
+    """The verdict per pair of runs (pairs identical on every prompt in one line), then every
+    split once, grouped by cause, and the failures no split shows."""
     shown = shown_splits(report, runs, strict)
+    counted = headlines(report)
+    identical = [f"{run_a} vs {run_b}" for run_a, run_b, h, _ in counted if h.identical == h.prompts]
     verdicts = tuple((run_a, run_b, counting, str(h.prompts), str(h.identical),
                       f"{h.explained_prompts}" + (f" ({h.by_cause()})" if h.explained else ""), str(h.failed),
                       f"{h.not_comparable}" + (f" ({h.why_not})" if h.not_comparable else ""))
-                     for run_a, run_b, h, counting in headlines(report))
-    index = tuple((f"split-{n}", "FAIL" if s.failed else "NOTE", s.split.prompt_id, s.split.kind,
-                   "; ".join(s.comparisons), s.split.verdict.describe() if s.split.verdict else "-",
-                   "-" if s.split.index is None else str(s.split.index)) for n, s in enumerate(shown, start=1))
-    tables = [Table(("run A", "run B", "counters", "prompts", "identical", "explained (by cause)", "failed",
+                     for run_a, run_b, h, counting in counted if h.identical != h.prompts)
+    tables = (Table(("run A", "run B", "counters", "prompts", "identical", "explained (by cause)", "failed",
                      "not comparable"),
-                    verdicts, 3, "verdicts per pair of runs (run B `its baseline`: the run's own lossless check)")]
-    if index:
-        tables.append(Table(("section", "status", "prompt", "kind", "in", "verdict", "token"), index, 6,
-                            "every split, once (FAIL: a finding; NOTE: numerics, explained)"))
+                    verdicts, 3, "verdicts per pair of runs (run B `its baseline`: the run's own lossless check)"),
+              ) if verdicts else ()
     split_failures = {(c.run_a, c.run_b, c.prompt_id) for c in report.comparisons if c.splits}
     unshown = [f"FAIL {c.run_a} vs {c.run_b}, {c.prompt_id}: {'; '.join(c.problems)}"
                for c in report.comparisons if not c.ok and (c.run_a, c.run_b, c.prompt_id) not in split_failures]
     unshown += [f"FAIL {line}" for line in report.failures()[sum(not c.ok for c in report.comparisons):]]
+    said = [f"identical on every prompt: {'; '.join(identical)}"] if identical else []
     how = ("Native runs' splits without a driven twin were re-scored in-process in their schedule's pass shapes "
            "(crossrt/compare/replay.py)." if rescored else
            "Re-scoring was off (--no-rescore): a native run's split without a driven twin stays unexplained.")
-    overview = Section("parity", "Parity: where the runs part, and why",
-                       "Each run against its own plain greedy baseline, then every pair of runs, prompt by prompt, "
-                       "as `crossrt parity` compares them (docs/parity.md). A split is numerics (NOTE) when the two "
-                       "emitted tokens lie within the near-tie threshold of what is compared in both sides' passes; "
-                       f"anything else is a finding (FAIL). {how}", None, tuple(tables),
-                       (*notes, *unshown, *(() if shown else ("no split: the runs agree token for token",))))
-    return [overview, *(split_section(n, s) for n, s in enumerate(shown, start=1))]
+    return Section("parity", "Parity: where the runs part, and why",
+                   "Each run against its own plain greedy baseline, then every pair of runs, prompt by prompt, "
+                   "as `crossrt parity` compares them (docs/parity.md). A split is numerics (NOTE) when the two "
+                   "emitted tokens lie within the near-tie threshold of what is compared in both sides' passes; "
+                   f"anything else is a finding (FAIL). {how} Below, one line per cause; open it for each split's "
+                   "evidence.", None, tables,
+                   (*said, *notes, *unshown, *(() if shown else ("no split: the runs agree token for token",))),
+                   parts=tuple(_cause_groups(shown)))
 
 
-def report_parity(runs: Sequence["ReportRun"], rescore: bool = True) -> list[Section]:
-    """`crossrt report`'s parity sections over its runs, labelled as the page labels them;
-    none for a single run (its lossless failures are in the runs section's notes)."""
+def report_parity(runs: Sequence[ReportRun], rescore: bool = True) -> Optional[tuple[Banner, Section]]:
+    """`crossrt report`'s verdict and parity section over its runs, labelled as the page labels
+    them; None for a single run (its lossless failures are in the runs section's notes)."""
     if len(runs) < 2:
-        return []
+        return None
     labelled = [(run.label, run.record) for run in runs]
     with Replayer() as replay:
         report, notes = compare_runs(labelled, replay if rescore else None)
-    return parity_sections(labelled, report, rescore, notes)
-
-
-def with_parity(of_records: Sequence[Section], parity: Sequence[Section]) -> list[Section]:
-    """The parity sections after the runs section, which names the runs they compare."""
-    return [*of_records[:1], *parity, *of_records[1:]]
+    return verdict_banner(report), parity_section(labelled, report, rescore, notes)
 
 
 def parity_html(runs: Sequence[tuple[str, RunRecord]], report: ParityReport, paths: Sequence[Optional[Path]],
                 rescored: bool, strict: bool, title: str = "crossrt parity") -> str:
-    """`crossrt parity --html`: the report page of the runs parity compared, with its verdicts."""
+    """`crossrt parity --html`: the report page of the runs parity compared, with its verdict."""
     report_runs = [report_run(label, path, record, index)
                    for index, ((label, record), path) in enumerate(zip(runs, paths, strict=True))]
-    sections = parity_sections(runs, report, rescored, strict=strict)
-    return to_html(page(title, with_parity(record_sections(report_runs), sections)))
+    parity = (verdict_banner(report), parity_section(runs, report, rescored, strict=strict))
+    return to_html(page(title, report_sections(report_runs, parity)))

@@ -22,15 +22,13 @@ import re
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 from crossrt.inputs.pairs import PairError, gguf_metadata, read_vocabulary
 from crossrt.report.page import Section, Table
+from crossrt.report.runs import ReportRun
 from crossrt.run.schedules import SERVER
 from crossrt.records.schema import PromptResult, RunRecord
-
-if TYPE_CHECKING:
-    from crossrt.report.build import ReportRun
 
 CONTROL, BYTE = 3, 6  # GGUF tokenizer.ggml.token_type values (llama.cpp's LLAMA_TOKEN_TYPE_*)
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -210,7 +208,7 @@ def swatches(k: int) -> str:
     return f'<p class="swatches">draft tokens accepted per step: {cells}</p>'
 
 
-def steps_section(runs: Sequence["ReportRun"]) -> Section:
+def steps_section(runs: Sequence[ReportRun]) -> Section:
     k_max = max(run.record.params.k for run in runs)
     rows, figures, notes, without = [], [], [], []
     for run in runs:
