@@ -1,14 +1,16 @@
-"""Pair manifests, file fingerprints and vocabulary compatibility, on the real tiny pair files."""
+"""Pair manifests, file fingerprints and vocabulary compatibility, on the real tiny pair files
+and the real model's GGUF files beside crossrt's own transformers conversion of them."""
 
 import dataclasses
+import json
 
 import gguf
 import pytest
 from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 
-from crossrt.inputs.pairs import PairError, check_compatible, pair_info, read_vocabulary, sha256_of
+from crossrt.inputs.pairs import FIRST_COMPARED_TOKEN, PairError, check_compatible, pair_info, read_vocabulary, sha256_of
 
-from conftest import assert_clean_error
+from conftest import REPO, assert_clean_error
 
 
 def copy_gguf_with_tokens(source, destination, change_tokens):
@@ -46,7 +48,7 @@ def test_swapped_tokens_are_named_in_the_error(tiny_pair, tmp_path):
 
     drafter = copy_gguf_with_tokens(tiny_pair.path("drafter", "gguf"), tmp_path / "other.gguf", swap)
     target_vocab = read_vocabulary(tiny_pair.path("target", "gguf"))
-    with pytest.raises(PairError, match=r"incompatible vocabularies.*2 of 512 token texts differ, first at id 100"):
+    with pytest.raises(PairError, match=r"incompatible vocabularies.*2 of 512 tokens mean other text, first at id 100"):
         check_compatible(target_vocab, read_vocabulary(drafter))
 
 
@@ -70,3 +72,64 @@ def test_run_refuses_an_incompatible_drafter(tiny_pair, tmp_path):
                                        "--drafter", str(drafter), "--out", str(tmp_path / "run.json")])
     assert_clean_error(result, "incompatible vocabularies", exit_codes=(1,))
     assert not (tmp_path / "run.json").exists()
+
+
+@pytest.fixture(scope="module")
+def real_conversions(real_pair):
+    """role -> (the real model's GGUF file, crossrt's float32 transformers conversion of it),
+    which scripts/setup writes (scripts/fetch_real_model)."""
+    from crossrt.backends.transformers import dequantized_folder
+
+    files = {role: real_pair.path(role, "gguf") for role in ("target", "drafter")}
+    found = {role: (path, dequantized_folder(path)) for role, path in files.items()}
+    missing = [str(folder) for _, folder in found.values() if not (folder / "tokenizer.json").is_file()]
+    if missing:
+        pytest.fail(f"no transformers conversion at {', '.join(missing)}; run scripts/setup", pytrace=False)
+    return found
+
+
+def test_one_vocabulary_spelled_by_two_formats_is_one_vocabulary(tiny_pair, real_conversions):
+    for gguf_file, folder in [(tiny_pair.path(role, "gguf"), tiny_pair.path(role, "hf")) for role in ("target", "drafter")] \
+            + list(real_conversions.values()):
+        gguf_vocab, hf_vocab = read_vocabulary(gguf_file), read_vocabulary(folder)
+        assert gguf_vocab.fingerprint == hf_vocab.fingerprint, (gguf_file, folder)
+        check_compatible(gguf_vocab, hf_vocab)
+    gguf_vocab, hf_vocab = (read_vocabulary(path) for path in real_conversions["target"])
+    # Gemma 3's GGUF spells its whitespace tokens with spaces, its tokenizer.json with U+2581
+    assert gguf_vocab.tokens != hf_vocab.tokens and gguf_vocab.meanings == hf_vocab.meanings
+
+
+def test_a_token_that_means_other_text_is_another_vocabulary(tiny_pair, real_conversions):
+    tiny = read_vocabulary(tiny_pair.path("target", "hf"))
+    real = read_vocabulary(real_conversions["target"][0])
+    for vocab, token_id in ((tiny, 300), (real, 1000), (real, real.eos_id)):
+        tokens = list(vocab.tokens)
+        tokens[token_id] += "x"
+        changed = dataclasses.replace(vocab, tokens=tuple(tokens))
+        assert changed.fingerprint != vocab.fingerprint
+        if token_id >= FIRST_COMPARED_TOKEN:  # as llama.cpp, the drafter check skips the first ids
+            with pytest.raises(PairError, match=f"1 of {len(tokens)} tokens mean other text, first at id {token_id}"):
+                check_compatible(vocab, changed)
+    # a control token means its text, never the same text as an ordinary token
+    assert dataclasses.replace(tiny, special=frozenset()).fingerprint != tiny.fingerprint
+    assert dataclasses.replace(tiny, eos_id=tiny.bos_id).fingerprint != tiny.fingerprint
+
+
+def test_parity_compares_a_gguf_run_with_an_hf_folder_run_of_the_same_model(real_conversions, tmp_path):
+    from click.testing import CliRunner
+
+    from crossrt.cli import main
+
+    manifest = tmp_path / "pair.toml"
+    manifest.write_text("\n".join(f'[{role}]\ngguf = "{gguf_file}"\nhf = "{folder}"'
+                                  for role, (gguf_file, folder) in real_conversions.items()))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "capital", "category": "prose", "prompt": "The capital of France is"}))
+    result = CliRunner().invoke(main, ["parity", "--pair", str(manifest), "--runtimes", "llama-cpp,transformers",
+                                       "--modes", "driven", "--max-new-tokens", "8", "--prompts", str(prompts),
+                                       "--threads", "1", "--out-dir", str(tmp_path / "runs")])
+    assert "different vocabularies" not in result.output, result.output
+    records = {json.loads(path.read_text())["runtime"]["name"]: json.loads(path.read_text())
+               for path in (tmp_path / "runs").glob("*.json")}
+    assert {records[name]["pair"]["target"]["format"] for name in ("llama-cpp", "transformers")} == {"gguf", "hf"}
+    assert len({record["pair"]["target"]["vocab_fingerprint"] for record in records.values()}) == 1

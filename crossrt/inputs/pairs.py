@@ -15,6 +15,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -151,17 +152,78 @@ def model_format(path: Path) -> str:
 
 # ---- vocabularies -------------------------------------------------------------------------
 
+# How a file spells the bytes of its ordinary tokens: GPT-2's byte-level alphabet (a printable
+# character per byte), SentencePiece's U+2581 for a space, or the text itself.
+BYTE_LEVEL, SENTENCEPIECE, PLAIN = "byte-level", "sentencepiece", "plain"
+_GGUF_SPELLING = {"gpt2": BYTE_LEVEL, "llama": SENTENCEPIECE, "t5": SENTENCEPIECE}
+# GGUF tokenizer.ggml.token_type values (llama.cpp's LLAMA_TOKEN_TYPE_*)
+GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_UNUSED, GGUF_BYTE = 2, 3, 4, 5, 6
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+FINGERPRINT_PREFIX = "bytes:"  # what the fingerprint hashes; records before it hashed token texts
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt2_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in for each byte (its bytes_to_unicode), inverted."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    table, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[chr(byte)] = byte
+        else:
+            table[chr(256 + shifted)] = byte
+            shifted += 1
+    return table
+
+
 @dataclass(frozen=True)
 class Vocabulary:
-    model: str  # tokenizer model, e.g. "gpt2" (byte-level BPE)
+    """A model file's vocabulary as its format spells it, and what each id means.
+
+    The same vocabulary is spelled differently by a GGUF file and a transformers folder (Gemma 3's
+    GGUF writes its whitespace tokens as spaces, its tokenizer.json as U+2581), so two files are
+    compared, and fingerprinted, by meaning (`meanings`): a special token by its text, a byte
+    token by its byte, any other token by the bytes its text stands for in its file's spelling.
+    """
+
+    model: str  # tokenizer model as GGUF names it, e.g. "gpt2" (byte-level BPE), "llama" (SentencePiece)
     tokens: tuple[str, ...]
     bos_id: Optional[int]
     eos_id: Optional[int]
+    spelling: str = PLAIN  # BYTE_LEVEL, SENTENCEPIECE or PLAIN: how ordinary tokens spell bytes
+    special: frozenset[int] = frozenset()  # control tokens: they mean their text, not bytes
+    literal: frozenset[int] = frozenset()  # user-defined (added) tokens: their text as it is
+    byte_tokens: frozenset[int] = frozenset()  # SentencePiece's <0xNN> fallback tokens
 
-    @property
+    @functools.cached_property
+    def meanings(self) -> tuple[Union[str, bytes], ...]:
+        """Per id: a special token's text (str), else the bytes the token stands for."""
+        return tuple(self._meaning(i, text) for i, text in enumerate(self.tokens))
+
+    def _meaning(self, token_id: int, text: str) -> Union[str, bytes]:
+        if token_id in self.special:
+            return text
+        if token_id in self.byte_tokens:
+            return bytes([int(text[3:5], 16)])
+        if self.spelling == SENTENCEPIECE:
+            # llama.cpp's converter writes user-defined spaces as spaces, tokenizer.json as U+2581
+            return text.replace("\u2581", " ").encode()
+        if self.spelling == BYTE_LEVEL and token_id not in self.literal:
+            alphabet = _gpt2_alphabet()
+            if all(c in alphabet for c in text):
+                return bytes(alphabet[c] for c in text)
+        return text.encode()  # as tokenizers' ByteLevel decoder does with a character outside it
+
+    @functools.cached_property
     def fingerprint(self) -> str:
-        digest = hashlib.sha256(json.dumps([self.model, self.tokens, self.bos_id, self.eos_id]).encode())
-        return digest.hexdigest()[:16]
+        """FINGERPRINT_PREFIX and 16 hex digits of sha256 over each id's meaning and the BOS and
+        EOS ids: one vocabulary gives one fingerprint whichever format spells it."""
+        digest = hashlib.sha256()
+        for meaning in self.meanings:
+            kind, data = (b"S", meaning.encode()) if isinstance(meaning, str) else (b"B", meaning)
+            digest.update(kind + len(data).to_bytes(4, "little") + data)
+        digest.update(json.dumps([self.bos_id, self.eos_id]).encode())
+        return FINGERPRINT_PREFIX + digest.hexdigest()[:16]
 
 
 def gguf_metadata(path: Path) -> dict[str, object]:
@@ -188,29 +250,67 @@ def _gguf_metadata(path: str, size: int, mtime_ns: int) -> dict[str, object]:
 
 def read_vocabulary(path: Path) -> Vocabulary:
     if path.suffix == ".gguf":
-        meta = gguf_metadata(path)
-        return Vocabulary(str(meta.get("tokenizer.ggml.model", "")), tuple(meta.get("tokenizer.ggml.tokens", ())),
-                          meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"))
+        return _gguf_vocabulary(path)
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise PairError(f"{path} has no tokenizer.json to read the vocabulary from")
-    tokenizer = json.loads(tokenizer_file.read_text())
-    vocab = dict(tokenizer["model"]["vocab"])
-    vocab.update({t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])})
+    try:
+        tokenizer = json.loads(tokenizer_file.read_text())
+        model = tokenizer["model"]
+        # BPE and WordPiece map texts to ids; Unigram lists [text, score] in id order
+        vocab = {entry[0]: i for i, entry in enumerate(model["vocab"])} if isinstance(model["vocab"], list) \
+            else dict(model["vocab"])
+        added = {t["id"]: t for t in tokenizer.get("added_tokens", [])}
+    except (ValueError, KeyError, TypeError) as error:
+        raise PairError(f"{tokenizer_file} is not a tokenizer.json crossrt reads ({error})") from None
+    vocab.update({t["content"]: token_id for token_id, t in added.items()})
     tokens = [""] * (max(vocab.values()) + 1)
     for text, token_id in vocab.items():
         tokens[token_id] = text
     config = json.loads((path / "config.json").read_text())
-    model = {"BPE": "gpt2"}.get(tokenizer["model"]["type"], tokenizer["model"]["type"])
-    return Vocabulary(model, tuple(tokens), config.get("bos_token_id"), config.get("eos_token_id"))
+    spelling = _hf_spelling(tokenizer.get("decoder"))
+    byte_tokens = frozenset(i for i, text in enumerate(tokens) if model.get("byte_fallback") and i not in added
+                            and _BYTE_PIECE.fullmatch(text))
+    return Vocabulary({BYTE_LEVEL: "gpt2", SENTENCEPIECE: "llama"}.get(spelling, model["type"]), tuple(tokens),
+                      config.get("bos_token_id"), config.get("eos_token_id"), spelling,
+                      special=frozenset(i for i, t in added.items() if t.get("special")),
+                      literal=frozenset(i for i, t in added.items() if not t.get("special")), byte_tokens=byte_tokens)
+
+
+def _gguf_vocabulary(path: Path) -> Vocabulary:
+    meta = gguf_metadata(path)
+    model, tokens = str(meta.get("tokenizer.ggml.model", "")), tuple(meta.get("tokenizer.ggml.tokens", ()))
+    types = meta.get("tokenizer.ggml.token_type") or ()
+
+    def of_type(*kinds: int) -> frozenset[int]:
+        return frozenset(i for i, kind in enumerate(types) if kind in kinds)
+
+    spelling = _GGUF_SPELLING.get(model, PLAIN)
+    # llama.cpp prints unknown and unused tokens by their text as it does control tokens
+    return Vocabulary(model, tokens, meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
+                      spelling, special=of_type(GGUF_CONTROL, GGUF_UNKNOWN, GGUF_UNUSED),
+                      literal=of_type(GGUF_USER_DEFINED),
+                      byte_tokens=frozenset(i for i in of_type(GGUF_BYTE) if _BYTE_PIECE.fullmatch(tokens[i])))
+
+
+def _hf_spelling(decoder: Optional[dict]) -> str:
+    """How a tokenizer.json's decoder reads token texts: ByteLevel is GPT-2's alphabet;
+    Metaspace, ByteFallback or a Replace of U+2581 are SentencePiece's spelling."""
+    steps = (decoder or {}).get("decoders", [decoder or {}])
+    kinds = {step.get("type") for step in steps}
+    if "ByteLevel" in kinds:
+        return BYTE_LEVEL
+    if kinds & {"Metaspace", "ByteFallback"} or any(
+            step.get("type") == "Replace" and (step.get("pattern") or {}).get("String") == "\u2581" for step in steps):
+        return SENTENCEPIECE
+    return PLAIN
 
 
 def check_compatible(target: Vocabulary, drafter: Vocabulary) -> None:
     """Raise PairError saying how the vocabularies differ, when a drafter's token ids would
-    not mean the same text as the target's."""
+    not mean what the target's mean (the same bytes, or the same special token); the files may
+    spell them differently, and their tokenizer models may differ, as only ids pass between them."""
     problems = []
-    if target.model != drafter.model:
-        problems.append(f"tokenizer models differ: target {target.model!r}, drafter {drafter.model!r}")
     if (target.bos_id, target.eos_id) != (drafter.bos_id, drafter.eos_id):
         problems.append(f"special ids differ: target bos/eos {target.bos_id}/{target.eos_id}, "
                         f"drafter {drafter.bos_id}/{drafter.eos_id}")
@@ -219,14 +319,20 @@ def check_compatible(target: Vocabulary, drafter: Vocabulary) -> None:
         problems.append(f"vocabulary sizes differ by {size_gap} (target {len(target.tokens)}, "
                         f"drafter {len(drafter.tokens)}; at most {MAX_VOCAB_SIZE_DIFFERENCE} allowed)")
     common = min(len(target.tokens), len(drafter.tokens))
-    mismatched = [i for i in range(FIRST_COMPARED_TOKEN, common) if target.tokens[i] != drafter.tokens[i]]
+    ours, theirs = target.meanings, drafter.meanings
+    mismatched = [i for i in range(FIRST_COMPARED_TOKEN, common) if ours[i] != theirs[i]]
     if mismatched:
         first = mismatched[0]
-        problems.append(f"{len(mismatched)} of {common} token texts differ, first at id {first}: "
-                        f"target {target.tokens[first]!r}, drafter {drafter.tokens[first]!r}")
+        problems.append(f"{len(mismatched)} of {common} tokens mean other text, first at id {first}: "
+                        f"target {_shown(target, first)}, drafter {_shown(drafter, first)}")
     if problems:
         raise PairError("incompatible vocabularies, the drafter cannot draft for this target: "
                         + "; ".join(problems))
+
+
+def _shown(vocabulary: Vocabulary, token_id: int) -> str:
+    meaning = vocabulary.meanings[token_id]
+    return f"special {meaning!r}" if isinstance(meaning, str) else f"{vocabulary.tokens[token_id]!r} ({meaning!r})"
 
 
 # ---- fingerprints -------------------------------------------------------------------------
