@@ -26,6 +26,7 @@ from crossrt.report.steps import load_vocab, token_texts
 from crossrt.run.runtime import DraftRules, RuntimeOptions
 
 from conftest import REPO
+from test_report_sweep import sweep  # noqa: F401 (a fixture: a real sweep with one failed cell)
 
 CHROMIUM = shutil.which("chromium")
 # A fresh profile and nothing a headless run does not need: no sandbox (tests run as root), no
@@ -372,3 +373,21 @@ def test_the_parity_verdicts_and_every_split_are_on_screen(runs, swapped, tmp_pa
     assert len(set(backgrounds.values())) == len(backgrounds)
     for fold in folds:
         assert fold["mark"] == fold["summary"].split()[0].lower() and fold["background"] != "rgba(0, 0, 0, 0)"
+
+
+def test_a_sweep_opens_with_its_verdict_and_tau_against_k(sweep, tmp_path):  # noqa: F811 (the fixture)
+    plan, sweep_dir, _ = sweep
+    out = tmp_path / "sweep.html"
+    assert CliRunner().invoke(report, [str(sweep_dir), "--sweep", str(plan), "-o", str(out)]).exit_code == 0
+    seen, errors = read_page(out, tmp_path)
+    assert errors == []
+    by_id = {s["id"]: s for s in seen["sections"]}
+    summary = by_id["summary"]
+    (banner,) = summary["banner"]
+    assert banner["text"].startswith("parity: ")
+    # The verdict, then tau against k (a point per finished cell, a cross for the failed one) in the
+    # first screen, above the sweep's other charts and parity.
+    assert banner["place"][1] <= summary["firstChart"][0] < summary["firstChart"][1] \
+        <= min(SCREEN[1], by_id["sweep"]["place"][0], by_id["parity"]["place"][0])
+    assert summary["marks"] == 5 + 2  # five cells' points and a line per schedule
+    assert seen["narrow"]["width"] <= NARROW

@@ -267,6 +267,8 @@ def verdict_banner(report: ParityReport) -> Banner:
               f"{sum(h.prompts for h in counted)} prompts compared: {sum(h.identical for h in counted)} identical, "
               f"{sum(h.explained_prompts for h in counted)} explained, {sum(h.failed for h in counted)} failed, "
               f"{sum(h.not_comparable for h in counted)} not comparable")
+    if not report.logit_checks:  # the report re-scores no outputs: say so rather than let OK stand for it
+        detail += "; logits not compared here (`crossrt parity` re-scores the outputs to compare them)"
     return Banner(report.ok, report.verdict(), detail)
 
 

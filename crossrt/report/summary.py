@@ -17,8 +17,10 @@ QUOTED = ("tau", "alpha", "tokens_per_s", "speedup")  # in the table's order, lo
 SUMMARY_PLOT_HEIGHT = 130  # the chart shares the first screen with the banner and the table
 
 
-def summary_section(runs: Sequence[ReportRun], banner: Optional[Banner]) -> Section:
-    """banner: parity's verdict; None with one run, which has no parity across runs."""
+def summary_section(runs: Sequence[ReportRun], banner: Optional[Banner], chart: Optional[str] = None) -> Section:
+    """banner: parity's verdict; None with one run, which has no parity across runs. chart: one
+    to draw instead of tau per category, before the table (a sweep's tau against k: its table
+    has a row per cell, which would push a chart below it out of the first screen)."""
     per_category = [c for c in categories(runs) if c is not None]
     quoted = [metrics.named(name) for name in QUOTED]
     rows = []
@@ -31,12 +33,13 @@ def summary_section(runs: Sequence[ReportRun], banner: Optional[Banner]) -> Sect
         rows.append((run.label, *values[:2], lossless_cell(run, summary), *values[2:], *by_category))
     header = ("run", *(m.heading for m in quoted[:2]), "lossless", *(m.heading for m in quoted[2:]),
               *(f"tau {c}" for c in per_category))
-    chart = bar_chart("tau per category", [category_name(c) for c in categories(runs)],
-                      by_category_bars(runs, "tau"), "tau", plot_height=SUMMARY_PLOT_HEIGHT)
+    drawn = chart or bar_chart("tau per category", [category_name(c) for c in categories(runs)],
+                               by_category_bars(runs, "tau"), "tau", plot_height=SUMMARY_PLOT_HEIGHT)
     intro = ("Per run over its finished prompts: tau (tokens per step, bonus included), alpha (accepted / "
              "drafted), lossless (outputs equal to the plain greedy baseline), tokens/s and speedup over plain "
-             "greedy on the same runtime, then tau per category; the chart draws tau per category.")
+             "greedy on the same runtime, then tau per category; the chart draws "
+             + ("tau against the swept setting." if chart else "tau per category."))
     if banner is None:
         intro += " One run: no parity across runs (give two or more records)."
-    return Section("summary", "Summary", intro, chart, (Table(header, tuple(rows), 1),), (), banner=banner,
-                   chart_last=True)
+    return Section("summary", "Summary", intro, drawn, (Table(header, tuple(rows), 1),), (), banner=banner,
+                   chart_last=chart is None)

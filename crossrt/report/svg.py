@@ -199,11 +199,13 @@ def _marker(x: float, y: float, series: Points, label: str) -> str:
 
 def xy_chart(title: str, series: Sequence[Points], x_label: str, y_label: str,
              x_ticks: Optional[Sequence[float]] = None, y_max: Optional[float] = None,
-             diagonal: bool = False) -> str:
+             diagonal: bool = False, failures: Sequence[tuple[float, str, str]] = ()) -> str:
     """Points on numeric axes, one line (or marker set) per series; y starts at 0. x_ticks:
     evenly spaced x values to tick (e.g. draft positions 1..k), with half a step of room on
     each side; by default x starts at 0 with nice ticks. diagonal: both axes from 0 on the
-    same range, with the line y = x, to compare a prediction with a measurement."""
+    same range, with the line y = x, to compare a prediction with a measurement. failures:
+    (x, colour, tooltip) of points that have no value because their run failed, drawn as a
+    cross on the x axis so a failure is seen where its point would be, not left out."""
     xs = [x for s in series for x, _ in s.points]
     ys = [y for s in series for _, y in s.points]
     top_y = max([y_max or 0.0, *ys, *(xs if diagonal else ())]) or 1.0
@@ -236,6 +238,11 @@ def xy_chart(title: str, series: Sequence[Points], x_label: str, y_label: str,
         names = s.labels or ("",) * len(s.points)
         parts += [_marker(x_of(x), frame.y(y), s, f"{s.name}{', ' + name if name else ''}: ({_number(x)}, {_number(y)})")
                   for (x, y), name in zip(s.points, names, strict=True)]
+    for x, color, tooltip in failures:
+        cx, cy = x_of(x), frame.bottom
+        parts.append(f'<path class="failed" d="M{cx - 5:.1f},{cy - 5:.1f} L{cx + 5:.1f},{cy + 5:.1f} '
+                     f'M{cx - 5:.1f},{cy + 5:.1f} L{cx + 5:.1f},{cy - 5:.1f}" stroke="{color}" stroke-width="3">'
+                     f'<title>{escape(tooltip)}</title></path>')
     legend, legend_height = _legend([(s.name, s.color, s.hollow) for s in series], frame.bottom + 58)
     return _svg(title, frame.bottom + 50 + legend_height, parts + legend)
 
