@@ -81,13 +81,19 @@ def _rows(gap: RunGap, metric: str) -> list[tuple[str, ...]]:
             for g in gap.gaps]
 
 
+def _none(gap: RunGap) -> bool:
+    """Whether the two runs have the same tau and alpha, every part 0: said in one line, not drawn."""
+    whole = gap.gaps[-1]
+    return all(value == 0 for metric in DIGITS for value in (whole.gap(metric), *(p.value[metric] for p in whole.parts)))
+
+
 def gap_section(gaps: Sequence[RunGap]) -> Optional[Section]:
     """None where no two runs of one pair ran other schedules."""
     if not gaps:
         return None
     figures = []
     for gap in gaps:
-        if gap.gaps:
+        if gap.gaps and not _none(gap):
             charts = [chart for chart in (_waterfall(gap, "tau"), _waterfall(gap, "alpha")) if chart]
             caption = escape(f"A: {gap.a.label} against B: {gap.b.label}, {gap.gaps[-1].prompts} prompts")
             figures.append(f'<figure class="charts"><figcaption>{caption}</figcaption>{"".join(charts)}</figure>')
@@ -95,7 +101,9 @@ def gap_section(gaps: Sequence[RunGap]) -> Optional[Section]:
                          tuple(row for gap in gaps for row in _rows(gap, metric)), 3,
                          f"{metric}: A - B = the sum of the parts")
                    for metric in DIGITS if any(gap.gaps for gap in gaps))
-    notes = tuple(f"{gap.a.label} vs {gap.b.label}: not computed ({gap.problem})" for gap in gaps if gap.problem)
+    notes = tuple(f"{gap.a.label} vs {gap.b.label}: not computed ({gap.problem})" if gap.problem else
+                  f"{gap.a.label} vs {gap.b.label}: no gap (the same tau and alpha; every part 0)"
+                  for gap in gaps if gap.problem or _none(gap))
     folded = (Section("tau-gap-figures", "Every figure of these gaps, per category too", "", None, tables, (),
                       fold=True),) if tables else ()
     return Section("tau-gap", "Why tau differs",
