@@ -18,13 +18,16 @@ finished prompts kept for --resume. docs/endpoint.md.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from crossrt.backends.endpoint_http import Endpoint
-from crossrt.backends.endpoint_kinds import KINDS, Reply, Scrape, Served, ServerKind
+from crossrt.backends.endpoint_counts import (Scrape, minus, numbers, other_work, sglang_counters, vllm_counters,
+                                              went_down)
+from crossrt.backends.endpoint_kinds import KINDS, Reply, Served, ServerKind
 from crossrt.backends.llama_server_counts import Totals, speculative_counters
 from crossrt.errors import ModelError, PromptRefused, SettingsError
 from crossrt.records.schema import Counters, RuntimeInfo, UnfitCounts
@@ -86,32 +89,38 @@ def local_vocabulary(path: Path) -> tuple[int, Callable[[str], list[int]]]:
     return len(tokenizer), lambda text: list(tokenizer(text)["input_ids"])
 
 
-def check_target(attached: Attached, target: Path) -> None:
-    """ModelError (one line) unless the server serves the pair's target, as far as it can tell."""
+def check_target(attached: Attached, target: Path) -> int:
+    """The vocabulary's size, once the server serves the pair's target as far as it can tell;
+    ModelError (one line) otherwise."""
     n_vocab, tokenize = local_vocabulary(target)
     served = attached.served
     if served.n_vocab is not None and served.n_vocab != n_vocab:
         raise ModelError(f"{attached.describe()}: its vocabulary has {served.n_vocab} tokens, the pair's target "
                          f"{target.name} has {n_vocab}: not the pair's target")
-    theirs, ours = attached.kind.tokenize(attached.endpoint, served, PROBE_TEXT), tokenize(PROBE_TEXT)
+    try:
+        theirs = attached.kind.tokenize(attached.endpoint, served, PROBE_TEXT)
+    except PromptRefused as error:
+        raise ModelError(f"{attached.describe()}: {error} (crossrt's probe text)") from None
+    ours = tokenize(PROBE_TEXT)
     if list(theirs) != list(ours):
         at = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
         raise ModelError(f"{attached.describe()}: it tokenizes the probe text otherwise than the pair's target "
                          f"{target.name} (first difference at token {at}: server {list(theirs[at:at + 3])}, "
                          f"crossrt {list(ours[at:at + 3])}): not the pair's target")
+    return n_vocab
 
 
 class EndpointSession(NativeSession):
-    def __init__(self, speculative: Attached, baseline: Attached, rules: DraftRules, notes: tuple[str, ...]):
+    def __init__(self, speculative: Attached, baseline: Attached, rules: DraftRules, notes: tuple[str, ...],
+                 n_vocab: Optional[int] = None):
         self.schedule = speculative.kind.name  # the server's own schedule, as crossrt's runtime of it names it
         self.rules = rules
         self.notes = notes
+        self.fixed_params = server_params(speculative, rules)
         self._speculative = speculative
         self._baseline = baseline
+        self._n_vocab = n_vocab or speculative.served.n_vocab  # the pair's target's, checked against the server's
         self._last = self._idle_scrape(speculative)
-
-    def tokenize(self, text: str) -> list[int]:
-        return self._speculative.kind.tokenize(self._speculative.endpoint, self._speculative.served, text)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, speculative: bool) -> NativeGeneration:
         if not prompt_ids:
@@ -131,13 +140,31 @@ class EndpointSession(NativeSession):
         self._last = after
         self._check_draft_length(after)
         counters, unfit = self._counters(reply, before, after, len(prompt_ids))
+        negative = [f.name for f in dataclasses.fields(counters)
+                    if any(n < 0 for n in numbers(getattr(counters, f.name)))]
+        if negative:  # a count below 0 is no count: the prompt fails alone, the record stays valid
+            raise PromptRefused(f"{server.describe()} gave counts below 0 for this prompt ({', '.join(negative)}): "
+                                f"{counters}")
         return NativeGeneration(reply.output_ids, reply.stop_reason, counters, *self._seconds(reply, wall), unfit)
 
-    @staticmethod
-    def _timed(server: Attached, prompt_ids: Sequence[int], max_new_tokens: int) -> tuple[Reply, float]:
+    def tokenize(self, text: str) -> list[int]:
+        return self._in_vocabulary(self._speculative, self._speculative.kind.tokenize(
+            self._speculative.endpoint, self._speculative.served, text), "its tokenization")
+
+    def _timed(self, server: Attached, prompt_ids: Sequence[int], max_new_tokens: int) -> tuple[Reply, float]:
         started = time.perf_counter()
         reply = server.kind.complete(server.endpoint, server.served, prompt_ids, max_new_tokens)
+        self._in_vocabulary(server, reply.output_ids, "its output")
         return reply, time.perf_counter() - started
+
+    def _in_vocabulary(self, server: Attached, ids: Sequence[int], what: str) -> list[int]:
+        """ids, each a token of the pair's vocabulary; PromptRefused naming the first that is not
+        (a record never holds an id its readers cannot index)."""
+        outside = next(((at, i) for at, i in enumerate(ids) if not 0 <= i < (self._n_vocab or i + 1)), None)
+        if outside is not None:
+            raise PromptRefused(f"{server.describe()} answered token id {outside[1]} at position {outside[0]} of "
+                                f"{what}, outside the vocabulary of {self._n_vocab} tokens")
+        return list(ids)
 
     @staticmethod
     def _seconds(reply: Reply, wall: float) -> tuple[float, float]:
@@ -169,11 +196,9 @@ class EndpointSession(NativeSession):
         last = self._last
         if now is None or last is None:
             return
-        went_down = [name for name in ("emitted", "steps", "drafted", "accepted", "decodes")
-                     if getattr(now, name) is not None and getattr(last, name) is not None
-                     and getattr(now, name) < getattr(last, name)]
-        if (now.started and last.started and now.started != last.started) or went_down:
-            why = f"its counters went down ({', '.join(went_down)})" if went_down else \
+        down = went_down(last, now)
+        if (now.started and last.started and now.started != last.started) or down:
+            why = f"its counters went down ({', '.join(down)})" if down else \
                 f"its process start changed ({last.started} -> {now.started})"
             raise RuntimeFailure(f"{self._speculative.describe()} restarted since the last prompt: {why}; the "
                                  "finished prompts are kept, --resume continues")
@@ -195,17 +220,25 @@ class EndpointSession(NativeSession):
                   n_prompt: int) -> tuple[Counters, Optional[UnfitCounts]]:
         emitted, kind = len(reply.output_ids), self._speculative.kind.name
         if kind == "sglang":  # per request in meta_info: other requests cannot mix in
-            return sglang_counters(reply, emitted, self.rules.k)
+            return sglang_counters(reply.per_request, emitted, self.rules.k)
         if before is None or after is None:
             raise RuntimeFailure(f"{self._speculative.describe()} serves no /metrics: crossrt reads per-prompt "
                                  "steps from it (llama-server: start it with --metrics)")
+        down = went_down(before, after)
+        if down:  # a counter never goes down in one process: this is a restart, not someone else's work
+            raise RuntimeFailure(f"{self._speculative.describe()} restarted during this prompt: its counters went "
+                                 f"down ({', '.join(down)}); the finished prompts are kept, --resume continues")
+        needed = ("steps", "drafted", "accepted") + (("decodes",) if kind == "llama-server" else ())
+        missing = [name for name in needed if getattr(after, name) is None or getattr(before, name) is None]
+        if missing:
+            raise RuntimeFailure(f"{self._speculative.describe()}: its /metrics lacks the {', '.join(missing)} "
+                                 "counters crossrt reads per-prompt counts from")
         invalid = other_work(before, after, emitted, n_prompt)
         if invalid:
-            raise PromptRefused(f"invalid: the server served other requests during this prompt ({invalid}); its "
-                                "counters would mix theirs in")
+            raise PromptRefused(f"invalid: {invalid}: the counter deltas cannot be read as this prompt's")
         if kind == "llama-server":
             delta = Totals(after.steps - before.steps, after.drafted - before.drafted, after.accepted - before.accepted,
-                           _minus(after.per_pos, before.per_pos), after.decodes - before.decodes, emitted)
+                           minus(after.per_pos, before.per_pos), after.decodes - before.decodes, emitted)
             return speculative_counters(emitted, reply.stop_reason, reply.per_request, delta, self.rules.k)
         return vllm_counters(before, after, emitted, self.rules.k)
 
@@ -213,73 +246,20 @@ class EndpointSession(NativeSession):
         """Nothing to stop: the servers are the user's."""
 
 
+def server_params(attached: Attached, rules: DraftRules) -> tuple[tuple[str, object], ...]:
+    """The run's settings as the server has them, which the record states instead of crossrt's
+    options (RunParams' n_ctx, draft_n_min, draft_p_min): its context; its drafting rules where it
+    drafts k on every step (n_min k, p_min 0); None, unknown, where it does not report a setting
+    (llama-server's n_min and p_min; a vLLM without max_model_len)."""
+    fixed = attached.kind.drafts_fixed_k
+    return (("n_ctx", attached.served.n_ctx), ("draft_n_min", rules.k if fixed else None),
+            ("draft_p_min", 0.0 if fixed else None))
+
+
 def k_mismatch(attached: Attached, server_k: int, k: int) -> str:
     """The one line for a run whose k is not the server's draft length (a server setting)."""
     return (f"{attached.describe()} drafts up to {server_k} tokens (its own setting), the run's k is {k}: run with "
             f"k {server_k}, or attach a server started with k {k}")
-
-
-def other_work(before: Scrape, after: Scrape, emitted: int, n_prompt: int) -> Optional[str]:
-    """Why a prompt's counter deltas cannot be its own, or None: the server generated or read
-    more tokens than this prompt's, or printed a counter too large to difference exactly."""
-    if not (before.exact and after.exact):
-        return "a counter is past /metrics' printed precision"
-    if after.emitted is not None and before.emitted is not None and after.emitted - before.emitted != emitted:
-        return f"/metrics shows {after.emitted - before.emitted} tokens generated, this prompt {emitted}"
-    if after.prompt is not None and before.prompt is not None and after.prompt - before.prompt > n_prompt:
-        return f"/metrics shows {after.prompt - before.prompt} prompt tokens read, this prompt has {n_prompt}"
-    return None
-
-
-def _minus(now: tuple[int, ...], then: tuple[int, ...]) -> tuple[int, ...]:
-    width = max(len(now), len(then))
-    pad = lambda counts: counts + (0,) * (width - len(counts))  # positions print once a step reached them
-    return tuple(a - b for a, b in zip(pad(now), pad(then)))
-
-
-def vllm_counters(before: Scrape, after: Scrape, emitted: int, k: int) -> tuple[Counters, Optional[UnfitCounts]]:
-    """vLLM's /metrics deltas: steps (num_drafts), drafted, accepted and per position; read as
-    crossrt's vllm runtime reads the same counters (backends/vllm.py, translate): the first token
-    comes from the prefill (unverified 1), and vLLM drafts k even where the budget ends, so the
-    accepted tokens past it are cut (cut = 1 + steps + accepted - emitted, at most k)."""
-    steps, drafted = after.steps - before.steps, after.drafted - before.drafted
-    accepted, per_pos = after.accepted - before.accepted, _minus(after.per_pos, before.per_pos)
-    unverified = 1 if emitted else 0
-    cut = unverified + steps + accepted - emitted
-    problems = ([f"{cut} tokens cut (1 + steps {steps} + accepted {accepted} - emitted {emitted}): only the last "
-                 f"step's accepted tokens can be"] if not 0 <= cut <= k else []) + \
-        ([f"acceptance beyond k={k}: {list(per_pos)}"] if any(per_pos[k:]) else [])
-    unfit = None
-    if problems:
-        unfit = UnfitCounts(tuple(problems), {"emitted": emitted, "metrics.drafts": steps,
-                                              "metrics.draft_tokens": drafted, "metrics.accepted": accepted},
-                            "unverified = emitted + cut - steps - accepted, cut clamped to 0..k")
-        cut = min(max(cut, 0), k)
-        unverified = emitted + cut - steps - accepted
-    per_pos = (per_pos + (0,) * k)[:k] if sum(per_pos) == accepted and not any(per_pos[k:]) else None
-    return Counters(steps=steps, drafted=drafted, accepted=accepted, emitted=emitted, accepted_per_pos=per_pos,
-                    step_drafted=None, step_accepted=None, unverified=unverified, cut=cut), unfit
-
-
-def sglang_counters(reply: Reply, emitted: int, k: int) -> tuple[Counters, Optional[UnfitCounts]]:
-    """SGLang's meta_info: steps = spec_verify_ct; accepted = its accepted draft count (where it
-    gives none, completion_tokens - spec_verify_ct, SGLang's own accept length); drafted = steps x k
-    (a chain drafts k every pass); unverified = what the identity leaves."""
-    counts = reply.per_request
-    steps = counts.get("spec_verify_ct")
-    if steps is None:
-        raise RuntimeFailure("SGLang's response has no meta_info.spec_verify_ct: the server does not speculate")
-    accepted = counts.get("accepted")
-    if accepted is None:
-        accepted = (counts.get("completion_tokens") or emitted) - steps
-    rest = emitted - steps - accepted
-    unfit = None
-    if rest < 0:
-        unfit = UnfitCounts((f"emitted {emitted} < steps {steps} + accepted {accepted}",),
-                            {"emitted": emitted, **{n: v for n, v in counts.items() if isinstance(v, int)}},
-                            "cut = steps + accepted - emitted, unverified 0")
-    return Counters(steps=steps, drafted=steps * k, accepted=accepted, emitted=emitted, accepted_per_pos=None,
-                    step_drafted=None, step_accepted=None, unverified=max(rest, 0), cut=max(-rest, 0)), unfit
 
 
 class EndpointRuntime(Runtime):
@@ -328,10 +308,12 @@ class EndpointRuntime(Runtime):
         served = speculative.served
         if served.k is not None and served.k != rules.k:
             raise SettingsError(k_mismatch(speculative, served.k, rules.k))
-        for attached in (speculative, baseline):
-            check_target(attached, Path(target))
+        if speculative.kind.drafts_fixed_k and not rules.fixed:
+            raise SettingsError(f"{speculative.describe()} drafts k={rules.k} tokens every step: it has no n_min or "
+                                f"p_min rules (got n_min={rules.n_min}, p_min={rules.p_min})")
+        n_vocab = [check_target(attached, Path(target)) for attached in (speculative, baseline)][0]
         self.baseline = baseline
-        return EndpointSession(speculative, baseline, rules, self._notes(speculative, baseline))
+        return EndpointSession(speculative, baseline, rules, self._notes(speculative, baseline), n_vocab)
 
     @staticmethod
     def _notes(speculative: Attached, baseline: Attached) -> tuple[str, ...]:
@@ -343,8 +325,19 @@ class EndpointRuntime(Runtime):
                        "past the budget); timings: the request's wall clock",
                "sglang": "steps = meta_info.spec_verify_ct, accepted from meta_info, drafted = steps x k; "
                          "unverified = emitted - steps - accepted; timings: meta_info.e2e_latency"}
+        served = speculative.served
+        numerics = ", ".join(f"{name} {value}" for name, value in served.numerics) or \
+            "none reported by the server (flash attention, batch and ubatch sizes, SWA cache, prompt cache are " \
+            "unknown: servers of one build started with other flags may give other ids)"
+        unknown = [name for name, value in server_params(speculative, DraftRules(served.k or 1)) if value is None]
+        models = [] if baseline.served.model == served.model else [
+            f"the baseline server serves {baseline.served.model}, the speculative one {served.model}: other paths "
+            "(both tokenize crossrt's probe text as the pair's target does)"]
         return (f"attached: {speculative.describe()}; baseline: {baseline.describe()}",
                 f"speculative settings as the server reports them: {settings}",
+                "the record's n_ctx and drafting rules are the server's"
+                + (f"; unknown (null): {', '.join(unknown)}, not reported by {served.kind}" if unknown else ""),
+                f"numerics settings as the server reports them: {numerics}", *models,
                 f"counters: {how[speculative.served.kind]}; a prompt during which /metrics shows other requests' "
                 "tokens is failed as invalid",
                 "prompts sent as crossrt's token ids, one at a time, greedy (temperature 0); outputs read as token ids")

@@ -16,17 +16,15 @@ lists what is used per server and version, with the source files it was read fro
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
-from crossrt.backends.endpoint_http import Endpoint, HttpStatusError, generation_timeout
+from crossrt.backends.endpoint_http import Endpoint, HttpStatusError, generation_budget, tokenize_budget
 from crossrt.errors import PromptRefused
+from crossrt.backends.endpoint_counts import Scrape, parse_metrics
 from crossrt.run.runtime import RuntimeFailure
-
-SAMPLE = re.compile(r'^(?P<name>[A-Za-z_:][\w:]*)(?P<labels>\{[^\n]*\})?\s+(?P<value>\S+)(?:\s+-?\d+)?\s*$', re.M)
-POSITION = re.compile(r'position="(\d+)"')
-
 
 @dataclass(frozen=True)
 class Served:
@@ -41,6 +39,9 @@ class Served:
     speculative: tuple[tuple[str, str], ...]  # (setting, value) as the server reports them
     k: Optional[int]  # the draft length it reports (or its per-position counters show); None: not said
     speculates: Optional[bool]  # whether it drafts at all, as it says; None: it does not say
+    # Settings that change numerics (attention kernels, dtypes, batch sizes, prompt cache) as the
+    # server reports them; () where it reports none (llama-server, vLLM's API).
+    numerics: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,48 +55,6 @@ class Reply:
     per_request: dict[str, Any] = field(default_factory=dict)  # counts the response carries
 
 
-@dataclass(frozen=True)
-class Scrape:
-    """A server's counters at one moment (/metrics), by crossrt's name; None where absent."""
-
-    started: Optional[str]  # the process start the server reports (llama-server's header)
-    busy: int  # requests running or waiting right now
-    emitted: Optional[int]
-    prompt: Optional[int]
-    steps: Optional[int]
-    drafted: Optional[int]
-    accepted: Optional[int]
-    per_pos: tuple[int, ...]
-    decodes: Optional[int]
-    exact: bool  # every counter printed as a whole number (llama-server prints 6 significant digits)
-
-
-def parse_metrics(text: str, names: dict[str, str], per_pos_name: str, busy_names: Sequence[str],
-                  started: Optional[str]) -> Scrape:
-    """Prometheus text: each named counter summed over its label sets (vLLM: one per engine)."""
-    values: dict[str, float] = {}
-    per_pos: dict[int, float] = {}
-    exact = True
-    for match in SAMPLE.finditer(text):
-        name, labels, raw = match["name"], match["labels"] or "", match["value"]
-        try:
-            value = float(raw)
-        except ValueError:
-            continue
-        if "e" in raw.lower() or value != int(value):
-            exact = exact and not (name in names.values() or name == per_pos_name)
-        position = POSITION.search(labels) if name == per_pos_name else None
-        if position:
-            per_pos[int(position.group(1))] = per_pos.get(int(position.group(1)), 0) + value
-        else:
-            values[name] = values.get(name, 0) + value
-    counts = {role: int(values[name]) if name in values else None for role, name in names.items()}
-    width = max(per_pos) + 1 if per_pos else 0
-    return Scrape(started, int(sum(values.get(name, 0) for name in busy_names)), counts.get("emitted"),
-                  counts.get("prompt"), counts.get("steps"), counts.get("drafted"), counts.get("accepted"),
-                  tuple(int(per_pos.get(i, 0)) for i in range(width)), counts.get("decodes"), exact)
-
-
 class ServerKind:
     """One kind of server. identify returns None when the server is not of this kind."""
 
@@ -104,11 +63,31 @@ class ServerKind:
     # Reported settings that change while the server runs (set by the last request, or printed
     # only once it drafted): left out of the server's identity, which must stay put.
     volatile: tuple[str, ...] = ()
+    # Whether it drafts k tokens on every step (no llama.cpp n_min/p_min rules), so the record
+    # can state n_min k and p_min 0 as the server's own rules.
+    drafts_fixed_k: bool = True
 
     def identify(self, endpoint: Endpoint) -> Optional[Served]:
         raise NotImplementedError
 
     def tokenize(self, endpoint: Endpoint, served: Served, text: str) -> list[int]:
+        """text's ids as the server tokenizes it; PromptRefused for a text it cannot take."""
+        surrogate = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+        if surrogate is not None:  # not Unicode: no UTF-8 form to send, nor a tokenization
+            raise PromptRefused(f"the text is not valid Unicode: a lone surrogate {text[surrogate]!r} at character "
+                                f"{surrogate}")
+        path, body = self._tokenize_request(served, text)
+        try:
+            answer = endpoint.call_json("POST", path, body, tokenize_budget(text))
+        except HttpStatusError as error:
+            if 400 <= error.status < 500:
+                raise PromptRefused(f"{self.name} refused to tokenize the text: {error}") from None
+            raise RuntimeFailure(f"POST {endpoint.display}{path}: {error}") from None
+        where = f"POST {endpoint.display}{path}"
+        with answer_shape(where, RuntimeFailure):
+            return list(token_ids(answer["tokens"], where, RuntimeFailure))
+
+    def _tokenize_request(self, served: Served, text: str) -> tuple[str, dict]:
         raise NotImplementedError
 
     def complete(self, endpoint: Endpoint, served: Served, ids: Sequence[int], max_new_tokens: int) -> Reply:
@@ -120,18 +99,53 @@ class ServerKind:
 
     def _post(self, endpoint: Endpoint, path: str, body: dict, work_tokens: int) -> Any:
         try:
-            return endpoint.call_json("POST", path, body, timeout=generation_timeout(work_tokens))
+            return endpoint.call_json("POST", path, body, generation_budget(work_tokens))
         except HttpStatusError as error:
             if 400 <= error.status < 500:
                 raise PromptRefused(f"{self.name} refused the prompt: {error}") from None
             raise RuntimeFailure(f"POST {endpoint.display}{path}: {error}") from None
 
 
+@contextlib.contextmanager
+def answer_shape(where: str, error: type[Exception]) -> Iterator[None]:
+    """Reading a server's JSON field by field: a field missing or of another type than its source
+    writes is one line naming it (error: PromptRefused for a generation, which fails that prompt
+    alone; RuntimeFailure for identification and tokenization, which end the run)."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as problem:
+        raise error(f"{where} answered JSON of another shape than crossrt reads ({type(problem).__name__}: "
+                    f"{str(problem)[:200]})") from None
+
+
+def token_ids(value: Any, where: str, error: type[Exception]) -> tuple[int, ...]:
+    """A list of token ids as JSON integers: a string, a float or a bool is not an id, and a
+    negative number is none either (the vocabulary's size is checked by the session, which knows it)."""
+    if not isinstance(value, list):
+        raise error(f"{where} answered token ids as {type(value).__name__}, not a list")
+    for at, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise error(f"{where} answered {token!r} as token {at}: not a token id (a whole number from 0)")
+    return tuple(value)
+
+
 def _metrics_text(endpoint: Endpoint) -> Optional[tuple[str, dict[str, str]]]:
-    answer = endpoint.request("GET", "/metrics")
-    if answer.status != 200:
-        return None
+    try:
+        answer = endpoint.call("GET", "/metrics")
+    except HttpStatusError as error:
+        if error.status in (404, 501):  # no such endpoint (llama-server without --metrics: 501)
+            return None
+        raise RuntimeFailure(f"GET {endpoint.display}/metrics: {error}") from None
     return answer.body.decode("utf-8", errors="replace"), answer.headers
+
+
+def _count(value: Any, name: str) -> Optional[int]:
+    """A size the server reports (a vocabulary, a context) as a whole number from 1; None when absent."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} {value!r} is not a whole number from 1")
+    return value
 
 
 # ---- llama-server -----------------------------------------------------------------------------
@@ -148,10 +162,16 @@ class LlamaServer(ServerKind):
     has_per_request_counts = True  # drafted and accepted; steps come from /metrics
     volatile = ("speculative.types", "draft n_max (/metrics positions)")
 
+    drafts_fixed_k = False  # its drafts follow n_min and p_min, which it does not report
+
     def identify(self, endpoint: Endpoint) -> Optional[Served]:
         props = endpoint.probe_json("/props")
         if not isinstance(props, dict) or "build_info" not in props or "default_generation_settings" not in props:
             return None
+        with answer_shape(f"GET {endpoint.display}/props (or /v1/models, /slots)", RuntimeFailure):
+            return self._served(endpoint, props)
+
+    def _served(self, endpoint: Endpoint, props: dict) -> Served:
         models = endpoint.probe_json("/v1/models") or {}
         meta = ((models.get("data") or [{}])[0] or {}).get("meta", {}) if isinstance(models, dict) else {}
         settings = props["default_generation_settings"]
@@ -170,31 +190,39 @@ class LlamaServer(ServerKind):
         speculative.append(("draft n_min, p_min", "not reported by llama-server"))
         return Served(self.name, build, build.rsplit("-", 1)[-1] if "-" in build else None,
                       str(props.get("model_path") or props.get("model_alias") or "unknown"),
-                      int(meta["n_vocab"]) if "n_vocab" in meta else None,
-                      int(settings["n_ctx"]) if "n_ctx" in settings else None, tuple(speculative), k, speculates)
+                      _count(meta.get("n_vocab"), "n_vocab"), _count(settings.get("n_ctx"), "n_ctx"),
+                      tuple(speculative), k, speculates)
 
-    def tokenize(self, endpoint: Endpoint, served: Served, text: str) -> list[int]:
+    def _tokenize_request(self, served: Served, text: str) -> tuple[str, dict]:
         # As crossrt's llama-server runtime: BOS (add_special) and special tokens parsed.
-        return list(endpoint.call_json("POST", "/tokenize", {"content": text, "add_special": True,
-                                                             "parse_special": True})["tokens"])
+        return "/tokenize", {"content": text, "add_special": True, "parse_special": True}
 
     def complete(self, endpoint: Endpoint, served: Served, ids: Sequence[int], max_new_tokens: int) -> Reply:
         request = {"prompt": list(ids), "n_predict": max_new_tokens, "cache_prompt": False, "return_tokens": True,
                    "stream": False, **LLAMA_GREEDY}
         response = self._post(endpoint, "/completion", request, len(ids) + max_new_tokens)
-        settings = response.get("generation_settings", {})
-        if settings.get("temperature", 0.0) != 0.0:
-            raise RuntimeFailure(f"{endpoint.display} did not sample greedily: temperature {settings['temperature']}")
-        tokens = tuple(int(t) for t in response["tokens"])
-        stop_type = response.get("stop_type")
+        where = f"POST {endpoint.display}/completion"
+        with answer_shape(where, PromptRefused):
+            settings = response.get("generation_settings", {})
+            if settings.get("temperature", 0.0) != 0.0:
+                raise RuntimeFailure(f"{endpoint.display} did not sample greedily: temperature {settings['temperature']}")
+            tokens = token_ids(response["tokens"], where, PromptRefused)
+            stop_type = response.get("stop_type")
+            timings = response.get("timings") or {}  # absent: the request's wall clock stands in (as for vLLM)
+            seconds = [timings.get(name) for name in ("prompt_ms", "predicted_ms")]
+            prefill_s, decode_s = [ms / 1000 if isinstance(ms, (int, float)) else None for ms in seconds]
+            per_request = dict(timings)
+            bad = [f"{name} {timings[name]!r}" for name in ("draft_n", "draft_n_accepted") if name in timings
+                   and (isinstance(timings[name], bool) or not isinstance(timings[name], int) or timings[name] < 0)]
+            if bad:
+                raise PromptRefused(f"{where} answered timings that are not whole numbers from 0: {', '.join(bad)}")
         if stop_type == "eos":
             stop = "eos"
         elif stop_type == "limit" and len(tokens) == max_new_tokens:
             stop = "max_new_tokens"
         else:
             raise PromptRefused(f"llama-server stopped ({stop_type!r}) after {len(tokens)} of {max_new_tokens} tokens")
-        timings = response.get("timings", {})
-        return Reply(tokens, stop, timings["prompt_ms"] / 1000, timings["predicted_ms"] / 1000, dict(timings))
+        return Reply(tokens, stop, prefill_s if decode_s is not None else None, decode_s, per_request)
 
     def scrape(self, endpoint: Endpoint) -> Optional[Scrape]:
         found = _metrics_text(endpoint)
@@ -223,38 +251,43 @@ class Vllm(ServerKind):
         if not isinstance(version, dict) or "version" not in version or not isinstance(models, dict):
             return None
         cards = models.get("data") or []
-        if not cards or cards[0].get("owned_by") != "vllm":
+        if not isinstance(cards, list) or not cards or not isinstance(cards[0], dict) \
+                or cards[0].get("owned_by") != "vllm":
             return None
         card = cards[0]
+        with answer_shape(f"GET {endpoint.display}/v1/models", RuntimeFailure):
+            n_ctx = _count(card.get("max_model_len"), "max_model_len")
         scrape = self.scrape(endpoint)
         k = len(scrape.per_pos) if scrape is not None and scrape.per_pos else None
         speculative = (("speculative_config", "not reported by vLLM's API"),
                        ("num_speculative_tokens (/metrics positions)", str(k) if k else "no per-position counters"))
         # vLLM registers its spec_decode counters only when a speculative config is set.
         speculates = None if scrape is None else scrape.steps is not None
-        return Served(self.name, str(version["version"]), None, str(card["id"]), None,
-                      int(card["max_model_len"]) if card.get("max_model_len") else None, speculative, k, speculates)
+        return Served(self.name, str(version["version"]), None, str(card["id"]), None, n_ctx, speculative, k,
+                      speculates)
 
-    def tokenize(self, endpoint: Endpoint, served: Served, text: str) -> list[int]:
-        return list(endpoint.call_json("POST", "/tokenize", {"model": served.model, "prompt": text,
-                                                             "add_special_tokens": True})["tokens"])
+    def _tokenize_request(self, served: Served, text: str) -> tuple[str, dict]:
+        return "/tokenize", {"model": served.model, "prompt": text, "add_special_tokens": True}
 
     def complete(self, endpoint: Endpoint, served: Served, ids: Sequence[int], max_new_tokens: int) -> Reply:
         request = {"model": served.model, "prompt": list(ids), "max_tokens": max_new_tokens,
                    "temperature": 0.0, "return_token_ids": True, "stream": False, "ignore_eos": False}
         response = self._post(endpoint, "/v1/completions", request, len(ids) + max_new_tokens)
-        choice = response["choices"][0]
-        if choice.get("token_ids") is None:
-            raise RuntimeFailure(f"vLLM {served.version} at {endpoint.display} returned no token_ids: it predates "
-                                 "the completions API's return_token_ids, and crossrt never re-tokenizes text")
-        tokens = tuple(int(t) for t in choice["token_ids"])
-        if choice.get("finish_reason") == "length" and len(tokens) == max_new_tokens:
+        where = f"POST {endpoint.display}/v1/completions"
+        with answer_shape(where, PromptRefused):
+            choice = response["choices"][0]
+            if choice.get("token_ids") is None:
+                raise RuntimeFailure(f"vLLM {served.version} at {endpoint.display} returned no token_ids: it "
+                                     "predates the completions API's return_token_ids, and crossrt never re-tokenizes "
+                                     "text")
+            tokens = token_ids(choice["token_ids"], where, PromptRefused)
+            reason = choice.get("finish_reason")
+        if reason == "length" and len(tokens) == max_new_tokens:
             stop = "max_new_tokens"
-        elif choice.get("finish_reason") == "stop":
+        elif reason == "stop":
             stop = "eos"  # stop_reason None: the EOS token; an id: another stop token
         else:
-            raise PromptRefused(f"vLLM finished ({choice.get('finish_reason')!r}) after {len(tokens)} of "
-                                f"{max_new_tokens} tokens")
+            raise PromptRefused(f"vLLM finished ({reason!r}) after {len(tokens)} of {max_new_tokens} tokens")
         return Reply(tokens, stop, None, None)
 
     def scrape(self, endpoint: Endpoint) -> Optional[Scrape]:
@@ -269,6 +302,10 @@ class Vllm(ServerKind):
 
 SGLANG_SETTINGS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
                    "speculative_eagle_topk", "speculative_num_draft_tokens")
+# Server arguments that change numerics (two servers of one build with other values may give other
+# ids): recorded as the server reports them.
+SGLANG_NUMERICS = ("dtype", "kv_cache_dtype", "quantization", "attention_backend", "sampling_backend",
+                   "chunked_prefill_size", "max_prefill_tokens", "disable_radix_cache", "enable_deterministic_inference")
 SGLANG_ACCEPTED = ("spec_num_correct_drafts", "spec_accept_token_num", "spec_accepted_tokens")
 SGLANG_PROPOSED = ("spec_num_proposed_drafts", "spec_draft_token_num")
 
@@ -281,35 +318,43 @@ class Sglang(ServerKind):
         info = endpoint.probe_json("/get_server_info") or endpoint.probe_json("/server_info")
         if not isinstance(info, dict) or "version" not in info or "model_path" not in info:
             return None
-        settings = tuple((name, str(info.get(name))) for name in SGLANG_SETTINGS)
-        draft_tokens = info.get("speculative_num_draft_tokens")
-        # A chain (topk 1) verifies the last token and num_draft_tokens - 1 drafted ones.
-        k = int(draft_tokens) - 1 if draft_tokens and info.get("speculative_eagle_topk") in (1, None) else None
-        n_ctx = info.get("context_length") or info.get("max_req_input_len")
-        return Served(self.name, str(info["version"]), None, str(info["model_path"]), None,
-                      int(n_ctx) if n_ctx else None, settings, k, info.get("speculative_algorithm") is not None)
+        with answer_shape(f"GET {endpoint.display}/get_server_info", RuntimeFailure):
+            settings = tuple((name, str(info.get(name))) for name in SGLANG_SETTINGS)
+            draft_tokens = _count(info.get("speculative_num_draft_tokens"), "speculative_num_draft_tokens")
+            # A chain (topk 1) verifies the last token and num_draft_tokens - 1 drafted ones.
+            k = draft_tokens - 1 if draft_tokens and info.get("speculative_eagle_topk") in (1, None) else None
+            n_ctx = _count(info.get("context_length") or info.get("max_req_input_len"), "context_length")
+            numerics = tuple((name, str(info[name])) for name in SGLANG_NUMERICS if name in info)
+        return Served(self.name, str(info["version"]), None, str(info["model_path"]), None, n_ctx, settings,
+                      k or None, info.get("speculative_algorithm") is not None, numerics)
 
-    def tokenize(self, endpoint: Endpoint, served: Served, text: str) -> list[int]:
-        return list(endpoint.call_json("POST", "/v1/tokenize", {"model": served.model, "prompt": text,
-                                                                "add_special_tokens": True})["tokens"])
+    def _tokenize_request(self, served: Served, text: str) -> tuple[str, dict]:
+        return "/v1/tokenize", {"model": served.model, "prompt": text, "add_special_tokens": True}
 
     def complete(self, endpoint: Endpoint, served: Served, ids: Sequence[int], max_new_tokens: int) -> Reply:
         request = {"input_ids": list(ids), "stream": False,
                    "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}}
         response = self._post(endpoint, "/generate", request, len(ids) + max_new_tokens)
-        meta = response.get("meta_info", {})
-        tokens = tuple(int(t) for t in response["output_ids"])
-        reason = (meta.get("finish_reason") or {}).get("type")
+        where = f"POST {endpoint.display}/generate"
+        with answer_shape(where, PromptRefused):
+            meta = response.get("meta_info") or {}
+            tokens = token_ids(response["output_ids"], where, PromptRefused)
+            reason = (meta.get("finish_reason") or {}).get("type")
+            counts = {"spec_verify_ct": meta.get("spec_verify_ct"), "completion_tokens": meta.get("completion_tokens"),
+                      "accepted": next((meta[n] for n in SGLANG_ACCEPTED if n in meta), None),
+                      "proposed": next((meta[n] for n in SGLANG_PROPOSED if n in meta), None)}
+            bad = [f"{name} {value!r}" for name, value in counts.items()
+                   if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0)]
+            if bad:
+                raise PromptRefused(f"{where} answered counts that are not whole numbers from 0: {', '.join(bad)}")
+            latency = meta.get("e2e_latency")
         if reason == "length" and len(tokens) == max_new_tokens:
             stop = "max_new_tokens"
         elif reason == "stop":
             stop = "eos"
         else:
             raise PromptRefused(f"SGLang finished ({reason!r}) after {len(tokens)} of {max_new_tokens} tokens")
-        counts = {"spec_verify_ct": meta.get("spec_verify_ct"), "completion_tokens": meta.get("completion_tokens"),
-                  "accepted": next((meta[n] for n in SGLANG_ACCEPTED if n in meta), None),
-                  "proposed": next((meta[n] for n in SGLANG_PROPOSED if n in meta), None)}
-        return Reply(tokens, stop, None, meta.get("e2e_latency"), counts)
+        return Reply(tokens, stop, None, latency if isinstance(latency, (int, float)) else None, counts)
 
     def scrape(self, endpoint: Endpoint) -> Optional[Scrape]:
         found = _metrics_text(endpoint)

@@ -29,9 +29,9 @@ from click.testing import CliRunner
 
 from crossrt.backends import endpoint_http
 from crossrt.backends import endpoint as endpoint_module
-from crossrt.backends.endpoint import Attached, EndpointRuntime, EndpointSession, other_work
+from crossrt.backends.endpoint import Attached, EndpointRuntime, EndpointSession
+from crossrt.backends.endpoint_counts import Scrape, other_work
 from crossrt.backends.endpoint_http import API_KEY_VARIABLE, Endpoint
-from crossrt.backends.endpoint_kinds import Scrape
 from crossrt.backends.llama_server_process import free_port
 from crossrt.cli import main
 from crossrt.errors import ModelError, PromptRefused, SettingsError
@@ -104,7 +104,7 @@ def test_a_busy_server_is_one_line(real_servers, monkeypatch):
     speculative, baseline = (Attached.attach(url) for url in real_servers.urls)
     session = EndpointSession(speculative, baseline, DraftRules(7), ())
     someone_else = threading.Thread(target=speculative.endpoint.call_json, args=("POST", "/completion", {
-        "prompt": "Once upon a time", "n_predict": 96, "temperature": 0.0}, 120))
+        "prompt": "Once upon a time", "n_predict": 96, "temperature": 0.0}, endpoint_http.generation_budget(100)))
     someone_else.start()
     try:
         while speculative.kind.scrape(speculative.endpoint).busy == 0:
@@ -326,7 +326,7 @@ def test_nothing_listening_is_one_line_at_the_command_line(tmp_path):
 def test_a_server_that_never_answers_times_out(monkeypatch):
     monkeypatch.setattr(endpoint_http, "PROBE_TIMEOUT_S", 0.5)
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts connections (the backlog), never answers
-        with pytest.raises(RuntimeFailure, match=r"GET http://127.0.0.1:\d+/props: no answer within 0.5 s"):
+        with pytest.raises(RuntimeFailure, match=r"GET http://127.0.0.1:\d+/props: no whole answer within 0.5 s"):
             Attached.attach(f"http://127.0.0.1:{silent.getsockname()[1]}")
 
 
@@ -343,9 +343,9 @@ def test_other_requests_during_a_prompt_make_it_invalid():
 
     assert other_work(scrape(100, 50), scrape(116, 58), 16, 8) is None
     assert other_work(scrape(100, 50), scrape(140, 58), 16, 8) == \
-        "/metrics shows 40 tokens generated, this prompt 16"
+        "the server served other requests during this prompt (/metrics shows 40 tokens generated, this prompt 16)"
     assert other_work(scrape(100, 50), scrape(116, 90), 16, 8) == \
-        "/metrics shows 40 prompt tokens read, this prompt has 8"
+        "the server served other requests during this prompt (/metrics shows 40 prompt tokens read, this prompt has 8)"
     assert other_work(scrape(100, 50, exact=False), scrape(116, 58), 16, 8) is not None
 
 

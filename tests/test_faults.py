@@ -127,7 +127,8 @@ def check_interrupted(process, stderr: str, sig: int, out: Path, args: list) -> 
         assert process.returncode == -signal.SIGKILL
         return [*args, "--out", out, "--resume"]
     assert process.returncode == 130, stderr
-    assert f"interrupted: the finished prompts are kept in {out}; continue with:" in stderr
+    assert (f"interrupted: the finished prompts are kept in {out}; continue with:" in stderr) != \
+        (f"interrupted before any prompt finished: nothing is kept in {out} yet; continue with:" in stderr), stderr
     command = stderr.strip().splitlines()[-1].strip()
     assert command == shlex.join(["crossrt", *map(str, args), "--out", str(out), "--resume"])
     assert not lock_path(out).exists()  # SIGINT ends the run in order

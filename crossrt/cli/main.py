@@ -27,8 +27,10 @@ from crossrt.imports.importer import import_summary
 from crossrt.run.loop import SCHEDULE, SCHEDULES
 from crossrt.inputs.pairs import run_k, run_spec_type
 from crossrt.inputs.prompts import load_prompts
-from crossrt.run.runtime import SPEC_TYPES, DraftRules, availability, runtime_class, runtime_names, usable_runtimes
+from crossrt.run.runtime import (SPEC_TYPES, DraftRules, availability, runtime_class, runtime_names, usable_runtimes,
+                                 without_user_info)
 from crossrt.simulate.schedules import LLAMA
+from crossrt.records.journal import journal_path
 from crossrt.records.record_json import load_record
 from crossrt.records.tables import format_table, record_notes, summary_rows
 
@@ -130,8 +132,12 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
     except KeyboardInterrupt:
         if out is None:  # interrupted before a record was named: nothing to resume
             raise click.Abort() from None
-        click.echo(f"\ninterrupted: the finished prompts are kept in {out}; continue with:\n"
-                   f"  {resume_command(out)}", err=True)
+        if out.exists() or journal_path(out).exists():
+            click.echo(f"\ninterrupted: the finished prompts are kept in {out}; continue with:\n"
+                       f"  {resume_command(out)}", err=True)
+        else:  # interrupted while loading or attaching: nothing is written yet (--resume starts it anew)
+            click.echo(f"\ninterrupted before any prompt finished: nothing is kept in {out} yet; continue with:\n"
+                       f"  {resume_command(out)}", err=True)
         sys.exit(130)  # the shell's code for a run ended by SIGINT
     click.echo(format_table(summary_rows([record])))
     note = stored_baselines_note(record)
@@ -151,11 +157,21 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
 
 
 def resume_command(out: Path) -> str:
-    """The command line of this run, made to continue the record at out."""
-    args = [arg for arg in sys.argv[1:] if arg not in ("--resume", "--overwrite")]
+    """The command line of this run, made to continue the record at out. A URL's user info and
+    query (a password, an API key) are left out, with a word saying so: a message never carries
+    them."""
+    args = [_shown(arg) for arg in sys.argv[1:] if arg not in ("--resume", "--overwrite")]
     if not any(arg == "--out" or arg.startswith("--out=") for arg in args):
         args += ["--out", str(out)]
-    return shlex.join(["crossrt", *args, "--resume"])
+    command = shlex.join(["crossrt", *args, "--resume"])
+    hidden = [arg for arg in sys.argv[1:] if _shown(arg) != arg]
+    return command + ("  (a URL's user info and query are left out here: give them again)" if hidden else "")
+
+
+def _shown(arg: str) -> str:
+    """arg with any URL in it shown without user info or query (--url=URL, or URL alone)."""
+    option, equals, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    return option + equals + without_user_info(value) if "://" in value else arg
 
 
 @main.command()

@@ -294,6 +294,8 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
                            schedule=request.schedule if driven else native.schedule, n_ctx=request.options.n_ctx,
                            draft_n_min=request.rules.n_min, draft_p_min=request.rules.p_min,
                            **(strategy_params(request.strategy) if driven else {}))
+        if native is not None:  # what the runtime fixes itself (an attached server's settings)
+            params = dataclasses.replace(params, **dict(native.fixed_params))
         runtime_info = runtime.info()
         fresh = RunRecord(runtime_info, info, params, notes=native.notes if native else ())
         baselines = RunBaselines(request.baselines, run_key(runtime_info, request.options, info.target.sha256,

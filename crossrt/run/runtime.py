@@ -145,11 +145,12 @@ class RuntimeOptions:
 
 
 def without_user_info(url: Optional[str]) -> Optional[str]:
-    """url without its user:password@ part: what crossrt shows and records of a server's address."""
+    """url without its user:password@ part and its query (a gateway's ?api_key=...), either of
+    which may hold a secret: what crossrt shows and records of a server's address."""
     if url is None:
         return None
     parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
+    if parts.username is None and parts.password is None and not parts.query:
         return url
     host = parts.hostname or ""
     if ":" in host:  # an IPv6 literal
@@ -158,7 +159,7 @@ def without_user_info(url: Optional[str]) -> Optional[str]:
         port = parts.port
     except ValueError:  # not a number: Endpoint.parse refuses it, naming this URL
         port = None
-    return urlunsplit((parts.scheme, host + (f":{port}" if port else ""), parts.path, parts.query, parts.fragment))
+    return urlunsplit((parts.scheme, host + (f":{port}" if port else ""), parts.path, "", parts.fragment))
 
 
 @dataclass(frozen=True)
@@ -266,6 +267,10 @@ class NativeSession(abc.ABC):
 
     schedule: str
     notes: tuple[str, ...] = ()
+    # Settings the runtime fixes itself, which the record states instead of crossrt's options (an
+    # attached server's context and drafting rules): (RunParams field, value), the value None
+    # where the runtime does not report it.
+    fixed_params: tuple[tuple[str, object], ...] = ()
     # True where its baseline and speculative processes do not fit in memory together
     # (crossrt.run.memory.plan_processes): one runs at a time, so the driver decodes every
     # baseline before the first speculative generation.
