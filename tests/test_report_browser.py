@@ -26,7 +26,7 @@ from crossrt.report.steps import load_vocab, token_texts
 from crossrt.run.runtime import DraftRules, RuntimeOptions
 
 from conftest import REPO
-from test_report_sweep import sweep  # noqa: F401 (a fixture: a real sweep with one failed cell)
+import test_report_sweep
 
 CHROMIUM = shutil.which("chromium")
 # A fresh profile and nothing a headless run does not need: no sandbox (tests run as root), no
@@ -375,7 +375,10 @@ def test_the_parity_verdicts_and_every_split_are_on_screen(runs, swapped, tmp_pa
         assert fold["mark"] == fold["summary"].split()[0].lower() and fold["background"] != "rgba(0, 0, 0, 0)"
 
 
-def test_a_sweep_opens_with_its_verdict_and_tau_against_k(sweep, tmp_path):  # noqa: F811 (the fixture)
+sweep = test_report_sweep.sweep  # the fixture: a real sweep of the tiny pair with one failed cell
+
+
+def test_a_sweep_opens_with_its_verdict_and_tau_against_k(sweep, tmp_path):
     plan, sweep_dir, _ = sweep
     out = tmp_path / "sweep.html"
     assert CliRunner().invoke(report, [str(sweep_dir), "--sweep", str(plan), "-o", str(out)]).exit_code == 0
