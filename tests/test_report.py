@@ -477,6 +477,7 @@ def test_runs_sharing_a_label_are_told_apart_and_a_missing_trace_is_reported(run
     ({"schema_version": 1}, ["bad.json", "-o", "r.html"], "does not follow schema"),
     ({}, ["bad.json", "-o", "r.pdf"], "name the output .html or .md"),
     ({}, ["bad.json"], "give -o report.html"),
+    (None, [".", "-o", "r.html"], "is a folder with no sweep cell in it"),
 ])
 def test_bad_input_gives_a_clear_error(tmp_path, monkeypatch, setup, args, message):
     monkeypatch.chdir(tmp_path)

@@ -21,6 +21,7 @@ from crossrt.report.page import page, to_html, to_markdown
 from crossrt.report.parity import report_parity
 from crossrt.report.runs import load_runs
 from crossrt.report.sweeps import SweptCell
+from crossrt.sweep.cell import SweepError
 from crossrt.sweep.plan import load_sweep
 from crossrt.sweep.store import check_sweep_dir
 
@@ -60,6 +61,9 @@ def _inputs(given: Sequence[Path], sweep_file: Optional[Path]) -> Inputs:
                 cells.append((settings, path, ""))
             continue
         store = check_sweep_dir(path)
+        if not store.stored() and not store.failures():
+            raise SweepError(f"{path} is a folder with no sweep cell in it, finished or failed: give run records "
+                             "or a sweep directory")
         for stored in store.stored():
             paths.append(stored.record_path)
             cells.append((stored.meta["params"], stored.record_path, ""))

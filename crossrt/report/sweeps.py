@@ -103,7 +103,7 @@ def sweep_section(cells: Sequence[SweptCell], unplaced: Sequence[str] = ()) -> S
     header = (*varying, "run", *(m.heading for m in quoted[:2]), "lossless", *(m.heading for m in quoted[2:]))
     failed = sum(cell.run is None for cell in cells) + len(unplaced)
     return Section("sweep", "Against the swept settings",
-                   f"{len(cells)} cells, {failed} failed. Each chart draws one number against one swept setting, "
+                   f"{len(cells) + len(unplaced)} cells, {failed} failed. Each chart draws one number against one swept setting, "
                    "a line per combination of the other swept settings; a cross on the axis is a cell that failed "
                    "(its tooltip says why). Cells in the table, failed ones with their reason.", None,
                    (Table(header, tuple(rows), len(varying) + 1),), tuple(unplaced), tuple(figures))
