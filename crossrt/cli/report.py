@@ -48,6 +48,14 @@ def _cell_settings(record: Path) -> Optional[dict[str, Any]]:
         return None
 
 
+def _reading_order(settings: dict[str, Any]) -> tuple:
+    """Cells by their named settings (runtime, mode, schedule, ...), then by their numbers (k, ...):
+    the page's tables then read a runtime's cells in order of k (a sweep stores them by id)."""
+    numeric = [(key, value) for key, value in settings.items() if isinstance(value, (int, float))]
+    return (tuple(str(value) for key, value in settings.items() if (key, value) not in numeric),
+            tuple(value for _, value in numeric))
+
+
 def _inputs(given: Sequence[Path], sweep_file: Optional[Path]) -> Inputs:
     """Records as given; a sweep directory's finished cells and its failed ones, placed by the
     sweep file where it is given (a failure keeps only its cell's id and reason)."""
@@ -64,7 +72,7 @@ def _inputs(given: Sequence[Path], sweep_file: Optional[Path]) -> Inputs:
         if not store.stored() and not store.failures():
             raise SweepError(f"{path} is a folder with no sweep cell in it, finished or failed: give run records "
                              "or a sweep directory")
-        for stored in store.stored():
+        for stored in sorted(store.stored(), key=lambda stored: _reading_order(stored.meta["params"])):
             paths.append(stored.record_path)
             cells.append((stored.meta["params"], stored.record_path, ""))
         for cell_id, reason in sorted(store.failures().items()):
