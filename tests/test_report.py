@@ -378,7 +378,8 @@ def test_tau_gaps_are_drawn_as_parity_prints_them(runs, server_schedule, tmp_pat
     assert invoke(runs[0][0], server_schedule, "-o", out).exit_code == 0
     _, sections = html_sections(out)
     assert list(sections)[:3] == ["summary", "tau-gap", "parity"]
-    checked = CliRunner().invoke(main, ["parity", str(runs[0][0]), str(server_schedule), "--no-logits"])
+    checked = CliRunner().invoke(main, ["parity", str(runs[0][0]), str(server_schedule), "--no-logits", "--html",
+                                        str(tmp_path / "parity.html")])
     said = [line for line in checked.output.splitlines() if line.startswith("tau gap ")]
     overall = next(line for line in said if ", ALL (" in line)
     # "tau gap A (schedule) vs B (schedule), ALL (n prompts): a - b = gap = counting +x + ... + residual +x"
@@ -389,6 +390,10 @@ def test_tau_gaps_are_drawn_as_parity_prints_them(runs, server_schedule, tmp_pat
     assert [[row["tau A"], row["tau B"], row["gap"], *(row[part] for part in PARTS)]
             for row in tau_rows if row["category"] == "ALL"] == [figures]
     assert len(tau_rows) == len(said)  # a row per category and ALL, as parity prints a line for each
+    # `crossrt parity --html` draws the gaps it printed too.
+    in_parity = html_rows(next(html_sections(tmp_path / "parity.html")[1]["tau-gap"].iter(XHTML + "details")))
+    assert [row[2:] for row in map(list, (r.values() for r in in_parity))] == \
+        [row[2:] for row in map(list, (r.values() for r in tau_rows))]
     # The waterfall: run B's tau, each part, run A's tau, in that order, each bar's tooltip its figure.
     charts = list(gap.iter(SVG + "svg"))
     assert len(charts) == 2  # tau, and alpha

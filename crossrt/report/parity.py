@@ -25,6 +25,7 @@ from crossrt.run.numerics import CLOSE_MAX, CLOSE_WINDOW
 from crossrt.compare.parity import OWN_BASELINE, PromptParity, compare_all
 from crossrt.compare.parity_report import ParityReport, headlines
 from crossrt.compare.replay import Replayer
+from crossrt.report.gaps import run_gaps
 from crossrt.report.layout import report_sections
 from crossrt.report.page import Banner, Section, Table, page, to_html
 from crossrt.report.runs import ReportRun, report_run
@@ -336,8 +337,9 @@ def report_parity(runs: Sequence[ReportRun], rescore: bool = True) -> Optional[t
 
 def parity_html(runs: Sequence[tuple[str, RunRecord]], report: ParityReport, paths: Sequence[Optional[Path]],
                 rescored: bool, strict: bool, title: str = "crossrt parity") -> str:
-    """`crossrt parity --html`: the report page of the runs parity compared, with its verdict."""
+    """`crossrt parity --html`: the report page of the runs parity compared, with its verdict and
+    the tau gaps it printed, drawn (their oracle is built again here: parity_gaps gives lines)."""
     report_runs = [report_run(label, path, record, index)
                    for index, ((label, record), path) in enumerate(zip(runs, paths, strict=True))]
     parity = (verdict_banner(report), parity_section(runs, report, rescored, strict=strict))
-    return to_html(page(title, report_sections(report_runs, parity)))
+    return to_html(page(title, report_sections(report_runs, parity, run_gaps(report_runs))))
