@@ -67,8 +67,9 @@ class Attached:
 
     def identity(self) -> str:
         """What the server is while it runs: kind, version, model, URL (without credentials) and
-        the speculative settings it reports that stay put (a sweep cell's id digests it)."""
-        fixed = [f"{name} {value}" for name, value in self.served.speculative if name not in self.kind.volatile]
+        the speculative and numerics settings it reports that stay put (a sweep cell's id digests it)."""
+        fixed = [f"{name} {value}" for name, value in self.served.speculative + self.served.numerics
+                 if name not in self.kind.volatile]
         return f"{self.describe()} ({', '.join(fixed)})"
 
 

@@ -170,6 +170,9 @@ class Endpoint:
                 chunks.append(chunk)
             if expired.is_set():  # the shut socket may read as the end of the body
                 raise TimeoutError
+            if length.isdigit() and read < int(length):  # http.client's read1 takes an early close for the end
+                raise RuntimeFailure(f"{where}: the server closed the connection after {read} of the {length} bytes "
+                                     "it announced: it stopped or restarted")
             return Answer(response.status, {k.lower(): v for k, v in response.getheaders()}, b"".join(chunks))
         except ConnectionRefusedError:
             raise RuntimeFailure(f"nothing is listening at {self.display} (connection refused): start the server, "

@@ -146,6 +146,22 @@ def test_a_trickling_server_fails_at_the_requests_deadline(tmp_path, monkeypatch
     assert took < 4, took
 
 
+def test_a_body_shorter_than_announced_is_a_closed_connection_not_an_answer():
+    def short(handler):
+        handler.send_response(200)
+        handler.send_header("Content-Length", "1000")
+        handler.end_headers()
+        handler.wfile.write(b'{"build_info": "b1"}')
+
+    server = Scripted({"/props": behaving(short)})
+    try:
+        with pytest.raises(RuntimeFailure, match=r"GET http://127.0.0.1:\d+/props: the server closed the connection "
+                                                 r"after 20 of the 1000 bytes it announced"):
+            Attached.attach(server.url)
+    finally:
+        server.shutdown()
+
+
 def test_a_generation_has_a_deadline_for_the_whole_answer(monkeypatch):
     spec, plain = Scripted(vllm_routes(True)), Scripted(vllm_routes(False))
     try:
