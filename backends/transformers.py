@@ -7,7 +7,10 @@ GGUF loader, which dequantizes to float. That takes ~30 s for a 270M-parameter m
 tokenizer alone ~half of it), so the dequantized model and its tokenizer are cached as a
 transformers folder, per dtype (a half-precision one is half the size), keyed by the GGUF's
 sha256 and the transformers version, in crossrt's cache folder ($CROSSRT_CACHE, else
-~/.cache/crossrt): later loads take a few seconds. A half-precision conversion is cast from
+~/.cache/crossrt): later loads take a few seconds. A conversion is written with the sha256 of
+each of its files (DIGESTS) and loaded only while they still match, so a changed cache is
+refused, never run in the GGUF's name; what each load read is what the record names
+(TransformersRuntime.loaded_files). A half-precision conversion is cast from
 the float32 one where that is cached (the same values: the GGUF loader dequantizes to float32
 and casts), else made from the GGUF. A session keeps one DynamicCache and evaluates tokens at
 explicit positions after it, so crossrt's loop sees the same contract as on llama.cpp.
@@ -19,15 +22,10 @@ installed package, because imports are absolute.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import hashlib
 import io
 import json
-import os
-import shutil
-import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -36,9 +34,11 @@ import numpy as np
 
 from crossrt.errors import ModelError, SettingsError
 from crossrt.run.memory import ALL_LAYERS, check_fits
-from crossrt.inputs.pairs import cache_dir, sha256_of
+from crossrt.inputs.pairs import model_files
 from crossrt.run.runtime import DTYPES, DraftRules, ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
-from crossrt.records.schema import RuntimeInfo
+from crossrt.records.schema import LoadedFile, RuntimeInfo
+from crossrt.backends.transformers_conversion import (DIGESTS, conversion_files, dequantized_folder, each_gguf_read_once,
+                                                      save_dequantized)
 
 try:
     import torch
@@ -115,14 +115,14 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
     dtype, cached, tokenizer_source = dtype_of(options), None, None
     if path.suffix == ".gguf":
         cached, float32 = dequantized_folder(path, dtype), dequantized_folder(path)
-        if cached.is_dir():
+        if (read := conversion_files(cached, path)) is not None:
             source, extra = cached, {}
-        elif float32.is_dir():  # cast, without reading the GGUF again
+        elif float32 != cached and (read := conversion_files(float32, path)) is not None:  # cast, not reading the GGUF
             source, extra, tokenizer_source = float32, {}, float32
         else:
-            source, extra = path.parent, {"gguf_file": path.name}
+            source, extra, read = path.parent, {"gguf_file": path.name}, model_files(path)
     elif (path / "config.json").is_file():
-        source, extra = path, {}
+        source, extra, read = path, {}, model_files(path)
     else:
         raise ModelError(f"{path}: expected a transformers folder with config.json, or a .gguf file")
     if options.gpu_split:
@@ -138,7 +138,7 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
     quiet = contextlib.redirect_stderr(io.StringIO()) if extra else contextlib.nullcontext()
     try:
         # local_files_only: a path that is not a local model must fail here, never reach for a hub.
-        with quiet, _each_gguf_read_once() if extra else contextlib.nullcontext():
+        with quiet, each_gguf_read_once() if extra else contextlib.nullcontext():
             model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), local_files_only=True,
                                                          **extra)
             converting = bool(extra) or tokenizer_source is not None
@@ -151,7 +151,8 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
     if dtype == "float16":
         _check_float16_range(model.eval(), path)  # before caching a conversion that cannot run
     if converting:
-        save_dequantized(model, tokenizer, cached)
+        save_dequantized(model, tokenizer, cached, path)
+    _read[(str(path.resolve()), dtype)] = read
     model.to(device_of(options)).eval()
     shipped = model.generation_config
     eog = _ids(shipped.eos_token_id) | _ids(model.config.get_text_config().eos_token_id)
@@ -174,9 +175,12 @@ def _check_float16_range(model, path: Path) -> None:
                          "use --dtype bfloat16, or float32")
 
 
+# What load_model read for a model file in a dtype, the last time in this process: the record
+# names it (TransformersRuntime.loaded_files), after the run's models are loaded.
+_read: dict[tuple[str, str], tuple[LoadedFile, ...]] = {}
 # Files of a transformers folder that do not make its tokenizer (config.json is read for its
 # model_type and tokenizer_class only).
-NOT_TOKENIZER = {"config.json", "generation_config.json", "model.safetensors.index.json"}
+NOT_TOKENIZER = {"config.json", "generation_config.json", "model.safetensors.index.json", DIGESTS}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _tokenizers: dict[tuple, "transformers.PreTrainedTokenizerBase"] = {}
 
@@ -193,88 +197,6 @@ def _folder_tokenizer(folder: Path):
     if key not in _tokenizers:
         _tokenizers[key] = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return _tokenizers[key]
-
-
-@contextlib.contextmanager
-def _each_gguf_read_once():
-    """While converting a GGUF file, gguf-py reads it once, not three times.
-
-    transformers' GGUF loader opens the file with a new gguf.GGUFReader for the config, for the
-    weights and for the tokenizer in turn (load_gguf_checkpoint imports the class at each call),
-    and each reader builds NumPy views of every vocabulary entry: ~20 CPU-s apiece on a
-    262,144-token vocabulary. A reader is a read-only view of the file, so one per file serves
-    all three.
-    """
-    import gguf
-
-    make_reader, readers = gguf.GGUFReader, {}
-
-    def reader(path, mode="r"):
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = make_reader(path, mode)
-        return readers[key]
-
-    gguf.GGUFReader = reader
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = make_reader
-
-
-def dequantized_folder(path: Path, dtype: str = "float32") -> Path:
-    """Where the GGUF file path, dequantized by this transformers version into dtype, is cached
-    as a transformers folder: keyed by the file's content, so a changed file is converted again.
-    A float32 conversion keeps the name conversions had before dtypes (the sha256 alone)."""
-    name = sha256_of(path) if dtype == "float32" else f"{sha256_of(path)}-{dtype}"
-    return cache_dir() / "hf-from-gguf" / f"transformers-{transformers.__version__}" / name
-
-
-def save_dequantized(model, tokenizer, folder: Path) -> None:
-    """Cache a model and tokenizer loaded from a GGUF file (or cast from its float32
-    conversion) as the transformers folder folder.
-
-    save_pretrained refuses models loaded from GGUF, so the weights go to safetensors directly
-    (stored_weights) and the config loses its GGUF quantization_config, which would send the
-    next load back to the GGUF file. The folder is written under a temporary name and renamed
-    into place, so an interrupted write is never read as a cache. A cache that cannot be
-    written only costs converting again next time.
-    """
-    from safetensors.torch import save_file
-
-    temporary = None
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        temporary = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-        config = copy.deepcopy(model.config)
-        if hasattr(config, "quantization_config"):  # a cast float32 conversion has none
-            del config.quantization_config
-        config.save_pretrained(temporary)
-        model.generation_config.save_pretrained(temporary)
-        save_file(stored_weights(model), temporary / "model.safetensors", metadata={"format": "pt"})
-        tokenizer.save_pretrained(temporary)
-        os.rename(temporary, folder)
-    except OSError as error:
-        if not folder.is_dir():  # another process renaming its copy first is no failure
-            warnings.warn(f"could not cache the dequantized model in {folder}: {error}", stacklevel=2)
-    finally:
-        if temporary is not None and temporary.exists():
-            shutil.rmtree(temporary, ignore_errors=True)
-
-
-def stored_weights(model) -> dict[str, "torch.Tensor"]:
-    """The model's weights with each tied tensor once, under the first name the model gives it:
-    the input embeddings (model.embed_tokens) before the output head tied to them. transformers
-    loads that as it is; under the head's name, which safetensors' save_model picks, a load of
-    Gemma 3 270M first fills the 262,144 x 640 embeddings with random values and ties them
-    after: a process's first load took 4.5-5.4 s instead of 2.5-3.1 (the logits are the same)."""
-    weights, seen = {}, set()
-    for name, tensor in model.state_dict().items():
-        storage = (tensor.data_ptr(), tuple(tensor.shape))
-        if storage not in seen:
-            seen.add(storage)
-            weights[name] = tensor.contiguous()
-    return weights
 
 
 def synchronize(device: "torch.device") -> None:
@@ -375,6 +297,11 @@ class TransformersRuntime(Runtime):
 
         check_rules(rules)  # before loading models, which takes a while on real ones
         return AssistedSession(load_model(target, self.options), load_model(drafter, self.options), rules, self.options)
+
+    def loaded_files(self, path: Path) -> Optional[tuple[LoadedFile, ...]]:
+        """What the last load of path in this run's dtype read in this process: the GGUF file,
+        or its cached conversion's files (checked), or the transformers folder's."""
+        return _read.get((str(Path(path).resolve()), dtype_of(self.options)))
 
     def info(self) -> RuntimeInfo:
         return RuntimeInfo(

@@ -60,8 +60,8 @@ def test_real_model_loads_from_its_dequantized_cache(real_pair, cache, hf_runtim
     assert folder.parent.parent == cache / "hf-from-gguf" and not folder.exists()
     first = hf_runtime.load(path)
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temporary folder left
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
-                                                        "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "crossrt-digests.json", "generation_config.json",
+                                                        "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
     written = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
     second = hf_runtime.load(path)

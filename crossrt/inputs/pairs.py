@@ -25,7 +25,7 @@ from typing import Optional, Sequence, Union
 
 from crossrt.errors import CrossrtError
 from crossrt.inputs.gguf_file import read_layout
-from crossrt.records.schema import ModelInfo, PairInfo
+from crossrt.records.schema import LoadedFile, ModelInfo, PairInfo
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -285,10 +285,9 @@ def _gguf_vocabulary(path: Path) -> Vocabulary:
     def of_type(*kinds: int) -> frozenset[int]:
         return frozenset(i for i, kind in enumerate(types) if kind in kinds)
 
-    spelling = _GGUF_SPELLING.get(model, PLAIN)
     # llama.cpp prints unknown and unused tokens by their text as it does control tokens
     return Vocabulary(model, tokens, meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
-                      spelling, special=of_type(GGUF_CONTROL, GGUF_UNKNOWN, GGUF_UNUSED),
+                      _GGUF_SPELLING.get(model, PLAIN), special=of_type(GGUF_CONTROL, GGUF_UNKNOWN, GGUF_UNUSED),
                       literal=of_type(GGUF_USER_DEFINED),
                       byte_tokens=frozenset(i for i in of_type(GGUF_BYTE) if _BYTE_PIECE.fullmatch(tokens[i])))
 
@@ -381,6 +380,13 @@ def sha256_of(path: Path) -> str:
     except OSError:
         pass  # a read-only home only costs re-hashing next time
     return result
+
+
+def model_files(path: Path, what: str = "model") -> tuple[LoadedFile, ...]:
+    """A model file, or each file of a model folder, with its sha256, as a record names what a
+    runtime loaded (ModelInfo.loaded)."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return tuple(LoadedFile(str(file), sha256_of(file), what) for file in files)
 
 
 def quantization_of(path: Path) -> str:

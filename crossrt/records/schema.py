@@ -47,6 +47,15 @@ class RuntimeInfo:
 
 
 @dataclass(frozen=True)
+class LoadedFile:
+    """A file a runtime read for a model, and its sha256 when read."""
+
+    path: str
+    sha256: str
+    what: str  # "model": a file the pair names; "conversion": a file of crossrt's cached conversion of it
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     path: str
     sha256: str
@@ -54,6 +63,10 @@ class ModelInfo:
     quantization: str
     vocab_fingerprint: str
     n_vocab: int
+    # What the runtime really read for this model (a GGUF's cached conversion, say), so two
+    # records tell whether they ran the same weights; None: not known (records before it, a
+    # server crossrt attached to), () where nothing was read (a prompt-lookup run's drafter).
+    loaded: Optional[tuple[LoadedFile, ...]] = None
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from crossrt.run.runtime import (DraftRules, ModelSession, NativeSession, Runtim
                              RuntimeUnavailable, open_runtime)
 from crossrt.run.schedules import SERVER
 from crossrt.run.strategies import Strategy, format_content_k, tree_spec
-from crossrt.records.schema import PromptFormat, PromptResult, RunParams, RunRecord, Timings
+from crossrt.records.schema import ModelInfo, PairInfo, PromptFormat, PromptResult, RunParams, RunRecord, Timings
 from crossrt.records.trace import PromptTrace, TraceRecorder, read_traces, trace_path
 
 
@@ -269,6 +269,15 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
                                                         trace, baselines, strategy, tree_target)), None, target, None
 
 
+def _with_loaded(info: PairInfo, runtime: Runtime, drafter_read: bool) -> PairInfo:
+    """info naming what the runtime read for each model (ModelInfo.loaded), once they are in;
+    a prompt-lookup run reads no drafter."""
+    def loaded(model: ModelInfo, read: bool) -> ModelInfo:
+        return dataclasses.replace(model, loaded=runtime.loaded_files(Path(model.path)) if read else ())
+
+    return dataclasses.replace(info, target=loaded(info.target, True), drafter=loaded(info.drafter, drafter_read))
+
+
 def run_pair(request: RunRequest, prompts: Sequence[Prompt],
              on_prompt: Optional[Callable[[Prompt, Optional[PromptResult]], None]] = None,
              models: Optional[LoadedModels] = None) -> RunRecord:
@@ -286,6 +295,7 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
         runtime = open_runtime(request.runtime, request.options)
         info = pair_info(request.pair, runtime.model_format)
         run_one, native, prompt_session, before_prompts = _prompt_runner(runtime, request, stack, models)
+        info = _with_loaded(info, runtime, drafter_read=request.strategy.drafting != "prompt-lookup")
         driven = native is None
         # k: the most a step drafts (a k policy's largest, a tree's nodes), which the counters are checked against.
         params = RunParams(k=loop.draft_bound(request.strategy, request.rules.k) if driven else request.rules.k,

@@ -22,7 +22,8 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from crossrt.errors import CrossrtError, PromptRefused, SettingsError
-from crossrt.records.schema import Counters, RuntimeInfo, UnfitCounts
+from crossrt.inputs.pairs import model_files
+from crossrt.records.schema import Counters, LoadedFile, RuntimeInfo, UnfitCounts
 
 RUNTIMES: dict[str, str] = {
     "llama-cpp": "crossrt.backends.llama_cpp:LlamaCppRuntime",
@@ -338,6 +339,13 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def info(self) -> RuntimeInfo:
         """Name, version, build and device, for the run record."""
+
+    def loaded_files(self, path: Path) -> Optional[tuple[LoadedFile, ...]]:
+        """What this runtime read for the model file path, each file with its sha256, for the
+        record (ModelInfo.loaded), asked once the run's models are in: the file itself (a
+        folder's files) unless the runtime reads a conversion of it; None where crossrt cannot
+        know (a server it attaches to loaded files of its own)."""
+        return None if self.attaches else model_files(path)
 
     @classmethod
     def attach_server(cls, url: str) -> Server:
