@@ -69,14 +69,57 @@ def test_the_aggregate_export_imports_to_the_same_counters(tmp_path):
     assert_clean_error(result, "--k 3, but a step accepted 4 draft tokens")
 
 
-def test_completion_tokens_give_emitted_and_the_prefill_token_is_unverified(tmp_path):
-    """Probing the mapping: completion_tokens set to steps + accepted + 1 (vLLM's first token comes
-    from the prefill) in one request and to one token short of its steps in the other."""
+def test_completion_tokens_give_emitted_and_each_requests_prefill_token_is_unverified(tmp_path):
+    """vLLM's counting (issue 47): each request's first token comes from the prefill (unverified 1)
+    and the tokens accepted past its stop are cut: emitted = 1 + steps + accepted - cut. One
+    request cut nothing (27 tokens), the other 3 (24): unverified 2, cut 3. Read before as
+    'tokens beyond steps + accepted are unverified, a shortfall cut', it gave 1 and 2."""
     lines = request_lines()
-    lines[0]["spec_decode_acceptance"]["completion_tokens"] = 8 + 18 + 1
-    lines[1]["spec_decode_acceptance"]["completion_tokens"] = 8 + 18 - 1
+    lines[0]["spec_decode_acceptance"]["completion_tokens"] = 1 + 8 + 18
+    lines[1]["spec_decode_acceptance"]["completion_tokens"] = 1 + 8 + 18 - 3
     counters = imported(tmp_path, written(tmp_path, lines)).results[0].counters
-    assert (counters.emitted, counters.unverified, counters.cut) == (52, 1, 1)
+    assert (counters.emitted, counters.unverified, counters.cut) == (51, 2, 3)
+    # AIPerf 0.13 also writes the response's usage among a request's metrics: read there too.
+    for line in lines:
+        completion = line["spec_decode_acceptance"].pop("completion_tokens")
+        line["metrics"]["usage_completion_tokens"] = {"value": completion, "unit": "tokens"}
+    again = imported(tmp_path, written(tmp_path, lines, "usage.jsonl"), "--overwrite").results[0].counters
+    assert (again.emitted, again.unverified, again.cut) == (51, 2, 3)
+
+
+@pytest.mark.parametrize("completion, message", [
+    (1 + 8 + 18 + 1, r"completion_tokens 28 is more than vLLM's counting gives \(1 from the prefill \+ steps 8 \+ "
+                     r"accepted 18\)"),
+    (1 + 8 + 18 - 5, r"emitted 22: 5 tokens cut, more than k = 4"),
+])
+def test_completion_tokens_that_vllm_cannot_have_counted_are_refused(tmp_path, completion, message):
+    lines = request_lines()
+    for line in lines:
+        line["spec_decode_acceptance"]["completion_tokens"] = 1 + 8 + 18
+    lines[1]["spec_decode_acceptance"]["completion_tokens"] = completion
+    result = CliRunner().invoke(import_command, [str(written(tmp_path, lines)), "--from", "aiperf", "--out",
+                                                 str(tmp_path / "out.json")])
+    assert_clean_error(result, message)
+
+
+SERVER_METRICS = FIXTURES / "aiperf-server-metrics-constructed.json"
+
+
+def test_the_server_metrics_export_imports_to_the_records_counters(tmp_path):
+    """AIPerf's server_metrics_export.json (was refused: 'export line 1: not JSON'): vLLM's
+    counters' increase over the benchmark, summed over engines, gives what the records give."""
+    per_request = imported(tmp_path, RECORDS).results[0].counters
+    record = imported(tmp_path, SERVER_METRICS, "--overwrite")
+    counters = record.results[0].counters
+    assert (counters.steps, counters.drafted, counters.accepted, counters.accepted_per_pos, record.params.k) == \
+        (per_request.steps, per_request.drafted, per_request.accepted, per_request.accepted_per_pos, 4)
+    assert any("server_metrics_export.json" in note for note in record.notes)
+    data = json.loads("\n".join(line for line in SERVER_METRICS.read_text().splitlines() if not line.startswith("#")))
+    del data["metrics"]["vllm:spec_decode_num_drafts"]
+    path = tmp_path / "no-drafts.json"
+    path.write_text(json.dumps(data))
+    result = CliRunner().invoke(import_command, [str(path), "--from", "aiperf", "--out", str(tmp_path / "x.json")])
+    assert_clean_error(result, r"an AIPerf server metrics export without vllm:spec_decode_num_drafts")
 
 
 def test_metrics_alone_give_counts_and_left_out_requests_are_named(tmp_path):

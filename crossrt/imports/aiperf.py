@@ -9,16 +9,20 @@ JSON keys are strings), `mean_acceptance_length` = 1 + accepted / steps (bonus i
 `draft_acceptance_rate` = accepted / drafted (a fraction here, a percent in its metrics),
 `num_spec_tokens` (k, where the engine has one), `completion_tokens` (the response's usage) and,
 at vLLM's `detailed` level, `per_step_accepted` / `per_step_drafted`. Its only adapter is vLLM's
-(`--per-request-spec-decode-stats`), so the counts follow vLLM's counting.
+(vLLM 0.32 started with `--per-request-spec-decode-metrics detailed`, read by AIPerf 0.13 from the
+response's `metrics.speculative_decoding`), so the counts follow vLLM's counting: one token per
+request from the prefill, cut = 1 + steps + accepted - emitted.
 
-crossrt reads either export:
+crossrt reads any of its three exports:
 - `profile_export.jsonl`, one `MetricRecordInfo` per request: `metrics` {tag: {"value", "unit"}}
   with `spec_decode_steps`, `spec_decode_draft_tokens`, `spec_decode_accepted_draft_tokens`,
   `spec_decode_acceptance_length`, `spec_decode_draft_acceptance_rate` (percent), and, at
   `--export-level records`, the whole record under `spec_decode_acceptance`;
 - `profile_export_aiperf.json`, the run's aggregate: `total_spec_decode_steps`,
   `total_draft_tokens`, `total_accepted_draft_tokens` (each {"avg": sum, ...}) and
-  `pooled_spec_decode_acceptance_histogram`.
+  `pooled_spec_decode_acceptance_histogram`;
+- `server_metrics_export.json`, the server's Prometheus counters over the benchmark: vLLM's
+  `vllm:spec_decode_*` counters' increase (`stats.total` of each series), summed over series.
 Warm-up requests (metadata.benchmark_phase "warmup"), failed ones and those without statistics
 are left out, as AIPerf's own profiling metrics leave them out. docs/import.md maps every field.
 """
@@ -38,6 +42,10 @@ from crossrt.imports.imported import DIGITS, MAX_K, ImportFailure, SourceCounts,
 ENGINES = ("vllm",)  # engines whose counting crossrt maps (AIPerf's adapters)
 TOTALS = ("total_spec_decode_steps", "total_draft_tokens", "total_accepted_draft_tokens")
 HISTOGRAM = "pooled_spec_decode_acceptance_histogram"
+# server_metrics_export.json: vLLM's counters by family name (docs/server_metrics_json_schema.md)
+SERVER_COUNTERS = {"steps": "vllm:spec_decode_num_drafts", "drafted": "vllm:spec_decode_num_draft_tokens",
+                   "accepted": "vllm:spec_decode_num_accepted_tokens"}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 EXACT_FLOAT = 2 ** 53  # whole floats below it are exact; 2^53 itself may be 2^53 + 1 rounded by the parse
 
 
@@ -141,17 +149,28 @@ def _request(line: dict, where: str) -> Request:
             draft_length(_count(record["num_spec_tokens"], f"{where}, num_spec_tokens"), f"{where}, num_spec_tokens")
         completion = None if record.get("completion_tokens") is None else \
             _count(record["completion_tokens"], f"{where}, completion_tokens")
+        completion = _completion(metrics, where) if completion is None else completion
         _per_step(record, "per_step_accepted", counts[0], counts[2], where)
         _per_step(record, "per_step_drafted", counts[0], counts[1], where)
         _checked(where, *counts, histogram, record.get("mean_acceptance_length"), record.get("draft_acceptance_rate"))
     else:
         counts = [_count(_value(metrics, tag), f"{where}, {tag}")
                   for tag in ("spec_decode_steps", "spec_decode_draft_tokens", "spec_decode_accepted_draft_tokens")]
-        histogram = k = completion = None
+        histogram = k = None
+        completion = _completion(metrics, where)
+    if completion is not None and completion > 1 + counts[0] + counts[2]:
+        raise ImportFailure(f"{where}: completion_tokens {completion} is more than vLLM's counting gives (1 from the "
+                            f"prefill + steps {counts[0]} + accepted {counts[2]})")
     percent = _value(metrics, "spec_decode_draft_acceptance_rate")
     _checked(where, *counts, None, _value(metrics, "spec_decode_acceptance_length"),
              percent / 100 if isinstance(percent, (int, float)) else None)
     return Request(*counts, histogram, k, completion)
+
+
+def _completion(metrics: Mapping, where: str) -> Optional[int]:
+    """The response's usage completion_tokens, as AIPerf 0.13 writes it among the request's metrics."""
+    value = _value(metrics, "usage_completion_tokens")
+    return None if value is None else _count(value, f"{where}, usage_completion_tokens")
 
 
 def _has_stats(line: dict) -> bool:
@@ -187,6 +206,13 @@ def _from_records(text: str, options: ReadOptions) -> SourceCounts:
     if len(ks) > 1:
         raise ImportFailure(f"requests drafted with num_spec_tokens {sorted(ks)}: import each run on its own")
     k = options.k or (ks.pop() if ks else None)
+    if k is not None:
+        over = [r for r in requests if r.completion and 1 + r.steps + r.accepted - r.completion > k]
+        if over:
+            r = over[0]
+            raise ImportFailure(f"a request of {r.steps} steps and {r.accepted} accepted tokens emitted {r.completion}: "
+                                f"{1 + r.steps + r.accepted - r.completion} tokens cut, more than k = {k} (vLLM cuts "
+                                "only its last step's accepted tokens)")
     notes = [f"aiperf: {len(requests)} request(s) summed: steps = num_spec_steps, drafted = num_draft_tokens, "
              "accepted = num_accepted_draft_tokens (bonus excluded)" +
              (f"; left out: {', '.join(skipped)}" if skipped else "")]
@@ -197,12 +223,13 @@ def _from_records(text: str, options: ReadOptions) -> SourceCounts:
         per_pos = tuple(map(sum, zip(*(per_position(r.histogram, k) for r in requests))))
         notes.append("aiperf: accepted_per_pos[i] = steps whose histogram bucket j (exactly j accepted) is above i")
     if all(r.completion is not None for r in requests):
-        # Per request, the tokens beyond its steps' (first token from the prefill, plain decodes)
-        # are unverified and a shortfall is cut (a step's tokens dropped at a stop).
+        # vLLM's counting, as crossrt's vllm runtime reads it: each request's first token comes
+        # from the prefill (unverified 1), and the importer's identity leaves cut = 1 + steps +
+        # accepted - emitted per request (the accepted tokens past a stop or the budget).
         emitted = sum(r.completion for r in requests)
-        unverified = sum(max(0, r.completion - r.steps - r.accepted) for r in requests)
-        notes.append("aiperf: emitted = usage completion_tokens; per request, tokens beyond steps + accepted are "
-                     "unverified (vLLM's first token comes from the prefill) and a shortfall is cut")
+        unverified = sum(1 for r in requests if r.completion)
+        notes.append("aiperf: emitted = usage completion_tokens; per request one unverified token (vLLM's first token "
+                     "comes from the prefill), so cut = 1 + steps + accepted - emitted (tokens accepted past a stop)")
     return SourceCounts(steps, drafted, accepted, per_pos, emitted, unverified, k, notes=tuple(notes))
 
 
@@ -229,6 +256,51 @@ def _from_aggregate(data: dict, options: ReadOptions) -> SourceCounts:
     return SourceCounts(steps, drafted, accepted, per_pos, k=options.k, notes=tuple(notes))
 
 
+def _server_series(metrics: Mapping, name: str) -> Optional[list[tuple[dict, int]]]:
+    """(labels, total increase) of each series of a counter in server_metrics_export.json (keyed
+    by its family name, without Prometheus' _total), None where the export lacks the counter."""
+    entry = metrics.get(name, metrics.get(name + "_total"))
+    if entry is None:
+        return None
+    series = _object(entry, f"metrics[{name!r}]").get("series")
+    if not isinstance(series, list):
+        raise ImportFailure(f"metrics[{name!r}].series is not a list")
+    found = []
+    for at, item in enumerate(series):
+        where = f"metrics[{name!r}].series[{at}]"
+        stats = _object(_object(item, where).get("stats"), f"{where}.stats")
+        labels = item.get("labels") or {}
+        found.append((labels if isinstance(labels, dict) else {}, _count(stats.get("total"), f"{where}.stats.total")))
+    return found
+
+
+def _from_server_metrics(metrics: Mapping, options: ReadOptions) -> SourceCounts:
+    """AIPerf's server_metrics_export.json: each Prometheus counter's increase over the benchmark
+    (stats.total), per series (an endpoint and label set), summed as a /metrics difference is."""
+    totals = {role: _server_series(metrics, name) for role, name in SERVER_COUNTERS.items()}
+    missing = [SERVER_COUNTERS[role] for role, series in totals.items() if series is None]
+    if missing:
+        raise ImportFailure(f"an AIPerf server metrics export without {', '.join(missing)} (the server was not vLLM "
+                            "with speculative decoding, or AIPerf did not scrape it)")
+    steps, drafted, accepted = (sum(n for _, n in totals[role]) for role in ("steps", "drafted", "accepted"))
+    _checked("server metrics", steps, drafted, accepted, None)
+    positions: dict[int, int] = {}
+    for labels, n in _server_series(metrics, PER_POSITION) or ():
+        position = str(labels.get("position", ""))
+        if not DIGITS.fullmatch(position) or int(position) >= MAX_K:
+            raise ImportFailure(f"metrics[{PER_POSITION!r}]: position {position[:40]!r} is not a draft position")
+        positions[int(position)] = positions.get(int(position), 0) + n
+    k = options.k or (max(positions) + 1 if positions else None)
+    per_pos = tuple(positions.get(i, 0) for i in range(k)) if positions and k is not None else None
+    if per_pos is not None and (any(i >= k for i in positions) or sum(per_pos) != accepted):
+        raise ImportFailure(f"the per-position counters {sorted(positions.items())} do not sum to the {accepted} "
+                            f"accepted tokens within k = {k}")
+    notes = ["aiperf: server_metrics_export.json: steps, drafted, accepted from the increase (stats.total) of "
+             f"{', '.join(SERVER_COUNTERS.values())} over the benchmark, summed over series (endpoints, engines)" +
+             (f"; accepted_per_pos from {PER_POSITION}" if per_pos is not None else "")]
+    return SourceCounts(steps, drafted, accepted, per_pos, k=k, notes=tuple(notes))
+
+
 def read_aiperf(text: str, options: ReadOptions) -> SourceCounts:
     # Leading '#' lines are skipped, so a saved export can say where it came from.
     text = "\n".join("" if line.startswith("#") else line for line in text.split("\n"))
@@ -238,4 +310,7 @@ def read_aiperf(text: str, options: ReadOptions) -> SourceCounts:
         data = None  # JSON Lines: one record per line
     if isinstance(data, dict) and "metrics" not in data:
         return _from_aggregate(data, options)
+    metrics = data.get("metrics") if isinstance(data, dict) else None
+    if isinstance(metrics, dict) and any(isinstance(v, dict) and "series" in v for v in metrics.values()):
+        return _from_server_metrics(metrics, options)
     return _from_records(text, options)

@@ -97,7 +97,7 @@ def read_counts(request: ImportRequest) -> SourceCounts:
         try:
             return source.read(text, request.options)
         except ImportFailure as error:
-            raise ImportFailure(f"{path} is not a {request.format} text crossrt can read: {error}") from None
+            raise ImportFailure(f"{path} is not {request.format} output crossrt can read: {error}") from None
 
     if request.before is not None and _same_file(request.path, request.before):
         raise ImportFailure(f"--before {request.before} is the scrape itself ({request.path}): give the scrape made "
