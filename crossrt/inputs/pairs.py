@@ -184,6 +184,8 @@ class Vocabulary:
     GGUF writes its whitespace tokens as spaces, its tokenizer.json as U+2581), so two files are
     compared, and fingerprinted, by meaning (`meanings`): a special token by its text, a byte
     token by its byte, any other token by the bytes its text stands for in its file's spelling.
+    Whether an added token is special is not part of its meaning: formats disagree on it
+    (llama.cpp's converter makes an added token that looks special a control token).
     """
 
     model: str  # tokenizer model as GGUF names it, e.g. "gpt2" (byte-level BPE), "llama" (SentencePiece)
@@ -196,13 +198,13 @@ class Vocabulary:
     byte_tokens: frozenset[int] = frozenset()  # SentencePiece's <0xNN> fallback tokens
 
     @functools.cached_property
-    def meanings(self) -> tuple[Union[str, bytes], ...]:
-        """Per id: a special token's text (str), else the bytes the token stands for."""
+    def meanings(self) -> tuple[bytes, ...]:
+        """Per id, the bytes the token stands for."""
         return tuple(self._meaning(i, text) for i, text in enumerate(self.tokens))
 
-    def _meaning(self, token_id: int, text: str) -> Union[str, bytes]:
+    def _meaning(self, token_id: int, text: str) -> bytes:
         if token_id in self.special:
-            return text
+            return text.encode()
         if token_id in self.byte_tokens:
             return bytes([int(text[3:5], 16)])
         if self.spelling == SENTENCEPIECE:
@@ -220,8 +222,7 @@ class Vocabulary:
         EOS ids: one vocabulary gives one fingerprint whichever format spells it."""
         digest = hashlib.sha256()
         for meaning in self.meanings:
-            kind, data = (b"S", meaning.encode()) if isinstance(meaning, str) else (b"B", meaning)
-            digest.update(kind + len(data).to_bytes(4, "little") + data)
+            digest.update(len(meaning).to_bytes(4, "little") + meaning)
         digest.update(json.dumps([self.bos_id, self.eos_id]).encode())
         return FINGERPRINT_PREFIX + digest.hexdigest()[:16]
 
@@ -330,8 +331,7 @@ def check_compatible(target: Vocabulary, drafter: Vocabulary) -> None:
 
 
 def _shown(vocabulary: Vocabulary, token_id: int) -> str:
-    meaning = vocabulary.meanings[token_id]
-    return f"special {meaning!r}" if isinstance(meaning, str) else f"{vocabulary.tokens[token_id]!r} ({meaning!r})"
+    return f"{vocabulary.tokens[token_id]!r} ({vocabulary.meanings[token_id]!r})"
 
 
 # ---- fingerprints -------------------------------------------------------------------------
