@@ -38,6 +38,7 @@ from crossrt.run.runtime import (DraftRules, NativeGeneration, NativeSession, Ru
 PROBE_TEXT = "Speculative decoding: def f(x):\n    return x ** 2  # 12345 — naïve café, 東京, Привет!"
 BUSY_WAIT_S = 30.0  # how long a busy server may take to go idle before a prompt
 METRICS_WAIT_S = 5.0  # llama-server adds a request's counts just after answering it
+MAX_SAID = 1024  # characters of what a server says about itself (a version, a model path) that crossrt keeps
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,13 @@ class Attached:
         for kind in KINDS:
             served = kind.identify(endpoint)
             if served is not None:
+                said = {"version": served.version, "build": served.build or "", "model": served.model,
+                        **dict(served.speculative), **dict(served.numerics)}
+                long = next(((name, text) for name, text in said.items() if len(text) > MAX_SAID), None)
+                if long is not None:  # it would be written into every message and the record
+                    raise RuntimeFailure(f"{endpoint.display} answered a {long[0]} of {len(long[1])} characters "
+                                         f"({long[1][:40]!r}...): more than the {MAX_SAID} a server's name for itself "
+                                         "takes")
                 return cls(endpoint, kind, served)
         for path in ("/props", "/version", "/get_server_info", "/v1/models"):
             answer = endpoint.request("GET", path)

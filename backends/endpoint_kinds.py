@@ -125,7 +125,7 @@ def token_ids(value: Any, where: str, error: type[Exception]) -> tuple[int, ...]
         raise error(f"{where} answered token ids as {type(value).__name__}, not a list")
     for at, token in enumerate(value):
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise error(f"{where} answered {token!r} as token {at}: not a token id (a whole number from 0)")
+            raise error(f"{where} answered {repr(token)[:40]} as token {at}: not a token id (a whole number from 0)")
     return tuple(value)
 
 
@@ -144,7 +144,7 @@ def _count(value: Any, name: str) -> Optional[int]:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} {value!r} is not a whole number from 1")
+        raise ValueError(f"{name} {repr(value)[:40]} is not a whole number from 1")
     return value
 
 
@@ -205,7 +205,8 @@ class LlamaServer(ServerKind):
         with answer_shape(where, PromptRefused):
             settings = response.get("generation_settings", {})
             if settings.get("temperature", 0.0) != 0.0:
-                raise RuntimeFailure(f"{endpoint.display} did not sample greedily: temperature {settings['temperature']}")
+                raise RuntimeFailure(f"{endpoint.display} did not sample greedily: temperature "
+                                     f"{repr(settings['temperature'])[:40]}")
             tokens = token_ids(response["tokens"], where, PromptRefused)
             stop_type = response.get("stop_type")
             timings = response.get("timings") or {}  # absent: the request's wall clock stands in (as for vLLM)
@@ -221,7 +222,8 @@ class LlamaServer(ServerKind):
         elif stop_type == "limit" and len(tokens) == max_new_tokens:
             stop = "max_new_tokens"
         else:
-            raise PromptRefused(f"llama-server stopped ({stop_type!r}) after {len(tokens)} of {max_new_tokens} tokens")
+            raise PromptRefused(f"llama-server stopped ({repr(stop_type)[:40]}) after {len(tokens)} of {max_new_tokens} "
+                                "tokens")
         return Reply(tokens, stop, prefill_s if decode_s is not None else None, decode_s, per_request)
 
     def scrape(self, endpoint: Endpoint) -> Optional[Scrape]:
@@ -287,7 +289,7 @@ class Vllm(ServerKind):
         elif reason == "stop":
             stop = "eos"  # stop_reason None: the EOS token; an id: another stop token
         else:
-            raise PromptRefused(f"vLLM finished ({reason!r}) after {len(tokens)} of {max_new_tokens} tokens")
+            raise PromptRefused(f"vLLM finished ({repr(reason)[:40]}) after {len(tokens)} of {max_new_tokens} tokens")
         return Reply(tokens, stop, None, None)
 
     def scrape(self, endpoint: Endpoint) -> Optional[Scrape]:
@@ -353,7 +355,7 @@ class Sglang(ServerKind):
         elif reason == "stop":
             stop = "eos"
         else:
-            raise PromptRefused(f"SGLang finished ({reason!r}) after {len(tokens)} of {max_new_tokens} tokens")
+            raise PromptRefused(f"SGLang finished ({repr(reason)[:40]}) after {len(tokens)} of {max_new_tokens} tokens")
         return Reply(tokens, stop, None, latency if isinstance(latency, (int, float)) else None, counts)
 
     def scrape(self, endpoint: Endpoint) -> Optional[Scrape]:

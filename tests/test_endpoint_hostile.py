@@ -263,6 +263,27 @@ def test_malformed_identification_is_one_line(tmp_path):
         server.shutdown()
 
 
+def test_a_huge_name_or_id_is_not_carried_into_messages_or_the_record():
+    routes = vllm_routes(True)
+    routes["/version"] = lambda body: (200, {"version": "0.32." + "9" * 100000})
+    server = Scripted(routes)
+    try:
+        with pytest.raises(RuntimeFailure, match=r"answered a version of 100005 characters \('0.32.9999.*'\.\.\.\): more "
+                                                 r"than the 1024 a server's name for itself takes") as raised:
+            Attached.attach(server.url)
+        assert len(str(raised.value)) < 300
+    finally:
+        server.shutdown()
+    choice = {**COMPLETION["choices"][0], "token_ids": [5, "x" * 100000]}
+    spec, plain, session = session_of(answering("/v1/completions", {"choices": [choice]}))
+    try:
+        with pytest.raises(PromptRefused, match=r"answered 'xxx.* as token 1: not a token id") as raised:
+            session.generate([1, 2, 3], 7, speculative=True)
+        assert len(str(raised.value)) < 300
+    finally:
+        spec.shutdown(), plain.shutdown()
+
+
 def test_a_metrics_error_is_said_as_it_is_not_as_a_missing_endpoint():
     routes = vllm_routes(True)
     routes["/metrics"] = lambda body: (500, "internal error")
