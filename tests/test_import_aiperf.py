@@ -187,3 +187,16 @@ def test_any_field_of_another_type_is_a_record_or_one_line(tmp_path):
                 (spot, odd, result.output)
             refused += 1
     assert refused > len(spots)  # most fields are read, and checked
+
+
+def test_vllms_drafting_rules_are_stated_not_demanded(tmp_path):
+    """vLLM drafts k tokens every step: the import states n_min k and p_min 0 itself (issue 47: a
+    vLLM import needed llama.cpp's --draft-n-min and --draft-p-min to be compared), says so, and
+    refuses rules vLLM does not have."""
+    record = imported(tmp_path, RECORDS)
+    assert (record.params.draft_n_min, record.params.draft_p_min) == (4, 0.0)
+    assert any("draft_n_min 4 and draft_p_min 0 stated from vllm's counting" in note for note in record.notes)
+    result = CliRunner().invoke(import_command, [str(RECORDS), "--from", "aiperf", "--draft-n-min", "2", "--out",
+                                                 str(tmp_path / "n2.json")])
+    assert_clean_error(result, r"--draft-n-min 2, --draft-p-min None: vllm drafts k = 4 tokens every step, it has no "
+                               r"n_min or p_min rules")

@@ -49,6 +49,10 @@ FORMATS = {
 }
 
 
+# Schedules whose engines draft k tokens on every step: their records state n_min k and p_min 0.
+FIXED_K = ("vllm", "sglang")
+
+
 @dataclass(frozen=True)
 class ImportRequest:
     path: Path
@@ -166,13 +170,21 @@ def _record(request: ImportRequest, counts: SourceCounts) -> RunRecord:
     if counts.steps == 0:
         raise ImportFailure("no verification steps counted (nothing was drafted)")
     counters, given, notes = _counters(counts, k)
+    n_min, p_min = request.draft_n_min, request.draft_p_min
+    if source.schedule in FIXED_K:
+        if (n_min, p_min) not in ((None, None), (k, None), (None, 0.0), (k, 0.0)):
+            raise ImportFailure(f"--draft-n-min {n_min}, --draft-p-min {p_min}: {source.schedule} drafts k = {k} tokens "
+                                "every step, it has no n_min or p_min rules")
+        n_min, p_min = k, 0.0  # what the engine's counting is: the record can then be compared without them
+        notes += (f"draft_n_min {k} and draft_p_min 0 stated from {source.schedule}'s counting: it drafts k tokens "
+                  "every step (no n_min or p_min rules)",)
     pair = (pair_info(request.pair, source.model_format) if request.pair is not None
             else PairInfo(request.pair_name or UNKNOWN, None, None))
     runtime = RuntimeInfo(name=source.runtime, version=counts.version or UNKNOWN, build=counts.build,
                           device=UNKNOWN, threads=None, gpu_split=None, kv_cache=UNKNOWN, flash_attn=None)
     params = RunParams(k=k, greedy=request.greedy, max_new_tokens=request.max_new_tokens, mode="native",
                        spec_type=request.spec_type or UNKNOWN, schedule=source.schedule, n_ctx=request.n_ctx,
-                       draft_n_min=request.draft_n_min, draft_p_min=request.draft_p_min)
+                       draft_n_min=n_min, draft_p_min=p_min)
     result = PromptResult(AGGREGATE, request.category, "ok", None, (), (), (), None, counters, None)
     described = f"{request.before} -> {request.path}" if request.before is not None else str(request.path)
     info = ImportInfo(request.format, described, given, _missing(given, request))
