@@ -238,6 +238,9 @@ class LlamaServer(ServerKind):
 
 # ---- vLLM -------------------------------------------------------------------------------------
 
+# vllm:cache_config_info's labels that change numerics (the KV cache's dtype and layout, prefix caching).
+VLLM_NUMERICS = ("cache_dtype", "block_size", "enable_prefix_caching", "calculate_kv_scales", "sliding_window")
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 VLLM_METRICS = {"steps": "vllm:spec_decode_num_drafts_total", "drafted": "vllm:spec_decode_num_draft_tokens_total",
                 "accepted": "vllm:spec_decode_num_accepted_tokens_total", "emitted": "vllm:generation_tokens_total",
                 "prompt": "vllm:prompt_tokens_total"}
@@ -266,7 +269,17 @@ class Vllm(ServerKind):
         # vLLM registers its spec_decode counters only when a speculative config is set.
         speculates = None if scrape is None else scrape.steps is not None
         return Served(self.name, str(version["version"]), None, str(card["id"]), None, n_ctx, speculative, k,
-                      speculates)
+                      speculates, self._cache_config(endpoint))
+
+    @staticmethod
+    def _cache_config(endpoint: Endpoint) -> tuple[tuple[str, str], ...]:
+        """The KV cache settings vLLM prints as the labels of its vllm:cache_config_info gauge (its
+        API reports no other engine setting): those that change numerics."""
+        found = _metrics_text(endpoint)
+        line = next((line for line in (found[0] if found else "").splitlines()
+                     if line.startswith("vllm:cache_config_info{")), "")
+        labels = dict(LABEL.findall(line))
+        return tuple((name, labels[name]) for name in VLLM_NUMERICS if name in labels)
 
     def _tokenize_request(self, served: Served, text: str) -> tuple[str, dict]:
         return "/tokenize", {"model": served.model, "prompt": text, "add_special_tokens": True}

@@ -10,13 +10,14 @@ import urllib.request
 import pytest
 from click.testing import CliRunner
 
+from crossrt.backends.endpoint import Attached, server_params
 from crossrt.cli import main
 from crossrt.inputs.pairs import load_pair
 from crossrt.records.record_json import load_record
 from crossrt.run.runtime import DraftRules, RuntimeOptions, availability, open_runtime
 
 from conftest import TINY_PAIR
-from test_endpoint import LoopbackServer, QuietHandler
+from test_endpoint import FormatServer, LoopbackServer, QuietHandler, vllm_routes
 
 needs_server = pytest.mark.skipif(availability("llama-server") is not None,
                                   reason=f"llama-server not usable: {availability('llama-server')}")
@@ -107,3 +108,23 @@ def test_an_id_outside_the_vocabulary_fails_that_prompt_and_the_run_goes_on(own_
     assert all(r.ok for r in record.results[1:])
     # No id of the record is outside the vocabulary: a reader can index every one.
     assert all(0 <= i < 512 for r in record.results for i in (*r.output_ids, *r.baseline_ids))
+
+
+def test_vllms_reported_settings_are_the_records():
+    """vLLM's API reports its context (max_model_len) and, as labels of its vllm:cache_config_info
+    gauge, its KV cache settings; it drafts k every step. Served in vLLM's formats
+    (test_endpoint.vllm_routes), not by vLLM."""
+    routes = vllm_routes(True)
+    counting = routes["/metrics"]
+    routes["/metrics"] = lambda body: (200, counting(body)[1] + 'vllm:cache_config_info{block_size="16",'
+                                       'cache_dtype="fp8_e5m2",enable_prefix_caching="True",engine="0",'
+                                       'gpu_memory_utilization="0.9"} 1.0\n')
+    server = FormatServer(routes)
+    try:
+        attached = Attached.attach(server.url)
+    finally:
+        server.shutdown()
+    assert attached.served.numerics == (("cache_dtype", "fp8_e5m2"), ("block_size", "16"),
+                                        ("enable_prefix_caching", "True"))
+    assert "cache_dtype fp8_e5m2" in attached.identity()  # a sweep cell of another cache is another cell
+    assert server_params(attached, DraftRules(3)) == (("n_ctx", 512), ("draft_n_min", 3), ("draft_p_min", 0.0))
