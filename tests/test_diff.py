@@ -55,7 +55,10 @@ def test_f16_weights_part_at_near_ties(random_records):
 
 def test_diff_command_prints_candidates_and_verdicts(random_records):
     result = run("diff", *random_records)
-    assert result.exit_code == 0
+    parity = run("parity", *random_records)
+    # One verdict: diff closes with parity's line on the same records, and exits as parity does.
+    assert result.output.strip().splitlines()[-1] == parity.output.strip().splitlines()[-1]
+    assert result.exit_code == parity.exit_code
     assert "2 prompts agree, 4 part" in result.output
     assert result.output.count("verdict: near-tie (cross-runtime numerics)") == 4
     assert "top-5:" in result.output and "text before:" in result.output
@@ -67,9 +70,10 @@ def test_a_different_model_is_a_disagreement(tmp_path):
         assert run("run", "--target", target, "--drafter", models / "drafter.f32.gguf", "--max-new-tokens", 16,
                    "--out", tmp_path / f"{name}.json").exit_code == 0
     result = run("diff", tmp_path / "tiny.json", tmp_path / "swapped.json")
-    assert result.exit_code == 0
-    assert "verdict: disagreement: the runs do not compute the same function" in result.output
-    assert "near-tie" not in result.output
+    assert result.exit_code == 1
+    assert "verdict: disagreement: the runs do not compute the same function (not the same model" in result.output
+    assert "verdict: near-tie" not in result.output
+    assert result.output.strip().splitlines()[-1].startswith("parity: FAILED")
 
 
 def test_diff_and_parity_give_one_verdict(random_records):

@@ -18,6 +18,7 @@ from crossrt.records.journal import write_atomically
 from crossrt.inputs.pairs import resolve_pair, run_k
 from crossrt.compare.parity import labelled
 from crossrt.compare.parity_report import ParityReport, render_junit, render_markdown, render_text
+from crossrt.compare.control import QUANTIZATION
 from crossrt.compare.parity_run import Matrix, compare_isolated, run_matrix
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
@@ -123,7 +124,8 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
                                          logit_tolerance, strict, not no_rescore, not no_logits)
     if verdicts.passes:
         click.echo(f"explaining: {verdicts.passes} passes re-scored in {verdicts.explain_s:.1f} s", err=True)
-    report = ParityReport(verdicts.comparisons, verdicts.logit_checks, tuple(not_run) + tuple(crashed), counters_only)
+    report = ParityReport(verdicts.comparisons, verdicts.logit_checks, tuple(not_run) + tuple(crashed), counters_only,
+                          verdicts.controls)
     for line in skipped:
         click.echo(f"skipped {line}", err=True)
     if len(runs) < 2 and not baselines:
@@ -157,8 +159,10 @@ def diff(records: tuple[Path, ...]) -> None:
 
     Verdicts name the cause: tokenization or template, batch-shape numerics inside a runtime
     (a verification batch and a one-token decode swap a near-tie), near-tie (cross-runtime
-    numerics, against the noise measured between the two runtimes on common tokens), or
-    disagreement (a real difference: weights, conventions).
+    numerics), or disagreement (a real difference: weights, conventions, or two runs that parity's
+    float control finds are not one function). The last line is `crossrt parity`'s verdict on the
+    same records; the exit code is parity's: 0 when it passes, 1 when it fails (for one record:
+    1 when a split is not numerics).
     """
     if len(records) > 2:
         raise click.UsageError("give one record (its lossless failures) or two (where they part)")
@@ -174,9 +178,14 @@ def diff(records: tuple[Path, ...]) -> None:
             detokenize = replay.session(record, "target").detokenize
             splits = explain_record(label, record, Explainer(replay=replay, detokenize=detokenize))
         click.echo(render_record_splits(label, splits, sum(r.ok for r in record.results)))
-        return
+        sys.exit(0 if all(split.numerics for split in splits) else 1)
     (label_a, a), (label_b, b) = runs
     if a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
         raise ComparisonError("the two runs used different vocabularies: their token ids cannot be compared")
-    report = diff_records(label_a, a, label_b, b)
-    click.echo(render_diff(report))
+    # One verdict with parity's: its comparisons, logit checks and float control, in a process of its own.
+    verdicts, crashed = compare_isolated(runs, [], 0.0, None, False, True, True)
+    verdict = ParityReport(verdicts.comparisons, verdicts.logit_checks, tuple(crashed), controls=verdicts.controls)
+    not_one_function = [c.failure() for c in verdicts.controls if not c.ok and c.kind != QUANTIZATION]
+    click.echo(render_diff(diff_records(label_a, a, label_b, b, not_one_function)))
+    click.echo("\n".join([""] + [f"FAIL {line}" for line in verdict.failures()] + [verdict.verdict()]))
+    sys.exit(0 if verdict.ok else 1)

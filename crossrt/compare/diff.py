@@ -15,9 +15,10 @@ Per prompt, in order (crossrt/compare/splits.py names each kind):
 The noise between the runs is measured too, on every common row (prompt positions, agreeing
 prompts and the prefixes before divergences): how far the gap between that row's top-2 tokens
 moves from one runtime to the other (p90, the max would let one outlier excuse everything).
-It is shown beside the verdict; when it is a sizeable share of the typical top-2 margin itself,
-the two runs do not compute the same function at all (a different model, a convention bug):
-every divergence is then a disagreement, whatever its own flip.
+It is shown beside the verdict, which it does not decide: whether the two runs compute one
+function is parity's float control (crossrt/compare/control.py), the same check `crossrt parity`
+runs; where it fails, every divergence is a disagreement, whatever its own flip, and `crossrt
+diff` exits 1 whenever parity would.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 from crossrt.compare.diagnosis import Explainer, twins_of
 from crossrt.compare.splits import (DISAGREEMENT, Split, first_divergence, own_tokenization, template_split,
                                     tokenization_split)
-from crossrt.run.numerics import BROAD_DISAGREEMENT, NOISE_PERCENTILE, gap_shifts
+from crossrt.run.numerics import NOISE_PERCENTILE, gap_shifts
 from crossrt.compare.replay import Replayer
 from crossrt.compare.rescore import score, top_k
 from crossrt.run.runtime import ModelSession
@@ -91,10 +92,9 @@ class DiffReport:
     noise: Optional[float]  # NOISE_PERCENTILE of top-2 gap shifts on common rows; None if none
     max_shift: Optional[float]
     median_margin: Optional[float]  # of runtime A's top-2 margins on common rows
-
-    @property
-    def broadly_different(self) -> bool:
-        return self.noise is not None and self.noise > BROAD_DISAGREEMENT * self.median_margin
+    # Failures of parity's float control or weights check for these runs (crossrt/compare/control.py):
+    # where the two are not one function, no split between them is a near-tie.
+    not_one_function: tuple[str, ...] = ()
 
     def verdict(self, divergence: Divergence) -> str:
         if divergence.tokenization is not None:
@@ -105,9 +105,8 @@ class DiffReport:
                     f"own greedy baseline at token {split.index}, and the two runtimes' baselines agree; {split.detail}")
         if divergence.link is None:
             return "stop: one run ends here"
-        if self.broadly_different:
-            return (f"{DISAGREEMENT}: the runs do not compute the same function (gap shifts of {self.noise:.3g} "
-                    f"on common tokens against a typical margin of {self.median_margin:.3g})")
+        if self.not_one_function:
+            return f"{DISAGREEMENT}: the runs do not compute the same function ({self.not_one_function[0]})"
         link = divergence.link
         return f"near-tie ({link.kind}): {link.detail}" if link.numerics else f"{link.kind}: {link.detail}"
 
@@ -151,18 +150,20 @@ def _divergence(labels, records, results, scorers, explainer: Explainer):
             gap_shifts(rows_a[:-1], rows_b[:-1]))
 
 
-def diff_records(label_a: str, a: RunRecord, label_b: str, b: RunRecord) -> DiffReport:
+def diff_records(label_a: str, a: RunRecord, label_b: str, b: RunRecord,
+                 not_one_function: Sequence[str] = ()) -> DiffReport:
     """Where and why two runs part (module docstring); splits the runs recorded no passes for
-    are re-scored in the runtime's own pass shapes."""
+    are re-scored in the runtime's own pass shapes. not_one_function: parity's float control
+    failures for these runs, which no split between them can be numerics against."""
     with Replayer() as replay:
         scorers = (replay.session(a, "target"), replay.session(b, "target"))
         explainer = Explainer(twins_of([(label_a, a), (label_b, b)]), replay,
                               scorers[0].detokenize)
-        return _diff((label_a, label_b), (a, b), scorers, explainer)
+        return _diff((label_a, label_b), (a, b), scorers, explainer, tuple(not_one_function))
 
 
 def _diff(labels: tuple[str, str], records: tuple[RunRecord, RunRecord], scorers: tuple[ModelSession, ModelSession],
-          explainer: Explainer) -> DiffReport:
+          explainer: Explainer, not_one_function: tuple[str, ...]) -> DiffReport:
     (label_a, label_b), (a, b) = labels, records
     results_b = {r.prompt_id: r for r in b.results}
     both = [(r, results_b[r.prompt_id]) for r in a.results if r.ok and r.prompt_id in results_b
@@ -193,9 +194,10 @@ def _diff(labels: tuple[str, str], records: tuple[RunRecord, RunRecord], scorers
     margins = np.concatenate([m for m, _ in measured]) if measured else np.zeros(0)
     shifts = np.concatenate([s for _, s in measured]) if measured else np.zeros(0)
     if not len(shifts):
-        return DiffReport(label_a, label_b, tuple(divergences), tuple(agreeing), None, None, None)
+        return DiffReport(label_a, label_b, tuple(divergences), tuple(agreeing), None, None, None, not_one_function)
     return DiffReport(label_a, label_b, tuple(divergences), tuple(agreeing),
-                      float(np.percentile(shifts, NOISE_PERCENTILE)), float(shifts.max()), float(np.median(margins)))
+                      float(np.percentile(shifts, NOISE_PERCENTILE)), float(shifts.max()), float(np.median(margins)),
+                      not_one_function)
 
 
 def render_diff(report: DiffReport) -> str:

@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from crossrt.compare.control import FLOAT_CONTROL, ControlCheck
 from crossrt.compare.parity import COUNTERS, IDS, OWN_BASELINE, PromptParity
 from crossrt.compare.rescore import LogitAgreement, ScoredRows, agreement
 from crossrt.compare.tolerance import Tolerance
@@ -23,6 +24,8 @@ class LogitCheck:
 
     @property
     def problems(self) -> list[str]:
+        if self.agreement.positions == 0:
+            return ["nothing compared: no output rows scored by both"]
         return self.tolerance.problems(self.agreement)
 
     @property
@@ -70,6 +73,7 @@ class ParityReport:
     logit_checks: tuple[LogitCheck, ...] = ()
     not_run: tuple[NotRun, ...] = ()
     counters_only: bool = False  # counters alone may pass a pair of runs (parity --counters-only)
+    controls: tuple[ControlCheck, ...] = ()  # the float control and quantization checks (crossrt/compare/control.py)
 
     def incomparable(self) -> list[Incomparable]:
         """Pairs of runs whose every comparison passed by comparing nothing: a verdict about nothing
@@ -88,13 +92,14 @@ class ParityReport:
     @property
     def ok(self) -> bool:
         return (all(c.ok for c in self.comparisons) and all(c.ok for c in self.logit_checks)
-                and not self.not_run and not self.incomparable())
+                and all(c.ok for c in self.controls) and not self.not_run and not self.incomparable())
 
     def failures(self) -> list[str]:
         lines = [f"{c.run_a} vs {c.run_b}, {c.prompt_id}: {'; '.join(c.problems)}"
                  for c in self.comparisons if not c.ok]
         lines += [f"{c.run_a} vs {c.run_b}, {c.prompt_id}: logits: {'; '.join(c.problems)} "
                   f"(tolerance for {c.tolerance.reason})" for c in self.logit_checks if not c.ok]
+        lines += [f"{' vs '.join(c.scorings)}: {c.kind}: {c.failure()}" for c in self.controls if not c.ok]
         lines += [f"{n.run}: {n.what}: {n.reason}" for n in self.not_run]
         lines += [pair.describe() for pair in self.incomparable()]
         return lines
@@ -104,7 +109,19 @@ class ParityReport:
         counts = ((IDS, sum(IDS in c.compared for c in self.comparisons)),
                   (COUNTERS, sum(COUNTERS in c.compared for c in self.comparisons)),
                   ("logits", len(self.logit_checks)))
-        return ", ".join(f"{what} in {n} comparison{'s' * (n != 1)}" for what, n in counts if n) or "nothing"
+        found = ", ".join(f"{what} in {n} comparison{'s' * (n != 1)}" for what, n in counts if n) or "nothing"
+        floats = [c for c in self.controls if c.kind == FLOAT_CONTROL]
+        if floats:
+            found += f", logits against a float control in {len(floats)} pair{'s' * (len(floats) != 1)} of scorings"
+        return found
+
+    def power(self) -> str:
+        """What the float control would catch, at its weakest: "" when it did not run."""
+        powered = [c for c in self.controls if c.kind == FLOAT_CONTROL and c.power]
+        if not powered:
+            return ""
+        weakest = max(powered, key=lambda c: c.power.sigma)
+        return weakest.power.describe()
 
     def verdict(self) -> str:
         """The closing line: OK or FAILED, and what was compared (a pair of runs that compared
@@ -117,7 +134,9 @@ class ParityReport:
                     if first.counters and not self.counters_only else "")
             return f"parity: FAILED: nothing compared between {first.run_a} and {first.run_b}{more}: {first.why}{hint}"
         only = ", counters only" if self.counters_only else ""
-        return f"parity: {'OK' if self.ok else 'FAILED'}{only}; compared {self.compared()}"
+        power = self.power()
+        return f"parity: {'OK' if self.ok else 'FAILED'}{only}; compared {self.compared()}" + (
+            f"; {power}" if power else "")
 
 
 def explained(report: ParityReport) -> list[str]:
@@ -199,6 +218,7 @@ def render_text(report: ParityReport) -> str:
                          f"{max(g.kl_mean for g in group):.3g}, p99 KL {max(g.kl_p99 for g in group):.3g}, "
                          f"max KL {max(g.kl_max for g in group):.3g}, RMS dp {max(g.rms_delta_p for g in group):.3g} "
                          "(worst prompt each)")
+    lines += [("  " if c.ok else "  FAILED ") + c.describe() for c in report.controls]
     lines += [f"NOTE {line}" for line in explained(report)]
     lines += [f"FAIL {line}" for line in report.failures()]
     lines.append(report.verdict())
@@ -224,6 +244,13 @@ def render_markdown(report: ParityReport) -> str:
                   f"{c.agreement.top1_agreement:.3f} | {c.agreement.top5_overlap:.3f} | {c.agreement.kl_mean:.3g} | "
                   f"{c.agreement.kl_median:.3g} | {c.agreement.kl_p99:.3g} | {c.agreement.kl_max:.3g} | "
                   f"{c.agreement.rms_delta_p:.3g} | {c.tolerance.describe()} |" for c in report.logit_checks]
+    if report.controls:
+        lines += ["", "| check | scoring A | scoring B | prompts | rows | max abs logit diff | KL mean | KL p99 | "
+                  "same top-1 | bounds | power | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {c.kind} | {c.scorings[0]} | {c.scorings[1]} | {c.prompts} | {c.measured.positions} | "
+                  f"{c.measured.max_abs_diff:.3g} | {c.measured.kl_mean:.3g} | {c.measured.kl_p99:.3g} | "
+                  f"{c.measured.top1_agreement:.3f} | {c.bounds.describe()} | "
+                  f"{c.power.describe() if c.power else ''} | {'ok' if c.ok else 'FAILED'} |" for c in report.controls]
     notes = explained(report)
     if notes:
         lines += ["", "### Explained (numerics, not failures)", ""] + [f"- {line}" for line in notes]
@@ -238,6 +265,7 @@ def render_junit(report: ParityReport) -> str:
     cases = [(f"{c.run_a} vs {c.run_b}", c.prompt_id, c.ok, "; ".join(c.problems)) for c in report.comparisons]
     cases += [(f"logits {c.run_a} vs {c.run_b}", c.prompt_id, c.ok, "; ".join(c.problems))
               for c in report.logit_checks]
+    cases += [(f"{c.kind} {' vs '.join(c.scorings)}", "logits", c.ok, "; ".join(c.problems)) for c in report.controls]
     cases += [(n.run, "run", False, f"{n.what}: {n.reason}") for n in report.not_run]
     cases += [(f"{pair.run_a} vs {pair.run_b}", "compared", False, pair.describe()) for pair in report.incomparable()]
     for classname, name, ok, message in cases:
@@ -260,7 +288,7 @@ def logit_checks(comparisons: Sequence[PromptParity], scored: dict[tuple[str, st
         a, b = rows.get((comparison.run_a, comparison.prompt_id)), rows.get((comparison.run_b, comparison.prompt_id))
         if a is None or b is None:
             continue
-        common = comparison.divergence if comparison.divergence is not None else min(len(a), len(b))
+        # Both rows along the prompt's one reference sequence (crossrt/compare/parity_run.score_records).
         checks.append(LogitCheck(comparison.prompt_id, comparison.run_a, comparison.run_b,
-                                 agreement(a, b, length=common), tolerance(comparison.run_a, comparison.run_b)))
+                                 agreement(a, b), tolerance(comparison.run_a, comparison.run_b)))
     return tuple(checks)

@@ -20,6 +20,7 @@ from crossrt.run.isolation import IsolatedRun, RuntimeCrashed, call_isolated
 from crossrt.inputs.pairs import Pair
 from crossrt.compare.parity import PromptParity, compare_against, compare_all
 from crossrt.compare.parity_report import LogitCheck, NotRun, logit_checks
+from crossrt.compare.control import ControlCheck, float_controls, judged_by_control, reference_sequences
 from crossrt.compare.replay import Replayer
 from crossrt.compare.tolerance import tolerance_for
 from crossrt.inputs.prompts import Prompt
@@ -112,8 +113,13 @@ def run_matrix(matrix: Matrix, prompts: Sequence[Prompt], on_run: Optional[Calla
 
 
 def score_records(runs: Sequence[tuple[str, RunRecord]]) -> dict[tuple[str, str], np.ndarray]:
-    """(run label, prompt id) -> the logits rows that predicted each output token, re-scored
-    on the record's runtime (or its in-process sibling). One model load per runtime and file."""
+    """(run label, prompt id) -> the logits rows of the record's runtime (or its in-process
+    sibling), with the record's numerics, along the prompt's reference sequence (one token
+    sequence every run scores: crossrt/compare/control.reference_sequences), so two runs are
+    compared on every row, not only where their outputs agree. One model load per runtime and
+    file; a run whose prompt ids are not the reference's is not scored for that prompt (its ids
+    already fail)."""
+    references = reference_sequences(runs)
     scorers = {}
     scored = {}
     with contextlib.ExitStack() as stack:
@@ -123,10 +129,10 @@ def score_records(runs: Sequence[tuple[str, RunRecord]]) -> dict[tuple[str, str]
             if key not in scorers:
                 scorers[key] = stack.enter_context(open_scorer(record))
             for result in record.results:
-                if result.ok and result.output_ids:
-                    scored[(label, result.prompt_id)] = score(scorers[key], result.prompt_ids, result.output_ids)
+                reference = references.get(result.prompt_id)
+                if result.ok and reference and tuple(result.prompt_ids) == reference[0]:
+                    scored[(label, result.prompt_id)] = score(scorers[key], *reference)
     return scored
-
 
 
 RESCORING = "re-scoring"  # what a crash while explaining splits or re-scoring logits is named after
@@ -136,6 +142,7 @@ RESCORING = "re-scoring"  # what a crash while explaining splits or re-scoring l
 class Verdicts:
     comparisons: tuple[PromptParity, ...]
     logit_checks: tuple[LogitCheck, ...]
+    controls: tuple[ControlCheck, ...]  # the float control and quantization checks (crossrt/compare/control.py)
     passes: int  # passes re-scored to explain splits
     explain_s: float
 
@@ -151,12 +158,15 @@ def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecor
             comparisons += compare_against(runs, saved, counter_tolerance, replay if rescore else None)
         passes, explain_s = replay.passes, time.perf_counter() - started
     by_label = dict(runs)
-    checks = ()
+    checks, controls = (), ()
     if logits:
         scored = [run for run in runs if not run[1].imported]  # imported: no outputs to re-score
-        checks = logit_checks(comparisons, score_records(scored),
+        as_run = score_records(scored)
+        checks = logit_checks(comparisons, as_run,
                               lambda a, b: tolerance_for(by_label[a], by_label[b], logit_tolerance))
-    return Verdicts(tuple(comparisons), tuple(checks), passes, explain_s)
+        controls = float_controls(scored, as_run)
+        comparisons = judged_by_control(comparisons, controls)
+    return Verdicts(tuple(comparisons), tuple(checks), controls, passes, explain_s)
 
 
 def compare_isolated(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecord], counter_tolerance: float,

@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from crossrt.run.numerics import Gap, rescored_gap
-from crossrt.compare.rescore import open_scorer, row_in_pass, score, scoring_runtime
+from crossrt.compare.rescore import open_scorer, row_in_pass, score, score_stepwise, scoring_runtime
 from crossrt.run.runtime import ModelSession
 from crossrt.records.schema import RunRecord
 
@@ -73,6 +73,13 @@ class Replayer:
         """The record's drafter's logits rows predicting each output token, in one pass."""
         self.passes += 1
         return score(self.session(record, "drafter"), prompt_ids, output_ids)
+
+    def drafter_rows_decoded(self, record: RunRecord, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                             rows: int) -> np.ndarray:
+        """The first rows of drafter_rows, computed as one-token decodes (as a drafter drafts):
+        how far the drafter's own batch shapes move its logits."""
+        self.passes += rows
+        return score_stepwise(self.session(record, "drafter"), prompt_ids, output_ids, rows)
 
 
 def _shape(shape: int, prefix: int) -> str:

@@ -54,6 +54,16 @@ def score(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence
     return np.array(rows[len(prompt_ids) - 1:], dtype=np.float64)
 
 
+def score_stepwise(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                   rows: int) -> np.ndarray:
+    """The first rows rows score() gives, computed as a prompt pass and then one-token decodes."""
+    session.truncate(0)
+    found = [np.asarray(session.eval(list(prompt_ids), Rows.LAST)[0], dtype=np.float64)]
+    for token in output_ids[:rows - 1]:
+        found.append(np.asarray(session.eval([token], Rows.LAST)[0], dtype=np.float64))
+    return np.array(found)
+
+
 def row_in_pass(session: ModelSession, prefix: Sequence[int], following: Sequence[int], shape: int) -> np.ndarray:
     """The logits row predicting the token after prefix, computed as the first row of a pass of
     shape tokens (prefix[-1] then following[:shape - 1]) after the rest of prefix is cached:

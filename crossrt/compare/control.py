@@ -1,0 +1,275 @@
+"""Parity's float control: runtimes compared where they compute the same function, against a
+noise floor measured on these prompts, with the power of the check stated.
+
+llama.cpp on a quantized GGUF and transformers on its dequantized weights compute different
+functions (llama.cpp quantizes the activations of its quantized matmuls too): their logits
+differ by whole logits, and any bound wide enough for that passes a wrong model (a wrong RoPE
+base, a wrong attention scale, one block's weights a few percent off). So every run's target is
+also scored as a *float scoring*: on its scoring runtime, in F32 throughout (KV cache F32, no
+flash attention, float32 weights), where a quantized GGUF on a runtime that runs GGUFs is
+replaced by its float twin (crossrt/builders/float_twin.py: the very weights transformers'
+GGUF loader makes). Two float scorings of the same model are the same function up to float
+rounding, so:
+
+- the *float control* compares each pair of distinct float scorings along one shared token
+  sequence per prompt (the reference: the first run's output, scored by both);
+- its bounds come from a *noise control* measured here, not from constants: each float scoring
+  scores the same sequence again one token at a time (a decode instead of one pass), which
+  moves every sum's rounding as another runtime's kernels do; the comparison may differ by at
+  most FACTOR times that noise (FACTOR squared for KL divergences, which grow with the square of
+  logit differences), and by no differing argmax beyond a near-tie of that size;
+- each quantized model is compared with its float twin inside its runtime (the quantization's
+  own effect, under the constant ceilings of crossrt/compare/tolerance.py: a sanity check of the
+  quantized kernels, weaker, and said so);
+- every check states its *power*: the smallest random logit perturbation (Gaussian, per logit)
+  its bounds flag, and the mean KL divergence that perturbation makes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from crossrt.compare.rescore import LogitAgreement, agreement, score, score_stepwise
+from crossrt.compare.tolerance import QUANTIZED_ONE_RUNTIME, Tolerance
+from crossrt.compare.weights import WeightsMatch, compare_weights
+from crossrt.records.schema import RunRecord
+from crossrt.run.runtime import ModelSession, RuntimeOptions, open_runtime, runtime_class
+
+FACTOR = 10.0  # how many times the noise control's logit differences a float comparison may reach
+CONTROL_ROWS = 24  # output rows per prompt decoded one token at a time for the noise control
+POWER_ROWS = 32  # rows a power search perturbs (its statistics are per row: a sample serves)
+FLOAT32_EPS = float(np.finfo(np.float32).eps)
+FLOAT_CONTROL, QUANTIZATION, WEIGHTS = "float control", "quantization", "weights"
+
+
+@dataclass(frozen=True)
+class FloatScoring:
+    """One function scored in F32: a runtime and the model file it loads for that."""
+
+    runtime: str
+    model: str  # the file loaded: a quantized GGUF's float twin on a runtime that runs GGUFs
+    source: str  # the run's own model file
+    digest: str  # its sha256, as the record names it
+
+    @property
+    def label(self) -> str:
+        twin = " (float twin)" if self.model != self.source else ""
+        return f"{self.runtime} on {Path(self.source).name}{twin}"
+
+
+def float_scoring(record: RunRecord) -> FloatScoring:
+    """How a record's target is scored in F32 (module docstring)."""
+    from crossrt.builders.float_twin import float_twin
+    from crossrt.compare.rescore import scoring_runtime
+
+    runtime = scoring_runtime(record.runtime)
+    source = record.pair.target.path
+    model = source
+    formats = runtime_class(runtime).model_format
+    runs_gguf = (formats if isinstance(formats, str) else formats[0]) == "gguf"  # not one it dequantizes on load
+    if source.endswith(".gguf") and runs_gguf:
+        model = str(float_twin(Path(source)))
+    return FloatScoring(runtime, model, source, record.pair.target.sha256)
+
+
+def open_float(scoring: FloatScoring, n_ctx: int, threads: int = 1) -> ModelSession:
+    options = RuntimeOptions(n_ctx=n_ctx, threads=threads, f32_kv_cache=True, flash_attn=False, dtype="float32")
+    return open_runtime(scoring.runtime, options).load(Path(scoring.model))
+
+
+@dataclass(frozen=True)
+class Power:
+    """The smallest Gaussian per-logit perturbation (standard deviation sigma) a check's bounds
+    flag, found on its own rows, and the mean KL divergence it makes there."""
+
+    sigma: float
+    kl_mean: float
+
+    def describe(self) -> str:
+        return f"would catch logit noise of sigma {self.sigma:.2g} (mean KL {self.kl_mean:.2g})"
+
+
+@dataclass(frozen=True)
+class ControlCheck:
+    """One comparison of the float control (or of a quantized model with its float twin): the
+    two scorings, the runs they stand for, what was measured, the bounds and the power."""
+
+    kind: str  # FLOAT_CONTROL or QUANTIZATION
+    scorings: tuple[str, str]
+    runs: tuple[tuple[str, ...], tuple[str, ...]]  # run labels scored by each side
+    prompts: int
+    measured: LogitAgreement
+    bounds: Tolerance
+    noise: Optional[LogitAgreement]  # the noise control the bounds come from (None: constant ceilings)
+    power: Optional[Power]
+    weights: Optional[WeightsMatch] = None  # the two scorings' weights compared, where their files differ
+
+    @property
+    def problems(self) -> list[str]:
+        if self.kind == WEIGHTS:
+            return [f"not the same model: {self.weights.describe()}"] if self.weights.wrong else []
+        if self.measured.positions == 0:
+            return ["nothing compared: no output rows scored by both"]
+        return self.bounds.problems(self.measured)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def failure(self) -> str:
+        """What diverged, for the FAIL line."""
+        if self.kind == WEIGHTS:
+            return "; ".join(self.problems)
+        beyond = "the noise control" if self.noise is not None else "the ceiling"
+        return f"logits beyond {beyond}: {'; '.join(self.problems)} (bounds {self.bounds.describe()})"
+
+    def describe(self) -> str:
+        if self.kind == WEIGHTS:
+            what = "" if self.weights.wrong else (": the float control cannot make them one function; their "
+                                                   "logits are checked at the as-run tolerance only (weaker)")
+            return f"weights: {self.scorings[0]} vs {self.scorings[1]}: {self.weights.describe()}{what}"
+        measured = (f"max abs diff {self.measured.max_abs_diff:.3g}, mean KL {self.measured.kl_mean:.3g}, "
+                    f"p99 KL {self.measured.kl_p99:.3g}, same top-1 {self.measured.top1_agreement:.3f}")
+        power = f"; {self.power.describe()}" if self.power else ""
+        return (f"{self.kind}: {self.scorings[0]} vs {self.scorings[1]}, {self.prompts} prompts, "
+                f"{self.measured.positions} rows: {measured}; bounds {self.bounds.describe()}{power}")
+
+
+def noise_bounds(noise: LogitAgreement, logit_scale: float) -> Tolerance:
+    """The float control's bounds: FACTOR times the noise control's differences (FACTOR squared
+    for KL), each at least float32's rounding of logits of this scale."""
+    floor = FLOAT32_EPS * max(logit_scale, 1.0)
+    max_abs = FACTOR * max(noise.max_abs_diff, floor)
+    return Tolerance(f"{FACTOR:g}x the noise control (one-token decodes against one pass: max abs diff "
+                     f"{noise.max_abs_diff:.3g}, mean KL {noise.kl_mean:.3g}, p99 KL {noise.kl_p99:.3g}); "
+                     f"{FACTOR ** 2:g}x for KL", max_abs_diff=max_abs,
+                     kl_mean=FACTOR ** 2 * max(noise.kl_mean, floor ** 2),
+                     kl_p99=FACTOR ** 2 * max(noise.kl_p99, floor ** 2), top1=1.0, near_tie_flip=2 * max_abs)
+
+
+def pooled(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> LogitAgreement:
+    """One agreement over the rows of every prompt (each pair: both sides' rows of one prompt)."""
+    pairs = [(a, b) for a, b in pairs if len(a) and len(b)]
+    if not pairs:
+        return LogitAgreement(0, 0.0, 0.0, 1.0, 1.0)
+    return agreement(np.concatenate([a for a, _ in pairs]), np.concatenate([b for _, b in pairs]))
+
+
+def find_power(pairs: Sequence[tuple[np.ndarray, np.ndarray]], bounds: Tolerance, seed: int = 0) -> Optional[Power]:
+    """The smallest sigma (to 10%) at which B's rows plus Gaussian noise of that sigma fail the
+    bounds against A's, on up to POWER_ROWS rows spread over the prompts; None if no row."""
+    a = np.concatenate([x for x, _ in pairs]) if pairs else np.empty((0, 0))
+    b = np.concatenate([y for _, y in pairs]) if pairs else np.empty((0, 0))
+    if not len(a):
+        return None
+    pick = np.linspace(0, len(a) - 1, min(len(a), POWER_ROWS)).round().astype(int)
+    a, b = a[pick], b[pick]
+    if bounds.problems(agreement(a, b)):  # failed unperturbed: nothing left to measure
+        return None
+    noise = np.random.default_rng(seed).standard_normal(b.shape)
+    low, high = 0.0, 1e-6
+    while not bounds.problems(agreement(a, b + high * noise)):
+        low, high = high, high * 4
+        if high > 1e3:
+            return None
+    while high - low > 0.1 * high:
+        middle = (low + high) / 2
+        low, high = (low, middle) if bounds.problems(agreement(a, b + middle * noise)) else (middle, high)
+    return Power(high, agreement(a, b + high * noise).kl_mean)
+
+
+def reference_sequences(runs: Sequence[tuple[str, RunRecord]]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """prompt id -> (prompt ids, output ids) of the first run that finished it with an output:
+    the one token sequence every runtime scores for that prompt."""
+    found = {}
+    for _, record in runs:
+        if record.imported:
+            continue
+        for result in record.results:
+            if result.ok and result.output_ids and result.prompt_id not in found:
+                found[result.prompt_id] = (tuple(result.prompt_ids), tuple(result.output_ids))
+    return found
+
+
+def float_controls(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str, str], np.ndarray],
+                   threads: int = 1) -> tuple[ControlCheck, ...]:
+    """The float control over runs (module docstring): each pair of distinct float scorings, and
+    each quantized scoring against its float twin. as_run: the rows each run's own scoring gave
+    along the reference sequences, by (run label, prompt id)."""
+    references = reference_sequences(runs)
+    groups: dict[FloatScoring, list[tuple[str, RunRecord]]] = {}
+    for label, record in runs:
+        if not record.imported:
+            groups.setdefault(float_scoring(record), []).append((label, record))
+    if not references or not groups:
+        return ()
+    n_ctx = max(r.params.n_ctx for _, r in runs if not r.imported)
+    rows, noise = {}, {}
+    for scoring in groups:  # one model loaded at a time
+        with open_float(scoring, n_ctx, threads) as session:
+            for prompt_id, (prompt_ids, output_ids) in references.items():
+                full = score(session, prompt_ids, output_ids)
+                rows[scoring, prompt_id] = full
+                step = score_stepwise(session, prompt_ids, output_ids, min(CONTROL_ROWS, len(full)))
+                noise[scoring, prompt_id] = (full[:len(step)], step)
+    checks = []
+    scorings = list(groups)
+    for i, first in enumerate(scorings):
+        for second in scorings[i + 1:]:
+            runs_of = (tuple(l for l, _ in groups[first]), tuple(l for l, _ in groups[second]))
+            if first.digest != second.digest:
+                match = compare_weights(Path(first.source), Path(second.source))
+                if not match.same:
+                    checks.append(ControlCheck(WEIGHTS, (first.label, second.label), runs_of, len(references),
+                                               LogitAgreement(0, 0.0, 0.0, 1.0, 1.0), QUANTIZED_ONE_RUNTIME, None,
+                                               None, match))
+                if not match.same and not match.wrong:  # another precision: not one function to control
+                    continue
+            pairs = [(rows[first, p], rows[second, p]) for p in references]
+            control = _worst(pooled([noise[first, p] for p in references]),
+                             pooled([noise[second, p] for p in references]))
+            scale = max(float(np.abs(a).max()) for a, _ in pairs)
+            bounds = noise_bounds(control, scale)
+            checks.append(ControlCheck(FLOAT_CONTROL, (first.label, second.label), runs_of, len(references), pooled(pairs), bounds, control, find_power(pairs, bounds)))
+    for scoring, members in groups.items():
+        if scoring.model == scoring.source:
+            continue
+        label = members[0][0]
+        pairs = [(rows[scoring, p], as_run[label, p]) for p in references if (label, p) in as_run]
+        checks.append(ControlCheck(QUANTIZATION, (f"{scoring.label}", f"{label} as run"),
+                                   ((), tuple(l for l, _ in members)), len(pairs), pooled(pairs),
+                                   QUANTIZED_ONE_RUNTIME, None, find_power(pairs, QUANTIZED_ONE_RUNTIME)))
+    return tuple(checks)
+
+
+def _worst(a: LogitAgreement, b: LogitAgreement) -> LogitAgreement:
+    """The larger noise of two controls, statistic by statistic."""
+    return LogitAgreement(min(a.positions, b.positions), max(a.max_abs_diff, b.max_abs_diff),
+                          max(a.mean_abs_diff, b.mean_abs_diff), min(a.top1_agreement, b.top1_agreement),
+                          min(a.top5_overlap, b.top5_overlap), max(a.kl_mean, b.kl_mean),
+                          max(a.kl_median, b.kl_median), max(a.kl_p99, b.kl_p99), max(a.kl_max, b.kl_max),
+                          max(a.rms_delta_p, b.rms_delta_p))
+
+
+def judged_by_control(comparisons: Sequence, controls: Sequence[ControlCheck]) -> list:
+    """The comparisons with every split between two runs whose float control (or weights check)
+    failed taken out of "numerics": a near-tie between two functions that are not the same model
+    is no near-tie. Such splits become problems that say why."""
+    failed = [c for c in controls if not c.ok and c.kind in (FLOAT_CONTROL, WEIGHTS)]
+    judged = []
+    for comparison in comparisons:
+        why = next((c for c in failed if {comparison.run_a, comparison.run_b} <= set(c.runs[0] + c.runs[1])
+                    and not {comparison.run_a, comparison.run_b} <= set(c.runs[0])
+                    and not {comparison.run_a, comparison.run_b} <= set(c.runs[1])), None)
+        if why is None or not comparison.explained or comparison.imported:
+            judged.append(comparison)
+            continue
+        demoted = tuple(f"not numerics: {line} (the {why.kind} fails for these runs: {why.failure()})"
+                        for line in comparison.explained)
+        judged.append(dataclasses.replace(comparison, problems=comparison.problems + demoted, explained=()))
+    return judged

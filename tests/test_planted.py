@@ -1,0 +1,101 @@
+"""Planted bugs fail plain `crossrt parity`; the clean comparison passes (issue 46).
+
+Each plant (crossrt/builders/plants.py) puts one realistic bug into one runtime's copy of the
+model only: a transformers folder beside the clean GGUF, or a GGUF beside the clean folder, both
+named in one pair manifest (`gguf = ...`, `hf = ...`), as a user compares a GGUF with an HF
+folder. llama.cpp runs the GGUF, transformers the folder, and parity must exit 1 with a FAIL
+that names what diverged (the float control's logits, the weights, the tokenization): never a
+pass of splits labelled numerics. Nothing here depends on which prompt splits where.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from crossrt.builders.plants import PLANTS, PairFiles, plant_named
+from crossrt.cli import main
+
+from conftest import REPO
+
+TINY = REPO / "models" / "tiny"
+PROMPTS = [{"id": "code", "category": "code", "prompt": "def add(a, b):\n    return"},
+           {"id": "prose", "category": "prose", "prompt": "The river ran past the old mill and"}]
+# What a FAIL line of a planted bug may name: the float control's logits, the weights, the ids.
+NAMED = ("float control: logits beyond the noise control", "weights: not the same model",
+         "tokenizes the prompt text differently", "prompt token ids differ")
+
+
+def manifest(folder: Path, *files: Path) -> Path:
+    return PairFiles(*files).manifest(folder)
+
+
+def parity(pair: Path, folder: Path, tokens: int = 12):
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return CliRunner().invoke(main, ["parity", "--pair", str(pair), "--runtimes", "llama-cpp,transformers",
+                                     "--modes", "driven", "--prompts", str(prompts), "--max-new-tokens",
+                                     str(tokens), "--out-dir", str(folder / "runs")], catch_exceptions=False)
+
+
+def planted_pair(plant_name: str, folder: Path, *files: Path) -> Path:
+    """The manifest whose one runtime's target copy holds the plant."""
+    return PairFiles(*files).planted(plant_named(plant_name), folder).manifest(folder)
+
+
+def assert_fails_by_name(result, plant_name):
+    assert result.exit_code == 1, f"{plant_name} passed parity:\n{result.output}"
+    fails = [line for line in result.output.splitlines() if line.startswith("FAIL ")]
+    assert any(name in line for line in fails for name in NAMED), f"{plant_name}:\n" + "\n".join(fails)
+    assert result.output.strip().splitlines()[-1].startswith("parity: FAILED")
+
+
+def test_the_clean_tiny_pair_passes_with_its_power_stated(tmp_path):
+    pair = manifest(tmp_path, TINY / "target.f32.gguf", TINY / "target-hf", TINY / "drafter.f32.gguf",
+                    TINY / "drafter-hf")
+    result = parity(pair, tmp_path)
+    assert result.exit_code == 0, result.output
+    verdict = result.output.strip().splitlines()[-1]
+    assert verdict.startswith("parity: OK") and "logits against a float control in 1 pair" in verdict
+    assert "would catch logit noise of sigma" in verdict
+
+
+@pytest.mark.parametrize("plant_name", [p.name for p in PLANTS])
+def test_each_planted_kind_fails_on_the_tiny_pair(plant_name, tmp_path):
+    pair = planted_pair(plant_name, tmp_path, TINY / "target.f32.gguf", TINY / "target-hf",
+                        TINY / "drafter.f32.gguf", TINY / "drafter-hf")
+    assert_fails_by_name(parity(pair, tmp_path), plant_name)
+
+
+@pytest.fixture(scope="module")
+def gemma(real_pair):
+    """The real model's GGUFs and transformers' float conversions of them (made by setup)."""
+    from crossrt.backends.transformers import dequantized_folder
+
+    target, drafter = real_pair.path("target", "gguf"), real_pair.path("drafter", "gguf")
+    folders = dequantized_folder(target), dequantized_folder(drafter)
+    if not all(folder.is_dir() for folder in folders):
+        pytest.skip("the real model's conversions are made by scripts/setup (scripts/fetch_real_model)")
+    return target, folders[0], drafter, folders[1]
+
+
+def test_the_real_model_against_its_own_hf_folder_passes(gemma, tmp_path):
+    target, target_hf, drafter, drafter_hf = gemma
+    result = parity(manifest(tmp_path, target, target_hf, drafter, drafter_hf), tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "logits against a float control in 1 pair" in result.output.strip().splitlines()[-1]
+
+
+# On the real model a parity costs ~50 s on one thread: three kinds, two that only the float
+# control's logits can catch (the weights are the same) and one that the weights check names.
+# The exact GELU for Gemma's tanh approximation is not caught there (docs/parity.md).
+@pytest.mark.parametrize("plant_name", ["rope-base", "attention-scale", "block-weights"])
+def test_planted_kinds_fail_on_the_real_model(plant_name, gemma, tmp_path):
+    target, target_hf, drafter, drafter_hf = gemma
+    pair = planted_pair(plant_name, tmp_path, target, target_hf, drafter, drafter_hf)
+    try:
+        assert_fails_by_name(parity(pair, tmp_path), plant_name)
+    finally:
+        shutil.rmtree(tmp_path / "target-planted", ignore_errors=True)
