@@ -46,6 +46,7 @@ HISTOGRAM = "pooled_spec_decode_acceptance_histogram"
 SERVER_COUNTERS = {"steps": "vllm:spec_decode_num_drafts", "drafted": "vllm:spec_decode_num_draft_tokens",
                    "accepted": "vllm:spec_decode_num_accepted_tokens"}
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+GENERATED, FINISHED = "vllm:generation_tokens", "vllm:request_success"
 EXACT_FLOAT = 2 ** 53  # whole floats below it are exact; 2^53 itself may be 2^53 + 1 rounded by the parse
 
 
@@ -253,7 +254,13 @@ def _from_aggregate(data: dict, options: ReadOptions) -> SourceCounts:
             raise ImportFailure(f"--k {options.k}, but a step accepted {max(histogram)} draft tokens")
         per_pos = per_position(histogram, options.k)
         notes.append(f"aiperf: accepted_per_pos from {HISTOGRAM} (bucket j: steps accepting exactly j)")
-    return SourceCounts(steps, drafted, accepted, per_pos, k=options.k, notes=tuple(notes))
+    emitted = unverified = None
+    if all(isinstance(data.get(name), dict) for name in ("total_usage_completion_tokens", "completed_request_count")):
+        emitted = _count(data["total_usage_completion_tokens"].get("avg"), "total_usage_completion_tokens.avg")
+        unverified = _count(data["completed_request_count"].get("avg"), "completed_request_count.avg")
+        notes.append("aiperf: emitted = total_usage_completion_tokens; one unverified token per completed request "
+                     "(vLLM's first token comes from the prefill), so cut = requests + steps + accepted - emitted")
+    return SourceCounts(steps, drafted, accepted, per_pos, emitted, unverified, k=options.k, notes=tuple(notes))
 
 
 def _server_series(metrics: Mapping, name: str) -> Optional[list[tuple[dict, int]]]:
@@ -296,9 +303,16 @@ def _from_server_metrics(metrics: Mapping, options: ReadOptions) -> SourceCounts
         raise ImportFailure(f"the per-position counters {sorted(positions.items())} do not sum to the {accepted} "
                             f"accepted tokens within k = {k}")
     notes = ["aiperf: server_metrics_export.json: steps, drafted, accepted from the increase (stats.total) of "
-             f"{', '.join(SERVER_COUNTERS.values())} over the benchmark, summed over series (endpoints, engines)" +
+             f"{', '.join(SERVER_COUNTERS.values())} over the benchmark's profiling phase (`metrics`; its warm-up is "
+             "apart), summed over series (endpoints, engines)" +
              (f"; accepted_per_pos from {PER_POSITION}" if per_pos is not None else "")]
-    return SourceCounts(steps, drafted, accepted, per_pos, k=k, notes=tuple(notes))
+    generated, finished = (_server_series(metrics, name) for name in (GENERATED, FINISHED))
+    emitted = unverified = None
+    if generated is not None and finished is not None:
+        emitted, unverified = sum(n for _, n in generated), sum(n for _, n in finished)
+        notes.append(f"aiperf: emitted = {GENERATED}; one unverified token per finished request ({FINISHED}, every "
+                     "finished_reason: vLLM's first token comes from the prefill)")
+    return SourceCounts(steps, drafted, accepted, per_pos, emitted, unverified, k=k, notes=tuple(notes))
 
 
 def read_aiperf(text: str, options: ReadOptions) -> SourceCounts:
