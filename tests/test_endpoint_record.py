@@ -82,6 +82,14 @@ def test_the_record_states_the_servers_settings_and_unknown_where_it_does_not_sa
                for note in record.notes), record.notes
     assert any(note.startswith("numerics settings as the server reports them: none reported") for note in record.notes)
     assert "sekrit" not in out.read_text() and record.runtime.device == f"server {own_servers.urls[0]}/"
+    # Parity does not compare counts it cannot know were made alike: unknown is "not compared", and why.
+    driven = tmp_path / "driven.json"
+    assert CliRunner().invoke(main, ["run", "--pair", str(TINY_PAIR), "--k", "3", "--schedule", "llama-server",
+                                     "--max-new-tokens", "8", "--out", str(driven)]).exit_code == 0
+    parity = CliRunner().invoke(main, ["parity", "--no-logits", str(out), str(driven)])
+    assert "counters not compared (the endpoint record states no draft_n_min, draft_p_min)" in parity.output, \
+        parity.output
+    assert "counters unexplained" not in parity.output
 
 
 @needs_server

@@ -302,13 +302,18 @@ def test_a_full_disk_leaves_no_half_written_report(small_record, tmpfs):
 @pytest.mark.parametrize("command", [["parity", "--no-logits", "{a}", "{a}"], ["show", "{a}", "{a}"],
                                      ["diff", "{a}", "{a}"], ["report", "{a}", "{a}", "-o", "{out}/r.md"],
                                      ["parity", "--no-logits", "{a}", "{link}"], ["show", "{a}", "{dotted}"],
-                                     ["parity", "--no-logits", "{a}", "--against", "{a}"]],
-                         ids=["parity", "show", "diff", "report", "parity-symlink", "show-dotted", "parity-against"])
+                                     ["parity", "--no-logits", "{a}", "--against", "{a}"],
+                                     ["parity", "--no-logits", "{a}", "{copy}"], ["diff", "{a}", "{hard}"]],
+                         ids=["parity", "show", "diff", "report", "parity-symlink", "show-dotted", "parity-against",
+                              "parity-copy", "diff-hard-link"])
 def test_the_same_record_twice_is_one_line(small_record, tmp_path, command):
-    link = tmp_path / "link.json"
+    """By content, not path: a symlink, a hard link and a byte-for-byte copy are the record again."""
+    link, copy, hard = tmp_path / "link.json", tmp_path / "copy.json", tmp_path / "hard.json"
     link.symlink_to(small_record)
+    copy.write_bytes(small_record.read_bytes())
+    os.link(small_record, hard)
     names = {"a": small_record, "link": link, "dotted": small_record.parent / "." / small_record.name,
-             "out": tmp_path}
+             "out": tmp_path, "copy": copy, "hard": hard}
     line = output_error(crossrt(*(arg.format(**names) for arg in command), cwd=tmp_path))
     assert "is given twice" in line, line
 

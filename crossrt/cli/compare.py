@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -30,12 +31,19 @@ from crossrt.compare.tau_gap import parity_gaps
 
 
 def distinct_records(paths: Sequence[Path]) -> None:
-    """RecordError when one record file is given twice (as `report` refuses it): a run
-    compared with itself agrees by construction, and its prompts would count twice."""
-    resolved = [Path(path).resolve() for path in paths]
-    for index, path in enumerate(resolved):
-        if path in resolved[:index]:
-            raise RecordError(f"{paths[index]} is given twice")
+    """RecordError when one record is given twice (as `report` refuses it): the same path, or
+    another path to the same content (a hard link, a byte-for-byte copy): a run compared with
+    itself agrees by construction, and its prompts would count twice."""
+    seen: dict[str, Path] = {}
+    for path in paths:
+        try:
+            key = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        except OSError:
+            continue  # unreadable: loading it says why, in one line
+        if key in seen:
+            same = "" if Path(path).resolve() == Path(seen[key]).resolve() else f" (the same record as {seen[key]})"
+            raise RecordError(f"{path} is given twice{same}")
+        seen[key] = path
 
 
 @click.command()

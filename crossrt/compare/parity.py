@@ -93,10 +93,12 @@ def counting_difference(a: RunRecord, b: RunRecord) -> str:
     parts = [f"{key} differs: {getattr(a.params, key)} vs {getattr(b.params, key)}" for key in COUNTING
              if None not in (getattr(a.params, key), getattr(b.params, key))
              and getattr(a.params, key) != getattr(b.params, key)]
-    for record in dict.fromkeys(r for r in (a, b) if r.imported):  # one line per import, not per side
+    # An import, or an attached server that does not report a setting (docs/endpoint.md): unknown.
+    for record in dict.fromkeys((a, b)):  # one line per record, not per side
         unstated = [key for key in COUNTING if getattr(record.params, key) is None]
         if unstated:
-            parts.append(f"the {record.imported.format} import states no {', '.join(unstated)}")
+            what = f"the {record.imported.format} import" if record.imported else f"the {record.runtime.name} record"
+            parts.append(f"{what} states no {', '.join(unstated)}")
     return "; ".join(parts)
 
 

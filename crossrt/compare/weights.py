@@ -101,10 +101,11 @@ def _folder_tensors(folder: Path) -> Iterator[tuple[str, tuple[None, np.ndarray]
 def _as_folder(path: Path) -> Path:
     """A GGUF's weights as transformers names them: the transformers runtime's conversion."""
     from crossrt.backends.transformers import dequantized_folder, load_model
+    from crossrt.backends.transformers_conversion import conversion_files
     from crossrt.run.runtime import RuntimeOptions
 
     folder = dequantized_folder(path)
-    if not folder.is_dir():
+    if conversion_files(folder, path) is None:  # checked against its digests where it exists
         load_model(path, RuntimeOptions())  # converts and caches
     return folder
 
