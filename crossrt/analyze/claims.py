@@ -3,7 +3,7 @@
 A claims file (TOML, docs/claims.md) holds `[[claim]]` tables: who reported what, on which
 runtime, pair, draft length and hardware, and per category the numbers they saw. This module
 reads claims and compares a run record with one; running what this machine can is
-`crossrt reproduce` (crossrt/cli/reproduce.py).
+crossrt/analyze/reproduce.py (`crossrt reproduce`).
 """
 
 from __future__ import annotations

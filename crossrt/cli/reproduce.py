@@ -1,181 +1,23 @@
-"""`crossrt reproduce`: run the claims this machine can run and compare them with what they claim.
-
-Planning a claim collects every reason it cannot run here (sampling, drafting method, runtime,
-pair files, prompts) rather than stopping at the first, so one pass shows all that is missing.
-"""
+"""`crossrt reproduce`: run the claims this machine can run and compare them with what they claim
+(planned, run and checked in crossrt/analyze/reproduce.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Sequence
 
 import click
 
-from crossrt.inputs.chat_template import ChatTemplateError, apply_template
-from crossrt.analyze.claims import Claim, ClaimError, Outcome, check_record, exit_code, load_claims, render
+from crossrt.analyze.claims import ClaimError, Outcome, check_record, exit_code, load_claims, render
+from crossrt.analyze.reproduce import Settings, reproduce_claim
 from crossrt.cli.common import PROMPTS_HELP, user_errors
 from crossrt.cli.options import runtime_options
-from crossrt.errors import USER_ERRORS
-from crossrt.run.baselines import BaselineStore
-from crossrt.run.driver import RunRequest, run_pair
-from crossrt.run.loop import SCHEDULE
-from crossrt.inputs.pairs import ROLES, Pair, PairError, resolve_pair
-from crossrt.inputs.prompts import Prompt, PromptError, load_prompts, relabel, source_relative_to
-from crossrt.run.runtime import (DraftRules, RuntimeOptions, RuntimeUnavailable, Server, availability, runtime_class,
-                                 runtime_names)
 from crossrt.records.record_json import load_record
 from crossrt.records.schema import RunRecord
-
-@dataclass(frozen=True)
-class Settings:
-    """What the command line adds to every claim."""
-
-    options: RuntimeOptions
-    max_new_tokens: int  # for claims that state none
-    prompts: str  # suite for claims that name none
-    out_dir: Path
-    hardware: Optional[str]
-    resume: bool
-    # The servers attaching runtimes found at --url, or why none: asked once per command.
-    servers: dict[tuple[str, str], Union[Server, str]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Plan:
-    request: RunRequest
-    prompts: tuple[Prompt, ...]
-
-
-def claim_prompts(claim: Claim, default_source: str) -> list[Prompt]:
-    """The claim's prompts: one suite per category, relabelled to it, or one suite (the
-    claim's or the default) kept to the claimed categories (all of it for overall-only claims)."""
-    base = claim.origin.parent
-    if isinstance(claim.prompts, tuple):
-        prompts = [p for category, source in claim.prompts
-                   for p in relabel(load_prompts(source_relative_to(source, base)), category)]
-        ids = [p.id for p in prompts]
-        repeated = sorted({i for i in ids if ids.count(i) > 1})
-        if repeated:
-            raise PromptError(f"prompt id(s) {', '.join(repeated)} appear in more than one of the claim's suites")
-        return prompts
-    source = source_relative_to(claim.prompts, base) if claim.prompts else default_source
-    wanted = set(claim.categories)
-    return [p for p in load_prompts(source) if not wanted or p.category in wanted]
-
-
-def claim_pair(claim: Claim) -> Pair:
-    """The claim's manifest: a path relative to the claims file, else one crossrt resolves
-    (a path from the working folder, or a name under models/pairs)."""
-    candidate = claim.origin.parent / claim.pair
-    return resolve_pair(str(candidate) if candidate.is_file() else claim.pair)
-
-
-def _pair_reasons(claim: Claim, model_format: Optional[str]) -> list[str]:
-    if claim.pair is None:
-        return ["the claim names no pair manifest (pair)"]
-    try:
-        pair = claim_pair(claim)
-        if model_format is not None:
-            for role in ROLES:
-                pair.path(role, model_format)
-        elif not all(any(pair.files[role].values()) for role in ROLES):
-            return [f"pair {pair.name!r} ({pair.source}): its model paths are left empty; fill them in"]
-    except PairError as error:
-        return [str(error)]
-    return []
-
-
-def _attached(runtime: str, url: str) -> Union[Server, str]:
-    """The server at url as runtime attaches to it; else why not."""
-    try:
-        return runtime_class(runtime).attach_server(url)
-    except USER_ERRORS as error:
-        return str(error)
-
-
-def _server_reasons(runtime: str, claim: Claim, settings: Settings) -> list[str]:
-    """Why claim cannot run on the server the runtime attaches to (--url): none given, nothing
-    fit there, or a draft length (the server's own setting) other than the claim's k."""
-    url = settings.options.url
-    if url is None:
-        return [f"runtime {runtime!r} attaches to a server you run: give --url URL (and --baseline-url URL)"]
-    if (runtime, url) not in settings.servers:  # asked once per command
-        settings.servers[runtime, url] = _attached(runtime, url)
-    server = settings.servers[runtime, url]
-    if isinstance(server, str):
-        return [server]
-    if server.k is not None and server.k != claim.k:
-        return [f"the server at {server.url} drafts up to {server.k} tokens (its own setting), the claim's k is "
-                f"{claim.k}: attach a server started with k {claim.k}"]
-    return []  # a server that does not report its draft length yet: the run checks it once it has drafted
-
-
-def plan_claim(claim: Claim, settings: Settings) -> tuple[Optional[Plan], list[str]]:
-    """The run reproducing claim, or every reason it cannot run on this machine."""
-    reasons = []
-    if claim.sampling != "greedy":
-        reasons.append(f"sampling {claim.sampling!r}: crossrt decodes greedily only")
-    runtime = None
-    if claim.crossrt_runtime is None:
-        reasons.append(f"no crossrt runtime reproduces {claim.runtime!r} (crossrt_runtime)")
-    else:
-        try:
-            runtime = runtime_class(claim.crossrt_runtime)
-        except RuntimeUnavailable:
-            pass  # unknown or not importable here: the availability reason says so
-        if runtime is not None and runtime.attaches:  # usable wherever its server answers
-            reasons += _server_reasons(claim.crossrt_runtime, claim, settings)
-        else:
-            unavailable = availability(claim.crossrt_runtime)
-            if unavailable:
-                reasons.append(unavailable)
-    mode = claim.mode or ("native" if runtime is not None and "native" in runtime.modes else "driven")
-    if runtime is not None and mode not in runtime.modes:
-        reasons.append(f"runtime {runtime.name!r} has no {mode} mode (it has: {', '.join(runtime.modes)})")
-    # Block drafters, MTP heads and n-gram drafting are a runtime's own: whether a native runtime
-    # has the claim's method is known only when it starts, and a refusal then is a failed run.
-    if mode == "driven" and claim.spec_type != "draft":
-        reasons.append(f"spec_type {claim.spec_type!r}: crossrt's driven loop drafts with a drafter model only; "
-                       "it needs a runtime's native mode")
-    reasons += _pair_reasons(claim, runtime.model_format if runtime is not None else None)
-    prompts: list[Prompt] = []
-    try:
-        prompts = claim_prompts(claim, settings.prompts)
-        present = {p.category for p in prompts}
-        if not prompts or (claim.categories and not present & set(claim.categories)):
-            reasons.append(f"none of the claimed categories ({', '.join(claim.categories)}) is in the prompt suite "
-                           f"{claim.prompts or settings.prompts!r}")
-    except PromptError as error:
-        reasons.append(f"prompts: {error}")
-    if reasons:
-        return None, reasons
-    pair = claim_pair(claim)
-    try:  # the claim's template use, exactly: "chat" on a pair without a template cannot run
-        prompts, rendering, prompt_format = apply_template(prompts, pair, claim.template)
-    except ChatTemplateError as error:
-        return None, [str(error)]
-    request = RunRequest(pair, claim.crossrt_runtime, settings.options, DraftRules(claim.k, spec_type=claim.spec_type),
-                         claim.max_new_tokens or settings.max_new_tokens, settings.out_dir / f"{claim.id}.json",
-                         mode, claim.schedule or SCHEDULE, resume=settings.resume, overwrite=not settings.resume,
-                         chat=rendering, prompt_format=prompt_format, baselines=BaselineStore.default())
-    return Plan(request, tuple(prompts)), []
-
-
-def reproduce_claim(claim: Claim, settings: Settings) -> Outcome:
-    plan, reasons = plan_claim(claim, settings)
-    if plan is None:
-        return Outcome(claim, skipped=tuple(reasons))
-    request = plan.request
-    click.echo(f"running {claim.id}: {request.runtime} {request.mode} k={claim.k}, {len(plan.prompts)} prompts "
-               f"({claim.describe_prompts()}, template {claim.template}), {request.max_new_tokens} tokens each", err=True)
-    try:
-        record = run_pair(request, plan.prompts)
-    except USER_ERRORS as error:
-        return Outcome(claim, error=str(error), record=request.out)
-    return Outcome(claim, check_record(claim, record, settings.hardware), record=request.out)
+from crossrt.run.runtime import runtime_names
 
 
 def _measured(item: str) -> tuple[str, Path]:
@@ -241,8 +83,9 @@ def reproduce(claims_files: Sequence[Path], only, prompt_source, max_new_tokens,
     if unknown:
         raise ClaimError(f"no claim {', '.join(map(repr, unknown))} (claims: {', '.join(ids)})")
     settings = Settings(options, max_new_tokens, prompt_source, out_dir, hardware, resume)
+    say = functools.partial(click.echo, err=True)  # which claim runs now, beside the verdicts on stdout
     outcomes = [Outcome(claim, check_record(claim, _measured_record(claim.id, given[claim.id]), hardware),
                         record=given[claim.id], measured=True) if claim.id in given
-                else reproduce_claim(claim, settings) for claim in claims if not only or claim.id in only]
+                else reproduce_claim(claim, settings, say) for claim in claims if not only or claim.id in only]
     click.echo(render(outcomes))
     sys.exit(exit_code(outcomes, strict))

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from crossrt.errors import CrossrtError
-from crossrt.run.runtime import RuntimeUnavailable, Server, runtime_class, runtime_names, without_user_info
+from crossrt.run.attach import attach, attaches
+from crossrt.run.runtime import Server, without_user_info
 from crossrt.sweep.cell import DEFAULTS, SweepError
 
 # What a server fixes for itself: its cells take the defaults, whatever the axes say.
@@ -64,18 +65,9 @@ class Attachment:
     exclusive: tuple[str, ...]
 
 
-def _attaches(runtime: Any) -> bool:
-    if runtime not in runtime_names():  # an unknown name: the plan refuses it
-        return False
-    try:
-        return runtime_class(runtime).attaches
-    except RuntimeUnavailable:  # not importable here: a worker elsewhere may have it
-        return False
-
-
 def _attach(runtime: str, url: str) -> Server:
     try:
-        return runtime_class(runtime).attach_server(url)
+        return attach(runtime, url)
     except CrossrtError as error:
         raise SweepError(f"--url {without_user_info(url)}: {error}") from None
 
@@ -85,7 +77,7 @@ def attach_cells(values: list[dict[str, Any]], servers: Servers) -> tuple[list[d
     """values (one per cell; k None where the file gives none) with each value of a runtime that
     attaches made one per server (module docstring); the attachments by URL; warnings. Asks each
     server what it is (one HTTP round per server and endpoint, no generation)."""
-    attaching = {name for name in {value["runtime"] for value in values} if _attaches(name)}
+    attaching = {name for name in {value["runtime"] for value in values} if attaches(name)}
     given = servers.pairs()
     if given and not attaching:
         raise SweepError("--url: no cell of the sweep attaches to a server (runtime = \"endpoint\")")
