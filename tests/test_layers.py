@@ -63,3 +63,31 @@ def test_nothing_outside_the_command_line_imports_it():
     importers = [_module(path) for path in _sources() if _layer(_module(path)) != "cli"
                  and any(_layer(imported) == "cli" for imported in _imports(path))]
     assert not importers
+
+
+# What one command module may take from another: the shared pieces, and (for the group in
+# cli/main.py) the click commands themselves. Anything else a command module needs from another
+# is domain or a helper that belongs in a stage or in one of these.
+CLI_SHARED = ("crossrt.cli.common", "crossrt.cli.options", "crossrt.cli.prompt_options")
+
+
+def test_command_modules_take_only_shared_pieces_or_commands_from_each_other():
+    import importlib
+
+    import click
+
+    taken = []
+    for path in _sources():
+        own = _module(path)
+        if _layer(own) != "cli":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom) or node.level != 0 or node.module is None:
+                continue
+            if _layer(node.module) != "cli" or node.module in CLI_SHARED or node.module == "crossrt.cli":
+                continue
+            source = importlib.import_module(node.module)
+            for alias in node.names:
+                if not isinstance(getattr(source, alias.name, None), click.Command):
+                    taken.append(f"{own} imports {alias.name} from {node.module}")
+    assert not taken, "\n".join(taken)

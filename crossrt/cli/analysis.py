@@ -1,39 +1,33 @@
 """The commands that explain acceptance: `crossrt analyze` (records and their traces) and
-`crossrt simulate` (what-if runs of every schedule from an oracle trace)."""
+`crossrt simulate` (what-if runs of every schedule from an oracle trace, and the tree study).
+They parse, call crossrt/analyze/analysis.py and crossrt/simulate/study.py, and print."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import json
 import math
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import click
 
 from crossrt.analyze import analysis
-from crossrt.report.ceiling import load_ceilings
-from crossrt.cli.common import PROMPTS_HELP, refuse_inputs_as_outputs, user_errors
-from crossrt.cli.compare import distinct_records
+from crossrt.cli.common import PROMPTS_HELP, Increasing, distinct_records, refuse_inputs_as_outputs, user_errors
 from crossrt.cli.options import pair_options, runtime_options, strategy_options
-from crossrt.cli.trees import max_tree_rows, render_ceiling, render_section, run_trees, tree_section
-from crossrt.errors import PromptRefused, SettingsError
-from crossrt.records.journal import write_atomically
-from crossrt.inputs.pairs import ROLES, pair_info, run_k
 from crossrt.inputs.prompts import load_prompts
+from crossrt.records.journal import write_atomically
 from crossrt.records.record_json import load_record
-from crossrt.simulate.adaptive import simulate_policy
-from crossrt.run.policies import DraftPolicy
-from crossrt.run.isolation import call_isolated, isolated
-from crossrt.run.runtime import DraftRules, open_runtime, runtime_names
 from crossrt.records.schema import RunRecord
-from crossrt.simulate.schedules import LLAMA, SIMULATED, ScheduleResult, compare_with_record, summarize_schedule
-from crossrt.simulate.oracle import (Oracle, Policy, PolicyResult, Simulation, build_oracle, measure_costs, simulate,
-                                  simulate_suite, summarize)
-from crossrt.run.strategies import Strategy
 from crossrt.records.tables import format_table
+from crossrt.run.runtime import runtime_names
+from crossrt.simulate.ceiling import Ceiling, load_ceilings
+from crossrt.simulate.oracle import PolicyResult, Simulation
+from crossrt.simulate.schedules import SIMULATED, ScheduleResult
+from crossrt.simulate.study import StudyRequest, check_simulated, per_prompt, study
+from crossrt.simulate.tree_section import TreeSection
 
 ALL = "ALL"
 
@@ -48,23 +42,6 @@ def _signed(value: Optional[float]) -> str:
 
 def _name(category: Optional[str]) -> str:
     return ALL if category is None else category
-
-
-class Increasing(click.ParamType):
-    """Comma-separated increasing numbers (bucket edges, thresholds); `inf` allowed."""
-
-    name = "NUMBERS"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, tuple):
-            return value
-        try:
-            edges = tuple(float(part) for part in str(value).split(","))
-        except ValueError:
-            self.fail(f"{value!r} is not a comma-separated list of numbers", param, ctx)
-        if any(b <= a for a, b in zip(edges, edges[1:])):
-            self.fail(f"{value!r}: give increasing numbers", param, ctx)
-        return edges
 
 
 def render_record(path: Path, record: RunRecord, trace: dict, entropy_edges: Sequence[float]) -> str:
@@ -167,85 +144,53 @@ def render_schedules(results: Sequence[ScheduleResult]) -> str:
     return "\n\n".join(blocks)
 
 
-def schedule_results(oracles: Sequence[Oracle], schedules: Sequence[str], n_min: Optional[int], p_min: float,
-                     max_k: int) -> list[ScheduleResult]:
-    """Each schedule at every k up to max_k; the llama-* ones with n_min and p_min (from k = n_min
-    on), the others drafting k tokens, as they do."""
-    if (n_min is not None or p_min > 0) and not set(schedules) & set(LLAMA):
-        raise SettingsError(f"--draft-n-min and --draft-p-min are drafting rules of the {' and '.join(LLAMA)} "
-                            "schedules: name one with --schedule")
-    results = []
-    for schedule in schedules:
-        llama = schedule in LLAMA
-        for k in range(max(1, n_min or 1) if llama else 1, max_k + 1):
-            rules = DraftRules(k, k if n_min is None or not llama else n_min, p_min if llama else 0.0)
-            results += summarize_schedule(oracles, schedule, rules)
-    return results
+def render_section(section: TreeSection) -> str:
+    """The tree study: each tree's simulated tau per category, the ceiling table, real tree runs."""
+    trees = {t.label: t for t in section.trees}
+    categories = [_name(r.category) for r in section.results if r.tree == section.trees[0].label]
+    rows = [["tree", "nodes", "depth", "tokens/pass"] + categories]
+    for tree in section.trees:
+        group = [r for r in section.results if r.tree == tree.label]
+        rows.append([tree.label, str(tree.n_nodes), str(tree.depth), _number(group[-1].verify_tokens, 1)]
+                    + [f"{_number(r.tau)} ({_number(r.speedup)}x)" for r in group])
+    blocks = ["simulated tree verification, tau (predicted speedup over plain greedy); tokens/pass: target "
+              "tokens per verify pass:\n" + format_table(rows)]
+    for label, tree in trees.items():
+        if label.startswith("best"):
+            blocks.append(f"{label}: {[list(p) for p in tree.paths]}")
+    blocks.append(render_ceiling(section.ceiling))
+    if section.chain_mismatch:
+        blocks.append("width-1 tree and chain simulator differ (a near-tie scored differently by the two "
+                      f"oracles' drafter passes): {', '.join(section.chain_mismatch)}")
+    if section.runs:
+        rows = [["tree", "prompts", "lossless", "as simulated", "steps", "tau", "tok/s", "greedy tok/s", "speedup"]]
+        for run in section.runs:
+            t = run.totals
+            rows.append([run.tree, str(run.prompts), str(run.lossless), str(run.as_simulated), str(run.steps),
+                         _number(t.tau), _number(t.tokens_per_s, 1), _number(t.baseline_tokens_per_s, 1),
+                         _number(t.speedup)])
+        blocks.append("real tree verification on llama.cpp (lossless: the greedy output; as simulated: of "
+                      "those, the simulator's steps exactly):\n" + format_table(rows))
+    return "\n\n".join(blocks)
 
 
-def check_simulated(strategy: Strategy, drafting: str, tree_specs: Sequence[str]) -> None:
-    """SettingsError for a strategy the oracle cannot replay: it holds a drafter model's greedy
-    drafts and the target's greedy output, so chains and trees of that drafter under any k
-    policy, accepted greedily."""
-    if drafting == "prompt-lookup":
-        raise SettingsError("--drafting prompt-lookup: crossrt simulate replays a drafter model's drafts; run "
-                            "prompt lookup with crossrt run --drafting prompt-lookup")
-    if drafting == "tree" and not tree_specs:
-        raise SettingsError("--drafting tree: name the trees to simulate with --tree (WxD, best:N or a file)")
-    if strategy.acceptance != "greedy":
-        raise SettingsError("--acceptance relaxed: crossrt simulate's oracle holds greedy steps only; run relaxed "
-                            "acceptance with crossrt run --acceptance relaxed")
-
-
-def _per_prompt(oracles: Sequence[Oracle], max_k: int) -> list[dict]:
-    result = []
-    for oracle in oracles:
-        runs = [simulate(oracle, Policy(k)) for k in range(1, max_k + 1)]
-        result.append({"prompt_id": oracle.prompt_id, "category": oracle.category, "output_tokens": len(oracle.output),
-                       "by_k": [{"k": k + 1, "steps": run.steps, "drafted": run.drafted, "accepted": run.accepted}
-                                for k, run in enumerate(runs)]})
-    return result
-
-
-def _simulation(pair, runtime_name, options, prompts, max_k, max_new_tokens, thresholds, records, schedules,
-                draft_n_min, draft_p_min, strategy, tree_specs, ceiling_k, tree_budget, top_b, run_trees_too):
-    """What simulate computes with the models loaded: the oracles and everything read from them,
-    with the pair's and runtime's info (run in a process of its own for an in-process runtime)."""
-    with contextlib.ExitStack() as stack:  # the sessions, freed however the block ends
-        runtime = open_runtime(runtime_name, options)
-        info = pair_info(pair, runtime.model_format)
-        sessions = {role: stack.enter_context(runtime.load(pair.path(role, runtime.model_format)))
-                    for role in ROLES}
-        oracles = []
-        for prompt in prompts:
-            try:
-                oracles.append(build_oracle(sessions["target"], sessions["drafter"], prompt.id, prompt.category,
-                                            sessions["target"].tokenize(prompt.text), max_new_tokens, max_k))
-            except PromptRefused as error:
-                click.echo(f"skipped {prompt.id}: {error}", err=True)
-        if not oracles:
-            raise PromptRefused("no prompt could run")
-        # Passes are timed at the average decoding position of the median prompt.
-        typical = sorted(oracles, key=lambda o: len(o.prompt_ids) + len(o.output))[len(oracles) // 2]
-        context = typical.prompt_ids + typical.output[:len(typical.output) // 2]
-        rows = max(max_k + 1, max_tree_rows(tree_specs, tree_budget)) if tree_specs else max_k + 1
-        costs = measure_costs(sessions["target"], sessions["drafter"], context, rows)
-        sim = simulate_suite(oracles, costs, max_k, thresholds)
-        k = run_k(pair, ceiling_k)
-        k_policy = [] if strategy.k_policy == "fixed" else summarize(
-            [simulate_policy(oracle, DraftPolicy.of(strategy, k), sessions["target"].detokenize)
-             for oracle in oracles], costs, strategy.label())
-        section = None
-        if tree_specs:
-            section = tree_section(sessions["drafter"], oracles, sim, tree_specs, k, tree_budget, top_b, max_k)
-        if run_trees_too:
-            if section is None:
-                raise SettingsError("--run-trees runs the --tree trees: name one")
-            section = run_trees(section, runtime, pair.path("target", runtime.model_format), sessions["target"],
-                                sessions["drafter"])
-        checks = [(path, *compare_with_record(oracles, load_record(path))) for path in records]
-        what_if = schedule_results(oracles, schedules, draft_n_min, draft_p_min, max_k)
-    return info, runtime.info(), oracles, sim, k_policy, section, checks, what_if
+def render_ceiling(rows: Sequence[Ceiling], measured: Optional[Mapping[Optional[str], Optional[float]]] = None) -> str:
+    """The ceiling table; measured: a record's tau per category, shown first when given."""
+    if not rows:
+        return "no ceiling table"
+    first = rows[0]
+    head = ["category"] + (["measured tau"] if measured is not None else []) + [
+        f"chain k={first.k}", "best chain k", f"best tree <= {first.tree_budget} nodes", "held out",
+        f"top-{first.top_b} ceiling (depth {first.top_b_depth})"]
+    table = [head]
+    for c in rows:
+        table.append([_name(c.category)] + ([_number(measured.get(c.category))] if measured is not None else []) + [
+            _number(c.chain_tau), f"k={c.best_k}: {_number(c.best_k_tau)} ({_number(c.best_k_speedup)}x)",
+            f"{c.tree_nodes}n d{c.tree_depth}: {_number(c.tree_tau)} ({_number(c.tree_speedup)}x)",
+            _number(c.tree_heldout_tau), _number(c.top_b_tau)])
+    return ("ceiling per category, tau with the bonus token (predicted speedup); best tree fitted on these "
+            "prompts (in-sample; held out: fitted on the other half of them); top-b: the target's token always among the drafter's b best:\n"
+            + format_table(table))
 
 
 @click.command(name="simulate")
@@ -305,15 +250,17 @@ def simulate_command(pair, runtime_name, prompt_source, max_k, max_new_tokens, t
     check_simulated(strategy, drafting, tree_specs)
     if out:  # before the models load; a --tree may name a choice-list file
         refuse_inputs_as_outputs({"--out": out}, [*records, *(Path(s) for s in tree_specs if Path(s).is_file())])
-    prompts = load_prompts(prompt_source)
-    args = (pair, runtime_name, options, prompts, max_k, max_new_tokens, thresholds, records, schedules, draft_n_min,
-            draft_p_min, strategy, tree_specs, ceiling_k, tree_budget, top_b, run_trees_too)
-    # The models load and run in a process of their own where the runtime runs in-process: a crash is one line.
-    info, runtime_info, oracles, sim, k_policy, section, checks, what_if = (
-        call_isolated(runtime_name, _simulation, *args) if isolated(runtime_name) else _simulation(*args))
+    request = StudyRequest(pair=pair, runtime=runtime_name, options=options, prompts=load_prompts(prompt_source),
+                           max_k=max_k, max_new_tokens=max_new_tokens, thresholds=thresholds, records=records,
+                           schedules=schedules, draft_n_min=draft_n_min, draft_p_min=draft_p_min, strategy=strategy,
+                           tree_specs=tree_specs, ceiling_k=ceiling_k, tree_budget=tree_budget, top_b=top_b,
+                           run_trees=run_trees_too)
+    result = study(request, functools.partial(click.echo, err=True))
+    info, oracles, sim, section, checks, what_if = (result.pair, result.oracles, result.sim, result.section,
+                                                    result.checks, result.what_if)
     click.echo(f"{info.name} on {runtime_name}: {len(oracles)} prompts, {max_new_tokens} new tokens, "
                f"oracle drafts of {max_k}\n")
-    click.echo(render_simulation(sim, k_policy))
+    click.echo(render_simulation(sim, result.k_policy))
     if section is not None:
         click.echo("\n" + render_section(section))
     if what_if:
@@ -331,11 +278,11 @@ def simulate_command(pair, runtime_name, prompt_source, max_k, max_new_tokens, t
             click.echo(f"  {line}")
     if out:
         results = json.dumps({
-            "pair": dataclasses.asdict(info), "runtime": dataclasses.asdict(runtime_info),
+            "pair": dataclasses.asdict(info), "runtime": dataclasses.asdict(result.runtime),
             "prompts": prompt_source, "max_new_tokens": max_new_tokens, "max_k": max_k,
             "thresholds": list(thresholds), **dataclasses.asdict(sim),
-            "k_policy": [dataclasses.asdict(r) for r in k_policy],
-            "per_prompt": _per_prompt(oracles, max_k), **(section.as_json() if section else {}),
+            "k_policy": [dataclasses.asdict(r) for r in result.k_policy],
+            "per_prompt": per_prompt(oracles, max_k), **(section.as_json() if section else {}),
             "schedules": [{**dataclasses.asdict(r), "tau": r.tau, "alpha": r.alpha} for r in what_if],
         }, indent=1) + "\n"
         # Whole or not at all; a full disk or a read-only folder is a one-line error (user_errors).

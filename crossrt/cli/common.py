@@ -1,9 +1,10 @@
-"""Pieces the crossrt commands share: option types, and user_errors, which shows crossrt's own
-errors as one-line exits rather than tracebacks."""
+"""Pieces the crossrt commands share: option types, the checks of their inputs and outputs, and
+user_errors, which shows crossrt's own errors as one-line exits rather than tracebacks."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -12,6 +13,7 @@ import click
 
 from crossrt.errors import USER_ERRORS
 from crossrt.inputs.prompts import sources_help
+from crossrt.records.schema import RecordError
 
 PROMPTS_HELP = sources_help()
 
@@ -63,6 +65,23 @@ class CommaChoice(click.ParamType):
         return names
 
 
+class Increasing(click.ParamType):
+    """Comma-separated increasing numbers (bucket edges, thresholds); `inf` allowed."""
+
+    name = "NUMBERS"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            edges = tuple(float(part) for part in str(value).split(","))
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of numbers", param, ctx)
+        if any(b <= a for a, b in zip(edges, edges[1:])):
+            self.fail(f"{value!r}: give increasing numbers", param, ctx)
+        return edges
+
+
 def _same_file(a: Path, b: Path) -> bool:
     if a.exists() and b.exists():
         return os.path.samefile(a, b)  # links and hard links too
@@ -80,3 +99,19 @@ def refuse_inputs_as_outputs(outputs: Mapping[str, Path], inputs: Sequence[Path]
         for other, earlier in named[:index]:
             if _same_file(Path(path), Path(earlier)):
                 raise click.ClickException(f"{option} and {other} name the same file {path}: name two files")
+
+
+def distinct_records(paths: Sequence[Path]) -> None:
+    """RecordError when one record is given twice (as `report` refuses it): the same path, or
+    another path to the same content (a hard link, a byte-for-byte copy): a run compared with
+    itself agrees by construction, and its prompts would count twice."""
+    seen: dict[str, Path] = {}
+    for path in paths:
+        try:
+            key = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        except OSError:
+            continue  # unreadable: loading it says why, in one line
+        if key in seen:
+            same = "" if Path(path).resolve() == Path(seen[key]).resolve() else f" (the same record as {seen[key]})"
+            raise RecordError(f"{path} is given twice{same}")
+        seen[key] = path

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from pathlib import Path
 from typing import Sequence
 
 import click
 
-from crossrt.cli.common import PROMPTS_HELP, CommaChoice, refuse_inputs_as_outputs, user_errors
+from crossrt.cli.common import PROMPTS_HELP, CommaChoice, distinct_records, refuse_inputs_as_outputs, user_errors
 from crossrt.cli.options import runtime_options
 from crossrt.cli.prompt_options import chat_options, fed_prompts, first_answers
 from crossrt.compare.diagnosis import Explainer, explain_record
@@ -23,27 +22,10 @@ from crossrt.compare.control import QUANTIZATION
 from crossrt.compare.parity_run import Matrix, compare_isolated, run_matrix
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
-from crossrt.records.schema import RecordError
 from crossrt.compare.replay import Replayer
 from crossrt.report.parity import parity_html
 from crossrt.run.runtime import DraftRules, runtime_names, usable_runtimes
 from crossrt.compare.tau_gap import parity_gaps
-
-
-def distinct_records(paths: Sequence[Path]) -> None:
-    """RecordError when one record is given twice (as `report` refuses it): the same path, or
-    another path to the same content (a hard link, a byte-for-byte copy): a run compared with
-    itself agrees by construction, and its prompts would count twice."""
-    seen: dict[str, Path] = {}
-    for path in paths:
-        try:
-            key = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-        except OSError:
-            continue  # unreadable: loading it says why, in one line
-        if key in seen:
-            same = "" if Path(path).resolve() == Path(seen[key]).resolve() else f" (the same record as {seen[key]})"
-            raise RecordError(f"{path} is given twice{same}")
-        seen[key] = path
 
 
 @click.command()

@@ -9,10 +9,10 @@ from typing import Sequence
 
 import click
 
-from crossrt.cli.common import PROMPTS_HELP, user_errors
+from crossrt.cli.common import PROMPTS_HELP, distinct_records, user_errors
 from crossrt.cli.analysis import analyze, simulate_command
-from crossrt.cli.cache import cache, stored_baselines_note
-from crossrt.cli.compare import diff, distinct_records, parity
+from crossrt.cli.cache import cache
+from crossrt.cli.compare import diff, parity
 from crossrt.cli.drafter import drafter
 from crossrt.cli.imports import import_command
 from crossrt.cli.options import executable_option, pair_options, runtime_options, strategy_options, with_executable
@@ -32,7 +32,7 @@ from crossrt.run.runtime import (SPEC_TYPES, DraftRules, availability, runtime_c
 from crossrt.simulate.schedules import LLAMA
 from crossrt.records.journal import journal_path
 from crossrt.records.record_json import load_record
-from crossrt.records.tables import format_table, record_notes, summary_rows
+from crossrt.records.tables import format_table, record_notes, stored_baselines_note, summary_rows
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="crossrt")

@@ -11,9 +11,8 @@ from typing import Any, Optional, Sequence
 import click
 
 from crossrt.analyze import analysis
-from crossrt.report.ceiling import ceiling_section, load_ceilings
-from crossrt.cli.analysis import Increasing
-from crossrt.cli.common import refuse_inputs_as_outputs, user_errors
+from crossrt.cli.common import Increasing, refuse_inputs_as_outputs, user_errors
+from crossrt.report.ceiling import ceiling_section
 from crossrt.records.journal import write_atomically
 from crossrt.report.gaps import run_gaps
 from crossrt.report.layout import report_sections
@@ -21,6 +20,7 @@ from crossrt.report.page import page, to_html, to_markdown
 from crossrt.report.parity import report_parity
 from crossrt.report.runs import load_runs
 from crossrt.report.sweeps import SweptCell
+from crossrt.simulate.ceiling import load_ceilings
 from crossrt.sweep.cell import SweepError
 from crossrt.sweep.plan import load_sweep
 from crossrt.sweep.store import check_sweep_dir

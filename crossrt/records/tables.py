@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from crossrt.records import metrics
 from crossrt.records.schema import RunRecord, Summary
@@ -38,6 +38,18 @@ def record_notes(records: Sequence[RunRecord]) -> list[str]:
                 lines.append(f"note: {record.runtime.name}/{record.params.mode} {result.prompt_id}: "
                              + result.unfit_counts.describe())
     return lines
+
+
+def stored_baselines_note(record: RunRecord) -> Optional[str]:
+    """A line saying how many of the record's baselines came from the store and when they were
+    timed (their speedups divide by those timings), or None when every one was decoded here."""
+    stored = [r.baseline_source for r in record.results if r.baseline_source and r.baseline_source.origin == "store"]
+    if not stored:
+        return None
+    times = sorted(s.timed_at for s in stored)
+    span = times[0] if times[0] == times[-1] else f"{times[0]} to {times[-1]}"
+    return (f"baseline: {len(stored)} of {len(record.results)} prompts from the baseline store, timed {span} "
+            "on this machine (speedup divides by those timings; --fresh-baseline decodes them now)")
 
 
 def format_table(rows: Sequence[Sequence[str]]) -> str:

@@ -1,30 +1,21 @@
-"""`crossrt simulate --tree`'s part: rank oracles, tree what-ifs, the ceiling table, and real
-tree-verification runs checked against the simulator (`--run-trees`); `crossrt analyze
---ceiling`'s table. Printing only: the numbers come from crossrt/run/tree.py and ceiling.py."""
+"""`crossrt simulate --tree`'s study of static draft trees on one pair: the rank oracles, every
+tree simulated, the ceiling table, and real tree-verification runs checked step for step against
+the simulator (`--run-trees`). crossrt/cli/analysis.py prints it."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Sequence
 
-from crossrt.run import loop
-from crossrt.report.ceiling import Ceiling, ceilings, check_chain, parse_tree, tree_results
-from crossrt.run.runtime import DraftRules, ModelSession, Runtime
-from crossrt.simulate.oracle import Oracle, Simulation
 from crossrt.records.metrics import Totals
-from crossrt.records.tables import format_table
+from crossrt.run import loop
+from crossrt.run.runtime import DraftRules, ModelSession, Runtime
 from crossrt.run.tree import Tree
+from crossrt.simulate.ceiling import Ceiling, ceilings, check_chain, parse_tree, tree_results
+from crossrt.simulate.oracle import Oracle, Simulation
 from crossrt.simulate.trees import RankOracle, build_rank_oracle, simulate_tree
-
-
-def _n(value: Optional[float], digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _cat(category: Optional[str]) -> str:
-    return "ALL" if category is None else category
 
 
 @dataclass(frozen=True)
@@ -115,50 +106,3 @@ def run_trees(section: TreeSection, runtime: Runtime, target_path: Path, target:
             runs.append(TreeRun(tree.label, len(section.ranks), lossless, as_simulated, emitted, steps, spent,
                                 sum(greedy.values())))
     return dataclasses.replace(section, runs=tuple(runs))
-
-
-def render_section(section: TreeSection) -> str:
-    trees = {t.label: t for t in section.trees}
-    categories = [_cat(r.category) for r in section.results if r.tree == section.trees[0].label]
-    rows = [["tree", "nodes", "depth", "tokens/pass"] + categories]
-    for tree in section.trees:
-        group = [r for r in section.results if r.tree == tree.label]
-        rows.append([tree.label, str(tree.n_nodes), str(tree.depth), _n(group[-1].verify_tokens, 1)]
-                    + [f"{_n(r.tau)} ({_n(r.speedup)}x)" for r in group])
-    blocks = ["simulated tree verification, tau (predicted speedup over plain greedy); tokens/pass: target "
-              "tokens per verify pass:\n" + format_table(rows)]
-    for label, tree in trees.items():
-        if label.startswith("best"):
-            blocks.append(f"{label}: {[list(p) for p in tree.paths]}")
-    blocks.append(render_ceiling(section.ceiling))
-    if section.chain_mismatch:
-        blocks.append("width-1 tree and chain simulator differ (a near-tie scored differently by the two "
-                      f"oracles' drafter passes): {', '.join(section.chain_mismatch)}")
-    if section.runs:
-        rows = [["tree", "prompts", "lossless", "as simulated", "steps", "tau", "tok/s", "greedy tok/s", "speedup"]]
-        for run in section.runs:
-            t = run.totals
-            rows.append([run.tree, str(run.prompts), str(run.lossless), str(run.as_simulated), str(run.steps), _n(t.tau),
-                         _n(t.tokens_per_s, 1), _n(t.baseline_tokens_per_s, 1), _n(t.speedup)])
-        blocks.append("real tree verification on llama.cpp (lossless: the greedy output; as simulated: of "
-                      "those, the simulator's steps exactly):\n" + format_table(rows))
-    return "\n\n".join(blocks)
-
-
-def render_ceiling(rows: Sequence[Ceiling], measured: Optional[Mapping[Optional[str], Optional[float]]] = None) -> str:
-    """The ceiling table; measured: a record's tau per category, shown first when given."""
-    if not rows:
-        return "no ceiling table"
-    first = rows[0]
-    head = ["category"] + (["measured tau"] if measured is not None else []) + [
-        f"chain k={first.k}", "best chain k", f"best tree <= {first.tree_budget} nodes", "held out",
-        f"top-{first.top_b} ceiling (depth {first.top_b_depth})"]
-    table = [head]
-    for c in rows:
-        table.append([_cat(c.category)] + ([_n(measured.get(c.category))] if measured is not None else []) + [
-            _n(c.chain_tau), f"k={c.best_k}: {_n(c.best_k_tau)} ({_n(c.best_k_speedup)}x)",
-            f"{c.tree_nodes}n d{c.tree_depth}: {_n(c.tree_tau)} ({_n(c.tree_speedup)}x)",
-            _n(c.tree_heldout_tau), _n(c.top_b_tau)])
-    return ("ceiling per category, tau with the bonus token (predicted speedup); best tree fitted on these "
-            "prompts (in-sample; held out: fitted on the other half of them); top-b: the target's token always among the drafter's b best:\n"
-            + format_table(table))
