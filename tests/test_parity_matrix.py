@@ -48,7 +48,8 @@ def test_forced_divergence_fails_parity_and_diff_explains_it(matrix, tmp_path):
     result = invoke("parity", out / "tiny-llama-cpp-driven-k4.json", swapped, "--junit", tmp_path / "p.xml")
     assert result.exit_code == 1 and "outputs part at token" in result.output
     explained = invoke("diff", out / "tiny-llama-cpp-driven-k4.json", swapped)
-    assert "verdict: disagreement" in explained.output and "near-tie" not in explained.output
+    assert "verdict: disagreement" in explained.output and "verdict: near-tie" not in explained.output
+    assert explained.exit_code == 1  # parity's verdict on the same records
 
 
 def test_ci_reports_are_written(matrix):

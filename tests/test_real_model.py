@@ -126,9 +126,10 @@ def test_a_swapped_model_is_a_disagreement(real_pair, prompts, driven, tmp_path)
     assert run("run", "--target", cut, "--drafter", real_pair.path("drafter", "gguf"), "--prompts", prompts,
                "--max-new-tokens", 16, "--out", swapped).exit_code == 0
     report = run("diff", driven, swapped)
-    assert report.exit_code == 0
+    assert report.exit_code == 1  # parity's verdict: the weights are another model's
     assert "part at baseline token" in report.output
-    assert "verdict: disagreement" in report.output and "near-tie" not in report.output
+    assert "verdict: disagreement" in report.output and "verdict: near-tie" not in report.output
+    assert "weights: not the same model" in report.output
     parity = run("parity", driven, swapped)
     assert parity.exit_code == 1
     failed = {line.split(", ")[1].split(":")[0] for line in parity.output.splitlines()

@@ -52,29 +52,33 @@ class FloatScoring:
     """One function scored in F32: a runtime and the model file it loads for that."""
 
     runtime: str
-    model: str  # the file loaded: a quantized GGUF's float twin on a runtime that runs GGUFs
     source: str  # the run's own model file
     digest: str  # its sha256, as the record names it
+    twin: bool  # a quantized GGUF on a runtime that runs GGUFs: scored through its float twin
+
+    @property
+    def model(self) -> str:
+        """The file loaded: the float twin (written on first use) or the source."""
+        from crossrt.builders.float_twin import float_twin
+
+        return str(float_twin(Path(self.source))) if self.twin else self.source
 
     @property
     def label(self) -> str:
-        twin = " (float twin)" if self.model != self.source else ""
-        return f"{self.runtime} on {Path(self.source).name}{twin}"
+        return f"{self.runtime} on {Path(self.source).name}{' (float twin)' if self.twin else ''}"
 
 
 def float_scoring(record: RunRecord) -> FloatScoring:
     """How a record's target is scored in F32 (module docstring)."""
-    from crossrt.builders.float_twin import float_twin
+    from crossrt.builders.float_twin import is_float
     from crossrt.compare.rescore import scoring_runtime
 
     runtime = scoring_runtime(record.runtime)
     source = record.pair.target.path
-    model = source
     formats = runtime_class(runtime).model_format
     runs_gguf = (formats if isinstance(formats, str) else formats[0]) == "gguf"  # not one it dequantizes on load
-    if source.endswith(".gguf") and runs_gguf:
-        model = str(float_twin(Path(source)))
-    return FloatScoring(runtime, model, source, record.pair.target.sha256)
+    twin = source.endswith(".gguf") and runs_gguf and not is_float(Path(source))
+    return FloatScoring(runtime, source, record.pair.target.sha256, twin)
 
 
 def open_float(scoring: FloatScoring, n_ctx: int, threads: int = 1) -> ModelSession:
@@ -209,42 +213,51 @@ def float_controls(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str
     if not references or not groups:
         return ()
     n_ctx = max(r.params.n_ctx for _, r in runs if not r.imported)
+    checks, controlled = [], []
+    scorings = list(groups)
+    for i, first in enumerate(scorings):
+        for second in scorings[i + 1:]:
+            match = compare_weights(Path(first.source), Path(second.source)) if first.digest != second.digest else None
+            if match is not None and not match.same:
+                checks.append(ControlCheck(WEIGHTS, (first.label, second.label), _runs_of(groups, first, second),
+                                           len(references), LogitAgreement(0, 0.0, 0.0, 1.0, 1.0),
+                                           QUANTIZED_ONE_RUNTIME, None, None, match))
+            # Another precision is not one function to control; another model fails on its
+            # weights alone. One copy edited is both: its logits are shown too.
+            if match is None or match.same or match.partly:
+                controlled.append((first, second))
+    scored = {s for pair in controlled for s in pair} or (set(scorings) if len(scorings) == 1 else set())
     rows, noise = {}, {}
-    for scoring in groups:  # one model loaded at a time
+    for scoring in scorings:  # one model loaded at a time, only those a check reads
+        if scoring not in scored:
+            continue
         with open_float(scoring, n_ctx, threads) as session:
             for prompt_id, (prompt_ids, output_ids) in references.items():
                 full = score(session, prompt_ids, output_ids)
                 rows[scoring, prompt_id] = full
                 step = score_stepwise(session, prompt_ids, output_ids, min(CONTROL_ROWS, len(full)))
                 noise[scoring, prompt_id] = (full[:len(step)], step)
-    checks = []
-    scorings = list(groups)
-    for i, first in enumerate(scorings):
-        for second in scorings[i + 1:]:
-            runs_of = (tuple(l for l, _ in groups[first]), tuple(l for l, _ in groups[second]))
-            if first.digest != second.digest:
-                match = compare_weights(Path(first.source), Path(second.source))
-                if not match.same:
-                    checks.append(ControlCheck(WEIGHTS, (first.label, second.label), runs_of, len(references),
-                                               LogitAgreement(0, 0.0, 0.0, 1.0, 1.0), QUANTIZED_ONE_RUNTIME, None,
-                                               None, match))
-                if not match.same and not match.wrong:  # another precision: not one function to control
-                    continue
-            pairs = [(rows[first, p], rows[second, p]) for p in references]
-            control = _worst(pooled([noise[first, p] for p in references]),
-                             pooled([noise[second, p] for p in references]))
-            scale = max(float(np.abs(a).max()) for a, _ in pairs)
-            bounds = noise_bounds(control, scale)
-            checks.append(ControlCheck(FLOAT_CONTROL, (first.label, second.label), runs_of, len(references), pooled(pairs), bounds, control, find_power(pairs, bounds)))
-    for scoring, members in groups.items():
-        if scoring.model == scoring.source:
+    for first, second in controlled:
+        pairs = [(rows[first, p], rows[second, p]) for p in references]
+        control = _worst(pooled([noise[first, p] for p in references]),
+                         pooled([noise[second, p] for p in references]))
+        bounds = noise_bounds(control, max(float(np.abs(a).max()) for a, _ in pairs))
+        checks.append(ControlCheck(FLOAT_CONTROL, (first.label, second.label), _runs_of(groups, first, second),
+                                   len(references), pooled(pairs), bounds, control, find_power(pairs, bounds)))
+    for scoring in scorings:
+        if not scoring.twin or scoring not in scored:
             continue
+        members = groups[scoring]
         label = members[0][0]
         pairs = [(rows[scoring, p], as_run[label, p]) for p in references if (label, p) in as_run]
         checks.append(ControlCheck(QUANTIZATION, (f"{scoring.label}", f"{label} as run"),
                                    ((), tuple(l for l, _ in members)), len(pairs), pooled(pairs),
                                    QUANTIZED_ONE_RUNTIME, None, find_power(pairs, QUANTIZED_ONE_RUNTIME)))
     return tuple(checks)
+
+
+def _runs_of(groups, first: FloatScoring, second: FloatScoring) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return tuple(label for label, _ in groups[first]), tuple(label for label, _ in groups[second])
 
 
 def _worst(a: LogitAgreement, b: LogitAgreement) -> LogitAgreement:
