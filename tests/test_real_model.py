@@ -5,6 +5,7 @@ on AVX2 and AVX-512), so nothing here names a split: every split found must have
 cause, a swapped model must not, and a tokenization split (a run of spaces) is one everywhere.
 One thread, a few prompts, short outputs."""
 
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from click.testing import CliRunner
 from crossrt.cli import main
 from crossrt.compare.diagnosis import Explainer, explain_record
 from crossrt.inputs.pairs import load_pair
-from crossrt.records.record_json import load_record
+from crossrt.records.record_json import load_record, save_record
 from crossrt.compare.replay import Replayer
 from crossrt.sweep.store import SweepStore
 
@@ -104,6 +105,33 @@ def test_llama_server_finishes_every_prompt_and_every_split_is_explained(real_pa
         _honest(report.output)
         assert "llama-server/native vs its baseline: 3 prompts:" in report.output and ", 0 failed" in report.output
     assert "counters compared" in run("parity", native, twin, "--no-logits").output
+    # One more accepted token on one prompt, every identity kept: llama-server and its in-process
+    # twin share the build and kernels, so no drafter near-tie may excuse the count.
+    edited = tmp_path / "edited.json"
+    save_record(with_one_more_accepted(load_record(native)), edited)
+    report = run("parity", edited, twin, "--no-logits")
+    assert report.exit_code == 1, report.output
+    assert "counters unexplained" in report.output and "drafter numerics" not in report.output, report.output
+
+
+def with_one_more_accepted(record):
+    """record with one prompt's count edited consistently: accepted + 1 and cut + 1 (so
+    emitted = steps + accepted + unverified - cut still holds), drafted and the per-position
+    counts kept consistent, the totals rewritten by save_record."""
+    index = next(i for i, r in enumerate(record.results) if r.ok and r.counters.accepted < r.counters.drafted)
+    counters = record.results[index].counters
+    per = list(counters.accepted_per_pos or ())
+    if per:
+        bump = next((i for i in range(1, len(per)) if per[i] < per[i - 1]),
+                    0 if per[0] < counters.steps else len(per))
+        per = per + [0] if bump == len(per) else per
+        per[bump] += 1
+    edited = dataclasses.replace(counters, accepted=counters.accepted + 1, cut=counters.cut + 1,
+                                 accepted_per_pos=tuple(per) if counters.accepted_per_pos is not None else None)
+    assert edited.identity_violations(record.params.k) == []
+    results = list(record.results)
+    results[index] = dataclasses.replace(results[index], counters=edited)
+    return dataclasses.replace(record, results=tuple(results))
 
 
 def test_llama_spec_cli_equals_its_driven_schedule_on_the_real_model(real_pair, prompts, driven, tmp_path):
