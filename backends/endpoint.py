@@ -28,7 +28,7 @@ from crossrt.backends.endpoint_http import Endpoint
 from crossrt.backends.endpoint_counts import (Scrape, minus, numbers, other_work, sglang_counters, vllm_counters,
                                               went_down)
 from crossrt.backends.endpoint_kinds import KINDS, Reply, Served, ServerKind
-from crossrt.backends.llama_server_counts import Totals, speculative_counters
+from crossrt.backends.llama_server_counts import MetricsCounters, speculative_counters
 from crossrt.errors import ModelError, PromptRefused, SettingsError
 from crossrt.records.schema import Counters, RuntimeInfo, UnfitCounts
 from crossrt.run.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
@@ -246,8 +246,9 @@ class EndpointSession(NativeSession):
         if invalid:
             raise PromptRefused(f"invalid: {invalid}: the counter deltas cannot be read as this prompt's")
         if kind == "llama-server":
-            delta = Totals(after.steps - before.steps, after.drafted - before.drafted, after.accepted - before.accepted,
-                           minus(after.per_pos, before.per_pos), after.decodes - before.decodes, emitted)
+            delta = MetricsCounters(after.steps - before.steps, after.drafted - before.drafted,
+                                    after.accepted - before.accepted, minus(after.per_pos, before.per_pos),
+                                    after.decodes - before.decodes, emitted)
             return speculative_counters(emitted, reply.stop_reason, reply.per_request, delta, self.rules.k)
         return vllm_counters(before, after, emitted, self.rules.k)
 

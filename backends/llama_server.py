@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from crossrt.backends.llama_server_counts import Totals, speculative_counters
+from crossrt.backends.llama_server_counts import MetricsCounters, speculative_counters
 from crossrt.backends.llama_server_process import HOST, ServerError, ServerProcess, find_executable
 from crossrt.backends.llama_tools import Build, probe
 from crossrt.errors import PromptRefused, SettingsError
@@ -66,7 +66,7 @@ class LlamaServerSession(NativeSession):
         self._speculative: Optional[ServerProcess] = None
         self._baseline: Optional[ServerProcess] = None
         self._template: Optional[tuple[str, ServerProcess]] = None  # (template text, its server)
-        self._totals: Optional[Totals] = None  # the speculative server's, read when it starts
+        self._totals: Optional[MetricsCounters] = None  # the speculative server's, read when it starts
         try:
             first = self._server(speculative=False)
             if not one_at_a_time:
@@ -114,15 +114,15 @@ class LlamaServerSession(NativeSession):
         if speculates is not None and speculates != drafting:
             raise server.failure(f"the slot's speculative flag is {speculates}, expected {drafting}")
 
-    def _read_totals(self) -> Totals:
+    def _read_totals(self) -> MetricsCounters:
         server = self._speculative
         try:
-            return Totals.parse(server.call("GET", "/metrics").decode("utf-8"))
+            return MetricsCounters.parse(server.call("GET", "/metrics").decode("utf-8"))
         except (ServerError, ValueError) as error:
             raise server.failure(f"cannot read /metrics: {error}") from None
 
-    def _totals_after(self, before: Totals, emitted: int) -> Totals:
-        """Totals once the request's counts are in. The server adds them when it releases the
+    def _totals_after(self, before: MetricsCounters, emitted: int) -> MetricsCounters:
+        """The counters once the request's counts are in. The server adds them when it releases the
         slot, just after queuing the response and before it serves /metrics (a task of the same
         loop), so the first read shows them; the wait guards builds that order this otherwise."""
         deadline = time.monotonic() + METRICS_WAIT_S

@@ -30,7 +30,7 @@ METRIC = re.compile(r'^llamacpp:(\w+)(?:\{position="(\d+)"\})? (\S+)$', re.M)
 
 
 @dataclass(frozen=True)
-class Totals:
+class MetricsCounters:
     """The /metrics counters crossrt reads, as totals since the server started."""
 
     drafts: int  # verification steps (non-empty drafts)
@@ -41,7 +41,7 @@ class Totals:
     predicted: int  # tokens generated
 
     @classmethod
-    def parse(cls, text: str) -> "Totals":
+    def parse(cls, text: str) -> "MetricsCounters":
         values: dict[str, float] = {}
         per_pos: dict[int, float] = {}
         for name, position, value in METRIC.findall(text):
@@ -59,11 +59,11 @@ class Totals:
         except KeyError as missing:
             raise ValueError(f"/metrics has no {missing.args[0]}") from None
 
-    def minus(self, before: "Totals") -> "Totals":
+    def minus(self, before: "MetricsCounters") -> "MetricsCounters":
         # Positions appear in /metrics only once some step has been verified.
         width = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
         now, then = _padded(self.accepted_per_pos, width), _padded(before.accepted_per_pos, width)
-        return Totals(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
+        return MetricsCounters(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
                       self.accepted - before.accepted, tuple(a - b for a, b in zip(now, then)),
                       self.decodes - before.decodes, self.predicted - before.predicted)
 
@@ -77,7 +77,7 @@ def _padded(counts: tuple[int, ...], width: int) -> tuple[int, ...]:
     return counts[:width] + (0,) * (width - len(counts))
 
 
-def speculative_counters(emitted: int, stop_reason: str, timings: dict, delta: Totals,
+def speculative_counters(emitted: int, stop_reason: str, timings: dict, delta: MetricsCounters,
                          k: int) -> tuple[Counters, Optional[UnfitCounts]]:
     """crossrt's counters for one speculative request (module docstring: where each comes from),
     and, when the server's numbers do not fit its schedule as crossrt reads it, what did not

@@ -292,9 +292,10 @@ def test_flag_names_follow_the_build():
 
 
 def test_counts_that_do_not_fit_the_schedule_are_kept_with_the_raw_numbers():
-    from crossrt.backends.llama_server_counts import Totals, speculative_counters
+    from crossrt.backends.llama_server_counts import MetricsCounters, speculative_counters
 
-    delta = Totals(drafts=3, draft_tokens=12, accepted=6, accepted_per_pos=(3, 2, 1, 0), decodes=5, predicted=12)
+    delta = MetricsCounters(drafts=3, draft_tokens=12, accepted=6, accepted_per_pos=(3, 2, 1, 0), decodes=5,
+                            predicted=12)
     timings = {"draft_n": 12, "draft_n_accepted": 6}
     counters, unfit = speculative_counters(11, "max_new_tokens", timings, delta, 4)
     assert (counters.unverified, counters.cut, unfit) == (2, 0, None)

@@ -16,7 +16,7 @@ from crossrt.inputs.pairs import pair_from_paths
 from crossrt.compare.parity import compare_all
 from crossrt.inputs.prompts import load_prompts
 from crossrt.compare.replay import Replayer
-from crossrt.report.parity import compare_runs, parity_section, report_parity, shown_splits, visible
+from crossrt.report.parity import compare_by_vocabulary, parity_section, report_parity, shown_splits, visible
 from crossrt.report.runs import load_runs
 from crossrt.report.steps import load_vocab, token_texts
 from crossrt.run.runtime import DraftRules, RuntimeOptions
@@ -64,7 +64,7 @@ def test_sections_show_every_split_once_with_its_verdict_and_tokens(paths):
     runs = load_runs(paths)
     labelled = [(run.label, run.record) for run in runs]
     with Replayer() as replay:
-        report, notes = compare_runs(labelled, replay)
+        report, notes = compare_by_vocabulary(labelled, replay)
         direct = compare_all(labelled, replay=replay)
     assert report.comparisons == tuple(direct) and notes == []  # one vocabulary: compare_all as it is
     overview = parity_section(labelled, report, rescored=True)
@@ -167,7 +167,7 @@ def test_runs_of_another_vocabulary_are_left_out_and_named(paths):
     record = runs[1].record
     target = dataclasses.replace(record.pair.target, vocab_fingerprint="another vocabulary")
     foreign = dataclasses.replace(record, pair=dataclasses.replace(record.pair, target=target))
-    report, notes = compare_runs([(runs[0].label, runs[0].record), (runs[1].label, foreign)], None)
+    report, notes = compare_by_vocabulary([(runs[0].label, runs[0].record), (runs[1].label, foreign)], None)
     assert len(notes) == 1 and "different vocabularies" in notes[0] and runs[1].label in notes[0]
     assert {c.run_b for c in report.comparisons} == {"its baseline"}  # each run's own lossless check only
 

@@ -13,7 +13,7 @@ from crossrt.inputs.prompts import Prompt, load_prompts
 from crossrt.run.runtime import DraftRules, RuntimeOptions, availability
 from crossrt.simulate.schedules import summarize_schedule
 from crossrt.records.schema import ImportInfo
-from crossrt.compare.tau_gap import METRICS, PARTS, Totals, build_oracles, parity_gaps, tau_gap
+from crossrt.compare.tau_gap import METRICS, PARTS, ExactCounts, build_oracles, parity_gaps, tau_gap
 
 PROMPTS = load_prompts("builtin")[::2]
 BUDGET = 24
@@ -127,10 +127,10 @@ def test_rendering_is_one_schedule_on_both_runs_prompt_ids(tiny_pair, tiny_sessi
 
 
 def test_counting_is_native_figure_against_normalized():
-    totals = Totals(steps=10, drafted=40, accepted=20, emitted=31)
+    totals = ExactCounts(steps=10, drafted=40, accepted=20, emitted=31)
     assert totals.figures()["tau"] == Fraction(3) == totals.figures("llama-server")["tau"]
     assert totals.figures("exllamav3")["tau"] == Fraction(31, 10)  # new_tokens / rounds
-    assert totals.figures()["alpha"] == Fraction(1, 2) and Totals(0, 0, 0, 1).figures()["tau"] is None
+    assert totals.figures()["alpha"] == Fraction(1, 2) and ExactCounts(0, 0, 0, 1).figures()["tau"] is None
 
 
 def test_counting_part_of_a_runtime_that_prints_emitted_per_step(records, oracles):
@@ -140,7 +140,7 @@ def test_counting_part_of_a_runtime_that_prints_emitted_per_step(records, oracle
     relabeled = dataclasses.replace(b, params=dataclasses.replace(b.params, schedule="exllamav3", draft_n_min=4))
     gap = tau_gap(a, relabeled, oracles)[-1]
     counting = next(p for p in gap.parts if p.name == "counting").value["tau"]
-    totals = Totals.of([r.counters for r in b.results if r.ok])
+    totals = ExactCounts.of([r.counters for r in b.results if r.ok])
     assert counting == -(Fraction(totals.emitted, totals.steps) - totals.figures()["tau"]) != 0
     assert total(gap, "tau") == gap.gap("tau")
 

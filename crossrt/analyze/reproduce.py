@@ -154,9 +154,11 @@ def plan_claim(claim: Claim, settings: Settings) -> tuple[Optional[Plan], list[s
         prompts, rendering, prompt_format = apply_template(prompts, pair, claim.template)
     except ChatTemplateError as error:
         return None, [str(error)]
-    request = RunRequest(pair, claim.crossrt_runtime, settings.options, DraftRules(claim.k, spec_type=claim.spec_type),
-                         claim.max_new_tokens or settings.max_new_tokens, settings.out_dir / f"{claim.id}.json",
-                         mode, claim.schedule or SCHEDULE, resume=settings.resume, overwrite=not settings.resume,
+    request = RunRequest(pair=pair, runtime=claim.crossrt_runtime, options=settings.options,
+                         rules=DraftRules(claim.k, spec_type=claim.spec_type),
+                         max_new_tokens=claim.max_new_tokens or settings.max_new_tokens,
+                         out=settings.out_dir / f"{claim.id}.json", mode=mode, schedule=claim.schedule or SCHEDULE,
+                         resume=settings.resume, overwrite=not settings.resume,
                          chat=rendering, prompt_format=prompt_format, baselines=BaselineStore.default())
     return Plan(request, tuple(prompts)), []
 

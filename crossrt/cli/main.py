@@ -108,8 +108,9 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
                                                         template_vars, answers)
         out = named_out
         rules = DraftRules(k, draft_n_min, draft_p_min, run_spec_type(pair, spec_type))
-        request = RunRequest(pair, runtime_name, options, rules, max_new_tokens, out, mode, schedule,
-                             resume, overwrite, trace=trace, chat=rendering, prompt_format=prompt_format,
+        request = RunRequest(pair=pair, runtime=runtime_name, options=options, rules=rules,
+                             max_new_tokens=max_new_tokens, out=out, mode=mode, schedule=schedule, resume=resume,
+                             overwrite=overwrite, trace=trace, chat=rendering, prompt_format=prompt_format,
                              baselines=BaselineStore.default(refresh=fresh_baseline), strategy=strategy)
         # llama.cpp's runtimes and schedules drop drafts shorter than n_min, and a draft is at most
         # max_new_tokens - 1 long: with n_min at k (its default), a large k drafts nothing.

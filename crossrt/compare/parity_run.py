@@ -44,9 +44,10 @@ class Matrix:
 
 def _request(matrix: Matrix, name: str, mode: str, shared_ids: Optional[dict]) -> RunRequest:
     out = matrix.out_dir / f"{matrix.pair.name}-{name}-{mode}-k{matrix.rules.k}.json"
-    return RunRequest(matrix.pair, name, matrix.options, matrix.rules, matrix.max_new_tokens,
-                      out, mode=mode, overwrite=True, shared_prompt_ids=shared_ids,
-                      chat=matrix.chat, prompt_format=matrix.prompt_format, baselines=BaselineStore.default(),
+    return RunRequest(pair=matrix.pair, runtime=name, options=matrix.options, rules=matrix.rules,
+                      max_new_tokens=matrix.max_new_tokens, out=out, mode=mode, overwrite=True,
+                      shared_prompt_ids=shared_ids, chat=matrix.chat, prompt_format=matrix.prompt_format,
+                      baselines=BaselineStore.default(),
                       # --jobs runs start at once: each checks memory and loads in turn
                       loading_lock=matrix.out_dir / ".loading.lock")
 

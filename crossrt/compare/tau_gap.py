@@ -43,14 +43,17 @@ Figure = Optional[Fraction]
 
 
 @dataclass(frozen=True)
-class Totals:
+class ExactCounts:
+    """A set of prompts' summed counters, their figures as exact fractions (so the parts of a gap
+    add up to it exactly), tau as a native runtime prints it where asked."""
+
     steps: int
     drafted: int
     accepted: int
     emitted: int
 
     @classmethod
-    def of(cls, counters: Sequence[Counters]) -> "Totals":
+    def of(cls, counters: Sequence[Counters]) -> "ExactCounts":
         return cls(*(sum(getattr(c, name) for c in counters) for name in ("steps", "drafted", "accepted", "emitted")))
 
     def figures(self, native_schedule: Optional[str] = None) -> dict[str, Figure]:
@@ -188,7 +191,7 @@ def _oracle(oracles: Mapping[tuple[int, ...], Oracle], result: PromptResult, bud
 def _decompose(a: RunRecord, b: RunRecord, label_a: str, label_b: str, category: Optional[str],
                prompts: Sequence[_Prompt]) -> TauGap:
     def figures(pick: Callable[[_Prompt], Counters], native: Optional[str] = None) -> dict[str, Figure]:
-        return Totals.of([pick(p) for p in prompts]).figures(native)
+        return ExactCounts.of([pick(p) for p in prompts]).figures(native)
 
     def difference(x: dict[str, Figure], y: dict[str, Figure]) -> dict[str, Figure]:
         return {metric: _minus(x[metric], y[metric]) for metric in METRICS}

@@ -2,7 +2,7 @@
 a result's and a summary's derived block (crossrt/records/record_json.py), `crossrt show`'s
 table (crossrt/records/tables.py), the report (crossrt/report/build.py), the sweep index's
 columns and its `cells` view (crossrt/sweep/store.py), claims (crossrt/analyze/claims.py) and
-the simulations' predicted rates (crossrt/simulate/oracle.py, schedule_sim.py) all read it. Adding
+the simulations' predicted rates (crossrt/simulate/oracle.py, schedules.py, trees.py) all read it. Adding
 a metric is one entry here and one line in docs/schema.md; records written before it still load
 (a derived block is recomputed, and a key it lacks is not checked).
 

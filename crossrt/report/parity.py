@@ -65,7 +65,8 @@ def visible(text: str) -> str:
                    for c in text)
 
 
-def compare_runs(runs: Sequence[tuple[str, RunRecord]], replay: Optional["Replay"]) -> tuple[ParityReport, list[str]]:
+def compare_by_vocabulary(runs: Sequence[tuple[str, RunRecord]],
+                          replay: Optional["Replay"]) -> tuple[ParityReport, list[str]]:
     """compare_all over the runs whose token ids can be compared (one vocabulary), and notes on
     the runs left out. Runs naming no model files (imports) join the first vocabulary."""
     groups: dict[Optional[str], list[tuple[str, RunRecord]]] = {}
@@ -331,7 +332,7 @@ def report_parity(runs: Sequence[ReportRun], rescore: bool = True) -> Optional[t
         return None
     labelled = [(run.label, run.record) for run in runs]
     with Replayer() as replay:
-        report, notes = compare_runs(labelled, replay if rescore else None)
+        report, notes = compare_by_vocabulary(labelled, replay if rescore else None)
     return verdict_banner(report), parity_section(labelled, report, rescore, notes)
 
 

@@ -32,6 +32,12 @@ from crossrt.records.trace import PromptTrace, TraceRecorder, read_traces, trace
 
 @dataclass(frozen=True)
 class RunRequest:
+    """One run of a pair, as run_pair takes it: the pair on a runtime with its options, the draft
+    rules and (driven) the strategy and schedule, the token budget per prompt, the record it
+    writes (`out`, resumed or overwritten), and what it shares with other runs (a comparison's
+    prompt ids, the chat rendering, the baseline store, the loading lock). Build it with
+    keywords: most fields have defaults, and positions past the first few are easy to shift."""
+
     pair: Pair
     runtime: str
     options: RuntimeOptions

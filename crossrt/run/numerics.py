@@ -14,7 +14,7 @@ within rounding of each other. Whether a split is numerics is decided here and n
 Gaps come from what the run recorded (PassView's close candidates: every token within
 CLOSE_WINDOW logits of each pass's choice, so any gap a threshold admits is known exactly) or,
 for runs that recorded nothing (native runtimes), from a re-score of the same context in the
-pass shapes the runtime used (crossrt/reproduce.py), whose gap may come out negative: the
+pass shapes the runtime used (crossrt/compare/replay.py), whose gap may come out negative: the
 re-score ranks the two the other way; its size still bounds how far the numerics had to move.
 """
 

@@ -227,7 +227,7 @@ class SpecSimple(Schedule):
         return tally.seen_eos or tally.yielded > tally.max_new_tokens
 
 
-class Server(Schedule):
+class ServerSchedule(Schedule):
     """llama-server: the first token from a pass over the whole prompt, no draft at a limit of
     0 or below, an empty draft a plain decode."""
 
@@ -250,6 +250,6 @@ class Server(Schedule):
         return min(k, limit) if limit > 0 else 0
 
 
-SCHEDULE_TYPES = {kind.name: kind for kind in (Schedule, HfAssisted, SpecSimple, Server)}
+SCHEDULE_TYPES = {kind.name: kind for kind in (Schedule, HfAssisted, SpecSimple, ServerSchedule)}
 SCHEDULES = tuple(SCHEDULE_TYPES)
 TRACED_SCHEDULES = (SCHEDULE, HF_SCHEDULE)  # the schedules that can record a trace (crossrt/records/trace.py)

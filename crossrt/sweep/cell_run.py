@@ -68,8 +68,9 @@ def run_job(job: CellJob, on_prompt: Optional[Callable[[Prompt, Optional[PromptR
                                  url=job.url, baseline_url=job.baseline_url)
         rules = DraftRules(cell.k, cell.draft_n_min, cell.draft_p_min, cell.spec_type)
         with tempfile.TemporaryDirectory(prefix=f"crossrt-cell-{cell.id}-") as work:
-            request = RunRequest(pair, cell.runtime, options, rules, cell.max_new_tokens, Path(work) / "record.json",
-                                 cell.mode, cell.schedule or loop.SCHEDULE, chat=rendering, prompt_format=prompt_format,
+            request = RunRequest(pair=pair, runtime=cell.runtime, options=options, rules=rules,
+                                 max_new_tokens=cell.max_new_tokens, out=Path(work) / "record.json", mode=cell.mode,
+                                 schedule=cell.schedule or loop.SCHEDULE, chat=rendering, prompt_format=prompt_format,
                                  baselines=BaselineStore.default(refresh=job.fresh_baseline), strategy=cell.strategy)
             record = run_pair(request, prompts, on_prompt, models)
     except USER_ERRORS as error:
