@@ -282,6 +282,7 @@ class TransformersRuntime(Runtime):
     # A transformers folder when the pair names one, else the GGUF file, dequantized on load.
     model_format = ("hf", "gguf")
     modes = ("driven", "native")
+    native_draftings = ("hf-prompt-lookup",)  # generate()'s prompt lookup
 
     @classmethod
     def check_available(cls) -> None:
@@ -291,11 +292,16 @@ class TransformersRuntime(Runtime):
     def load(self, path: Path) -> TransformersSession:
         return TransformersSession(load_model(path, self.options), self.options)
 
-    def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path):
-        """HF's assisted generation; it writes no logs or files, so work_dir stays unused."""
-        from crossrt.backends.transformers_native import AssistedSession, check_rules
+    def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path, strategy=None):
+        """HF's assisted generation, or its prompt lookup under a strategy drafting hf-prompt-lookup
+        (no drafter loaded); it writes no logs or files, so work_dir stays unused."""
+        from crossrt.backends.transformers_native import (AssistedSession, PromptLookupSession, check_lookup_rules,
+                                                          check_rules)
 
-        check_rules(rules)  # before loading models, which takes a while on real ones
+        if strategy is not None:
+            check_lookup_rules(rules, strategy)  # before loading the target, which takes a while on real ones
+            return PromptLookupSession(load_model(target, self.options), rules, strategy, self.options)
+        check_rules(rules)
         return AssistedSession(load_model(target, self.options), load_model(drafter, self.options), rules, self.options)
 
     def loaded_files(self, path: Path) -> Optional[tuple[LoadedFile, ...]]:

@@ -120,13 +120,15 @@ STRATEGY_OPTIONS = {
     "drafting": click.option(
         "--drafting", type=click.Choice(DRAFTINGS), default="model", show_default=True,
         help="How drafts are proposed: model (the pair's drafter model drafts a chain), prompt-lookup (copy the "
-        "tokens that followed the longest earlier match of the text's last n-gram: no drafter model), tree (the "
-        "drafter proposes a static --tree, verified in one pass; llama-cpp)."),
+        "tokens that followed the longest earlier match of the text's last n-gram: no drafter model), "
+        "hf-prompt-lookup (transformers' prompt lookup exactly; on the transformers runtime's native mode, "
+        "transformers' own), tree (the drafter proposes a static --tree, verified in one pass; llama-cpp)."),
     "tree": click.option(
         "--tree", help="--drafting tree: WxD (every path of width W and depth D) or a JSON choice-list file "
         "([[0], [0, 0], [1]]; `crossrt simulate --tree best:N --out` fits one)."),
     "ngram_max": click.option("--ngram-max", type=click.IntRange(min=1),
-                              help="--drafting prompt-lookup: the longest n-gram looked up. Default: 3."),
+                              help="--drafting prompt-lookup or hf-prompt-lookup: the longest n-gram looked "
+                              "up (transformers' max_matching_ngram_size). Default: 3."),
     "ngram_min": click.option("--ngram-min", type=click.IntRange(min=1),
                               help="--drafting prompt-lookup: the shortest n-gram looked up. Default: 1."),
     "k_policy": click.option(
@@ -161,9 +163,10 @@ def strategy_of(values: Mapping[str, Any]) -> Strategy:
     """The Strategy of a command's parsed strategy options; SettingsError (one line) for a
     parameter given without its part (--top-m without --acceptance relaxed) or a bad combination."""
     given = {name: value for name, value in values.items() if value is not None}
-    for name, (part, choice) in STRATEGY_PARTS.items():
-        if name in given and given.get(part) != choice:
-            raise SettingsError(f"{_flag(name)} is for {_flag(part)} {choice}: add it, or drop {_flag(name)}")
+    for name, (part, choices) in STRATEGY_PARTS.items():
+        if name in given and given.get(part) not in choices:
+            raise SettingsError(f"{_flag(name)} is for {_flag(part)} {' or '.join(choices)}: add it, or drop "
+                                f"{_flag(name)}")
     if "content_k" in given:
         given["content_k"] = parse_content_k(given["content_k"])
     return Strategy(**given)

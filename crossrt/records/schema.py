@@ -93,9 +93,9 @@ class RunParams:
     # The driven loop's strategy (crossrt/run/strategies.py); the defaults are what every record
     # before strategies ran: a draft model's chain at fixed k, greedy. Parameters are None where
     # their part of the strategy does not apply.
-    drafting: str = "model"  # "model", "prompt-lookup" or "tree"
+    drafting: str = "model"  # "model", "prompt-lookup", "hf-prompt-lookup" or "tree"
     tree: Optional[str] = None  # drafting "tree": WxD or a choice-list file
-    ngram_max: Optional[int] = None  # drafting "prompt-lookup"
+    ngram_max: Optional[int] = None  # drafting "prompt-lookup" or "hf-prompt-lookup" (ngram_min None)
     ngram_min: Optional[int] = None
     k_policy: str = "fixed"  # "fixed", "content", "online" or "confidence"
     content_k: Optional[str] = None  # k_policy "content": e.g. "code=7,prose=3"

@@ -15,6 +15,13 @@ tells it what the target kept.
   suffix of the text so far (prompt, emitted output, its own draft), from ngram_max tokens down
   to ngram_min, as transformers' prompt_lookup_num_tokens and vLLM's ngram proposer do. It
   proposes tokens, never logits, and its draft ends where nothing matches.
+- HfPromptLookup: transformers' PromptLookupCandidateGenerator.get_candidates exactly (5.24,
+  generation/candidate_generator.py), which differs from PromptLookup in three ways: the
+  earliest match wins (windows scanned left to right, the suffix's own window included, which
+  has nothing after it), the draft is the match's continuation copied whole (up to k tokens,
+  ending where the context ends), and it is cut before its first EOS, with no other match tried
+  when that leaves nothing. Its length is not cut at the token budget: only with one token of
+  budget left is there no draft (past_budget).
 - TreeDrafter: a static tree (crossrt/run/tree.py) cut to the step's depth, built depth first:
   one pass over the context's tail gives the root's candidates, one single-token pass per inner
   node gives that node's; a node of rank path p + [r] is the r-th candidate (candidates)
@@ -43,6 +50,9 @@ def candidates(row: np.ndarray, width: int) -> list[int]:
 class Drafter(Protocol):
     calls: int  # drafter passes (lookups for prompt lookup) made so far
     sessions: tuple[ModelSession, ...]  # the caches it holds, whose contexts must fit the run
+    # Its drafts run past the token budget (up to k tokens whenever the schedule allows any),
+    # as transformers' prompt lookup does; the schedule crops what a step yields past it.
+    past_budget: bool
 
     def prefill(self, ids: Sequence[int]) -> None:
         """Start from an empty cache holding ids."""
@@ -59,6 +69,8 @@ class Drafter(Protocol):
 
 class _SessionDrafter:
     """The cache handling of a drafter that is a ModelSession."""
+
+    past_budget = False
 
     def __init__(self, session: ModelSession):
         self.session = session
@@ -147,6 +159,7 @@ class PromptLookup:
     """Prompt-lookup drafting (module docstring); ends: tokens after which a draft stops."""
 
     sessions: tuple[ModelSession, ...] = ()
+    past_budget = False
 
     def __init__(self, ngram_max: int = 3, ngram_min: int = 1, ends: frozenset[int] = frozenset()):
         self.ngram_max, self.ngram_min, self.ends = ngram_max, ngram_min, ends
@@ -184,3 +197,33 @@ class PromptLookup:
 
     def keep(self, n_keep: int) -> None:
         """Nothing cached past the context."""
+
+
+class HfPromptLookup(PromptLookup):
+    """transformers' prompt lookup (module docstring): ngram_max is its max_matching_ngram_size,
+    eos its EOS ids (the target generation config's), a step's k its prompt_lookup_num_tokens."""
+
+    past_budget = True
+
+    def __init__(self, ngram_max: int = 2, eos: frozenset[int] = frozenset()):
+        super().__init__(ngram_max, 1)
+        self.eos = eos
+
+    def propose(self, context: Sequence[int], n_max: int) -> Proposal:
+        self.calls += 1
+        tokens = list(context)
+        n_tokens = len(tokens)
+        if n_max < 1:  # the schedule allows none: transformers' one token of budget left
+            return Proposal.chain(())
+        for n in range(min(self.ngram_max, n_tokens - 1), 0, -1):
+            suffix = tokens[n_tokens - n:]
+            for start in range(n_tokens - n + 1):  # the earliest match first, as torch's nonzero() orders them
+                if tokens[start:start + n] != suffix or start + n >= n_tokens:
+                    continue
+                # transformers also caps the end at max_length (prompt + budget), which the
+                # context never reaches; its logits-processor check forbids nothing under greedy
+                # decoding without processors (AssistedSession refuses a run with any).
+                draft = tokens[start + n:start + n + n_max]
+                ended = [i for i, token in enumerate(draft) if token in self.eos]
+                return Proposal.chain(draft[:ended[0]] if ended else draft)
+        return Proposal.chain(())

@@ -117,7 +117,7 @@ def strategy_params(strategy: Strategy) -> dict:
     """The strategy's RunParams fields, each parameter only where its part applies."""
     return dict(
         drafting=strategy.drafting, tree=strategy.tree,
-        ngram_max=strategy.ngram_max if strategy.drafting == "prompt-lookup" else None,
+        ngram_max=strategy.ngram_max if strategy.looks_up else None,
         ngram_min=strategy.ngram_min if strategy.drafting == "prompt-lookup" else None,
         k_policy=strategy.k_policy,
         content_k=format_content_k(strategy.content_k) if strategy.content_k else None,
@@ -127,6 +127,12 @@ def strategy_params(strategy: Strategy) -> dict:
         top_m=strategy.top_m if strategy.acceptance == "relaxed" else None,
         delta=strategy.delta if strategy.acceptance == "relaxed" else None,
         lossy=strategy.lossy)
+
+
+def _runs_natively(runtime: Runtime, strategy: Strategy) -> bool:
+    """The runtime's native mode runs strategy's drafting as its own, at fixed k, greedy."""
+    return (strategy.drafting in runtime.native_draftings and strategy.k_policy == "fixed"
+            and strategy.acceptance == "greedy")
 
 
 def _tree_session(runtime: Runtime, request: RunRequest, path: Path, stack: contextlib.ExitStack) -> ModelSession:
@@ -228,9 +234,12 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
     if request.trace and (request.mode != "driven" or request.schedule not in loop.TRACED_SCHEDULES):
         raise SettingsError(f"traces are recorded in driven mode with the {' or '.join(loop.TRACED_SCHEDULES)} "
                          "schedule")
-    if request.mode == "native" and not request.strategy.is_default:
+    native_strategy = request.mode == "native" and not request.strategy.is_default
+    if native_strategy and not _runs_natively(runtime, request.strategy):
         raise SettingsError(f"a native run follows the runtime's own drafting, not {request.strategy.label()}: "
-                            "strategies run in driven mode")
+                            "strategies run in driven mode"
+                            + (f" (runtime {runtime.name} runs --drafting {' or '.join(runtime.native_draftings)} "
+                               "natively, at fixed k, greedy)" if runtime.native_draftings else ""))
     paths = {role: request.pair.path(role, runtime.model_format) for role in ROLES}
 
     def shared(prompt: Prompt) -> Optional[tuple[int, ...]]:
@@ -243,8 +252,10 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
         except OSError as error:
             raise storage_error(work_dir, error) from None
         with loading(request.loading_lock):
+            # Only a runtime with native_draftings takes a strategy; the others' signature stays.
+            given = {"strategy": request.strategy} if native_strategy else {}
             session = stack.enter_context(runtime.open_native(paths["target"], paths["drafter"], request.rules,
-                                                              work_dir))
+                                                              work_dir, **given))
         firsts: dict[str, NativeBaseline] = {}
 
         def run_native(prompt: Prompt, _, baselines: Optional[RunBaselines]) -> PromptResult:
@@ -261,7 +272,7 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
         return run_native, session, session, baselines_first
     strategy = request.strategy
     loop.check_strategy(strategy, request.schedule, request.rules, request.trace)  # before any loading
-    lookup = strategy.drafting == "prompt-lookup"
+    lookup = strategy.looks_up
     with loading(request.loading_lock):
         if models is not None:
             target = models.load(runtime, paths["target"])
@@ -301,7 +312,7 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
         runtime = open_runtime(request.runtime, request.options)
         info = pair_info(request.pair, runtime.model_format)
         run_one, native, prompt_session, before_prompts = _prompt_runner(runtime, request, stack, models)
-        info = _with_loaded(info, runtime, drafter_read=request.strategy.drafting != "prompt-lookup")
+        info = _with_loaded(info, runtime, drafter_read=not request.strategy.looks_up)
         driven = native is None
         # k: the most a step drafts (a k policy's largest, a tree's nodes), which the counters are checked against.
         params = RunParams(k=loop.draft_bound(request.strategy, request.rules.k) if driven else request.rules.k,
@@ -309,7 +320,8 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
                            mode=request.mode, spec_type=request.rules.spec_type,
                            schedule=request.schedule if driven else native.schedule, n_ctx=request.options.n_ctx,
                            draft_n_min=request.rules.n_min, draft_p_min=request.rules.p_min,
-                           **(strategy_params(request.strategy) if driven else {}))
+                           **(strategy_params(request.strategy) if driven or not request.strategy.is_default
+                              else {}))
         if native is not None:  # what the runtime fixes itself (an attached server's settings)
             params = dataclasses.replace(params, **dict(native.fixed_params))
         runtime_info = runtime.info()

@@ -30,7 +30,7 @@ import numpy as np
 from crossrt.errors import SettingsError
 from crossrt.records.trace import TraceRecorder, top1_probability
 from crossrt.run.acceptance import AcceptanceRule, Greedy, Proposal, Relaxed
-from crossrt.run.drafters import Drafter, ModelDrafter, PromptLookup, TreeDrafter
+from crossrt.run.drafters import Drafter, HfPromptLookup, ModelDrafter, PromptLookup, TreeDrafter
 from crossrt.run.numerics import choose
 from crossrt.run.policies import CONTENT_WINDOW, DraftPolicy
 from crossrt.run.runtime import DraftRules, ModelSession, Rows
@@ -122,6 +122,8 @@ def _drafter(strategy: Strategy, session: Optional[ModelSession], rules: DraftRu
     ends = eog if schedule.ends_at_eos else frozenset()
     if strategy.drafting == "prompt-lookup":
         return PromptLookup(strategy.ngram_max, strategy.ngram_min, ends)
+    if strategy.drafting == "hf-prompt-lookup":  # its own EOS cut, whatever the schedule
+        return HfPromptLookup(strategy.ngram_max, eog)
     if session is None:
         raise SettingsError(f"{strategy.drafting} drafting needs a drafter model")
     if tree is not None:
@@ -161,7 +163,7 @@ def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], 
     accept = _acceptance(strategy, eog, plan)
     if is_tree and not hasattr(target, "eval_tree"):
         raise SettingsError("tree drafting verifies a tree in one batch: it needs the llama-cpp runtime's tree session")
-    overrun = tree.n_nodes if is_tree else plan.overrun(rules.k)
+    overrun = tree.n_nodes if is_tree else max(plan.overrun(rules.k), policy.largest_k if drafts.past_budget else 0)
     check_prompt(prompt_ids, max_new_tokens, [target, *drafts.sessions], overrun)
     start = time.perf_counter()
     tally = Tally(max_new_tokens, eog)
@@ -171,7 +173,8 @@ def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], 
     previous = None
     while not plan.done(tally):
         k = policy.next_k(previous, lambda: target.detokenize(context[-CONTENT_WINDOW:]))
-        proposal = drafts.propose(context, plan.n_max(target, tally, k))
+        n_max = plan.n_max(target, tally, k)
+        proposal = drafts.propose(context, k if drafts.past_budget and n_max > 0 else n_max)
         if plan.llama and not rules.kept(len(proposal)):
             proposal = Proposal.chain(())  # llama.cpp throws a short draft away
         # What the target should hold: the context but its last token, which this step verifies.
@@ -192,6 +195,8 @@ def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], 
         else:
             target.truncate(n_past + len(walk))
         drafts.keep(n_past + len(walk))
+        if plan.crops_at_budget:
+            kept = kept[:tally.max_new_tokens - len(tally.output)]
         tally.observe(len(proposal), kept, choices.rows(walk) if is_tree else choices, len(batch),
                       step=bool(proposal.tokens) or plan.empty_is_step)
         context += kept

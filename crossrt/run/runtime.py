@@ -307,6 +307,9 @@ class Runtime(abc.ABC):
     # DraftRules' llama.cpp drafting rules its native mode honours: "n_min" (shorter drafts are
     # dropped), "p_min" (drafting stops below a drafter probability). Others refuse them.
     drafting_rules: ClassVar[tuple[str, ...]] = ()
+    # Strategy draftings (crossrt/run/strategies.py) its native mode runs as its own, e.g.
+    # transformers' prompt lookup as "hf-prompt-lookup": open_native is then given strategy=.
+    native_draftings: ClassVar[tuple[str, ...]] = ()
     # Whether it attaches to a server the user runs (RuntimeOptions.url): that server fixes its own
     # draft length and numerics, and its counters are read around each request, so requests to
     # one server go one at a time (sweeps never run two of its cells at once).

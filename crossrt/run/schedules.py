@@ -8,7 +8,10 @@ so every emitted token comes out of a step (emitted = steps + accepted). Each dr
 min(k, budget - emitted - 1), so no step produces tokens past the budget; with one token of
 budget left a step verifies an empty draft (a plain decode, still a step with 0 drafted).
 "hf-assisted": transformers' assisted generation, the crossrt schedule except that the drafter,
-running its own generate() with the target's EOS ids, ends a draft at its first EOS (kept).
+running its own generate() with the target's EOS ids, ends a draft at its first EOS (kept), and
+a step's tokens past the budget are cropped before they are counted (generation/utils.py, in
+_assisted_decoding): accepted excludes them and nothing is cut. Only a drafter whose drafts run
+past the budget (transformers' prompt lookup) yields such tokens.
 
 llama.cpp's two draft-model schedules share the drafting and verification rules of the vendored
 llama.cpp:
@@ -184,6 +187,7 @@ class Schedule:
     llama = False  # llama.cpp's drafting rules (n_min, p_min), mirrored drafter, its verification
     ends_at_eos = False  # a draft ends at the drafter's first EOS
     empty_is_step = True  # an empty draft still counts as a step (a plain decode verified)
+    crops_at_budget = False  # a step's tokens past the budget are dropped before they are counted
 
     def overrun(self, k: int) -> int:
         """Positions past prompt + budget a step may use."""
@@ -208,6 +212,7 @@ class Schedule:
 class HfAssisted(Schedule):
     name = HF_SCHEDULE
     ends_at_eos = True
+    crops_at_budget = True
 
 
 class SpecSimple(Schedule):

@@ -1,5 +1,5 @@
-"""A driven run's strategy: how drafts are proposed (a draft model, prompt lookup, a static
-tree), how long each step's draft is (a k policy), and which draft tokens the target accepts
+"""A driven run's strategy: how drafts are proposed (a draft model, prompt lookup: crossrt's own
+or transformers' exactly, a static tree), how long each step's draft is (a k policy), and which draft tokens the target accepts
 (an acceptance rule). crossrt/run/loop.py's one loop composes the pieces: crossrt/run/drafters.py,
 crossrt/run/policies.py and crossrt/run/acceptance.py.
 
@@ -18,17 +18,20 @@ from typing import Optional
 from crossrt.errors import SettingsError
 from crossrt.run.tree import Tree
 
-DRAFTINGS = ("model", "prompt-lookup", "tree")
+DRAFTINGS = ("model", "prompt-lookup", "hf-prompt-lookup", "tree")
+# Draftings that copy tokens from the context: no drafter model is loaded or read.
+LOOKUPS = ("prompt-lookup", "hf-prompt-lookup")
 K_POLICIES = ("fixed", "content", "online", "confidence")
 ACCEPTANCES = ("greedy", "relaxed")
 CONTENT_TYPES = ("code", "prose")  # crossrt/run/policies.py content_type's verdicts
 
-# Each parameter and the choice it belongs to (part, choice): a parameter means nothing under
-# another choice, so the CLI refuses one given alone and a sweep cell drops it.
-STRATEGY_PARTS = {"tree": ("drafting", "tree"), "ngram_max": ("drafting", "prompt-lookup"),
-                  "ngram_min": ("drafting", "prompt-lookup"), "content_k": ("k_policy", "content"),
-                  "k_max": ("k_policy", "online"), "min_p1": ("k_policy", "confidence"),
-                  "top_m": ("acceptance", "relaxed"), "delta": ("acceptance", "relaxed")}
+# Each parameter and the choices it belongs to (part, choices): a parameter means nothing under
+# another choice, so the CLI refuses one given alone and a sweep cell drops it. transformers'
+# prompt lookup has no shortest n-gram (it looks down to 1-grams), so ngram_min is crossrt's only.
+STRATEGY_PARTS = {"tree": ("drafting", ("tree",)), "ngram_max": ("drafting", LOOKUPS),
+                  "ngram_min": ("drafting", ("prompt-lookup",)), "content_k": ("k_policy", ("content",)),
+                  "k_max": ("k_policy", ("online",)), "min_p1": ("k_policy", ("confidence",)),
+                  "top_m": ("acceptance", ("relaxed",)), "delta": ("acceptance", ("relaxed",))}
 
 
 def _one_of(what: str, value: str, choices: tuple[str, ...]) -> None:
@@ -40,7 +43,9 @@ def _one_of(what: str, value: str, choices: tuple[str, ...]) -> None:
 class Strategy:
     drafting: str = "model"
     tree: Optional[str] = None  # drafting="tree": WxD or a JSON choice-list file (tree_spec)
-    ngram_max: int = 3  # drafting="prompt-lookup": the longest suffix looked up
+    # drafting="prompt-lookup" or "hf-prompt-lookup": the longest suffix looked up (transformers'
+    # max_matching_ngram_size, whose own default is 2); the shortest, crossrt's lookup only.
+    ngram_max: int = 3
     ngram_min: int = 1
     k_policy: str = "fixed"
     content_k: Optional[tuple[tuple[str, int], ...]] = None  # k_policy="content": (("code", 7), ("prose", 3))
@@ -79,7 +84,10 @@ class Strategy:
         if self.k_policy == "confidence" and self.min_p1 == 0:
             raise SettingsError("the confidence k policy stops before a drafter top-1 probability below min_p1: "
                                 "give min_p1 > 0")
-        if self.drafting == "prompt-lookup" and self.min_p1 > 0:
+        if self.drafting == "hf-prompt-lookup" and self.ngram_min != 1:
+            raise SettingsError(f"transformers' prompt lookup looks down to 1-grams: it has no ngram_min "
+                                f"(got {self.ngram_min})")
+        if self.looks_up and self.min_p1 > 0:
             raise SettingsError("prompt lookup proposes tokens without probabilities: it has no confidence "
                                 "to stop at")
         if self.top_m < 1 or self.delta < 0:
@@ -92,6 +100,11 @@ class Strategy:
         return self.acceptance == "relaxed" and self.top_m > 1 and self.delta > 0
 
     @property
+    def looks_up(self) -> bool:
+        """Drafts are copied from the context: no drafter model."""
+        return self.drafting in LOOKUPS
+
+    @property
     def is_default(self) -> bool:
         """A draft model's chain at fixed k, greedy: the crossrt schedule's plain run."""
         return self.drafting == "model" and self.k_policy == "fixed" and self.acceptance == "greedy"
@@ -99,7 +112,8 @@ class Strategy:
     def label(self) -> str:
         """drafting/k policy/acceptance, each with its parameters where it has any."""
         drafting = {"model": "model", "tree": f"tree({self.tree})",
-                    "prompt-lookup": f"prompt-lookup({self.ngram_min}-{self.ngram_max})"}[self.drafting]
+                    "prompt-lookup": f"prompt-lookup({self.ngram_min}-{self.ngram_max})",
+                    "hf-prompt-lookup": f"hf-prompt-lookup(max={self.ngram_max})"}[self.drafting]
         policy = {"fixed": "fixed", "online": f"online(k_max={self.k_max})",
                   "confidence": f"confidence(min_p1={self.min_p1:g})",
                   "content": f"content({format_content_k(self.content_k or ())})"}[self.k_policy]

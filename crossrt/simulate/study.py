@@ -19,7 +19,7 @@ from crossrt.records.record_json import load_record
 from crossrt.run.isolation import call_isolated, isolated
 from crossrt.run.policies import DraftPolicy
 from crossrt.run.runtime import DraftRules, RuntimeInfo, RuntimeOptions, open_runtime
-from crossrt.run.strategies import Strategy
+from crossrt.run.strategies import LOOKUPS, Strategy
 from crossrt.simulate.adaptive import simulate_policy
 from crossrt.simulate.oracle import (Oracle, Policy, PolicyResult, Simulation, build_oracle, measure_costs, simulate,
                                      simulate_suite, summarize)
@@ -85,9 +85,9 @@ def check_simulated(strategy: Strategy, drafting: str, tree_specs: Sequence[str]
     """SettingsError for a strategy the oracle cannot replay: it holds a drafter model's greedy
     drafts and the target's greedy output, so chains and trees of that drafter under any k
     policy, accepted greedily."""
-    if drafting == "prompt-lookup":
-        raise SettingsError("--drafting prompt-lookup: crossrt simulate replays a drafter model's drafts; run "
-                            "prompt lookup with crossrt run --drafting prompt-lookup")
+    if drafting in LOOKUPS:
+        raise SettingsError(f"--drafting {drafting}: crossrt simulate replays a drafter model's drafts; run "
+                            f"prompt lookup with crossrt run --drafting {drafting}")
     if drafting == "tree" and not tree_specs:
         raise SettingsError("--drafting tree: name the trees to simulate with --tree (WxD, best:N or a file)")
     if strategy.acceptance != "greedy":

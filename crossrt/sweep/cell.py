@@ -146,8 +146,8 @@ def make_cell(values: dict[str, Any], threads: int) -> Cell:
         values[key] = float(values[key])
     if values["mode"] == "native":  # the runtime's own schedule: cells differing only there are one cell
         values["schedule"] = None
-    for key, (part, choice) in STRATEGY_PARTS.items():  # a parameter of a choice the cell did not make: unused
-        if values[part] != choice:
+    for key, (part, choices) in STRATEGY_PARTS.items():  # a parameter of a choice the cell did not make: unused
+        if values[part] not in choices:
             values[key] = STRATEGY_DEFAULTS[key]
     if values["gpu_split"] is not None:
         values["gpu_split"] = tuple(float(share) for share in values["gpu_split"])
@@ -177,6 +177,6 @@ def skip_reason(cell: Cell) -> Optional[str]:
         return f"crossrt's driven loop drafts with a drafter model only, not {cell.spec_type!r}"
     if cell.mode == "driven" and cell.schedule not in loop.SCHEDULES:
         return f"unknown schedule {cell.schedule!r}"
-    if cell.mode == "native" and not strategy.is_default:
+    if cell.mode == "native" and not strategy.is_default and strategy.drafting not in runtime.native_draftings:
         return f"strategy {strategy.label()} is crossrt's driven loop's: native mode drafts as the runtime does"
     return None

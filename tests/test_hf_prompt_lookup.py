@@ -1,0 +1,106 @@
+"""transformers' prompt lookup, natively and reproduced: HfPromptLookup proposes what transformers'
+PromptLookupCandidateGenerator proposes, and the driven loop's hf-assisted schedule with it on
+llama.cpp equals the transformers runtime's native prompt lookup id for id and count for count
+on the tiny pair (docs/ngram.md)."""
+
+import json
+import random
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+from crossrt.cli import main
+from crossrt.records.record_json import load_record
+from crossrt.run import loop
+from crossrt.run.drafters import HfPromptLookup
+from crossrt.inputs.prompts import load_prompts
+
+from conftest import TINY_PAIR, assert_clean_error
+
+EXACT = ["--f32-kv-cache", "--no-flash-attn"]
+EOS = 0
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def _transformers(ids, k, ngram_max, budget_left):
+    generator = PromptLookupCandidateGenerator(eos_token_id=torch.tensor([EOS]), num_output_tokens=k,
+                                               max_matching_ngram_size=ngram_max,
+                                               max_length=len(ids) + budget_left)
+    candidates, _ = generator.get_candidates(torch.tensor([ids]))
+    return tuple(candidates[0, len(ids):].tolist())
+
+
+def test_the_proposer_is_transformers_own_on_random_contexts():
+    """Short contexts over 5 tokens repeat often: earliest matches, overlapping ones, drafts
+    ending where the context ends, an EOS cutting a draft to nothing, no draft at one token of
+    budget left."""
+    draws = random.Random(0)
+    for _ in range(600):
+        ids = [draws.randrange(5) for _ in range(draws.randrange(1, 14))]
+        k, ngram_max, budget_left = draws.randrange(1, 6), draws.randrange(1, 4), draws.randrange(1, 4)
+        n_max = min(k, budget_left - 1)  # what the hf-assisted schedule allows; the drafter takes k past it
+        ours = HfPromptLookup(ngram_max, frozenset({EOS})).propose(ids, k if n_max > 0 else 0).tokens
+        assert ours == _transformers(ids, k, ngram_max, budget_left), (ids, k, ngram_max, budget_left)
+
+
+@pytest.fixture(scope="module")
+def repeating_prompts(tiny_sessions, tmp_path_factory):
+    """Built-in prompts followed by the target's own greedy continuation and the prompt again,
+    so the output repeats earlier text and prompt lookup has something to find."""
+    target, _ = tiny_sessions
+    path = tmp_path_factory.mktemp("lookup") / "prompts.jsonl"
+    lines = []
+    for prompt in load_prompts("builtin")[::3]:
+        seen = loop.greedy_generate(target, target.tokenize(prompt.text), 24).output_ids
+        text = prompt.text + target.detokenize(seen) + "\n" + prompt.text
+        lines.append(json.dumps({"id": prompt.id, "category": prompt.category, "prompt": text}) + "\n")
+    path.write_text("".join(lines))
+    return path
+
+
+def test_driven_hf_prompt_lookup_on_llama_cpp_equals_transformers_native(repeating_prompts, tmp_path):
+    # k 6 at a budget of 23 makes last steps draft past the budget, which transformers crops.
+    common = ["--pair", TINY_PAIR, "--drafting", "hf-prompt-lookup", "--ngram-max", 2, "--k", 6,
+              "--max-new-tokens", 23, "--prompts", repeating_prompts, *EXACT]
+    native = invoke("run", "--runtime", "transformers", "--mode", "native", "--out", tmp_path / "hf.json", *common)
+    assert native.exit_code == 0, native.output
+    driven = invoke("run", "--runtime", "llama-cpp", "--schedule", "hf-assisted", "--out", tmp_path / "llama.json",
+                    *common)
+    assert driven.exit_code == 0, driven.output
+    hf, llama = load_record(tmp_path / "hf.json"), load_record(tmp_path / "llama.json")
+    for record in (hf, llama):  # transformers' settings under crossrt's names; it has no ngram_min
+        params = record.params
+        assert (params.drafting, params.ngram_max, params.ngram_min, params.k, params.schedule) == \
+            ("hf-prompt-lookup", 2, None, 6, "hf-assisted")
+        assert record.pair.drafter.loaded == ()  # no drafter model read
+    assert any("PromptLookupCandidateGenerator" in note for note in hf.notes)
+    for ours, theirs in zip(llama.results, hf.results, strict=True):
+        assert ours.output_ids == theirs.output_ids == ours.baseline_ids, ours.prompt_id
+        assert ours.counters == theirs.counters, ours.prompt_id  # per-step lists included
+        assert ours.counters.cut == 0
+    counters = [r.counters for r in hf.results]
+    assert sum(c.accepted for c in counters) > 0
+    # Steps whose draft ran past the budget: accepted counts only the tokens up to it.
+    assert any(c.step_drafted[-1] >= 23 - (c.emitted - c.step_accepted[-1] - 1) for c in counters)
+    parity = invoke("parity", tmp_path / "hf.json", tmp_path / "llama.json", "--logit-tolerance", "1e-4")
+    assert parity.exit_code == 0, parity.output
+    assert "identical, 0 explained, 0 failed, 0 not comparable; counters compared" in parity.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--runtime", "transformers", "--mode", "native", "--drafting", "prompt-lookup"],
+     "runs --drafting hf-prompt-lookup natively"),
+    (["--runtime", "transformers", "--mode", "native", "--drafting", "hf-prompt-lookup", "--draft-n-min", "1"],
+     "no spec type, n_min or p_min"),
+    (["--drafting", "hf-prompt-lookup", "--ngram-min", "2"], "--ngram-min is for --drafting prompt-lookup"),
+])
+def test_what_transformers_prompt_lookup_lacks_is_refused_in_one_line(args, message, tmp_path):
+    result = invoke("run", "--pair", TINY_PAIR, "--out", tmp_path / "r.json", *args)
+    assert_clean_error(result, message)
+    assert result.output.strip().splitlines()[-1].startswith("Error: ") and result.output.count("Error") == 1
+    assert not (tmp_path / "r.json").exists()  # refused before anything ran
