@@ -32,12 +32,12 @@ def manifest(folder: Path, *files: Path) -> Path:
     return PairFiles(*files).manifest(folder)
 
 
-def parity(pair: Path, folder: Path, tokens: int = 12):
+def parity(pair: Path, folder: Path, tokens: int = 12, *extra: str):
     prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     return CliRunner().invoke(main, ["parity", "--pair", str(pair), "--runtimes", "llama-cpp,transformers",
                                      "--modes", "driven", "--prompts", str(prompts), "--max-new-tokens",
-                                     str(tokens), "--out-dir", str(folder / "runs")], catch_exceptions=False)
+                                     str(tokens), "--out-dir", str(folder / "runs"), *extra], catch_exceptions=False)
 
 
 def planted_pair(plant_name: str, folder: Path, *files: Path) -> Path:
@@ -60,6 +60,10 @@ def test_the_clean_tiny_pair_passes_with_its_power_stated(tmp_path):
     verdict = result.output.strip().splitlines()[-1]
     assert verdict.startswith("parity: OK") and "logits against a float control in 1 pair" in verdict
     assert "would catch logit noise of sigma" in verdict
+    # The cheaper mode says it is weaker.
+    cheaper = parity(pair, tmp_path, 12, "--no-float-control")
+    assert cheaper.exit_code == 0, cheaper.output
+    assert "no float control (--no-float-control): a weaker check" in cheaper.output.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("plant_name", [p.name for p in PLANTS])

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from crossrt.compare.control import FLOAT_CONTROL, ControlCheck
+from crossrt.compare.control import FLOAT_CONTROL, WEIGHTS, ControlCheck
 from crossrt.compare.parity import COUNTERS, IDS, OWN_BASELINE, PromptParity
 from crossrt.compare.rescore import LogitAgreement, ScoredRows, agreement
 from crossrt.compare.tolerance import Tolerance
@@ -74,6 +74,7 @@ class ParityReport:
     not_run: tuple[NotRun, ...] = ()
     counters_only: bool = False  # counters alone may pass a pair of runs (parity --counters-only)
     controls: tuple[ControlCheck, ...] = ()  # the float control and quantization checks (crossrt/compare/control.py)
+    no_float_control: bool = False  # parity --no-float-control: logits against the ceilings only
 
     def incomparable(self) -> list[Incomparable]:
         """Pairs of runs whose every comparison passed by comparing nothing: a verdict about nothing
@@ -113,6 +114,9 @@ class ParityReport:
         floats = [c for c in self.controls if c.kind == FLOAT_CONTROL]
         if floats:
             found += f", logits against a float control in {len(floats)} pair{'s' * (len(floats) != 1)} of scorings"
+        elif self.logit_checks and (self.no_float_control or any(c.kind == WEIGHTS and not c.weights.wrong for c in self.controls)):
+            why = "--no-float-control" if self.no_float_control else "the weights are another precision's"
+            found += f" (against the constant ceilings only, no float control ({why}): a weaker check)"
         return found
 
     def power(self) -> str:

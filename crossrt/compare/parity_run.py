@@ -149,9 +149,11 @@ class Verdicts:
 
 
 def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecord], counter_tolerance: float,
-                 logit_tolerance: Optional[float], strict: bool, rescore: bool, logits: bool) -> Verdicts:
+                 logit_tolerance: Optional[float], strict: bool, rescore: bool, logits: bool,
+                 control: bool = True) -> Verdicts:
     """Every comparison of the runs (and of them against saved records), splits explained by
-    re-scoring passes where rescore, logits along common outputs re-scored where logits."""
+    re-scoring passes where rescore, logits along the reference sequences re-scored where logits,
+    and the float control (crossrt/compare/control.py) where logits and control."""
     with Replayer() as replay:
         started = time.perf_counter()
         comparisons = compare_all(runs, counter_tolerance, logit_tolerance, strict, replay=replay if rescore else None)
@@ -165,14 +167,15 @@ def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecor
         as_run = score_records(scored)
         checks = logit_checks(comparisons, as_run,
                               lambda a, b: tolerance_for(by_label[a], by_label[b], logit_tolerance))
-        controls = float_controls(scored, as_run)
-        comparisons = judged_by_control(comparisons, controls)
+        if control:
+            controls = float_controls(scored, as_run)
+            comparisons = judged_by_control(comparisons, controls)
     return Verdicts(tuple(comparisons), tuple(checks), controls, passes, explain_s)
 
 
 def compare_isolated(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecord], counter_tolerance: float,
                      logit_tolerance: Optional[float], strict: bool, rescore: bool,
-                     logits: bool) -> tuple[Verdicts, list[NotRun]]:
+                     logits: bool, control: bool = True) -> tuple[Verdicts, list[NotRun]]:
     """compare_runs in a process of its own where it may load a runtime to re-score (the scoring
     runtimes run in-process: crossrt/run/isolation.py). If that process crashes, the crash is a failure (NotRun, crashed)
     and the runs are compared here from what they recorded, nothing re-scored."""
@@ -180,7 +183,7 @@ def compare_isolated(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunR
         return compare_runs(runs, saved, counter_tolerance, logit_tolerance, strict, rescore, logits), []
     try:
         return call_isolated(RESCORING, compare_runs, list(runs), list(saved), counter_tolerance, logit_tolerance,
-                             strict, rescore, logits), []
+                             strict, rescore, logits, control), []
     except RuntimeCrashed as crash:
         verdicts = compare_runs(runs, saved, counter_tolerance, logit_tolerance, strict, False, False)
         return verdicts, [NotRun(RESCORING, f"{crash.cause()}; the runs were compared from what they recorded, "
