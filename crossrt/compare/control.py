@@ -11,6 +11,9 @@ replaced by its float twin (crossrt/builders/float_twin.py: the very weights tra
 GGUF loader makes). Two float scorings of the same model are the same function up to float
 rounding, so:
 
+- two scorings of different files are first compared weight by weight (crossrt/compare/weights.py):
+  another model, or one copy edited, fails there (and an edited copy's logits are still shown);
+  another precision of the same model is not one function, so it gets no float control;
 - the *float control* compares each pair of distinct float scorings along one shared token
   sequence per prompt (the reference: the first run's output, scored by both);
 - its bounds come from a *noise control* measured here, not from constants: each float scoring
