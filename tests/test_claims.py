@@ -1,4 +1,4 @@
-"""Claims files and `crossrt reproduce`, run in-process on the tiny pair with real llama.cpp."""
+"""Claims files and `crossrt reproduce`, run on the tiny pair with real llama.cpp."""
 
 import json
 

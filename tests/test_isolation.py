@@ -253,6 +253,20 @@ def test_simulate_builds_its_oracle_in_a_process_of_its_own(tmp_path):
                         r"_crash", done.stderr.strip().splitlines()[-1]), done.stderr
 
 
+def test_reproduce_runs_each_claim_in_a_process_of_its_own(tmp_path):
+    """A runtime's death while reproducing a claim fails that claim in one line, not crossrt."""
+    claims = tmp_path / "claims.toml"
+    claims.write_text(f'[[claim]]\nid = "mine"\nsource = "test"\nruntime = "llama.cpp"\ncrossrt_runtime = "llama-cpp"\n'
+                      f'pair = "{TINY_PAIR}"\nk = 3\nsampling = "greedy"\nhardware = "Test Box"\nmax_new_tokens = 8\n'
+                      f'prompts = "{prompt_file(tmp_path)}"\n'
+                      '[claim.expect.code]\ntau = 3.0\n[claim.expect.prose]\ntau = 3.0\n')
+    done = cli("reproduce", claims, "--threads", 1, "--out-dir", tmp_path / "runs", cwd=tmp_path, crash="llama-cpp:1")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert re.search(r"run failed: llama-cpp crashed: SIGSEGV \(Segmentation fault\) .*; 1 of 3 prompts finished",
+                     done.stdout), done.stdout
+    assert [r.prompt_id for r in load_record(tmp_path / "runs" / "mine.json").results] == ["code"]
+
+
 def test_a_child_the_oom_killer_takes_is_named_so(tmp_path):
     """A crossrt process in a memory cgroup of 512 MiB whose isolated child fills 2 GiB: the
     kernel's OOM killer takes the child, and the crash says so (the cgroup keeps the rest of the

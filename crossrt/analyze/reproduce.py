@@ -19,7 +19,8 @@ from crossrt.inputs.pairs import ROLES, Pair, PairError, resolve_pair
 from crossrt.inputs.prompts import Prompt, PromptError, load_prompts, relabel, source_relative_to
 from crossrt.run.attach import attach
 from crossrt.run.baselines import BaselineStore
-from crossrt.run.driver import RunRequest, run_pair
+from crossrt.run.driver import RunRequest
+from crossrt.run.isolation import run_pair_safely
 from crossrt.run.loop import SCHEDULE
 from crossrt.run.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, Server, availability, runtime_class
 
@@ -173,7 +174,7 @@ def reproduce_claim(claim: Claim, settings: Settings, say: Callable[[str], None]
     say(f"running {claim.id}: {request.runtime} {request.mode} k={claim.k}, {len(plan.prompts)} prompts "
         f"({claim.describe_prompts()}, template {claim.template}), {request.max_new_tokens} tokens each")
     try:
-        record = run_pair(request, plan.prompts)
+        record = run_pair_safely(request, plan.prompts)
     except USER_ERRORS as error:
         return Outcome(claim, error=str(error), record=request.out)
     return Outcome(claim, check_record(claim, record, settings.hardware), record=request.out)

@@ -21,8 +21,8 @@ from crossrt.cli.report import report
 from crossrt.cli.reproduce import reproduce
 from crossrt.cli.sweep import sweep
 from crossrt.run.baselines import BaselineStore
-from crossrt.run.driver import RunRequest, run_pair
-from crossrt.run.isolation import RuntimeCrashed, isolated, run_pair_isolated
+from crossrt.run.driver import RunRequest
+from crossrt.run.isolation import RuntimeCrashed, run_pair_safely
 from crossrt.imports.importer import import_summary
 from crossrt.run.loop import SCHEDULE, SCHEDULES
 from crossrt.inputs.pairs import run_k, run_spec_type
@@ -125,9 +125,7 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
             def advance(prompt, result):
                 status = "skipped (done)" if result is None else result.status
                 bar.update(1, f"{prompt.id}: {status}")
-            # An in-process runtime runs in a process of its own: a crash there is one line (RuntimeCrashed).
-            runner = run_pair_isolated if isolated(runtime_name) else run_pair
-            record = runner(request, prompts, on_prompt=advance)
+            record = run_pair_safely(request, prompts, on_prompt=advance)
     except RuntimeCrashed as crash:
         raise click.ClickException(f"{crash}; continue with: {resume_command(out)}") from None
     except KeyboardInterrupt:

@@ -410,3 +410,12 @@ def run_pair_isolated(request: RunRequest, prompts: Sequence[Prompt],
         if on_prompt is not None:
             on_prompt(by_id[prompt_id], result)
     return IsolatedRun(request, prompts, events=True).wait(on_event)
+
+
+def run_pair_safely(request: RunRequest, prompts: Sequence[Prompt], on_prompt: Optional[OnPrompt] = None) -> RunRecord:
+    """driver.run_pair where the runtime belongs: in a process of its own where its native code
+    would run in crossrt's (isolated: a crash is RuntimeCrashed, one line), else here. Callers run
+    a pair through this and do not choose."""
+    if isolated(request.runtime):
+        return run_pair_isolated(request, prompts, on_prompt)
+    return run_pair(request, prompts, on_prompt)
