@@ -122,13 +122,15 @@ STRATEGY_OPTIONS = {
         help="How drafts are proposed: model (the pair's drafter model drafts a chain), prompt-lookup (copy the "
         "tokens that followed the longest earlier match of the text's last n-gram: no drafter model), "
         "hf-prompt-lookup (transformers' prompt lookup exactly; on the transformers runtime's native mode, "
-        "transformers' own), tree (the drafter proposes a static --tree, verified in one pass; llama-cpp)."),
+        "transformers' own), llama-ngram-simple (llama.cpp's ngram-simple exactly, size_m = k; schedule "
+        "llama-server), tree (the drafter proposes a static --tree, verified in one pass; llama-cpp)."),
     "tree": click.option(
         "--tree", help="--drafting tree: WxD (every path of width W and depth D) or a JSON choice-list file "
         "([[0], [0, 0], [1]]; `crossrt simulate --tree best:N --out` fits one)."),
     "ngram_max": click.option("--ngram-max", type=click.IntRange(min=1),
-                              help="--drafting prompt-lookup or hf-prompt-lookup: the longest n-gram looked "
-                              "up (transformers' max_matching_ngram_size). Default: 3."),
+                              help="--drafting prompt-lookup, hf-prompt-lookup or llama-ngram-simple: the "
+                              "longest n-gram looked up (transformers' max_matching_ngram_size; ngram-simple's "
+                              "one length, size_n). Default: 3."),
     "ngram_min": click.option("--ngram-min", type=click.IntRange(min=1),
                               help="--drafting prompt-lookup: the shortest n-gram looked up. Default: 1."),
     "k_policy": click.option(

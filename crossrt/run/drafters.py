@@ -22,6 +22,12 @@ tells it what the target kept.
   ending where the context ends), and it is cut before its first EOS, with no other match tried
   when that leaves nothing. Its length is not cut at the token budget: only with one token of
   budget left is there no draft (past_budget).
+- LlamaNgramSimple: llama.cpp's ngram-simple exactly (common/ngram-map.cpp,
+  common_ngram_simple_draft, at the vendored commit): the context's last size_n tokens are looked
+  up, most recent match first, skipping position 0 and the window that ends one token before the
+  context does; the draft is what followed the match, at most size_m tokens, none at all when
+  fewer than size_n tokens followed it or when the context holds size_n + size_m + 2 tokens or
+  fewer. llama-server then cuts it to the step's limit (common/speculative.cpp).
 - TreeDrafter: a static tree (crossrt/run/tree.py) cut to the step's depth, built depth first:
   one pass over the context's tail gives the root's candidates, one single-token pass per inner
   node gives that node's; a node of rank path p + [r] is the r-th candidate (candidates)
@@ -226,4 +232,26 @@ class HfPromptLookup(PromptLookup):
                 draft = tokens[start + n:start + n + n_max]
                 ended = [i for i, token in enumerate(draft) if token in self.eos]
                 return Proposal.chain(draft[:ended[0]] if ended else draft)
+        return Proposal.chain(())
+
+
+class LlamaNgramSimple(PromptLookup):
+    """llama.cpp's ngram-simple (module docstring): size_n its --spec-ngram-simple-size-n,
+    size_m its --spec-ngram-simple-size-m (crossrt's llama-server runs pass k)."""
+
+    def __init__(self, size_n: int, size_m: int):
+        super().__init__(size_n, 1)
+        self.size_n, self.size_m = size_n, size_m
+
+    def propose(self, context: Sequence[int], n_max: int) -> Proposal:
+        self.calls += 1
+        # llama-server's slot tokens and the token it sampled last, which the lookup names apart.
+        tokens, n, m = list(context[:-1]), self.size_n, self.size_m
+        if n_max < 1 or len(tokens) <= n + m + 1:
+            return Proposal.chain(())
+        pattern = [*tokens[len(tokens) - n + 1:], context[-1]]
+        for start in range(len(tokens) - n - 1, 0, -1):
+            if tokens[start:start + n] == pattern:
+                copied = min(m, len(tokens) - (start + n))
+                return Proposal.chain(tokens[start + n:start + n + copied][:n_max] if copied >= n else ())
         return Proposal.chain(())

@@ -5,7 +5,8 @@ goes through speculative_generate, composed of small strategies:
 - a schedule (crossrt/run/schedules.py): when drafts start, how they are cut near the budget, and
   when the run ends ("crossrt", "hf-assisted", and llama.cpp's "llama-spec-simple" and
   "llama-server", with its drafting rules n_min and p_min);
-- a drafter (crossrt/run/drafters.py): a draft model's chain, prompt lookup, or a static tree;
+- a drafter (crossrt/run/drafters.py): a draft model's chain, prompt lookup (crossrt's, transformers',
+  llama.cpp's ngram-simple), or a static tree;
 - a k policy (crossrt/run/policies.py): each step's draft length;
 - an acceptance rule (crossrt/run/acceptance.py): greedy, or relaxed (lossy).
 A step: the drafter proposes up to the schedule's cap; the target scores [last] + draft in one
@@ -30,12 +31,12 @@ import numpy as np
 from crossrt.errors import SettingsError
 from crossrt.records.trace import TraceRecorder, top1_probability
 from crossrt.run.acceptance import AcceptanceRule, Greedy, Proposal, Relaxed
-from crossrt.run.drafters import Drafter, HfPromptLookup, ModelDrafter, PromptLookup, TreeDrafter
+from crossrt.run.drafters import Drafter, HfPromptLookup, LlamaNgramSimple, ModelDrafter, PromptLookup, TreeDrafter
 from crossrt.run.numerics import choose
 from crossrt.run.policies import CONTENT_WINDOW, DraftPolicy
 from crossrt.run.runtime import DraftRules, ModelSession, Rows
-from crossrt.run.schedules import (HF_SCHEDULE, SCHEDULE, SCHEDULE_TYPES, SCHEDULES, TRACED_SCHEDULES, Generation,
-                                   Schedule, Tally, ViewRecorder, check_prompt, top_probability)
+from crossrt.run.schedules import (HF_SCHEDULE, SCHEDULE, SCHEDULE_TYPES, SCHEDULES, SERVER, TRACED_SCHEDULES,
+                                   Generation, Schedule, Tally, ViewRecorder, check_prompt, top_probability)
 from crossrt.run.strategies import Strategy, tree_spec
 from crossrt.run.tree import Tree
 
@@ -99,7 +100,11 @@ def check_strategy(strategy: Strategy, schedule: str, rules: DraftRules, traced:
         raise SettingsError(f"traces are recorded by the {' and '.join(TRACED_SCHEDULES)} schedules, not {schedule}")
     if traced and drafting != "model":
         raise SettingsError(f"traces record a draft model's chain, not {drafting} drafting")
-    if SCHEDULE_TYPES[schedule].llama:
+    if SCHEDULE_TYPES[schedule].llama and strategy.drafting == "llama-ngram-simple":
+        if schedule != SERVER or strategy.k_policy != "fixed" or strategy.acceptance != "greedy" or not rules.fixed:
+            raise SettingsError("llama.cpp's ngram-simple runs in llama-server (schedule llama-server), at fixed k, "
+                                "greedy, without n_min or p_min (draft-model rules)")
+    elif SCHEDULE_TYPES[schedule].llama:
         if not strategy.is_default:
             raise SettingsError(f"the {schedule} schedule drafts as llama.cpp does (a draft model, fixed k, greedy), "
                                 f"not {strategy.label()}: use the crossrt schedule")
@@ -124,6 +129,8 @@ def _drafter(strategy: Strategy, session: Optional[ModelSession], rules: DraftRu
         return PromptLookup(strategy.ngram_max, strategy.ngram_min, ends)
     if strategy.drafting == "hf-prompt-lookup":  # its own EOS cut, whatever the schedule
         return HfPromptLookup(strategy.ngram_max, eog)
+    if strategy.drafting == "llama-ngram-simple":  # crossrt's llama-server runs set its size_m to k
+        return LlamaNgramSimple(strategy.ngram_max, rules.k)
     if session is None:
         raise SettingsError(f"{strategy.drafting} drafting needs a drafter model")
     if tree is not None:
@@ -175,8 +182,8 @@ def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], 
         k = policy.next_k(previous, lambda: target.detokenize(context[-CONTENT_WINDOW:]))
         n_max = plan.n_max(target, tally, k)
         proposal = drafts.propose(context, k if drafts.past_budget and n_max > 0 else n_max)
-        if plan.llama and not rules.kept(len(proposal)):
-            proposal = Proposal.chain(())  # llama.cpp throws a short draft away
+        if plan.llama and not strategy.looks_up and not rules.kept(len(proposal)):
+            proposal = Proposal.chain(())  # llama.cpp throws a short draft model's draft away
         # What the target should hold: the context but its last token, which this step verifies.
         # Taken from the context, not from target.n_past, so a runtime whose cache keeps a stale
         # position shows as a disagreement in its outputs rather than drifting the drafter too.

@@ -87,8 +87,10 @@ class DraftRules:
     def require_drafter_model(self, where: str) -> None:
         """Refuse spec types other than a drafter model, for runtimes that have no other."""
         if self.spec_type != "draft":
+            driven = (" (or reproduce it: --drafting llama-ngram-simple --schedule llama-server)"
+                      if self.spec_type == "ngram-simple" else "")
             raise SettingsError(f"{where} drafts with a drafter model only (spec type 'draft'), not "
-                             f"{self.spec_type!r}: run it natively on a runtime that has it (e.g. llama-server)")
+                             f"{self.spec_type!r}: run it natively on a runtime that has it (e.g. llama-server){driven}")
 
     @property
     def fixed(self) -> bool:

@@ -1,5 +1,5 @@
-"""A driven run's strategy: how drafts are proposed (a draft model, prompt lookup: crossrt's own
-or transformers' exactly, a static tree), how long each step's draft is (a k policy), and which draft tokens the target accepts
+"""A driven run's strategy: how drafts are proposed (a draft model, prompt lookup: crossrt's own,
+transformers' or llama.cpp's ngram-simple exactly, a static tree), how long each step's draft is (a k policy), and which draft tokens the target accepts
 (an acceptance rule). crossrt/run/loop.py's one loop composes the pieces: crossrt/run/drafters.py,
 crossrt/run/policies.py and crossrt/run/acceptance.py.
 
@@ -18,16 +18,17 @@ from typing import Optional
 from crossrt.errors import SettingsError
 from crossrt.run.tree import Tree
 
-DRAFTINGS = ("model", "prompt-lookup", "hf-prompt-lookup", "tree")
+DRAFTINGS = ("model", "prompt-lookup", "hf-prompt-lookup", "llama-ngram-simple", "tree")
 # Draftings that copy tokens from the context: no drafter model is loaded or read.
-LOOKUPS = ("prompt-lookup", "hf-prompt-lookup")
+LOOKUPS = ("prompt-lookup", "hf-prompt-lookup", "llama-ngram-simple")
 K_POLICIES = ("fixed", "content", "online", "confidence")
 ACCEPTANCES = ("greedy", "relaxed")
 CONTENT_TYPES = ("code", "prose")  # crossrt/run/policies.py content_type's verdicts
 
 # Each parameter and the choices it belongs to (part, choices): a parameter means nothing under
 # another choice, so the CLI refuses one given alone and a sweep cell drops it. transformers'
-# prompt lookup has no shortest n-gram (it looks down to 1-grams), so ngram_min is crossrt's only.
+# prompt lookup has no shortest n-gram (it looks down to 1-grams) and llama.cpp's ngram-simple
+# looks up one length only, so ngram_min is crossrt's only.
 STRATEGY_PARTS = {"tree": ("drafting", ("tree",)), "ngram_max": ("drafting", LOOKUPS),
                   "ngram_min": ("drafting", ("prompt-lookup",)), "content_k": ("k_policy", ("content",)),
                   "k_max": ("k_policy", ("online",)), "min_p1": ("k_policy", ("confidence",)),
@@ -43,8 +44,8 @@ def _one_of(what: str, value: str, choices: tuple[str, ...]) -> None:
 class Strategy:
     drafting: str = "model"
     tree: Optional[str] = None  # drafting="tree": WxD or a JSON choice-list file (tree_spec)
-    # drafting="prompt-lookup" or "hf-prompt-lookup": the longest suffix looked up (transformers'
-    # max_matching_ngram_size, whose own default is 2); the shortest, crossrt's lookup only.
+    # A lookup drafting's longest suffix looked up (transformers' max_matching_ngram_size, whose own
+    # default is 2; llama.cpp ngram-simple's one length, size_n, default 12); the shortest, crossrt's only.
     ngram_max: int = 3
     ngram_min: int = 1
     k_policy: str = "fixed"
@@ -84,9 +85,9 @@ class Strategy:
         if self.k_policy == "confidence" and self.min_p1 == 0:
             raise SettingsError("the confidence k policy stops before a drafter top-1 probability below min_p1: "
                                 "give min_p1 > 0")
-        if self.drafting == "hf-prompt-lookup" and self.ngram_min != 1:
-            raise SettingsError(f"transformers' prompt lookup looks down to 1-grams: it has no ngram_min "
-                                f"(got {self.ngram_min})")
+        if self.drafting in LOOKUPS[1:] and self.ngram_min != 1:
+            raise SettingsError(f"{self.drafting} has no ngram_min (got {self.ngram_min}): transformers' prompt "
+                                "lookup looks down to 1-grams, llama.cpp's ngram-simple looks up ngram_max only")
         if self.looks_up and self.min_p1 > 0:
             raise SettingsError("prompt lookup proposes tokens without probabilities: it has no confidence "
                                 "to stop at")
@@ -113,7 +114,8 @@ class Strategy:
         """drafting/k policy/acceptance, each with its parameters where it has any."""
         drafting = {"model": "model", "tree": f"tree({self.tree})",
                     "prompt-lookup": f"prompt-lookup({self.ngram_min}-{self.ngram_max})",
-                    "hf-prompt-lookup": f"hf-prompt-lookup(max={self.ngram_max})"}[self.drafting]
+                    "hf-prompt-lookup": f"hf-prompt-lookup(max={self.ngram_max})",
+                    "llama-ngram-simple": f"llama-ngram-simple(n={self.ngram_max})"}[self.drafting]
         policy = {"fixed": "fixed", "online": f"online(k_max={self.k_max})",
                   "confidence": f"confidence(min_p1={self.min_p1:g})",
                   "content": f"content({format_content_k(self.content_k or ())})"}[self.k_policy]

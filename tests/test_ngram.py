@@ -1,7 +1,8 @@
-"""transformers' prompt lookup, natively and reproduced: HfPromptLookup proposes what transformers'
-PromptLookupCandidateGenerator proposes, and the driven loop's hf-assisted schedule with it on
-llama.cpp equals the transformers runtime's native prompt lookup id for id and count for count
-on the tiny pair (docs/ngram.md)."""
+"""Runtimes' n-gram drafting, natively and reproduced (docs/ngram.md): HfPromptLookup proposes
+what transformers' PromptLookupCandidateGenerator proposes, and the driven loop's hf-assisted
+schedule with it on llama.cpp equals the transformers runtime's native prompt lookup; the
+llama-server schedule with LlamaNgramSimple equals llama-server's own ngram-simple. Both id for
+id and count for count on the tiny pair."""
 
 import json
 import random
@@ -14,13 +15,16 @@ from transformers.generation.candidate_generator import PromptLookupCandidateGen
 from crossrt.cli import main
 from crossrt.records.record_json import load_record
 from crossrt.run import loop
-from crossrt.run.drafters import HfPromptLookup
+from crossrt.run.drafters import HfPromptLookup, LlamaNgramSimple
 from crossrt.inputs.prompts import load_prompts
 
 from conftest import TINY_PAIR, assert_clean_error
 
 EXACT = ["--f32-kv-cache", "--no-flash-attn"]
 EOS = 0
+
+
+COUNTERS = ("steps", "drafted", "accepted", "emitted", "unverified", "cut", "accepted_per_pos")
 
 
 def invoke(*args):
@@ -104,3 +108,39 @@ def test_what_transformers_prompt_lookup_lacks_is_refused_in_one_line(args, mess
     assert_clean_error(result, message)
     assert result.output.strip().splitlines()[-1].startswith("Error: ") and result.output.count("Error") == 1
     assert not (tmp_path / "r.json").exists()  # refused before anything ran
+
+
+def test_ngram_simple_follows_llama_cpps_rules():
+    """size_n 2, size_m 3: the last two tokens (the slot's last one and the sampled one) looked up,
+    the most recent match first, position 0 skipped."""
+    lookup = LlamaNgramSimple(2, 3)
+    context = [7, 1, 2, 3, 4, 5, 1, 2, 8, 9, 6, 1, 2]
+    assert lookup.propose(context, 9).tokens == (8, 9, 6)  # the match at 6, not the older one at 1
+    assert lookup.propose(context, 2).tokens == (8, 9)  # cut to the step's limit
+    assert lookup.propose([1, 2, 3, 4, 5, 6, 9, 9, 1, 2], 9).tokens == ()  # only at position 0: skipped
+    assert lookup.propose([5, 1, 2, 3, 4, 6, 6, 6, 6, 6, 1, 2], 9).tokens == (3, 4, 6)
+    assert lookup.propose([5, 1, 2, 3, 1, 2], 9).tokens == ()  # 6 tokens <= size_n + size_m + 1 + 1
+    # A match with fewer than size_n tokens after it in the slot gives no draft.
+    assert lookup.propose([8, 8, 8, 8, 8, 8, 4, 7, 1, 2, 1, 2], 9).tokens == ()
+    assert lookup.propose([8, 8, 8, 8, 8, 8, 4, 1, 2, 7, 1, 2], 9).tokens == (7, 1)  # size_n after it: enough
+
+
+def test_driven_ngram_simple_on_llama_cpp_equals_llama_server_native(repeating_prompts, tmp_path):
+    # crossrt's llama-server runs pass size_m = k and size_n = min(12, k): 4 and 4 here.
+    common = ["--pair", TINY_PAIR, "--k", 4, "--max-new-tokens", 40, "--prompts", repeating_prompts]
+    native = invoke("run", "--runtime", "llama-server", "--mode", "native", "--spec-type", "ngram-simple",
+                    "--out", tmp_path / "server.json", *common)
+    assert native.exit_code == 0, native.output
+    driven = invoke("run", "--runtime", "llama-cpp", "--schedule", "llama-server", "--drafting", "llama-ngram-simple",
+                    "--ngram-max", 4, "--out", tmp_path / "llama.json", *common)
+    assert driven.exit_code == 0, driven.output
+    server, llama = load_record(tmp_path / "server.json"), load_record(tmp_path / "llama.json")
+    assert (llama.params.drafting, llama.params.ngram_max, llama.params.ngram_min) == ("llama-ngram-simple", 4, None)
+    for ours, theirs in zip(llama.results, server.results, strict=True):
+        assert ours.output_ids == theirs.output_ids, ours.prompt_id
+        assert [getattr(ours.counters, name) for name in COUNTERS] == \
+            [getattr(theirs.counters, name) for name in COUNTERS], ours.prompt_id
+    assert sum(r.counters.accepted for r in server.results) > 0
+    parity = invoke("parity", tmp_path / "server.json", tmp_path / "llama.json")
+    assert parity.exit_code == 0, parity.output
+    assert "identical, 0 explained, 0 failed, 0 not comparable; counters compared" in parity.output
