@@ -2,7 +2,6 @@
 and the real model's GGUF files beside crossrt's own transformers conversion of them."""
 
 import dataclasses
-import json
 
 import gguf
 import pytest
@@ -113,23 +112,3 @@ def test_a_token_that_means_other_text_is_another_vocabulary(tiny_pair, real_con
     # a format's view of which added tokens are special is no part of what they mean
     assert dataclasses.replace(tiny, special=frozenset(), literal=tiny.special).fingerprint == tiny.fingerprint
     assert dataclasses.replace(tiny, eos_id=tiny.bos_id).fingerprint != tiny.fingerprint
-
-
-def test_parity_compares_a_gguf_run_with_an_hf_folder_run_of_the_same_model(real_conversions, tmp_path):
-    from click.testing import CliRunner
-
-    from crossrt.cli import main
-
-    manifest = tmp_path / "pair.toml"
-    manifest.write_text("\n".join(f'[{role}]\ngguf = "{gguf_file}"\nhf = "{folder}"'
-                                  for role, (gguf_file, folder) in real_conversions.items()))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"id": "capital", "category": "prose", "prompt": "The capital of France is"}))
-    result = CliRunner().invoke(main, ["parity", "--pair", str(manifest), "--runtimes", "llama-cpp,transformers",
-                                       "--modes", "driven", "--max-new-tokens", "8", "--prompts", str(prompts),
-                                       "--threads", "1", "--out-dir", str(tmp_path / "runs")])
-    assert "different vocabularies" not in result.output, result.output
-    records = {json.loads(path.read_text())["runtime"]["name"]: json.loads(path.read_text())
-               for path in (tmp_path / "runs").glob("*.json")}
-    assert {records[name]["pair"]["target"]["format"] for name in ("llama-cpp", "transformers")} == {"gguf", "hf"}
-    assert len({record["pair"]["target"]["vocab_fingerprint"] for record in records.values()}) == 1

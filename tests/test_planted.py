@@ -90,6 +90,11 @@ def test_the_real_model_against_its_own_hf_folder_passes(gemma, tmp_path):
     result = parity(manifest(tmp_path, target, target_hf, drafter, drafter_hf), tmp_path)
     assert result.exit_code == 0, result.output
     assert "logits against a float control in 1 pair" in result.output.strip().splitlines()[-1]
+    # The GGUF on llama.cpp, the folder on transformers: one vocabulary, by what its ids mean.
+    records = {json.loads(path.read_text())["runtime"]["name"]: json.loads(path.read_text())
+               for path in (tmp_path / "runs").glob("*.json")}
+    assert {records[name]["pair"]["target"]["format"] for name in ("llama-cpp", "transformers")} == {"gguf", "hf"}
+    assert len({record["pair"]["target"]["vocab_fingerprint"] for record in records.values()}) == 1
 
 
 # On the real model a parity costs ~50 s on one thread: three kinds, two that only the float
