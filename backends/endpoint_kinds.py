@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from crossrt.backends.endpoint_http import Endpoint, HttpStatusError, generation_budget, tokenize_budget
 from crossrt.errors import PromptRefused
+from crossrt.inputs.prompts import refuse_non_unicode
 from crossrt.backends.endpoint_counts import Scrape, parse_metrics
 from crossrt.run.runtime import RuntimeFailure
 
@@ -72,10 +73,7 @@ class ServerKind:
 
     def tokenize(self, endpoint: Endpoint, served: Served, text: str) -> list[int]:
         """text's ids as the server tokenizes it; PromptRefused for a text it cannot take."""
-        surrogate = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
-        if surrogate is not None:  # not Unicode: no UTF-8 form to send, nor a tokenization
-            raise PromptRefused(f"the text is not valid Unicode: a lone surrogate {text[surrogate]!r} at character "
-                                f"{surrogate}")
+        refuse_non_unicode(text)
         path, body = self._tokenize_request(served, text)
         try:
             answer = endpoint.call_json("POST", path, body, tokenize_budget(text))

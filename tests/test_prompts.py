@@ -144,3 +144,24 @@ def test_relative_sources_and_relabelling(tmp_path):
     assert source_relative_to("/abs/p.jsonl", tmp_path) == "/abs/p.jsonl"
     relabelled = relabel(load_prompts(f"mtbench:{jsonl(tmp_path / 'q.jsonl', MT_BENCH)}"), "code")
     assert [(p.id, p.category) for p in relabelled] == [("mtbench-101", "code"), ("mtbench-121", "code")]
+
+
+@pytest.mark.parametrize("runtime", ["llama-cpp", "transformers"])
+def test_a_prompt_that_is_not_unicode_fails_alone_in_one_line(runtime, tmp_path):
+    """JSON's "\\ud800" reads as a lone surrogate: no UTF-8 form for any tokenizer (it raised
+    UnicodeEncodeError through crossrt before). That prompt fails with the reason; the run goes on."""
+    from click.testing import CliRunner
+
+    from crossrt.cli import main
+    from crossrt.records.record_json import load_record
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "bad", "category": "prose", "prompt": "abc \\ud800 def"}\n'
+                       '{"id": "good", "category": "prose", "prompt": "The river"}\n')
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(main, ["run", "--pair", "tiny", "--runtime", runtime, "--prompts", str(prompts),
+                                       "--max-new-tokens", "4", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    bad, good = load_record(out).results
+    assert (bad.status, good.status) == ("failed", "ok")
+    assert bad.error == "the text is not valid Unicode: a lone surrogate '\\ud800' at character 4"

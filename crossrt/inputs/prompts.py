@@ -31,6 +31,17 @@ class PromptError(CrossrtError, ValueError):
     """A prompt source that cannot be read, with the file and line at fault."""
 
 
+
+def refuse_non_unicode(text: str) -> None:
+    """PromptRefused for a text holding a lone surrogate (JSON's "\\ud800" reads as one): not
+    Unicode, so it has no UTF-8 form for any runtime to tokenize or any server to receive."""
+    from crossrt.errors import PromptRefused
+
+    surrogate = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+    if surrogate is not None:
+        raise PromptRefused(f"the text is not valid Unicode: a lone surrogate {text[surrogate]!r} at character "
+                            f"{surrogate}")
+
 @dataclass(frozen=True)
 class Prompt:
     id: str

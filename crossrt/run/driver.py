@@ -18,7 +18,7 @@ from crossrt.inputs.chat_template import ChatRendering, with_template_ids
 from crossrt.errors import PromptRefused, SettingsError
 from crossrt.records.journal import storage_error
 from crossrt.inputs.pairs import ROLES, Pair, pair_info
-from crossrt.inputs.prompts import Prompt
+from crossrt.inputs.prompts import Prompt, refuse_non_unicode
 from crossrt.run.memory import loading
 from crossrt.run.resume import check_prompts, prompt_sha256, starting_record
 from crossrt.run.run_writer import RunWriter, record_lock
@@ -78,6 +78,7 @@ def _baseline(baselines: Optional[RunBaselines], prompt_ids: tuple[int, ...], ma
 def _prompt_ids(tokenize: Callable[[str], list[int]], prompt: Prompt,
                 shared: Optional[Sequence[int]]) -> tuple[tuple[int, ...], Optional[tuple[int, ...]]]:
     """(ids to run, the runtime's own ids where they differ from the shared ones)."""
+    refuse_non_unicode(prompt.text)
     own = tuple(tokenize(prompt.text))
     if shared is None:
         return own, None

@@ -14,8 +14,11 @@ from crossrt.records.record_json import load_record
 
 
 def prompt_sha256(prompt: Prompt) -> str:
-    """The digest a result keeps of its prompt's text: ids alone collide across prompt files."""
-    return hashlib.sha256(prompt.text.encode()).hexdigest()
+    """The digest a result keeps of its prompt's text: ids alone collide across prompt files.
+    surrogatepass: a text that is not Unicode (a lone surrogate) still has a digest, and its
+    prompt fails with the reason (crossrt.inputs.prompts.refuse_non_unicode); valid text's
+    digest is unchanged."""
+    return hashlib.sha256(prompt.text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _differences(before: Any, now: Any) -> str:
