@@ -11,10 +11,11 @@ tells it what the target kept.
   decodes its own last draft token, which it would only need if every draft token were kept.
   Under llama.cpp's schedules it mirrors the target: cut back to the target's cache and fed the
   batch the target verifies, so its numerics are those of the native tools.
-- PromptLookup: the token that followed the most recent earlier occurrence of the longest
-  suffix of the text so far (prompt, emitted output, its own draft), from ngram_max tokens down
-  to ngram_min, as transformers' prompt_lookup_num_tokens and vLLM's ngram proposer do. It
-  proposes tokens, never logits, and its draft ends where nothing matches.
+- PromptLookup: crossrt's own: the token that followed the most recent earlier occurrence of
+  the longest suffix of the text so far (prompt, emitted output, its own draft), from ngram_max
+  tokens down to ngram_min, looked up again for every draft token. It proposes tokens, never
+  logits, and its draft ends where nothing matches. No runtime drafts this way: transformers'
+  and vLLM's copy an earliest match's continuation whole (docs/ngram.md).
 - HfPromptLookup: transformers' PromptLookupCandidateGenerator.get_candidates exactly (5.24,
   generation/candidate_generator.py), which differs from PromptLookup in three ways: the
   earliest match wins (windows scanned left to right, the suffix's own window included, which
