@@ -387,3 +387,20 @@ def test_gpu_cells_pack_by_share_and_get_fresh_workers(sweep_file, local_store, 
     assert len({c.meta["pid"] for c in store.stored()}) == 4
     for cell_id, results in outputs(store).items():
         assert results == outputs(local_store)[cell_id]
+
+
+def test_a_query_stops_at_its_memory_and_time_limits_in_one_line(local_store):
+    """A sort over millions of generated rows took 3.2 GB and 21 s with no limit: now the query
+    stops at --memory-limit (spilling to disk up to a cap first) or at --timeout, in one line."""
+    import time
+
+    sort = "SELECT * FROM range(200000000) t(i) ORDER BY hash(i)"
+    started = time.monotonic()
+    slow = CliRunner().invoke(main, ["sweep", "query", str(local_store.root), sort, "--timeout", "1"])
+    assert time.monotonic() - started < 30
+    assert slow.exit_code == 1 and slow.output.strip().splitlines() == \
+        ["Error: query stopped after 1 s, its time limit (--timeout)"], slow.output
+    greedy = CliRunner().invoke(main, ["sweep", "query", str(local_store.root),
+                                       "SELECT list(i) FROM range(50000000) t(i)", "--memory-limit", "64MB"])
+    assert greedy.exit_code == 1 and len(greedy.output.strip().splitlines()) == 1, greedy.output
+    assert "--memory-limit" in greedy.output, greedy.output

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 import time
 import typing
 from dataclasses import dataclass, fields
@@ -315,10 +316,13 @@ class SweepStore:
             return columns, [row for rows in batches for row in rows]
 
     @contextlib.contextmanager
-    def results(self, sql: str, batch: int = 1000) -> Iterator[tuple[list[str], Iterator[list[tuple]]]]:
+    def results(self, sql: str, batch: int = 1000, limits: "QueryLimits" = None,
+                ) -> Iterator[tuple[list[str], Iterator[list[tuple]]]]:
         """Column names and the rows of one SELECT over the tables `prompts` (one row per prompt)
         and `cells` (one row per cell), in a read-only database holding those alone; the rows in
-        batches as DuckDB streams them, so a result of millions of rows costs one batch."""
+        batches as DuckDB streams them, so a result of millions of rows costs one batch. The
+        query runs within limits (memory, spill to disk, time): past one it stops, in one line."""
+        limits = limits or QueryLimits()
         duckdb = _duckdb()
         select = select_statement(duckdb, sql)
         index = self.index_path()
@@ -328,25 +332,56 @@ class SweepStore:
                 con.execute(f"CREATE TABLE prompts AS SELECT * FROM read_parquet({_sql_text(index)})")
                 _add_metric_function(duckdb, con)  # the view names it: it binds only where the function is
                 con.execute(cells_view())
-            with duckdb.connect(database, read_only=True, config=LOCKED) as con:
+            config = LOCKED | limits.config(Path(work) / "spill")
+            with duckdb.connect(database, read_only=True, config=config) as con:
                 _add_metric_function(duckdb, con)
+                # DuckDB has no statement timeout: a timer interrupts the connection instead.
+                timer = threading.Timer(limits.seconds, con.interrupt)
+                timer.daemon = True
+                timer.start()
                 try:
-                    result = con.execute(select)
-                except duckdb.Error as error:
-                    raise SweepError(f"query failed: {str(error).splitlines()[0]}") from None
+                    try:
+                        result = con.execute(select)
+                    except duckdb.Error as error:
+                        raise limits.error(error, timer) from None
 
-                def batches() -> Iterator[list[tuple]]:
-                    while True:
-                        try:
-                            rows = result.fetchmany(batch)
-                        except duckdb.Error as error:  # errors of later rows come as they are fetched
-                            raise SweepError(f"query failed: {str(error).splitlines()[0]}") from None
-                        if not rows:
-                            return
-                        yield rows
+                    def batches() -> Iterator[list[tuple]]:
+                        while True:
+                            try:
+                                rows = result.fetchmany(batch)
+                            except duckdb.Error as error:  # errors of later rows come as they are fetched
+                                raise limits.error(error, timer) from None
+                            if not rows:
+                                return
+                            yield rows
 
-                yield [d[0] for d in result.description], batches()
+                    yield [d[0] for d in result.description], batches()
+                finally:
+                    timer.cancel()
 
+
+
+@dataclass(frozen=True)
+class QueryLimits:
+    """What one `sweep query` may take: DuckDB's memory, its spill to disk, and wall time (a
+    sort over millions of generated rows took 3.2 GB and 21 s before there were limits)."""
+
+    memory: str = "2GB"
+    spill: str = "4GB"
+    seconds: float = 60.0
+
+    def config(self, spill_folder: Path) -> dict:
+        return {"memory_limit": self.memory, "max_temp_directory_size": self.spill,
+                "temp_directory": str(spill_folder)}
+
+    def error(self, error: Exception, timer: threading.Timer) -> SweepError:
+        first = str(error).splitlines()[0]
+        if timer.finished.is_set() and "nterrupt" in first:
+            return SweepError(f"query stopped after {self.seconds:g} s, its time limit (--timeout)")
+        if "Out of Memory" in first or "max_temp_directory_size" in first:
+            return SweepError(f"query failed: {first} (limits: memory {self.memory}, spill {self.spill}: "
+                              "--memory-limit)")
+        return SweepError(f"query failed: {first}")
 
 def check_sweep_dir(path: Path) -> SweepStore:
     store = SweepStore(path)
