@@ -330,7 +330,12 @@ class LlamaServerRuntime(Runtime):
         baseline = Launcher(self.build.path, tuple(model + self._common_args()),
                             Path(work_dir) / "llama-server-baseline.log")
         notes = self._notes(rules) + (() if together else (ONE_AT_A_TIME,))
-        return LlamaServerSession(speculative, baseline, rules, notes, one_at_a_time=not together)
+        session = LlamaServerSession(speculative, baseline, rules, notes, one_at_a_time=not together)
+        flags = self.build.flags
+        if rules.spec_type == "ngram-simple" and flags.ngram_simple_size_m and flags.ngram_simple_size_n:
+            # What it drafts under crossrt's names, as its driven reproduction records them (docs/ngram.md).
+            session.fixed_params = (("drafting", "llama-ngram-simple"), ("ngram_max", ngram_simple_size_n(rules.k)))
+        return session
 
     def _notes(self, rules: DraftRules) -> tuple[str, ...]:
         ngram = (f"ngram-simple: --spec-ngram-simple-size-m {rules.k} (drafts of at most k, where llama.cpp's default "
