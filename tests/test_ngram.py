@@ -91,9 +91,6 @@ def test_driven_hf_prompt_lookup_on_llama_cpp_equals_transformers_native(repeati
     assert sum(c.accepted for c in counters) > 0
     # Steps whose draft ran past the budget: accepted counts only the tokens up to it.
     assert any(c.step_drafted[-1] >= 23 - (c.emitted - c.step_accepted[-1] - 1) for c in counters)
-    parity = invoke("parity", tmp_path / "hf.json", tmp_path / "llama.json", "--logit-tolerance", "1e-4")
-    assert parity.exit_code == 0, parity.output
-    assert "identical, 0 explained, 0 failed, 0 not comparable; counters compared" in parity.output
 
 
 @pytest.mark.parametrize("args, message", [
