@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from crossrt.errors import SettingsError
-from crossrt.inputs.pairs import PairError, gguf_metadata
+from crossrt.inputs.gguf_file import gguf_metadata
+from crossrt.inputs.pairs import PairError
 from crossrt.run.memory import GIB, MemoryShort, Uncounted, footprint, gib, ram
 from crossrt.run.runtime import RuntimeOptions
 

@@ -26,6 +26,10 @@ class PromptRefused(CrossrtError):
     prompt is kept as failed with this reason, and the run goes on."""
 
 
+class PairError(CrossrtError, ValueError):
+    """A manifest, model file or vocabulary problem, with a message meant for the user."""
+
+
 class ComparisonError(CrossrtError):
     """Records that cannot be compared or checked as asked (other vocabularies, another
     schedule or prompt than the simulation, nothing to compare)."""

@@ -16,7 +16,8 @@ from gguf import GGUFReader
 
 from crossrt.run import loop
 from crossrt.cli import main
-from crossrt.inputs.pairs import gguf_metadata, pair_from_paths, pair_info
+from crossrt.inputs.gguf_file import gguf_metadata
+from crossrt.inputs.pairs import pair_from_paths, pair_info
 from crossrt.run.runtime import DraftRules, Rows
 
 from conftest import REPO, assert_clean_error

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from crossrt.cli import main
 from crossrt.errors import CrossrtError
 from crossrt.run.memory import LIMIT_ENV, Device, MemoryShort, check_fits, footprint, loading, parse_size
-from crossrt.inputs.pairs import gguf_metadata
+from crossrt.inputs.gguf_file import gguf_metadata
 from crossrt.backends.llama_server import ONE_AT_A_TIME
 from crossrt.inputs.pairs import load_pair
 from crossrt.inputs.prompts import load_prompts

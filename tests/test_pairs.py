@@ -7,7 +7,8 @@ import gguf
 import pytest
 from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 
-from crossrt.inputs.pairs import FIRST_COMPARED_TOKEN, PairError, check_compatible, pair_info, read_vocabulary, sha256_of
+from crossrt.inputs.pairs import PairError, pair_info, sha256_of
+from crossrt.inputs.vocabulary import FIRST_COMPARED_TOKEN, check_compatible, read_vocabulary
 
 from conftest import REPO, assert_clean_error
 

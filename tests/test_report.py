@@ -20,7 +20,7 @@ from crossrt.run.driver import RunRequest, run_pair
 from crossrt.errors import CrossrtError
 from crossrt.inputs.prompts import Prompt, content_type, load_prompts
 from crossrt.report.page import Section, page
-from crossrt.inputs.pairs import read_vocabulary
+from crossrt.inputs.vocabulary import read_vocabulary
 from crossrt.report.steps import load_vocab, step_spans, token_texts, vocab_at
 from crossrt.run.runtime import DraftRules, RuntimeOptions
 from crossrt.report.svg import Bars, bar_chart, nice_ticks

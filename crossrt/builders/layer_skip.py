@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from crossrt.errors import CrossrtError
-from crossrt.inputs.gguf_file import Layout, Tensor, aligned, encode_field, encode_string, read_layout
-from crossrt.inputs.pairs import PairError, gguf_metadata
+from crossrt.inputs.gguf_file import Layout, Tensor, aligned, encode_field, encode_string, gguf_metadata, read_layout
+from crossrt.inputs.pairs import PairError
 
 BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")
 

@@ -32,7 +32,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from crossrt.inputs.pairs import Pair, PairError, gguf_metadata, read_vocabulary
+from crossrt.inputs.gguf_file import gguf_metadata
+from crossrt.inputs.pairs import Pair, PairError
+from crossrt.inputs.vocabulary import read_vocabulary
 from crossrt.inputs.prompts import Prompt, PromptError
 from crossrt.records.schema import PromptFormat, PromptResult
 

@@ -3,12 +3,10 @@ verification steps that emitted it, each step coloured by how many draft tokens 
 (`crossrt report`, docs/report.md).
 
 Token text comes from the pair's own vocabulary, read from the target file the record names
-(GGUF metadata, or an HF folder's tokenizer.json), so no runtime is loaded: byte-level BPE
-(`gpt2`) pieces map back to bytes through GPT-2's printable byte alphabet; SentencePiece
-(`llama`) pieces turn U+2581 into a space and `<0xNN>` byte tokens into their byte; control
-tokens print nothing, as llama.cpp's detokenizer and transformers' decode(skip_special_tokens)
-print them by default. The bytes are decoded
-incrementally, so a character split across tokens is shown with the token that completes it.
+(GGUF metadata, or an HF folder's tokenizer.json), so no runtime is loaded: each id prints the
+bytes crossrt.inputs.vocabulary says a detokenizer prints for it (`Vocabulary.printed`: special
+tokens nothing). The bytes are decoded incrementally, so a character split across tokens is
+shown with the token that completes it.
 A file that is missing, or whose vocabulary is not the one the run recorded (its fingerprint),
 gives no text, and the section says so.
 """
@@ -17,54 +15,26 @@ from __future__ import annotations
 
 import codecs
 import functools
-import json
 import re
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
 from typing import Optional, Sequence
 
-from crossrt.inputs.pairs import PairError, gguf_metadata, read_vocabulary
+from crossrt.inputs.pairs import PairError
+from crossrt.inputs.vocabulary import read_vocabulary
 from crossrt.report.page import Section, Table
 from crossrt.report.runs import ReportRun
 from crossrt.run.schedules import SERVER
 from crossrt.records.schema import PromptResult, RunRecord
 
-CONTROL, BYTE = 3, 6  # GGUF tokenizer.ggml.token_type values (llama.cpp's LLAMA_TOKEN_TYPE_*)
-_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 # Characters XML 1.0 forbids (the page is also well-formed XML): shown as \xNN instead.
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 
 
-@functools.lru_cache(maxsize=1)
-def _gpt2_alphabet() -> dict[str, int]:
-    """GPT-2's printable stand-in for each byte (its bytes_to_unicode), inverted."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
-    table, shifted = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            table[chr(byte)] = byte
-        else:
-            table[chr(256 + shifted)] = byte
-            shifted += 1
-    return table
-
-
-def _piece_bytes(piece: str, kind: int, model: str) -> bytes:
-    if kind == CONTROL:
-        return b""
-    if model == "gpt2":
-        alphabet = _gpt2_alphabet()
-        return bytes(alphabet[c] for c in piece) if all(c in alphabet for c in piece) else piece.encode()
-    match = _BYTE_PIECE.fullmatch(piece)
-    if kind == BYTE and match:
-        return bytes([int(match.group(1), 16)])
-    return piece.replace("\u2581", " ").encode()
-
-
 @dataclass(frozen=True)
 class Vocab:
-    pieces: tuple[bytes, ...]  # per token id, the bytes it stands for
+    pieces: tuple[bytes, ...]  # per token id, the bytes a detokenizer prints for it
 
 
 @functools.lru_cache(maxsize=8)
@@ -75,25 +45,9 @@ def vocab_at(path: str, fingerprint: str) -> tuple[Optional[Vocab], Optional[str
         vocabulary = read_vocabulary(Path(path))
         if vocabulary.fingerprint != fingerprint:
             return None, f"{path} holds another vocabulary than the run's (fingerprint {vocabulary.fingerprint})"
-        if path.endswith(".gguf"):
-            model, kinds = vocabulary.model, tuple(gguf_metadata(Path(path)).get("tokenizer.ggml.token_type", ()))
-        else:
-            model, kinds = _hf_kinds(Path(path), vocabulary.tokens)
+        return Vocab(vocabulary.printed), None
     except (PairError, OSError, ValueError, KeyError, TypeError) as error:
         return None, f"cannot read the vocabulary of {path} ({error})"
-    kinds = kinds or (1,) * len(vocabulary.tokens)
-    return Vocab(tuple(_piece_bytes(p, t, model) for p, t in zip(vocabulary.tokens, kinds))), None
-
-
-def _hf_kinds(folder: Path, tokens: Sequence[str]) -> tuple[str, tuple[int, ...]]:
-    """An HF tokenizer.json's decoding as GGUF names it: byte-level (`gpt2`) where its decoder is
-    ByteLevel, else SentencePiece-style (`llama`, with <0xNN> byte fallback); its special added
-    tokens are control tokens, which transformers' decode(skip_special_tokens=True) drops too."""
-    tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    model = "gpt2" if (tokenizer.get("decoder") or {}).get("type") == "ByteLevel" else "llama"
-    special = {t["id"] for t in tokenizer.get("added_tokens", []) if t.get("special")}
-    return model, tuple(CONTROL if i in special else BYTE if _BYTE_PIECE.fullmatch(piece) else 1
-                        for i, piece in enumerate(tokens))
 
 
 def load_vocab(record: RunRecord) -> tuple[Optional[Vocab], Optional[str]]:
