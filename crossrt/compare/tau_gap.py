@@ -28,6 +28,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from crossrt.errors import ComparisonError, CrossrtError, SettingsError
 from crossrt.run.runtime import ModelSession, RuntimeOptions, open_runtime
+from crossrt.run.strategies import LOOKUPS
 from crossrt.simulate.schedules import check_rules, record_rules, simulate_schedule
 from crossrt.records.schema import Counters, PromptResult, RunRecord
 from crossrt.simulate.oracle import Oracle, build_oracle
@@ -144,6 +145,12 @@ def _counts(record: RunRecord, result: PromptResult, oracle: Oracle) -> tuple[Co
 def _check(record: RunRecord, label: str) -> None:
     if record.imported is not None:
         raise ComparisonError(f"{label}: an imported record holds no prompts to simulate")
+    params = record.params
+    if params.drafting in LOOKUPS or params.spec_type != "draft":
+        # The oracle holds the pair's drafter model's drafts: an n-gram run's gap would be
+        # split as if that model had drafted. Its own part ("drafter algorithm") is issue 49's.
+        method = params.drafting if params.drafting in LOOKUPS else f"spec type {params.spec_type}"
+        raise ComparisonError(f"{label} drafts by {method}, not with the drafter model the simulation replays")
     try:
         check_rules(record.params.schedule, record_rules(record))
     except SettingsError as error:
