@@ -11,6 +11,7 @@ The counters: backends/llama_server_counts.py.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import time
 from dataclasses import dataclass
@@ -259,6 +260,8 @@ class LlamaServerRuntime(Runtime):
     scored_by = "llama-cpp"  # the same llama.cpp commit in-process, for logits
     program = "llama-server"
     drafting_rules = ("n_min", "p_min")  # passed as the build's own flags (Build.flags)
+    # --drafting llama-ngram-simple: its own ngram-simple at size_n = ngram_max, no drafter loaded.
+    native_draftings = ("llama-ngram-simple",)
 
     def __init__(self, options: RuntimeOptions):
         super().__init__(options)
@@ -297,50 +300,63 @@ class LlamaServerRuntime(Runtime):
             args += [flags.cache_ram, "0"]  # no prompt cache kept across requests
         return args
 
-    def _speculative_args(self, drafter: Path, rules: DraftRules) -> list[str]:
+    def _speculative_args(self, drafter: Optional[Path], rules: DraftRules, size_n: int) -> list[str]:
+        """drafter None: n-gram drafting without a drafter model loaded."""
         options, flags = self.options, self.build.flags
         threads = str(options.threads)
-        args = ["-md", str(drafter), "-td", threads, "-tbd", threads, "-ngld", str(options.n_gpu_layers),
-                flags.n_max, str(rules.k), flags.n_min, str(rules.n_min), flags.p_min, str(rules.p_min),
-                "--metrics"]
+        args = ["-md", str(drafter), "-td", threads, "-tbd", threads, "-ngld", str(options.n_gpu_layers)] \
+            if drafter is not None else []
+        args += [flags.n_max, str(rules.k), flags.n_min, str(rules.n_min), flags.p_min, str(rules.p_min), "--metrics"]
         if flags.spec_type:
             # Without it -md loads a drafter that never drafts.
             args += [flags.spec_type, llama_spec_type(rules.spec_type)]
         elif rules.spec_type != "draft":
             raise SettingsError(f"this llama-server build has no --spec-type: it cannot run spec type {rules.spec_type!r}")
         if rules.spec_type == "ngram-simple" and flags.ngram_simple_size_m and flags.ngram_simple_size_n:
-            args += [flags.ngram_simple_size_n, str(ngram_simple_size_n(rules.k)), flags.ngram_simple_size_m, str(rules.k)]
-        if options.f32_kv_cache:
+            args += [flags.ngram_simple_size_n, str(size_n), flags.ngram_simple_size_m, str(rules.k)]
+        if options.f32_kv_cache and drafter is not None:
             args += ["-ctkd", "f32", "-ctvd", "f32"]
         return args
 
-    def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path) -> LlamaServerSession:
-        for path in (target, drafter):
+    def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path,
+                    strategy=None) -> LlamaServerSession:
+        """strategy: --drafting llama-ngram-simple, run as ngram-simple at its ngram_max, no drafter loaded."""
+        flags = self.build.flags
+        size_n = ngram_simple_size_n(rules.k)
+        if strategy is not None:
+            if rules.spec_type not in ("draft", "ngram-simple"):
+                raise SettingsError(f"--drafting llama-ngram-simple is llama-server's ngram-simple, not spec type "
+                                    f"{rules.spec_type!r}")
+            if not (flags.spec_type and flags.ngram_simple_size_n and flags.ngram_simple_size_m):
+                raise SettingsError(f"llama-server {self.build.version} cannot set ngram-simple's sizes "
+                                    "(--spec-ngram-simple-size-n/-m): --drafting llama-ngram-simple needs them")
+            rules, size_n, drafter = dataclasses.replace(rules, spec_type="ngram-simple"), strategy.ngram_max, None
+        for path in (target, drafter) if drafter is not None else (target,):
             if not Path(path).is_file():
                 raise FileNotFoundError(f"model file not found: {path}")
         # The baseline server holds the target, the speculative server target and drafter again.
         gpu = self.options.n_gpu_layers > 0 and self._has_gpu()
-        held = ([target], [target, drafter])
+        held = ([target], [target] + ([drafter] if drafter is not None else []))
         together = plan_processes(self.name, ("baseline server", "speculative server"), lambda which: check_gguf_fits(
             [path for i in which for path in held[i]], self.options, self.name, gpu=gpu))
         model = ["-m", str(target)]
-        speculative = Launcher(self.build.path, tuple(model + self._speculative_args(drafter, rules)
+        speculative = Launcher(self.build.path, tuple(model + self._speculative_args(drafter, rules, size_n)
                                                       + self._common_args()),
                                Path(work_dir) / "llama-server-speculative.log")
         baseline = Launcher(self.build.path, tuple(model + self._common_args()),
                             Path(work_dir) / "llama-server-baseline.log")
-        notes = self._notes(rules) + (() if together else (ONE_AT_A_TIME,))
+        notes = self._notes(rules, size_n) + (() if together else (ONE_AT_A_TIME,))
         session = LlamaServerSession(speculative, baseline, rules, notes, one_at_a_time=not together)
-        flags = self.build.flags
         if rules.spec_type == "ngram-simple" and flags.ngram_simple_size_m and flags.ngram_simple_size_n:
             # What it drafts under crossrt's names, as its driven reproduction records them (docs/ngram.md).
-            session.fixed_params = (("drafting", "llama-ngram-simple"), ("ngram_max", ngram_simple_size_n(rules.k)))
+            session.fixed_params = (("spec_type", "ngram-simple"), ("drafting", "llama-ngram-simple"),
+                                    ("ngram_max", size_n))
         return session
 
-    def _notes(self, rules: DraftRules) -> tuple[str, ...]:
+    def _notes(self, rules: DraftRules, size_n: int) -> tuple[str, ...]:
         ngram = (f"ngram-simple: --spec-ngram-simple-size-m {rules.k} (drafts of at most k, where llama.cpp's default "
-                 f"is 48) and --spec-ngram-simple-size-n {ngram_simple_size_n(rules.k)} (its default 12, at most k: "
-                 "a draft is made only when it is at least that long)",) \
+                 f"is 48) and --spec-ngram-simple-size-n {size_n} (its default 12; crossrt's, unless --ngram-max "
+                 "sets it, at most k: a draft is made only when it is at least that long)",) \
             if rules.spec_type == "ngram-simple" and self.build.flags.ngram_simple_size_m else ()
         return ngram + (
             f"llama-server {self.build.version} (commit {self.build.commit or 'unknown'}): its own draft-model "

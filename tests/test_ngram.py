@@ -149,3 +149,21 @@ def test_driven_ngram_simple_on_llama_cpp_equals_llama_server_native(repeating_p
     for record in (server, llama):
         with pytest.raises(ComparisonError, match="not with the drafter model"):
             tau_gap(record, record, {})
+
+
+def test_one_drafting_runs_natively_on_llama_server_and_driven_on_llama_cpp(repeating_prompts, tmp_path):
+    """--drafting llama-ngram-simple --ngram-max 3: llama-server's ngram-simple at size_n 3 (no
+    drafter model loaded), and its reproduction, from the same options."""
+    same = ["--pair", TINY_PAIR, "--k", 4, "--max-new-tokens", 40, "--prompts", repeating_prompts,
+            "--drafting", "llama-ngram-simple", "--ngram-max", 3]
+    assert invoke("run", "--runtime", "llama-server", "--mode", "native", "--out", tmp_path / "server.json",
+                  *same).exit_code == 0
+    assert invoke("run", "--runtime", "llama-cpp", "--schedule", "llama-server", "--out", tmp_path / "llama.json",
+                  *same).exit_code == 0
+    server, llama = load_record(tmp_path / "server.json"), load_record(tmp_path / "llama.json")
+    assert (server.params.spec_type, server.params.ngram_max, server.pair.drafter.loaded) == ("ngram-simple", 3, ())
+    assert any("--spec-ngram-simple-size-n 3" in note for note in server.notes)
+    for ours, theirs in zip(llama.results, server.results, strict=True):
+        assert ours.output_ids == theirs.output_ids, ours.prompt_id
+        assert [getattr(ours.counters, name) for name in COUNTERS] == \
+            [getattr(theirs.counters, name) for name in COUNTERS], ours.prompt_id
