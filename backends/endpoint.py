@@ -31,6 +31,7 @@ from crossrt.backends.endpoint_kinds import KINDS, Reply, Served, ServerKind
 from crossrt.backends.llama_server_counts import MetricsCounters, speculative_counters
 from crossrt.errors import ModelError, PromptRefused, SettingsError
 from crossrt.records.schema import Counters, RuntimeInfo, UnfitCounts
+from crossrt.run.attach import attachment_for
 from crossrt.run.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                                  RuntimeOptions, RuntimeUnavailable, Server)
 
@@ -283,7 +284,7 @@ class EndpointRuntime(Runtime):
         if options.url is None:
             raise SettingsError("the endpoint runtime attaches to a running server: give --url URL, and "
                                 "--baseline-url URL for a plain server of the same target")
-        self.attached = Attached.attach(options.url)
+        self.attached = attachment_for(options.url, Attached.attach)
         self.baseline: Optional[Attached] = None  # the plain server, once open_native attached it
 
     @classmethod
@@ -292,8 +293,8 @@ class EndpointRuntime(Runtime):
 
     @classmethod
     def attach_server(cls, url: str) -> Server:
-        attached = Attached.attach(url)
-        return Server(attached.endpoint.display, attached.identity(), attached.served.k)
+        attachment = Attached.attach(url)
+        return Server(attachment.endpoint.display, attachment.identity(), attachment.served.k, attachment)
 
     @classmethod
     def scorer(cls, info: RuntimeInfo) -> Optional[str]:
@@ -306,7 +307,7 @@ class EndpointRuntime(Runtime):
         if self.options.baseline_url is None:
             raise SettingsError(f"--baseline-url: {speculative.served.kind} speculates on every request, so the "
                                 "greedy baseline needs a second server of the same target without a drafter")
-        baseline = Attached.attach(self.options.baseline_url)
+        baseline = attachment_for(self.options.baseline_url, Attached.attach)
         if baseline.served.kind != speculative.served.kind:
             raise SettingsError(f"--baseline-url is {baseline.describe()}, --url {speculative.describe()}: give two "
                                 "servers of one kind")

@@ -117,14 +117,15 @@ class CountingProxy(socketserver.ThreadingTCPServer):
     """A loopback address in front of a server that counts the requests doing work there (POST:
     tokenize, generate) it forwards at once; crossrt closes each request's connection once it has
     read the answer. Each is held HOLD_S first, so that two cells running at once would overlap
-    there whatever the machine's speed (the tiny pair answers in milliseconds)."""
+    there whatever the machine's speed (the tiny pair answers in milliseconds). It also counts
+    attaches: an attach to llama-server starts with GET /props, which nothing else asks for."""
 
     daemon_threads = True
 
     def __init__(self, url: str):
         self.backend = int(url.rsplit(":", 1)[1])
         self.lock = threading.Lock()
-        self.now = self.most = 0
+        self.now = self.most = self.attaches = 0
         super().__init__(("127.0.0.1", 0), CountingHandler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -142,6 +143,9 @@ class CountingHandler(socketserver.BaseRequestHandler):
     def handle(self):
         first = self.request.recv(65536)
         generation = first.startswith(b"POST")
+        if first.startswith(b"GET /props"):
+            with self.server.lock:
+                self.server.attaches += 1
         if generation:
             self.server.count(+1)
             time.sleep(HOLD_S)
@@ -180,6 +184,28 @@ def test_two_cells_on_one_server_never_run_at_once(servers, tmp_path):
     records = [cell.record() for cell in SweepStore(tmp_path / "store").stored()]
     assert len(records) == 2 and all(r.ok for record in records for r in record.results)
     assert [proxy.most for proxy in proxies] == [1, 1]  # both served crossrt, one request at a time
+    assert [proxy.attaches for proxy in proxies] == [1, 1]  # to plan; the cells' runs took the plan's
+
+
+@needs_server
+def test_a_sweep_attaches_each_server_once(servers, tmp_path):
+    """Two cells on one server, one after the other in this process: the plan attaches each server,
+    and the cells' runs take its attachments instead of asking the servers again."""
+    path = sweep_file(tmp_path)
+    (tmp_path / "one.jsonl").write_text((tmp_path / "two.jsonl").read_text().splitlines()[0] + "\n")
+    path.write_text(path.read_text().replace('prompts = "two.jsonl"', 'prompts = ["two.jsonl", "one.jsonl"]'))
+    proxies = [CountingProxy(url) for url in servers.urls]
+    try:
+        result = CliRunner().invoke(main, ["sweep", "run", str(path), "--dir", str(tmp_path / "store"),
+                                           "--url", proxies[0].url, "--baseline-url", proxies[1].url],
+                                    catch_exceptions=False)
+    finally:
+        for proxy in proxies:
+            proxy.shutdown()
+    assert result.exit_code == 0, result.output
+    records = [cell.record() for cell in SweepStore(tmp_path / "store").stored()]
+    assert len(records) == 2 and all(r.ok for record in records for r in record.results)
+    assert [proxy.attaches for proxy in proxies] == [1, 1]
 
 
 @needs_server

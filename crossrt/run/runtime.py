@@ -175,6 +175,9 @@ class Server:
     # while it runs; a sweep cell's id digests it, so another server makes other cells.
     identity: str
     k: Optional[int]  # the draft length it reports; None where it does not (yet)
+    # The runtime's own attachment (what it asked the server), which a run within
+    # crossrt.run.attach.reusing takes instead of asking again; None where planned without one.
+    attachment: object = dataclasses.field(default=None, compare=False, repr=False)
 
 
 class ModelSession(abc.ABC):

@@ -23,7 +23,8 @@ from crossrt.inputs.pairs import resolve_pair
 from crossrt.run.driver import LoadedModels, RunRequest, run_pair
 from crossrt.inputs.prompts import Prompt, load_prompts
 from crossrt.records.record_json import record_to_json
-from crossrt.run.runtime import DraftRules, RuntimeOptions
+from crossrt.run.attach import reusing
+from crossrt.run.runtime import DraftRules, RuntimeOptions, Server
 from crossrt.records.schema import PromptResult
 from crossrt.sweep.cell import Cell
 from crossrt.sweep.plan import Sweep
@@ -39,16 +40,19 @@ class CellJob:
     prompts: str
     # Decode every baseline (and replace its store entry) rather than take it from the store.
     fresh_baseline: bool = False
-    # A cell attaching to a server: its URLs as given (user info sent, never written), and the
-    # servers (URLs without credentials) no other cell may use while it runs.
+    # A cell attaching to a server: its URLs as given (user info sent, never written), the
+    # servers (URLs without credentials) no other cell may use while it runs, and both servers as
+    # the plan attached them, so that the run does not ask them again (crossrt/run/attach.py).
     url: Optional[str] = None
     baseline_url: Optional[str] = None
     exclusive: tuple[str, ...] = ()
+    attached: tuple[tuple[str, Server], ...] = ()
 
     @classmethod
     def of(cls, sweep: Sweep, cell: Cell, fresh_baseline: bool = False) -> "CellJob":
         attachment = sweep.attachments.get(cell.server) if cell.server is not None else None
-        servers = (attachment.url, attachment.baseline_url, attachment.exclusive) if attachment else (None, None, ())
+        servers = (attachment.url, attachment.baseline_url, attachment.exclusive,
+                   tuple(attachment.attached().items())) if attachment else ()
         return cls(cell, sweep.resolve(cell.pair), sweep.resolve(cell.prompts), fresh_baseline, *servers)
 
 
@@ -72,7 +76,8 @@ def run_job(job: CellJob, on_prompt: Optional[Callable[[Prompt, Optional[PromptR
                                  max_new_tokens=cell.max_new_tokens, out=Path(work) / "record.json", mode=cell.mode,
                                  schedule=cell.schedule or loop.SCHEDULE, chat=rendering, prompt_format=prompt_format,
                                  baselines=BaselineStore.default(refresh=job.fresh_baseline), strategy=cell.strategy)
-            record = run_pair(request, prompts, on_prompt, models)
+            with reusing(dict(job.attached)):
+                record = run_pair(request, prompts, on_prompt, models)
     except USER_ERRORS as error:
         return {"error": str(error), "wall_s": time.perf_counter() - start, **where}
     return {"record": record_to_json(record), "wall_s": time.perf_counter() - start, **where}

@@ -63,6 +63,11 @@ class Attachment:
     baseline_url: Optional[str]
     server: Server
     exclusive: tuple[str, ...]
+    baseline: Optional[Server] = None  # the plain server at baseline_url, as attached
+
+    def attached(self) -> dict[str, Server]:
+        """Both servers by URL as given: what the cells' runs take instead of attaching again."""
+        return {self.url: self.server, **({self.baseline_url: self.baseline} if self.baseline else {})}
 
 
 def _attach(runtime: str, url: str) -> Server:
@@ -90,7 +95,7 @@ def attach_cells(values: list[dict[str, Any]], servers: Servers) -> tuple[list[d
             server = _attach(runtime, url)
             baseline = _attach(runtime, baseline_url) if baseline_url else None
             attachments[server.url] = Attachment(url, baseline_url, server,
-                                                 (server.url, *((baseline.url,) if baseline else ())))
+                                                 (server.url, *((baseline.url,) if baseline else ())), baseline)
             identities[server.url] = server.identity + (f"; baseline: {baseline.identity}" if baseline else "")
     known = [attachment.server for attachment in attachments.values()]
     kept, warnings = [], set()
