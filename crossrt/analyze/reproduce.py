@@ -22,7 +22,8 @@ from crossrt.run.baselines import BaselineStore
 from crossrt.run.driver import RunRequest
 from crossrt.run.isolation import run_pair_safely
 from crossrt.run.loop import SCHEDULE
-from crossrt.run.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, Server, availability, runtime_class
+from crossrt.run.rules import run_rules
+from crossrt.run.runtime import RuntimeOptions, RuntimeUnavailable, Server, availability, runtime_class
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class Plan:
 
     request: RunRequest
     prompts: tuple[Prompt, ...]
+    warnings: tuple[str, ...] = ()  # its drafting rules' (crossrt/run/rules.py)
 
 
 def claim_prompts(claim: Claim, default_source: str) -> list[Prompt]:
@@ -155,13 +157,14 @@ def plan_claim(claim: Claim, settings: Settings) -> tuple[Optional[Plan], list[s
         prompts, rendering, prompt_format = apply_template(prompts, pair, claim.template)
     except ChatTemplateError as error:
         return None, [str(error)]
-    request = RunRequest(pair=pair, runtime=claim.crossrt_runtime, options=settings.options,
-                         rules=DraftRules(claim.k, spec_type=claim.spec_type),
-                         max_new_tokens=claim.max_new_tokens or settings.max_new_tokens,
-                         out=settings.out_dir / f"{claim.id}.json", mode=mode, schedule=claim.schedule or SCHEDULE,
-                         resume=settings.resume, overwrite=not settings.resume,
+    max_new_tokens = claim.max_new_tokens or settings.max_new_tokens
+    rules, warnings = run_rules(claim.crossrt_runtime, mode, claim.schedule or SCHEDULE, max_new_tokens, claim.k,
+                                spec_type=claim.spec_type)
+    request = RunRequest(pair=pair, runtime=claim.crossrt_runtime, options=settings.options, rules=rules,
+                         max_new_tokens=max_new_tokens, out=settings.out_dir / f"{claim.id}.json", mode=mode,
+                         schedule=claim.schedule or SCHEDULE, resume=settings.resume, overwrite=not settings.resume,
                          chat=rendering, prompt_format=prompt_format, baselines=BaselineStore.default())
-    return Plan(request, tuple(prompts)), []
+    return Plan(request, tuple(prompts), warnings), []
 
 
 def reproduce_claim(claim: Claim, settings: Settings, say: Callable[[str], None]) -> Outcome:
@@ -173,6 +176,8 @@ def reproduce_claim(claim: Claim, settings: Settings, say: Callable[[str], None]
     request = plan.request
     say(f"running {claim.id}: {request.runtime} {request.mode} k={claim.k}, {len(plan.prompts)} prompts "
         f"({claim.describe_prompts()}, template {claim.template}), {request.max_new_tokens} tokens each")
+    for warning in plan.warnings:
+        say(f"warning: {warning}")
     try:
         record = run_pair_safely(request, plan.prompts)
     except USER_ERRORS as error:

@@ -27,9 +27,9 @@ from crossrt.imports.importer import import_summary
 from crossrt.run.loop import SCHEDULE, SCHEDULES
 from crossrt.inputs.pairs import run_k, run_spec_type
 from crossrt.inputs.prompts import load_prompts
-from crossrt.run.runtime import (SPEC_TYPES, DraftRules, availability, runtime_class, runtime_names, usable_runtimes,
+from crossrt.run.rules import run_rules
+from crossrt.run.runtime import (SPEC_TYPES, availability, runtime_class, runtime_names, usable_runtimes,
                                  without_user_info)
-from crossrt.simulate.schedules import LLAMA
 from crossrt.records.journal import journal_path
 from crossrt.records.record_json import load_record
 from crossrt.records.tables import format_table, record_notes, stored_baselines_note, summary_rows
@@ -107,19 +107,14 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
         prompts, rendering, prompt_format = fed_prompts(load_prompts(prompt_source), pair, chat, chat_template,
                                                         template_vars, answers)
         out = named_out
-        rules = DraftRules(k, draft_n_min, draft_p_min, run_spec_type(pair, spec_type))
+        rules, warnings = run_rules(runtime_name, mode, schedule, max_new_tokens, k, draft_n_min, draft_p_min,
+                                    run_spec_type(pair, spec_type))
         request = RunRequest(pair=pair, runtime=runtime_name, options=options, rules=rules,
                              max_new_tokens=max_new_tokens, out=out, mode=mode, schedule=schedule, resume=resume,
                              overwrite=overwrite, trace=trace, chat=rendering, prompt_format=prompt_format,
                              baselines=BaselineStore.default(refresh=fresh_baseline), strategy=strategy)
-        # llama.cpp's runtimes and schedules drop drafts shorter than n_min, and a draft is at most
-        # max_new_tokens - 1 long: with n_min at k (its default), a large k drafts nothing.
-        drops_short = ("n_min" in runtime_class(runtime_name).drafting_rules if mode == "native"
-                       else schedule in LLAMA)
-        if drops_short and rules.n_min >= max_new_tokens:
-            click.echo(f"warning: --k {k}: llama.cpp drops drafts shorter than draft-n-min {rules.n_min}, and no "
-                       f"draft fits in --max-new-tokens {max_new_tokens}: nothing will be drafted; lower --k or "
-                       "--draft-n-min", err=True)
+        for warning in warnings:
+            click.echo(f"warning: {warning}", err=True)
         with click.progressbar(length=len(prompts), label=f"{runtime_name} k={k}", file=sys.stderr,
                                item_show_func=lambda text: text) as bar:
             def advance(prompt, result):

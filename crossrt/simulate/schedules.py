@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 
 from crossrt.run import loop
 from crossrt.errors import ComparisonError, SettingsError
+from crossrt.run.rules import LLAMA
 from crossrt.run.runtime import DraftRules
 from crossrt.run.acceptance import greedy_length, llama_verify as verify
 from crossrt.run.schedules import SERVER, SPEC_SIMPLE
@@ -47,7 +48,6 @@ from crossrt.simulate.oracle import Oracle, Policy, SimRun, simulate
 EXLLAMAV3 = "exllamav3"
 EXLLAMAV3_DYNAMIC = "exllamav3-dynamic"
 VLLM = "vllm"
-LLAMA = (SPEC_SIMPLE, SERVER)
 SIMULATED = (loop.SCHEDULE, loop.HF_SCHEDULE, SPEC_SIMPLE, SERVER, EXLLAMAV3, EXLLAMAV3_DYNAMIC, VLLM)
 DRAFT_CONFIDENCE = 0.4  # exllamav3 1.6.5's Generator default (generator.py:67)
 

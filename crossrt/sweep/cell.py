@@ -13,7 +13,8 @@ from typing import Any, Optional
 
 from crossrt.errors import CrossrtError, SettingsError
 from crossrt.run import loop
-from crossrt.run.runtime import DraftRules, RuntimeUnavailable, runtime_class
+from crossrt.run.rules import run_rules
+from crossrt.run.runtime import RuntimeUnavailable, runtime_class
 from crossrt.run.strategies import STRATEGY_PARTS, Strategy, parse_content_k
 
 class SweepError(CrossrtError, ValueError):
@@ -158,7 +159,8 @@ def skip_reason(cell: Cell) -> Optional[str]:
     """Why cell cannot run on any machine (its runtime lacks the mode, its drafting rules
     contradict each other), or None. Whether the runtime is usable here is the run's to say."""
     try:
-        rules = DraftRules(cell.k, cell.draft_n_min, cell.draft_p_min, cell.spec_type)
+        rules, _ = run_rules(cell.runtime, cell.mode, cell.schedule or loop.SCHEDULE, cell.max_new_tokens, cell.k,
+                             cell.draft_n_min, cell.draft_p_min, cell.spec_type)  # warned of by the plan
         strategy = cell.strategy
         runtime = runtime_class(cell.runtime)
     except SettingsError as error:

@@ -24,7 +24,8 @@ from crossrt.run.driver import LoadedModels, RunRequest, run_pair
 from crossrt.inputs.prompts import Prompt, load_prompts
 from crossrt.records.record_json import record_to_json
 from crossrt.run.attach import reusing
-from crossrt.run.runtime import DraftRules, RuntimeOptions, Server
+from crossrt.run.rules import run_rules
+from crossrt.run.runtime import RuntimeOptions, Server
 from crossrt.records.schema import PromptResult
 from crossrt.sweep.cell import Cell
 from crossrt.sweep.plan import Sweep
@@ -70,7 +71,9 @@ def run_job(job: CellJob, on_prompt: Optional[Callable[[Prompt, Optional[PromptR
         options = RuntimeOptions(n_ctx=cell.n_ctx, threads=cell.threads, n_gpu_layers=cell.n_gpu_layers,
                                  gpu_split=cell.gpu_split, f32_kv_cache=cell.f32_kv_cache, flash_attn=cell.flash_attn,
                                  url=job.url, baseline_url=job.baseline_url)
-        rules = DraftRules(cell.k, cell.draft_n_min, cell.draft_p_min, cell.spec_type)
+        # The plan warns of k at or above the budget (sweep/plan.py), which these warnings imply.
+        rules, _ = run_rules(cell.runtime, cell.mode, cell.schedule or loop.SCHEDULE, cell.max_new_tokens, cell.k,
+                             cell.draft_n_min, cell.draft_p_min, cell.spec_type)
         with tempfile.TemporaryDirectory(prefix=f"crossrt-cell-{cell.id}-") as work:
             request = RunRequest(pair=pair, runtime=cell.runtime, options=options, rules=rules,
                                  max_new_tokens=cell.max_new_tokens, out=Path(work) / "record.json", mode=cell.mode,

@@ -1,0 +1,30 @@
+"""A run's drafting rules, built in one place (crossrt/run/rules.py): checked, and warned of where
+llama.cpp's n_min leaves nothing to draft within the token budget."""
+
+import pytest
+
+from crossrt.errors import SettingsError
+from crossrt.run.rules import run_rules
+from crossrt.run.runtime import DraftRules
+
+
+def test_a_run_whose_n_min_no_draft_reaches_is_warned_where_drafts_shorter_than_n_min_are_dropped():
+    # llama-server's native mode and the driven llama.cpp schedules drop short drafts...
+    for runtime, mode, schedule in (("llama-server", "native", "crossrt"), ("llama-cpp", "driven", "llama-server"),
+                                    ("llama-cpp", "driven", "llama-spec-simple")):
+        rules, warnings = run_rules(runtime, mode, schedule, 8, 8)
+        assert rules == DraftRules(8)
+        assert warnings == ("--k 8: llama.cpp drops drafts shorter than draft-n-min 8, and no draft fits in "
+                            "--max-new-tokens 8: nothing will be drafted; lower --k or --draft-n-min",)
+        assert run_rules(runtime, mode, schedule, 8, 8, n_min=2) == (DraftRules(8, 2), ())
+        assert run_rules(runtime, mode, schedule, 9, 8)[1] == ()
+    # ...crossrt's schedule and a native mode without n_min keep them.
+    assert run_rules("llama-cpp", "driven", "crossrt", 8, 8)[1] == ()
+    assert run_rules("transformers", "native", "crossrt", 8, 8)[1] == ()
+
+
+def test_rules_that_contradict_each_other_are_refused():
+    with pytest.raises(SettingsError, match="n_min must be between 0 and k=4, got 5"):
+        run_rules("llama-cpp", "driven", "crossrt", 32, 4, n_min=5)
+    with pytest.raises(SettingsError, match="unknown spec type"):
+        run_rules("llama-cpp", "driven", "crossrt", 32, 4, spec_type="guess")
