@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from statistics import median
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, TypeVar
 
 import numpy as np
 
@@ -295,12 +295,20 @@ class PolicyResult:
     speedup: Optional[float]
 
 
+T = TypeVar("T")
+
+
+def by_category(items: Sequence[T], category: Callable[[T], str]) -> list[tuple[Optional[str], list[T]]]:
+    """items per category (sorted), then all of them (category None): the groups of every
+    per-category table the simulations sum."""
+    return [(name, [item for item in items if name is None or category(item) == name])
+            for name in [*sorted({category(item) for item in items}), None]]
+
+
 def summarize(runs: Sequence[SimRun], costs: CostModel, label: str) -> list[PolicyResult]:
     """One result per category (sorted), then one over every run (category None)."""
-    categories = sorted({run.category for run in runs})
     results = []
-    for category in [*categories, None]:
-        group = [run for run in runs if category is None or run.category == category]
+    for category, group in by_category(runs, lambda run: run.category):
         steps = sum(run.steps for run in group)
         drafted = sum(run.drafted for run in group)
         accepted = sum(run.accepted for run in group)

@@ -43,7 +43,7 @@ from crossrt.run.acceptance import greedy_length, llama_verify as verify
 from crossrt.run.schedules import SERVER, SPEC_SIMPLE
 from crossrt.records.metrics import Totals
 from crossrt.records.schema import Counters, RunRecord
-from crossrt.simulate.oracle import Oracle, Policy, SimRun, simulate
+from crossrt.simulate.oracle import Oracle, Policy, SimRun, by_category, simulate
 
 EXLLAMAV3 = "exllamav3"
 EXLLAMAV3_DYNAMIC = "exllamav3-dynamic"
@@ -329,9 +329,8 @@ def summarize_schedule(oracles: Sequence[Oracle], schedule: str, rules: DraftRul
     """schedule with rules on every oracle: one result per category (sorted), then overall."""
     counted = [(oracle.category, simulate_schedule(oracle, schedule, rules).counters(rules.k)) for oracle in oracles]
     results = []
-    for category in [*sorted({c for c, _ in counted}), None]:
-        group = [counters for c, counters in counted if category is None or c == category]
+    for category, group in by_category(counted, lambda pair: pair[0]):
         results.append(ScheduleResult(schedule, rules.k, rules.n_min, rules.p_min, category, len(group),
-                                      *(sum(getattr(c, name) for c in group)
+                                      *(sum(getattr(c, name) for _, c in group)
                                         for name in ("steps", "drafted", "accepted", "emitted", "unverified", "cut"))))
     return results

@@ -36,7 +36,7 @@ from crossrt.errors import SettingsError
 from crossrt.records.metrics import Totals
 from crossrt.run.runtime import ModelSession, Rows
 from crossrt.run.tree import RankPath, Tree
-from crossrt.simulate.oracle import CHUNK, CostModel, Oracle, SimRun
+from crossrt.simulate.oracle import CHUNK, CostModel, Oracle, SimRun, by_category
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,8 +164,7 @@ def summarize_tree(runs: Sequence[SimRun], costs: Optional[CostModel], label: st
     """One result per category (sorted), then one over every run; no speedup without costs or
     where a step verified more tokens than the cost model was measured for."""
     results = []
-    for category in [*sorted({run.category for run in runs}), None]:
-        group = [run for run in runs if category is None or run.category == category]
+    for category, group in by_category(runs, lambda run: run.category):
         steps = sum(run.steps for run in group)
         emitted = sum(run.emitted for run in group)
         drafted = sum(run.drafted for run in group)
