@@ -70,15 +70,16 @@ def float_twin(source: Path) -> Path:
     return output
 
 
-def _dequantized(data, start: int, tensor) -> np.ndarray:
-    """One tensor's values as float32, in the file's element order (ne0 fastest)."""
+def dequantized(data, start: int, tensor) -> np.ndarray:
+    """One tensor's values as float32, in the file's element order (ne0 fastest), tensor's data
+    starting at byte start of data (the file, mapped). Always a copy: an F32 tensor would
+    otherwise be a view of the mapping, which its reader closes."""
     from gguf import GGMLQuantizationType, quants
 
     raw = np.frombuffer(data, dtype=np.uint8, count=tensor.nbytes, offset=start)
-    kind = GGMLQuantizationType(tensor.ggml_type)
     rows = int(np.prod(tensor.dims[1:])) if len(tensor.dims) > 1 else 1
-    values = quants.dequantize(raw.reshape(rows, -1), kind)
-    return np.ascontiguousarray(values, dtype="<f4").reshape(-1)
+    values = quants.dequantize(raw.reshape(rows, -1), GGMLQuantizationType(tensor.ggml_type))
+    return np.array(values, dtype="<f4").reshape(-1)
 
 
 def _write_twin(out, data) -> None:
@@ -104,4 +105,4 @@ def _write_twin(out, data) -> None:
     data_start = aligned(out.tell(), layout.alignment)
     for tensor, tensor_offset in zip(layout.tensors, offsets, strict=True):
         out.write(b"\0" * (data_start + tensor_offset - out.tell()))
-        out.write(_dequantized(data, layout.data_start + tensor.offset, tensor).tobytes())
+        out.write(dequantized(data, layout.data_start + tensor.offset, tensor).tobytes())

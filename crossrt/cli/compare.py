@@ -18,7 +18,7 @@ from crossrt.records.journal import write_atomically
 from crossrt.inputs.pairs import resolve_pair, run_k
 from crossrt.compare.parity import labelled
 from crossrt.compare.parity_report import ParityReport, render_junit, render_markdown, render_text
-from crossrt.compare.control import QUANTIZATION
+from crossrt.compare.control import not_one_function
 from crossrt.compare.parity_run import Matrix, compare_isolated, run_matrix
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
@@ -180,7 +180,7 @@ def diff(records: tuple[Path, ...]) -> None:
     # One verdict with parity's: its comparisons, logit checks and float control, in a process of its own.
     verdicts, crashed = compare_isolated(runs, [], 0.0, None, False, True, True)
     verdict = ParityReport(verdicts.comparisons, verdicts.logit_checks, tuple(crashed), controls=verdicts.controls)
-    not_one_function = [c.failure() for c in verdicts.controls if not c.ok and c.kind != QUANTIZATION]
-    click.echo(render_diff(diff_records(label_a, a, label_b, b, not_one_function)))
+    failed = [c.failure() for c in not_one_function(verdicts.controls)]
+    click.echo(render_diff(diff_records(label_a, a, label_b, b, failed)))
     click.echo("\n".join([""] + [f"FAIL {line}" for line in verdict.failures()] + [verdict.verdict()]))
     sys.exit(0 if verdict.ok else 1)

@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from crossrt.compare.rescore import LogitAgreement, agreement, log_softmax, score, score_stepwise
+from crossrt.compare.rescore import LogitAgreement, agreement, argmax_flips, log_softmax, score, score_stepwise
 from crossrt.compare.tolerance import QUANTIZED_ONE_RUNTIME, Tolerance
 from crossrt.compare.weights import WeightsMatch, compare_weights
 from crossrt.records.schema import RunRecord
@@ -120,8 +120,6 @@ class ControlCheck:
     def problems(self) -> list[str]:
         if self.kind == WEIGHTS:
             return [f"not the same model: {self.weights.describe()}"] if self.weights.wrong else []
-        if self.measured.positions == 0:
-            return ["nothing compared: no output rows scored by both"]
         return self.bounds.problems(self.measured)
 
     @property
@@ -206,9 +204,7 @@ class _Trial:
         b = self.b + sigma * self.noise
         kl = np.maximum((self.p_a * (self.log_a - log_softmax(b))).sum(axis=1), 0.0)
         top_b = b.argmax(axis=1)
-        differ = np.flatnonzero(top_b != self.top_a)
-        flips = tuple(float(self.a[i, self.top_a[i]] - self.a[i, top_b[i]] + b[i, top_b[i]] - b[i, self.top_a[i]])
-                      for i in differ)
+        flips = argmax_flips(self.a, b, self.top_a, top_b)
         return LogitAgreement(len(b), float(np.abs(self.a - b).max()), float(np.abs(self.a - b).mean()),
                               float(np.mean(top_b == self.top_a)), 1.0, float(kl.mean()), float(np.median(kl)),
                               float(np.percentile(kl, 99)), float(kl.max()), 0.0, flips)
@@ -296,16 +292,22 @@ def _worst(a: LogitAgreement, b: LogitAgreement) -> LogitAgreement:
                           max(a.rms_delta_p, b.rms_delta_p))
 
 
+def not_one_function(controls: Sequence[ControlCheck]) -> list[ControlCheck]:
+    """The failed checks that find two scorings are not one function (the float control, the
+    weights): between their runs no split is a near-tie (parity's judged_by_control, diff's
+    verdict). A failed quantization check is a finding about one runtime's kernels, not this."""
+    return [c for c in controls if not c.ok and c.kind in (FLOAT_CONTROL, WEIGHTS)]
+
+
 def judged_by_control(comparisons: Sequence, controls: Sequence[ControlCheck]) -> list:
-    """The comparisons with every split between two runs whose float control (or weights check)
-    failed taken out of "numerics": a near-tie between two functions that are not the same model
-    is no near-tie. Such splits become problems that say why."""
-    failed = [c for c in controls if not c.ok and c.kind in (FLOAT_CONTROL, WEIGHTS)]
+    """The comparisons with every split between two runs on opposite sides of a failed float
+    control or weights check taken out of "numerics": a near-tie between two functions that are
+    not the same model is no near-tie. Such splits become problems that say why."""
+    failed = not_one_function(controls)
     judged = []
     for comparison in comparisons:
-        why = next((c for c in failed if {comparison.run_a, comparison.run_b} <= set(c.runs[0] + c.runs[1])
-                    and not {comparison.run_a, comparison.run_b} <= set(c.runs[0])
-                    and not {comparison.run_a, comparison.run_b} <= set(c.runs[1])), None)
+        pair = (comparison.run_a, comparison.run_b)
+        why = next((c for c in failed if pair in _across(c)), None)
         if why is None or not comparison.explained or comparison.imported:
             judged.append(comparison)
             continue
@@ -313,3 +315,9 @@ def judged_by_control(comparisons: Sequence, controls: Sequence[ControlCheck]) -
                         for line in comparison.explained)
         judged.append(dataclasses.replace(comparison, problems=comparison.problems + demoted, explained=()))
     return judged
+
+
+def _across(check: ControlCheck) -> set[tuple[str, str]]:
+    """Pairs of run labels with one run on each side of a check, in either order."""
+    first, second = check.runs
+    return {pair for a in first for b in second for pair in ((a, b), (b, a))}

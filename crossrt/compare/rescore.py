@@ -179,10 +179,15 @@ def agreement(a, b, tokens: Optional[Sequence[int]] = None, length: Optional[int
     rows = np.arange(n)
     delta_p = np.exp(log_b[rows, emitted]) - a.probs[rows, emitted]  # b's whole probs only if b is ever A
     first_a, first_b = top_a[:, 0], top_b[:, 0]
-    differ = np.flatnonzero(first_a != first_b)
-    flips = tuple(float(a.logits[i, first_a[i]] - a.logits[i, first_b[i]] + b.logits[i, first_b[i]]
-                        - b.logits[i, first_a[i]]) for i in differ)
+    flips = argmax_flips(a.logits[:n], b.logits[:n], first_a, first_b)
     return LogitAgreement(n, float(difference.max()), float(difference.mean()),
                           float(np.mean(first_a == first_b)), float(overlap),
                           float(kl.mean()), float(np.median(kl)), float(np.percentile(kl, 99)), float(kl.max()),
                           float(np.sqrt(np.mean(delta_p ** 2))), flips)
+
+
+def argmax_flips(a: np.ndarray, b: np.ndarray, top_a: np.ndarray, top_b: np.ndarray) -> tuple[float, ...]:
+    """At each row whose argmaxes (top_a, top_b) differ, the near-tie flip between them: how far
+    A's row put B's choice below its own, plus the same of B's row (LogitAgreement.top1_flips)."""
+    differ = np.flatnonzero(top_a != top_b)
+    return tuple(float(a[i, top_a[i]] - a[i, top_b[i]] + b[i, top_b[i]] - b[i, top_a[i]]) for i in differ)

@@ -38,6 +38,8 @@ class Tolerance:
     near_tie_flip: float = 1e-3  # a divergence whose recorded flip is within this is numerics
 
     def problems(self, measured: LogitAgreement) -> list[str]:
+        if measured.positions == 0:  # bounds met by no row at all would pass a check of nothing
+            return ["nothing compared: no output rows scored by both"]
         found = []
         if self.max_abs_diff is not None and measured.max_abs_diff > self.max_abs_diff:
             found.append(f"max abs logit diff {measured.max_abs_diff:.3g} > {self.max_abs_diff:g}")

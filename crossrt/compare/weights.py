@@ -66,19 +66,13 @@ class WeightsMatch:
 
 
 def _gguf_tensors(path: Path) -> Iterator[tuple[str, tuple[int, np.ndarray]]]:
-    from gguf import GGMLQuantizationType, quants
-
+    from crossrt.builders.float_twin import dequantized
     from crossrt.inputs.gguf_file import read_layout
 
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
         layout = read_layout(data)
         for tensor in layout.tensors:
-            raw = np.frombuffer(data, dtype=np.uint8, count=tensor.nbytes, offset=layout.data_start + tensor.offset)
-            rows = int(np.prod(tensor.dims[1:])) if len(tensor.dims) > 1 else 1
-            values = quants.dequantize(raw.reshape(rows, -1), GGMLQuantizationType(tensor.ggml_type))
-            # A copy: an F32 tensor dequantizes to a view of the file, which is closed after the last.
-            yield tensor.name, (tensor.ggml_type, np.array(values, dtype=np.float32).reshape(-1))
-            del raw, values
+            yield tensor.name, (tensor.ggml_type, dequantized(data, layout.data_start + tensor.offset, tensor))
 
 
 def _folder_files(folder: Path) -> list[Path]:
