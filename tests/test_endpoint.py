@@ -200,6 +200,18 @@ class QuietHandler(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
+    def ask_upstream(self) -> tuple[int, bytes, str]:
+        """This request passed on to the server's upstream URL: its status, body and type (a
+        proxy in front of a real llama-server)."""
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        ahead = urllib.request.Request(self.server.upstream + self.path, data=body if body else None,
+                                       method=self.command, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(ahead, timeout=120) as answer:
+                return answer.status, answer.read(), answer.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as error:
+            return error.code, error.read(), error.headers.get("Content-Type", "")
+
 
 class RebuildingProxy(LoopbackServer):
     """An HTTP proxy in front of a real llama-server whose /props can name another build: the
@@ -212,14 +224,7 @@ class RebuildingProxy(LoopbackServer):
 
 class RebuildingHandler(QuietHandler):
     def forward(self):
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        ahead = urllib.request.Request(self.server.upstream + self.path, data=body if body else None,
-                                       method=self.command, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(ahead, timeout=120) as answer:
-                status, data, kind = answer.status, answer.read(), answer.headers.get("Content-Type", "")
-        except urllib.error.HTTPError as error:
-            status, data, kind = error.code, error.read(), error.headers.get("Content-Type", "")
+        status, data, kind = self.ask_upstream()
         if self.path == "/props" and self.server.build is not None:
             data = json.dumps({**json.loads(data), "build_info": self.server.build}).encode()
         self.reply(status, data, kind)

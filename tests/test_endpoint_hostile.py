@@ -75,15 +75,21 @@ def endless(handler):
         handler.server.sent += len(block)
 
 
-def test_an_endless_body_is_cut_at_its_cap_in_one_line(tmp_path):
-    server = Scripted({"/props": behaving(endless)})
+
+def timed_attach(server: "Scripted", tmp_path) -> tuple:
+    """`crossrt run --runtime endpoint` against server as both servers, and its seconds; the
+    server is shut down after."""
     try:
         started = time.monotonic()
         result = CliRunner().invoke(main, ["run", "--runtime", "endpoint", "--pair", str(TINY_PAIR), "--url",
                                            server.url, "--baseline-url", server.url, "--out", str(tmp_path / "r.json")])
-        took = time.monotonic() - started
+        return result, time.monotonic() - started
     finally:
         server.shutdown()
+
+def test_an_endless_body_is_cut_at_its_cap_in_one_line(tmp_path):
+    server = Scripted({"/props": behaving(endless)})
+    result, took = timed_attach(server, tmp_path)
     assert_clean_error(result, r"GET http://127.0.0.1:\d+/props: the answer goes on past 8 MiB, more than the 8 MiB "
                                r"crossrt reads of such an answer \(its cap")
     # What crossrt read is the cap; what the server sent besides sat in the sockets' buffers.
@@ -134,13 +140,7 @@ def trickle(handler):
 def test_a_trickling_server_fails_at_the_requests_deadline(tmp_path, monkeypatch):
     monkeypatch.setattr(endpoint_http, "PROBE_TIMEOUT_S", 1.0)
     server = Scripted({"/props": behaving(trickle)})
-    try:
-        started = time.monotonic()
-        result = CliRunner().invoke(main, ["run", "--runtime", "endpoint", "--pair", str(TINY_PAIR), "--url",
-                                           server.url, "--baseline-url", server.url, "--out", str(tmp_path / "r.json")])
-        took = time.monotonic() - started
-    finally:
-        server.shutdown()
+    result, took = timed_attach(server, tmp_path)
     assert_clean_error(result, r"GET http://127.0.0.1:\d+/props: no whole answer within 1 s, the request's deadline "
                                r"\(waited 1.\d s, \d bytes of the body read\)")
     assert took < 4, took

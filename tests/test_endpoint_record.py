@@ -4,8 +4,6 @@ no secret from the URL. Real llama-servers of the tiny pair (crossrt's llama-ser
 them with settings crossrt's run does not use), with a proxy where a server must misbehave."""
 
 import json
-import urllib.error
-import urllib.request
 
 import pytest
 from click.testing import CliRunner
@@ -47,14 +45,7 @@ class RewritingProxy(LoopbackServer):
 class _RewritingHandler(QuietHandler):
     def forward(self):
         self.server.paths.append(self.path)
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        ahead = urllib.request.Request(self.server.upstream + self.path, data=body if body else None,
-                                       method=self.command, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(ahead, timeout=120) as answer:
-                status, data, kind = answer.status, answer.read(), answer.headers.get("Content-Type", "")
-        except urllib.error.HTTPError as error:
-            status, data, kind = error.code, error.read(), error.headers.get("Content-Type", "")
+        status, data, kind = self.ask_upstream()
         if self.path.split("?")[0] == "/completion" and status == 200:
             data = json.dumps(self.server.rewrite(json.loads(data))).encode()
         self.reply(status, data, kind)

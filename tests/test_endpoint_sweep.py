@@ -162,6 +162,24 @@ class CountingHandler(socketserver.BaseRequestHandler):
                 self.server.count(-1)
 
 
+
+def swept_through_proxies(path, servers, tmp_path, *extra) -> list[CountingProxy]:
+    """`crossrt sweep run path` with the speculative and baseline servers behind counting
+    proxies, into tmp_path/store; checks its two cells finished every prompt; the proxies (shut
+    down) for their counts."""
+    proxies = [CountingProxy(url) for url in servers.urls]
+    try:
+        result = CliRunner().invoke(main, ["sweep", "run", str(path), "--dir", str(tmp_path / "store"), *extra,
+                                           "--url", proxies[0].url, "--baseline-url", proxies[1].url],
+                                    catch_exceptions=False)
+    finally:
+        for proxy in proxies:
+            proxy.shutdown()
+    assert result.exit_code == 0, result.output
+    records = [cell.record() for cell in SweepStore(tmp_path / "store").stored()]
+    assert len(records) == 2 and all(r.ok for record in records for r in record.results)
+    return proxies
+
 @needs_server
 def test_two_cells_on_one_server_never_run_at_once(servers, tmp_path):
     """Two prompt files: two cells on one server, in worker processes with room for both. At
@@ -172,17 +190,7 @@ def test_two_cells_on_one_server_never_run_at_once(servers, tmp_path):
                                                     "prompt": prompt.text}) + "\n")
     path.write_text(path.read_text().replace('prompts = "two.jsonl"', 'prompts = ["two.jsonl", "one.jsonl"]')
                     .replace("max_new_tokens = 8", "max_new_tokens = 24"))
-    proxies = [CountingProxy(url) for url in servers.urls]
-    try:
-        result = CliRunner().invoke(main, ["sweep", "run", str(path), "--dir", str(tmp_path / "store"), "--cpus", "2",
-                                           "--url", proxies[0].url, "--baseline-url", proxies[1].url],
-                                    catch_exceptions=False)
-    finally:
-        for proxy in proxies:
-            proxy.shutdown()
-    assert result.exit_code == 0, result.output
-    records = [cell.record() for cell in SweepStore(tmp_path / "store").stored()]
-    assert len(records) == 2 and all(r.ok for record in records for r in record.results)
+    proxies = swept_through_proxies(path, servers, tmp_path, "--cpus", "2")
     assert [proxy.most for proxy in proxies] == [1, 1]  # both served crossrt, one request at a time
     assert [proxy.attaches for proxy in proxies] == [1, 1]  # to plan; the cells' runs took the plan's
 
@@ -194,17 +202,7 @@ def test_a_sweep_attaches_each_server_once(servers, tmp_path):
     path = sweep_file(tmp_path)
     (tmp_path / "one.jsonl").write_text((tmp_path / "two.jsonl").read_text().splitlines()[0] + "\n")
     path.write_text(path.read_text().replace('prompts = "two.jsonl"', 'prompts = ["two.jsonl", "one.jsonl"]'))
-    proxies = [CountingProxy(url) for url in servers.urls]
-    try:
-        result = CliRunner().invoke(main, ["sweep", "run", str(path), "--dir", str(tmp_path / "store"),
-                                           "--url", proxies[0].url, "--baseline-url", proxies[1].url],
-                                    catch_exceptions=False)
-    finally:
-        for proxy in proxies:
-            proxy.shutdown()
-    assert result.exit_code == 0, result.output
-    records = [cell.record() for cell in SweepStore(tmp_path / "store").stored()]
-    assert len(records) == 2 and all(r.ok for record in records for r in record.results)
+    proxies = swept_through_proxies(path, servers, tmp_path)
     assert [proxy.attaches for proxy in proxies] == [1, 1]
 
 
