@@ -30,7 +30,7 @@ Prompt lookup (PromptLookupSession) is the same loop with HF's PromptLookupCandi
 (candidate_generator.py, utils.py:1318-1330) instead of a drafter model: generate(
 prompt_lookup_num_tokens=k, max_matching_ngram_size=ngram_max). Its drafts are not capped at
 the budget (only with one token left is there none), so there the budget crop does bite: a step
-counts only the tokens up to the budget. crossrt/run/drafters.py HfPromptLookup reproduces it
+counts only the tokens up to the budget. crossrt/run/lookup/hf_lookup.py HfPromptLookup reproduces it
 under the hf-assisted schedule.
 """
 

@@ -6,7 +6,7 @@ import pytest
 
 from crossrt.run import loop
 from crossrt.simulate.adaptive import simulate_policy
-from crossrt.run.drafters import PromptLookup
+from crossrt.run.lookup import PromptLookup
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.policies import DraftPolicy, content_type
 from crossrt.run.relaxed import drift, relaxed_run

@@ -17,7 +17,7 @@ from crossrt.compare.tau_gap import tau_gap
 from crossrt.errors import ComparisonError
 from crossrt.records.record_json import load_record
 from crossrt.run import loop
-from crossrt.run.drafters import HfPromptLookup, LlamaNgramSimple
+from crossrt.run.lookup import HfPromptLookup, LlamaNgramSimple
 from crossrt.inputs.prompts import load_prompts
 
 from conftest import TINY_PAIR, assert_clean_error

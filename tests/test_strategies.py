@@ -13,7 +13,7 @@ from crossrt.records.record_json import load_record
 from crossrt.run import loop
 from crossrt.run.acceptance import Proposal
 from crossrt.run.driver import RunRequest, run_pair
-from crossrt.run.drafters import PromptLookup
+from crossrt.run.lookup import PromptLookup
 from crossrt.run.policies import content_type
 from crossrt.run.runtime import DraftRules, RuntimeOptions
 from crossrt.run.strategies import Strategy, parse_content_k

@@ -17,7 +17,8 @@ from crossrt.cli.common import GpuSplit
 from crossrt.errors import SettingsError
 from crossrt.inputs.pairs import resolve_pair
 from crossrt.run.runtime import DTYPES, RuntimeOptions, runtime_class
-from crossrt.run.strategies import ACCEPTANCES, DRAFTINGS, K_POLICIES, STRATEGY_PARTS, Strategy, parse_content_k
+from crossrt.run.lookup import LOOKUPS as LOOKUP_DRAFTINGS
+from crossrt.run.strategies import ACCEPTANCES, DRAFTINGS, K_POLICIES, LOOKUPS, STRATEGY_PARTS, Strategy, parse_content_k
 
 
 def _group(options: Sequence[Callable], build: Callable[[dict[str, Any]], None]):
@@ -119,20 +120,20 @@ def with_executable(options: RuntimeOptions, runtime_name: str, executable: Opti
 STRATEGY_OPTIONS = {
     "drafting": click.option(
         "--drafting", type=click.Choice(DRAFTINGS), default="model", show_default=True,
-        help="How drafts are proposed: model (the pair's drafter model drafts a chain), prompt-lookup (copy the "
-        "tokens that followed the longest earlier match of the text's last n-gram: no drafter model), "
-        "hf-prompt-lookup (transformers' prompt lookup exactly; on the transformers runtime's native mode, "
-        "transformers' own), llama-ngram-simple (llama.cpp's ngram-simple exactly, size_m = k; schedule "
-        "llama-server), tree (the drafter proposes a static --tree, verified in one pass; llama-cpp)."),
+        help="How drafts are proposed: model (the pair's drafter model drafts a chain), "
+        + ", ".join(f"{lookup.name} ({lookup.about})" for lookup in LOOKUP_DRAFTINGS.values())
+        + " (these copy from the text: no drafter model), tree (the drafter proposes a static --tree, verified in "
+        "one pass; llama-cpp)."),
     "tree": click.option(
         "--tree", help="--drafting tree: WxD (every path of width W and depth D) or a JSON choice-list file "
         "([[0], [0, 0], [1]]; `crossrt simulate --tree best:N --out` fits one)."),
     "ngram_max": click.option("--ngram-max", type=click.IntRange(min=1),
-                              help="--drafting prompt-lookup, hf-prompt-lookup or llama-ngram-simple: the "
-                              "longest n-gram looked up (transformers' max_matching_ngram_size; ngram-simple's "
-                              "one length, size_n). Default: 3."),
+                              help=f"--drafting {', '.join(LOOKUPS)}: the longest n-gram looked up "
+                              "(transformers' max_matching_ngram_size; ngram-simple's one length, size_n). "
+                              "Default: 3."),
     "ngram_min": click.option("--ngram-min", type=click.IntRange(min=1),
-                              help="--drafting prompt-lookup: the shortest n-gram looked up. Default: 1."),
+                              help=f"--drafting {', '.join(STRATEGY_PARTS['ngram_min'][1])}: the shortest n-gram "
+                              "looked up. Default: 1."),
     "k_policy": click.option(
         "--k-policy", type=click.Choice(K_POLICIES), default="fixed", show_default=True,
         help="How long each step's draft is: fixed (--k), content (by the content type of the text so far, "

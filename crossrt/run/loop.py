@@ -31,7 +31,8 @@ import numpy as np
 from crossrt.errors import SettingsError
 from crossrt.records.trace import TraceRecorder, top1_probability
 from crossrt.run.acceptance import AcceptanceRule, Greedy, Proposal, Relaxed
-from crossrt.run.drafters import Drafter, HfPromptLookup, LlamaNgramSimple, ModelDrafter, PromptLookup, TreeDrafter
+from crossrt.run.drafters import Drafter, ModelDrafter, TreeDrafter
+from crossrt.run.lookup import LOOKUPS, LookupSettings
 from crossrt.run.numerics import choose
 from crossrt.run.policies import CONTENT_WINDOW, DraftPolicy
 from crossrt.run.runtime import DraftRules, ModelSession, Rows
@@ -100,10 +101,12 @@ def check_strategy(strategy: Strategy, schedule: str, rules: DraftRules, traced:
         raise SettingsError(f"traces are recorded by the {' and '.join(TRACED_SCHEDULES)} schedules, not {schedule}")
     if traced and drafting != "model":
         raise SettingsError(f"traces record a draft model's chain, not {drafting} drafting")
-    if SCHEDULE_TYPES[schedule].llama and strategy.drafting == "llama-ngram-simple":
-        if schedule != SERVER or strategy.k_policy != "fixed" or strategy.acceptance != "greedy" or not rules.fixed:
-            raise SettingsError("llama.cpp's ngram-simple runs in llama-server (schedule llama-server), at fixed k, "
-                                "greedy, without n_min or p_min (draft-model rules)")
+    lookup = LOOKUPS.get(strategy.drafting)
+    if lookup is not None and lookup.schedule is not None:
+        if (schedule != lookup.schedule or strategy.k_policy != "fixed" or strategy.acceptance != "greedy"
+                or not rules.fixed):
+            raise SettingsError(f"--drafting {lookup.name} is reproduced under the {lookup.schedule} schedule, at "
+                                "fixed k, greedy, without n_min or p_min (draft-model rules)")
     elif SCHEDULE_TYPES[schedule].llama:
         if not strategy.is_default:
             raise SettingsError(f"the {schedule} schedule drafts as llama.cpp does (a draft model, fixed k, greedy), "
@@ -125,12 +128,9 @@ def draft_bound(strategy: Strategy, k: int) -> int:
 def _drafter(strategy: Strategy, session: Optional[ModelSession], rules: DraftRules, schedule: Schedule,
              eog: frozenset[int], trace: Optional[TraceRecorder], tree: Optional[Tree]) -> Drafter:
     ends = eog if schedule.ends_at_eos else frozenset()
-    if strategy.drafting == "prompt-lookup":
-        return PromptLookup(strategy.ngram_max, strategy.ngram_min, ends)
-    if strategy.drafting == "hf-prompt-lookup":  # its own EOS cut, whatever the schedule
-        return HfPromptLookup(strategy.ngram_max, eog)
-    if strategy.drafting == "llama-ngram-simple":  # crossrt's llama-server runs set its size_m to k
-        return LlamaNgramSimple(strategy.ngram_max, rules.k)
+    if strategy.looks_up:
+        return LOOKUPS[strategy.drafting].build(LookupSettings(strategy.ngram_max, strategy.ngram_min, rules.k,
+                                                               eog, ends))
     if session is None:
         raise SettingsError(f"{strategy.drafting} drafting needs a drafter model")
     if tree is not None:

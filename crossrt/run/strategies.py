@@ -1,5 +1,5 @@
-"""A driven run's strategy: how drafts are proposed (a draft model, prompt lookup: crossrt's own,
-transformers' or llama.cpp's ngram-simple exactly, a static tree), how long each step's draft is (a k policy), and which draft tokens the target accepts
+"""A driven run's strategy: how drafts are proposed (a draft model, a lookup: crossrt's own or a
+runtime's exactly, crossrt/run/lookup/; a static tree), how long each step's draft is (a k policy), and which draft tokens the target accepts
 (an acceptance rule). crossrt/run/loop.py's one loop composes the pieces: crossrt/run/drafters.py,
 crossrt/run/policies.py and crossrt/run/acceptance.py.
 
@@ -16,21 +16,22 @@ from pathlib import Path
 from typing import Optional
 
 from crossrt.errors import SettingsError
+from crossrt.run.lookup import LOOKUPS as LOOKUP_DRAFTINGS
 from crossrt.run.tree import Tree
 
-DRAFTINGS = ("model", "prompt-lookup", "hf-prompt-lookup", "llama-ngram-simple", "tree")
-# Draftings that copy tokens from the context: no drafter model is loaded or read.
-LOOKUPS = ("prompt-lookup", "hf-prompt-lookup", "llama-ngram-simple")
+# Draftings that copy tokens from the context (crossrt/run/lookup/): no drafter model is loaded or read.
+LOOKUPS = tuple(LOOKUP_DRAFTINGS)
+DRAFTINGS = ("model", *LOOKUPS, "tree")
 K_POLICIES = ("fixed", "content", "online", "confidence")
 ACCEPTANCES = ("greedy", "relaxed")
 CONTENT_TYPES = ("code", "prose")  # crossrt/run/policies.py content_type's verdicts
 
 # Each parameter and the choices it belongs to (part, choices): a parameter means nothing under
-# another choice, so the CLI refuses one given alone and a sweep cell drops it. transformers'
-# prompt lookup has no shortest n-gram (it looks down to 1-grams) and llama.cpp's ngram-simple
-# looks up one length only, so ngram_min is crossrt's only.
+# another choice, so the CLI refuses one given alone and a sweep cell drops it. ngram_min belongs
+# to the lookups that have a shortest n-gram of their own (transformers' looks down to 1-grams,
+# llama.cpp's ngram-simple looks up one length only).
 STRATEGY_PARTS = {"tree": ("drafting", ("tree",)), "ngram_max": ("drafting", LOOKUPS),
-                  "ngram_min": ("drafting", ("prompt-lookup",)), "content_k": ("k_policy", ("content",)),
+                  "ngram_min": ("drafting", tuple(name for name in LOOKUPS if LOOKUP_DRAFTINGS[name].has_ngram_min)), "content_k": ("k_policy", ("content",)),
                   "k_max": ("k_policy", ("online",)), "min_p1": ("k_policy", ("confidence",)),
                   "top_m": ("acceptance", ("relaxed",)), "delta": ("acceptance", ("relaxed",))}
 
@@ -85,9 +86,9 @@ class Strategy:
         if self.k_policy == "confidence" and self.min_p1 == 0:
             raise SettingsError("the confidence k policy stops before a drafter top-1 probability below min_p1: "
                                 "give min_p1 > 0")
-        if self.drafting in LOOKUPS[1:] and self.ngram_min != 1:
-            raise SettingsError(f"{self.drafting} has no ngram_min (got {self.ngram_min}): transformers' prompt "
-                                "lookup looks down to 1-grams, llama.cpp's ngram-simple looks up ngram_max only")
+        if self.looks_up and not LOOKUP_DRAFTINGS[self.drafting].has_ngram_min and self.ngram_min != 1:
+            raise SettingsError(f"{self.drafting} has no ngram_min (got {self.ngram_min}): it looks up its own "
+                                "lengths from ngram_max (docs/ngram.md)")
         if self.looks_up and self.min_p1 > 0:
             raise SettingsError("prompt lookup proposes tokens without probabilities: it has no confidence "
                                 "to stop at")
@@ -112,10 +113,10 @@ class Strategy:
 
     def label(self) -> str:
         """drafting/k policy/acceptance, each with its parameters where it has any."""
-        drafting = {"model": "model", "tree": f"tree({self.tree})",
-                    "prompt-lookup": f"prompt-lookup({self.ngram_min}-{self.ngram_max})",
-                    "hf-prompt-lookup": f"hf-prompt-lookup(max={self.ngram_max})",
-                    "llama-ngram-simple": f"llama-ngram-simple(n={self.ngram_max})"}[self.drafting]
+        if self.looks_up:
+            drafting = LOOKUP_DRAFTINGS[self.drafting].label.format(ngram_min=self.ngram_min, ngram_max=self.ngram_max)
+        else:
+            drafting = {"model": "model", "tree": f"tree({self.tree})"}[self.drafting]
         policy = {"fixed": "fixed", "online": f"online(k_max={self.k_max})",
                   "confidence": f"confidence(min_p1={self.min_p1:g})",
                   "content": f"content({format_content_k(self.content_k or ())})"}[self.k_policy]

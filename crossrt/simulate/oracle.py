@@ -30,7 +30,7 @@ import numpy as np
 from crossrt.run import loop
 from crossrt.errors import SettingsError
 from crossrt.run.acceptance import greedy_length
-from crossrt.run.drafters import PromptLookup
+from crossrt.run.lookup import LookupDrafter
 from crossrt.run.runtime import ModelSession, Rows
 from crossrt.run.schedules import Generation, check_prompt, top_probability
 from crossrt.records.metrics import Totals
@@ -68,7 +68,7 @@ class Oracle:
         return self.output + self.beyond
 
 
-def _lookup_oracle(lookup: PromptLookup, prompt_id: str, category: str, prompt_ids: tuple[int, ...],
+def _lookup_oracle(lookup: LookupDrafter, prompt_id: str, category: str, prompt_ids: tuple[int, ...],
                    max_new_tokens: int, output: tuple[int, ...], beyond: list[int], eog: frozenset[int],
                    max_k: int) -> Oracle:
     """A prompt-lookup drafter's oracle: its proposals from every position, a confidence of 1
@@ -83,21 +83,21 @@ def _lookup_oracle(lookup: PromptLookup, prompt_id: str, category: str, prompt_i
     return Oracle(prompt_id, category, prompt_ids, max_new_tokens, output, drafts, draft_p1, eog, tuple(beyond))
 
 
-def build_oracle(target: ModelSession, drafter: ModelSession | PromptLookup, prompt_id: str, category: str,
+def build_oracle(target: ModelSession, drafter: ModelSession | LookupDrafter, prompt_id: str, category: str,
                  prompt_ids: Sequence[int], max_new_tokens: int, max_k: int) -> Oracle:
     """The oracle of one prompt. The drafter scores prompt + output in one pass (the first
     draft token of every position), then, from the last position back so that each needs only
     a truncation, continues each position one token at a time, or takes the next position's
     row where its first token is the target's. A prompt-lookup drafter looks up every position."""
     prompt_ids = tuple(prompt_ids)
-    sessions = [target] if isinstance(drafter, PromptLookup) else [target, drafter]
+    sessions = [target] if isinstance(drafter, LookupDrafter) else [target, drafter]
     # A draft from the row after the output reaches K tokens past it, and its check K + 1.
     check_prompt(prompt_ids, max_new_tokens, sessions, overrun=max_k + 1)
     output = loop.greedy_generate(target, prompt_ids, max_new_tokens).output_ids
     beyond = []
     for _ in range(max_k + 1):  # the target's cache holds prompt + output[:-1] after greedy_generate
         beyond.append(int(target.eval(((output + tuple(beyond))[-1],), Rows.LAST)[0].argmax()))
-    if isinstance(drafter, PromptLookup):
+    if isinstance(drafter, LookupDrafter):
         return _lookup_oracle(drafter, prompt_id, category, prompt_ids, max_new_tokens, output, beyond,
                               target.eog_ids, max_k)
     n = len(output) + 1

@@ -1,0 +1,53 @@
+"""Drafting by lookup: the draftings that copy tokens from the context instead of asking a drafter
+model, one module per proposer (crossrt's own, transformers', llama.cpp's), and the one table the
+rest of crossrt reads them from: the strategy's choices and checks, the loop's drafter, --help.
+
+A proposer reproduced from a runtime is exact only under the schedule that runtime counts with
+(llama.cpp's n-gram types cut their drafts as llama-server does): `schedule` names it, and the
+loop refuses any other. docs/ngram.md sets the algorithms side by side."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from crossrt.run.lookup.base import LookupDrafter
+from crossrt.run.lookup.crossrt_lookup import PromptLookup
+from crossrt.run.lookup.hf_lookup import HfPromptLookup
+from crossrt.run.lookup.llama_ngram import LlamaNgramSimple
+
+
+@dataclass(frozen=True)
+class LookupSettings:
+    """What a lookup drafter is built from: the strategy's n-gram lengths, the run's k, the
+    target's end-of-generation ids and those after which the schedule ends a draft."""
+
+    ngram_max: int
+    ngram_min: int
+    k: int
+    eog: frozenset[int]
+    ends: frozenset[int]
+
+
+@dataclass(frozen=True)
+class Lookup:
+    name: str  # the --drafting value
+    about: str  # what it is, for --help
+    label: str  # the strategy label, formatted with ngram_min and ngram_max
+    build: Callable[[LookupSettings], LookupDrafter]
+    has_ngram_min: bool = False  # whether it looks down to a shortest n-gram of its own
+    schedule: Optional[str] = None  # the one schedule it runs under, at fixed k, greedy; None: any non-llama
+
+
+LOOKUPS = {lookup.name: lookup for lookup in (
+    Lookup("prompt-lookup", "crossrt's own lookup (the token after the most recent match of the longest suffix, "
+           "from --ngram-max down to --ngram-min, again for each draft token)",
+           "prompt-lookup({ngram_min}-{ngram_max})",
+           lambda s: PromptLookup(s.ngram_max, s.ngram_min, s.ends), has_ngram_min=True),
+    Lookup("hf-prompt-lookup", "transformers' prompt lookup exactly; on the transformers runtime's native mode, "
+           "transformers' own", "hf-prompt-lookup(max={ngram_max})",
+           lambda s: HfPromptLookup(s.ngram_max, s.eog)),  # its own EOS cut, whatever the schedule
+    Lookup("llama-ngram-simple", "llama.cpp's ngram-simple exactly, size_n = --ngram-max, size_m = k; schedule "
+           "llama-server", "llama-ngram-simple(n={ngram_max})",
+           lambda s: LlamaNgramSimple(s.ngram_max, s.k), schedule="llama-server"),
+)}
