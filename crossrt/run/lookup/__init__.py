@@ -40,8 +40,8 @@ class Lookup:
 
 
 LOOKUPS = {lookup.name: lookup for lookup in (
-    Lookup("prompt-lookup", "crossrt's own lookup (the token after the most recent match of the longest suffix, "
-           "from --ngram-max down to --ngram-min, again for each draft token)",
+    Lookup("prompt-lookup", "crossrt's own: the token after the most recent match of the longest suffix, from "
+           "--ngram-max down to --ngram-min, again for each draft token",
            "prompt-lookup({ngram_min}-{ngram_max})",
            lambda s: PromptLookup(s.ngram_max, s.ngram_min, s.ends), has_ngram_min=True),
     Lookup("hf-prompt-lookup", "transformers' prompt lookup exactly; on the transformers runtime's native mode, "
