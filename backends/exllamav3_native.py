@@ -35,7 +35,7 @@ from crossrt.backends.exllamav3 import (PINNED_VERSION, Placement, TextModel, bu
                                         chunk_size, load_with_cache, page_round, text_model)
 from crossrt.errors import SettingsError
 from crossrt.run.runtime import DraftRules, NativeGeneration, NativeSession, RuntimeFailure, RuntimeOptions
-from crossrt.run.schedules import check_fits
+from crossrt.run.schedules import check_context_fits
 from crossrt.records.schema import Counters, CountsDoNotAddUp
 
 SCHEDULE = "exllamav3"
@@ -152,7 +152,7 @@ class GeneratorSession(NativeSession):
         import exllamav3
         import torch
 
-        check_fits(prompt_ids, max_new_tokens, self._n_ctx)
+        check_context_fits(prompt_ids, max_new_tokens, self._n_ctx)
         drafting = {}
         if speculative:
             # Every switch that would change the window is given explicitly, at its off value.

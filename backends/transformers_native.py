@@ -46,7 +46,7 @@ import transformers
 from crossrt.backends.transformers import LoadedModel, synchronize, tokenize
 from crossrt.errors import SettingsError
 from crossrt.run.runtime import DraftRules, NativeGeneration, NativeSession, RuntimeFailure, RuntimeOptions
-from crossrt.run.schedules import check_fits
+from crossrt.run.schedules import check_context_fits
 from crossrt.run.strategies import Strategy
 from crossrt.records.schema import Counters, CountsDoNotAddUp
 
@@ -159,7 +159,7 @@ class AssistedSession(NativeSession):
         return time.perf_counter() - start
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, speculative: bool) -> NativeGeneration:
-        check_fits(prompt_ids, max_new_tokens, self._n_ctx)
+        check_context_fits(prompt_ids, max_new_tokens, self._n_ctx)
         target = self._target.model
         input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=target.device)
         prefill_s = self._prefill_s(input_ids, speculative)
@@ -209,5 +209,5 @@ class PromptLookupSession(AssistedSession):
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, speculative: bool) -> NativeGeneration:
         # Its last step may verify k drafted tokens past the budget: the same check as the driven loop's.
-        check_fits(prompt_ids, max_new_tokens, self._n_ctx, self._k if speculative else 0)
+        check_context_fits(prompt_ids, max_new_tokens, self._n_ctx, self._k if speculative else 0)
         return super().generate(prompt_ids, max_new_tokens, speculative)

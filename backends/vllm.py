@@ -37,7 +37,7 @@ from crossrt.run.runtime import (DTYPES, DraftRules, NativeGeneration, NativeSes
                              RuntimeOptions, RuntimeUnavailable)
 from crossrt.run.memory import Uncounted, plan_processes
 from crossrt.run.processes import ProcessTree, die_with_parent
-from crossrt.run.schedules import check_fits
+from crossrt.run.schedules import check_context_fits
 from crossrt.records.schema import Counters, CountsDoNotAddUp, RuntimeInfo
 from crossrt.backends.llama_tools import log_tail
 from crossrt.backends.vllm_memory import ENGINES, KV_CACHE_GIB, check_engines, dtype_of, engine_needs
@@ -274,7 +274,7 @@ class VllmSession(NativeSession):
         return worker.ask({"op": "tokenize", "text": text}, REQUEST_BASE_S, "tokenizing")["ids"]
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, speculative: bool) -> NativeGeneration:
-        check_fits(prompt_ids, max_new_tokens, self._n_ctx)
+        check_context_fits(prompt_ids, max_new_tokens, self._n_ctx)
         worker = self._worker(speculative)
         timeout = REQUEST_BASE_S + REQUEST_S_PER_TOKEN * (len(prompt_ids) + max_new_tokens)
         reply = worker.ask({"op": "generate", "prompt_ids": list(prompt_ids), "max_new_tokens": max_new_tokens},

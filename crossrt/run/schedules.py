@@ -104,7 +104,7 @@ class ViewRecorder:
                         tuple(self.close_gaps[:n_emitted]))
 
 
-def check_fits(prompt_ids: Sequence[int], max_new_tokens: int, n_ctx: int, overrun: int = 0) -> None:
+def check_context_fits(prompt_ids: Sequence[int], max_new_tokens: int, n_ctx: int, overrun: int = 0) -> None:
     """Refuse a prompt whose run could leave a context of n_ctx; overrun: positions a schedule
     may use past prompt + max_new_tokens (a step that overshoots the budget)."""
     if not prompt_ids:
@@ -117,9 +117,9 @@ def check_fits(prompt_ids: Sequence[int], max_new_tokens: int, n_ctx: int, overr
 
 def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, sessions: Sequence[ModelSession],
                  overrun: int = 0) -> None:
-    """check_fits for every session's context."""
+    """check_context_fits for every session's context."""
     for session in sessions:
-        check_fits(prompt_ids, max_new_tokens, session.n_ctx, overrun)
+        check_context_fits(prompt_ids, max_new_tokens, session.n_ctx, overrun)
 
 
 def top_probability(logits: np.ndarray) -> np.float32:

@@ -11,7 +11,7 @@ rule with the source line it comes from.
   k, n_min (shorter drafts dropped) and p_min (drafting stops before a token whose top-10
   softmax probability is below it), each tool's draft limit, first token and counting.
   The limits' n_ctx terms never bind: a run refuses a prompt whose budget, with the overshoot,
-  leaves them below the budget terms (schedules.check_fits).
+  leaves them below the budget terms (schedules.check_context_fits).
 - exllamav3 (exllamav3 1.6.5's Generator with a drafter model, dynamic_draft_tokens off, as
   crossrt's exllamav3 runtime runs it): prefill prompt[:-1], every round verifies a window of k
   (never cut to the budget); position by position the target's token is checked for a stop
