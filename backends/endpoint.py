@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from crossrt.backends import endpoint_http
 from crossrt.backends.endpoint_http import Endpoint
 from crossrt.backends.endpoint_counts import (Scrape, minus, numbers, other_work, sglang_counters, vllm_counters,
                                               went_down)
@@ -53,9 +54,10 @@ class Attached:
     @classmethod
     def attach(cls, url: str) -> "Attached":
         endpoint = Endpoint.parse(url)
+        asking = endpoint.within(endpoint_http.ATTACH_TIMEOUT_S)  # read at call time: tests shorten it
         seen = []
         for kind in KINDS:
-            served = kind.identify(endpoint)
+            served = kind.identify(asking)
             if served is not None:
                 said = {"version": served.version, "build": served.build or "", "model": served.model,
                         **dict(served.speculative), **dict(served.numerics)}
@@ -66,7 +68,7 @@ class Attached:
                                          "takes")
                 return cls(endpoint, kind, served)
         for path in ("/props", "/version", "/get_server_info", "/v1/models"):
-            answer = endpoint.request("GET", path)
+            answer = asking.request("GET", path)
             seen.append(f"{path} HTTP {answer.status}")
         raise RuntimeUnavailable(f"{endpoint.display} is not llama-server, vLLM or SGLang as crossrt knows them "
                                  f"({', '.join(seen)})")

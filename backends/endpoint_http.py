@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 from urllib.parse import urlsplit
@@ -31,6 +32,10 @@ API_KEY_VARIABLE = "CROSSRT_ENDPOINT_API_KEY"
 # generation may take REQUEST_BASE_S plus REQUEST_S_PER_TOKEN per token of work (a slow CPU
 # server, a large model).
 PROBE_TIMEOUT_S = 10.0
+# Attaching asks up to a dozen endpoints (each kind's identification, in turn): all of them
+# together end within ATTACH_TIMEOUT_S, so a server that answers each just inside its deadline
+# cannot hold crossrt for minutes before the first prompt.
+ATTACH_TIMEOUT_S = 30.0
 REQUEST_BASE_S = 60.0
 REQUEST_S_PER_TOKEN = 2.0
 # The most crossrt reads of one answer, sized to what that answer can be, so an endless or huge
@@ -106,6 +111,13 @@ class Endpoint:
     _authorization: Optional[str] = field(default=None, repr=False)
     # The URL's query (a gateway's ?api_key=...): sent with every request, never shown or stored.
     _query: str = field(default="", repr=False)
+    # (time.monotonic() by which, seconds given): one deadline over every request made through
+    # this Endpoint (within()), as attaching has; None: each request has its own only.
+    _deadline: Optional[tuple[float, float]] = field(default=None, repr=False, compare=False)
+
+    def within(self, seconds: float) -> "Endpoint":
+        """This endpoint with one deadline, seconds from now, over all its requests."""
+        return dataclasses.replace(self, _deadline=(time.monotonic() + seconds, seconds))
 
     @classmethod
     def parse(cls, url: str) -> "Endpoint":
@@ -134,6 +146,14 @@ class Endpoint:
         nothing listening, a name that does not resolve, no whole answer within the budget's
         seconds (default probe_budget()), a body larger than the budget's bytes."""
         budget = budget or probe_budget()
+        where = f"{method} {self.display}{path}"
+        overall = False
+        if self._deadline is not None:
+            left = self._deadline[0] - time.monotonic()
+            if left <= 0:
+                raise RuntimeFailure(self._past_deadline(where))
+            overall = left < budget.seconds
+            budget = Budget(min(left, budget.seconds), budget.max_bytes)
         kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
         connection = kind(self.host, self.port, timeout=budget.seconds)
         headers = {"Accept": "application/json"}
@@ -142,7 +162,6 @@ class Endpoint:
         if self._authorization:
             headers["Authorization"] = self._authorization
         target = self.prefix + path + (f"?{self._query}" if self._query else "")
-        where = f"{method} {self.display}{path}"
         started = time.monotonic()
         expired = threading.Event()
         # The socket timeout bounds each read; this bounds the whole exchange: at the deadline the
@@ -180,6 +199,8 @@ class Endpoint:
         except socket.gaierror as error:
             raise RuntimeFailure(f"{self.display}: the host name does not resolve ({error.strerror})") from None
         except (TimeoutError, socket.timeout, OSError, http.client.HTTPException) as error:
+            if overall and (expired.is_set() or isinstance(error, (TimeoutError, socket.timeout))):
+                raise RuntimeFailure(self._past_deadline(where)) from None
             if expired.is_set() or isinstance(error, (TimeoutError, socket.timeout)):
                 raise RuntimeFailure(f"{where}: no whole answer within {budget.seconds:g} s, the request's deadline "
                                      f"(waited {time.monotonic() - started:.1f} s, {read} bytes of the body read): "
@@ -189,6 +210,10 @@ class Endpoint:
         finally:
             watchdog.cancel()
             connection.close()
+
+    def _past_deadline(self, where: str) -> str:
+        return (f"{where}: no answer before the {self._deadline[1]:g} s deadline over all of attaching's requests "
+                f"to {self.display}: the server is too slow to tell what it is (hanging or overloaded)")
 
     def call(self, method: str, path: str, body: Any = None, budget: Optional[Budget] = None) -> Answer:
         """A successful answer; HttpStatusError for an error status (the caller decides whether

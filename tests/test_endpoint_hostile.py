@@ -355,3 +355,28 @@ def test_counters_that_go_down_during_a_prompt_are_a_restart_and_negative_ones_f
             session.generate([1, 2, 3], 7, speculative=True)
     finally:
         spec.shutdown(), plain.shutdown()
+
+
+def test_attaching_has_one_deadline_over_all_its_requests(monkeypatch):
+    """Each answer comes just inside its own request's deadline, but identification asks endpoint
+    after endpoint: attaching as a whole still ends at its own deadline, in one line."""
+    monkeypatch.setattr(endpoint_http, "PROBE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(endpoint_http, "ATTACH_TIMEOUT_S", 1.5)
+
+    def slow_not_found(handler):
+        time.sleep(0.6)
+        handler.reply(404, b'{"detail": "Not Found"}')
+
+    paths = ("/props", "/version", "/get_server_info", "/v1/models", "/server_info", "/model_info", "/slots")
+    server = Scripted({path: behaving(slow_not_found) for path in paths})
+    try:
+        started = time.monotonic()
+        with pytest.raises(RuntimeFailure) as caught:
+            Attached.attach(server.url)
+        waited = time.monotonic() - started
+    finally:
+        server.shutdown()
+    message = str(caught.value)
+    assert "\n" not in message and "deadline over all of attaching's requests" in message, message
+    assert waited < 1.5 + 1.0, waited  # not one PROBE_TIMEOUT_S per endpoint asked
+    assert len(server.paths) >= 2  # the answers themselves each came within their own deadline
