@@ -131,3 +131,22 @@ def test_a_runtime_tokenizing_differently_is_reported(tmp_path):
     report = parity(out, "--no-logits")
     assert report.exit_code == 1
     assert f"tokenizes the prompt text differently from the shared ids, from position {len(own) - 1}" in report.output
+
+
+@pytest.mark.parametrize("changed", [{"drafting": "prompt-lookup", "ngram_max": 3, "ngram_min": 1},
+                                     {"k_policy": "online", "k_max": 8}, {"spec_type": "ngram-simple"}])
+def test_runs_that_draft_differently_under_one_schedule_are_not_counter_compared(records, changed):
+    """One schedule, k and rules, but another drafting (a lookup, a k policy, a spec type): the
+    counts of the two measure different things, so parity compares their ids, never their counters."""
+    from crossrt.compare.parity import COUNTERS, IDS
+    from crossrt.records.record_json import load_record
+
+    record = load_record(records["f32"])
+    other = dataclasses.replace(record, params=dataclasses.replace(record.params, **changed))
+    same = [c for c in compare_all(labelled([record, load_record(records["f32-again"])], ["a", "b"]))
+            if c.run_b != "its baseline"]
+    differ = [c for c in compare_all(labelled([other, load_record(records["f32-again"])], ["a", "b"]))
+              if c.run_b != "its baseline"]
+    assert same and all(COUNTERS in c.compared for c in same)
+    assert differ and all(COUNTERS not in c.compared and IDS in c.compared for c in differ)
+    assert all(f"{next(iter(changed))} differs" in c.no_counters for c in differ)

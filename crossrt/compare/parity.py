@@ -14,11 +14,17 @@ from typing import Optional, Sequence
 from crossrt.compare.diagnosis import Explainer, twins_of
 from crossrt.compare.splits import Split, first_divergence, template_split
 from crossrt.errors import ComparisonError
+from crossrt.imports.importer import UNKNOWN
 from crossrt.records.schema import PromptResult, RunRecord
 
 OWN_BASELINE = "its baseline"  # run_b of a run's lossless check against its own greedy baseline
 COMPARED_COUNTERS = ("steps", "drafted", "accepted", "emitted", "unverified", "cut")
 COUNTING = ("k", "schedule", "draft_n_min", "draft_p_min", "max_new_tokens")  # settings that change how runs count
+# How a run drafts (its strategy, crossrt/run/strategies.py): two runs of one schedule that draft
+# differently (a drafter model and a lookup, two lookups, other n-gram lengths or k policies) count
+# differently. None here means "does not apply", never "unknown", so it compares as a value.
+DRAFTING = ("drafting", "tree", "ngram_max", "ngram_min", "k_policy", "content_k", "k_max", "min_p1", "acceptance",
+            "top_m", "delta")
 IDS, COUNTERS = "token ids", "counters"  # what a comparison may have compared (PromptParity.compared)
 
 
@@ -93,6 +99,13 @@ def counting_difference(a: RunRecord, b: RunRecord) -> str:
     parts = [f"{key} differs: {getattr(a.params, key)} vs {getattr(b.params, key)}" for key in COUNTING
              if None not in (getattr(a.params, key), getattr(b.params, key))
              and getattr(a.params, key) != getattr(b.params, key)]
+    parts += [f"{key} differs: {getattr(a.params, key)} vs {getattr(b.params, key)}" for key in DRAFTING
+              if getattr(a.params, key) != getattr(b.params, key)]
+    if (a.params.drafting == b.params.drafting == "model" and a.params.spec_type != b.params.spec_type
+            and UNKNOWN not in (a.params.spec_type, b.params.spec_type)):
+        # A lookup's drafting names its algorithm; a drafter model's spec type says what drafted
+        # (an import that does not say it is compared as before).
+        parts.append(f"spec_type differs: {a.params.spec_type} vs {b.params.spec_type}")
     # An import, or an attached server that does not report a setting (docs/endpoint.md): unknown.
     for record in dict.fromkeys((a, b)):  # one line per record, not per side
         unstated = [key for key in COUNTING if getattr(record.params, key) is None]
