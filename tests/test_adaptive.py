@@ -6,7 +6,6 @@ import pytest
 
 from crossrt.run import loop
 from crossrt.simulate.adaptive import simulate_policy
-from crossrt.run.lookup import PromptLookup
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.policies import DraftPolicy, content_type
 from crossrt.run.relaxed import drift, relaxed_run
@@ -81,22 +80,3 @@ def test_relaxed_acceptance_at_top_1_is_greedy_and_wider_is_measured_lossy(tiny_
 def test_drift():
     assert drift((1, 2, 3), (1, 2, 3)) == (None, 0.0)
     assert drift((1, 5, 3, 4), (1, 2, 3)) == (1, 0.5)
-
-
-def test_a_prompt_lookup_drafter_runs_as_simulated(tiny_sessions):
-    """The prompt-lookup session in the driven loop: greedy output, and the chain simulator's
-    steps on an oracle built with it, drafting only while it finds a match."""
-    target, _ = tiny_sessions
-    lookup = PromptLookup()
-    assert lookup.proposal([5, 6, 7, 5, 6]) == 7 and lookup.proposal([1, 2, 3]) is None
-    drafted = 0
-    for p in PROMPTS:
-        oracle = build_oracle(target, lookup, p.id, p.category, target.tokenize(p.text), MAX_NEW, 4)
-        real = loop.speculative_generate(target, None, oracle.prompt_ids, DraftRules(4), MAX_NEW,
-                                         strategy=Strategy(drafting="prompt-lookup"))
-        assert real.output_ids == oracle.output
-        sim = simulate(oracle, Policy(4, 0.5))
-        assert (real.step_drafted, real.step_accepted, real.drafter_calls) == \
-            (sim.step_drafted, sim.step_accepted, sim.drafter_calls)
-        drafted += sim.drafted
-    assert drafted > 0

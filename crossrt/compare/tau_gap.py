@@ -6,11 +6,14 @@ per-prompt counts that differ in one respect only (docs/analysis.md):
       = counting     (A's native figure - A's normalized) - (B's native - B's normalized)
       + residual     (A - hybrid A) - (B - hybrid B)
       + numerics     (hybrid A - sim A on A's oracle) - (hybrid B - sim B on B's oracle)
-      + schedule     sim A on A's oracle - sim B on A's oracle (A's schedule and rules vs B's)
+      + schedule     sim A on A's oracle - sim of B's schedule with A's drafting on A's oracle
+      + drafter      sim of B's schedule with A's drafting on A's oracle - sim B on A's oracle
+        algorithm    (A's drafting vs B's: the drafter model, or a lookup with its n-gram lengths)
       + rendering    sim B on A's oracle - sim B on B's oracle (A's prompt ids vs B's)
 
-"sim X on an oracle" is X's schedule with X's drafting rules simulated on the oracle of those
-prompt ids (crossrt/simulate/schedules.py); "hybrid X" takes, per prompt, the simulation where the run
+"sim X on an oracle" is X's schedule with X's drafting rules and X's drafting simulated on the
+oracle of those prompt ids (crossrt/simulate/drafting.py: the drafter model's rows, or the
+lookup replayed); "hybrid X" takes, per prompt, the simulation where the run
 emitted the oracle's greedy output and the run's own counts where it did not. So numerics is
 what runs that left the greedy output (other tokens accepted) change, and residual what the
 simulation misses on runs that did not leave it: drafts changed by near-ties in the drafter, or
@@ -28,12 +31,12 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from crossrt.errors import ComparisonError, CrossrtError, SettingsError
 from crossrt.run.runtime import ModelSession, RuntimeOptions, open_runtime
-from crossrt.run.strategies import LOOKUPS
-from crossrt.simulate.schedules import check_rules, record_rules, simulate_schedule
+from crossrt.simulate.drafting import MODEL, Drafting, check_drafting, record_drafting, simulate_drafting
+from crossrt.simulate.schedules import record_rules
 from crossrt.records.schema import Counters, PromptResult, RunRecord
 from crossrt.simulate.oracle import Oracle, build_oracle
 
-PARTS = ("counting", "rendering", "schedule and rules", "numerics", "residual")
+PARTS = ("counting", "rendering", "drafter algorithm", "schedule and rules", "numerics", "residual")
 # Schedules whose runtimes print tokens per step as emitted / steps (first token and cut tokens
 # in): exllamav3's new_tokens / rounds, SGLang's completion_tokens / verify_ct (docs/schema.md).
 # Every other runtime prints 1 + accepted / steps, as the record's tau.
@@ -90,9 +93,15 @@ class TauGap:
     native_a: dict[str, Figure]
     native_b: dict[str, Figure]
     parts: tuple[Part, ...]
+    drafting_a: str = "drafter model"  # Drafting.label
+    drafting_b: str = "drafter model"
 
     def gap(self, metric: str) -> Figure:
         return _minus(self.native_a[metric], self.native_b[metric])
+
+    def _run(self, schedule: str, drafting: str) -> str:
+        """A run's schedule, and its drafting where it drafts without the drafter model."""
+        return schedule if drafting == Drafting(MODEL).label else f"{schedule}, {drafting}"
 
     def lines(self, alpha_and_steps: bool = True) -> list[str]:
         """The gap, its parts and the residual: one line for tau, one for alpha and steps."""
@@ -102,7 +111,8 @@ class TauGap:
             return (f"{_shown(self.native_a[metric], '{:.%df}' % digits)} - "
                     f"{_shown(self.native_b[metric], '{:.%df}' % digits)} = {_shown(self.gap(metric), sign)} = {parts}")
         where = "ALL" if self.category is None else self.category
-        lines = [f"tau gap {self.run_a} ({self.schedule_a}) vs {self.run_b} ({self.schedule_b}), {where} "
+        lines = [f"tau gap {self.run_a} ({self._run(self.schedule_a, self.drafting_a)}) vs {self.run_b} "
+                 f"({self._run(self.schedule_b, self.drafting_b)}), {where} "
                  f"({self.prompts} prompts): {said('tau', 2)}"]
         return lines + ([f"  alpha {said('alpha', 3)}; steps {said('steps', 0)}"] if alpha_and_steps else [])
 
@@ -110,7 +120,8 @@ class TauGap:
         def figures(values: dict[str, Figure]) -> dict:
             return {metric: None if value is None else float(value) for metric, value in values.items()}
         return {"run_a": self.run_a, "run_b": self.run_b, "schedule_a": self.schedule_a,
-                "schedule_b": self.schedule_b, "category": self.category, "prompts": self.prompts,
+                "schedule_b": self.schedule_b, "drafting_a": self.drafting_a, "drafting_b": self.drafting_b,
+                "category": self.category, "prompts": self.prompts,
                 "native_a": figures(self.native_a), "native_b": figures(self.native_b),
                 "gap": {metric: None if self.gap(metric) is None else float(self.gap(metric)) for metric in METRICS},
                 "parts": {p.name: {**figures(p.value), **({"a": figures(p.by_run[0]), "b": figures(p.by_run[1])}
@@ -130,39 +141,39 @@ class _Prompt:
     real_b: Counters
     hybrid_a: Counters
     hybrid_b: Counters
-    sim_a: Counters  # A's schedule on A's oracle
-    sim_b: Counters  # B's schedule on B's oracle
-    sim_b_on_a: Counters  # B's schedule on A's oracle
+    sim_a: Counters  # A's schedule and drafting on A's oracle
+    sim_b: Counters  # B's schedule and drafting on B's oracle
+    sim_b_with_a: Counters  # B's schedule with A's drafting on A's oracle
+    sim_b_on_a: Counters  # B's schedule and drafting on A's oracle
 
 
-def _counts(record: RunRecord, result: PromptResult, oracle: Oracle) -> tuple[Counters, Counters]:
-    """(the simulation of record's schedule on oracle, the hybrid for this prompt)."""
+def _simulated(oracle: Oracle, record: RunRecord, drafting: Drafting, label: str) -> Counters:
+    """record's schedule and rules with drafting on oracle, counted; a what-if that cannot be
+    simulated (a drafting under a schedule or rules it has no simulation for) as one line."""
     rules = record_rules(record)
-    simulated = simulate_schedule(oracle, record.params.schedule, rules).counters(rules.k)
-    return simulated, simulated if tuple(result.output_ids) == oracle.output else result.counters
+    try:
+        return simulate_drafting(oracle, record.params.schedule, rules, drafting).counters(rules.k)
+    except SettingsError as error:
+        raise ComparisonError(f"{label}'s schedule with {drafting.label}: {error}") from None
 
 
-def _check(record: RunRecord, label: str) -> None:
+def _drafting(record: RunRecord, label: str) -> Drafting:
+    """record's drafting, checked against its own schedule and rules; ComparisonError if it has no simulation."""
     if record.imported is not None:
         raise ComparisonError(f"{label}: an imported record holds no prompts to simulate")
-    params = record.params
-    if params.drafting in LOOKUPS or params.spec_type != "draft":
-        # The oracle holds the pair's drafter model's drafts: an n-gram run's gap would be
-        # split as if that model had drafted. Its own part ("drafter algorithm") is issue 49's.
-        method = params.drafting if params.drafting in LOOKUPS else f"spec type {params.spec_type}"
-        raise ComparisonError(f"{label} drafts by {method}, not with the drafter model the simulation replays")
     try:
-        check_rules(record.params.schedule, record_rules(record))
+        drafting = record_drafting(record)
+        check_drafting(record.params.schedule, record_rules(record), drafting)
     except SettingsError as error:
         raise ComparisonError(f"{label}: {error}") from None
+    return drafting
 
 
 def tau_gap(a: RunRecord, b: RunRecord, oracles: Mapping[tuple[int, ...], Oracle], label_a: str = "A",
             label_b: str = "B") -> list[TauGap]:
     """The gap between a and b decomposed, per category (sorted) and then over every prompt
     both finished; oracles maps prompt ids to their oracle (build_oracles)."""
-    _check(a, label_a)
-    _check(b, label_b)
+    drafting_a, drafting_b = _drafting(a, label_a), _drafting(b, label_b)
     if a.params.max_new_tokens != b.params.max_new_tokens:
         raise ComparisonError(f"{label_a} and {label_b} ran other token budgets "
                               f"({a.params.max_new_tokens} and {b.params.max_new_tokens})")
@@ -174,16 +185,18 @@ def tau_gap(a: RunRecord, b: RunRecord, oracles: Mapping[tuple[int, ...], Oracle
             continue
         oracle_a = _oracle(oracles, result_a, a.params.max_new_tokens)
         oracle_b = _oracle(oracles, result_b, b.params.max_new_tokens)
-        sim_a, hybrid_a = _counts(a, result_a, oracle_a)
-        sim_b, hybrid_b = _counts(b, result_b, oracle_b)
-        rules_b = record_rules(b)
-        sim_b_on_a = simulate_schedule(oracle_a, b.params.schedule, rules_b).counters(rules_b.k)
+        sim_a = _simulated(oracle_a, a, drafting_a, label_a)
+        sim_b = _simulated(oracle_b, b, drafting_b, label_b)
+        hybrid_a = sim_a if tuple(result_a.output_ids) == oracle_a.output else result_a.counters
+        hybrid_b = sim_b if tuple(result_b.output_ids) == oracle_b.output else result_b.counters
+        sim_b_with_a = _simulated(oracle_a, b, drafting_a, label_b)
+        sim_b_on_a = sim_b_with_a if drafting_a == drafting_b else _simulated(oracle_a, b, drafting_b, label_b)
         prompts.append(_Prompt(result_a.category, result_a.counters, result_b.counters, hybrid_a, hybrid_b,
-                               sim_a, sim_b, sim_b_on_a))
+                               sim_a, sim_b, sim_b_with_a, sim_b_on_a))
     if not prompts:
         raise ComparisonError(f"{label_a} and {label_b} finished no prompt in common")
     categories = sorted({p.category for p in prompts})
-    return [_decompose(a, b, label_a, label_b, category,
+    return [_decompose(a, b, label_a, label_b, (drafting_a.label, drafting_b.label), category,
                        [p for p in prompts if category is None or p.category == category])
             for category in [*categories, None]]
 
@@ -195,8 +208,8 @@ def _oracle(oracles: Mapping[tuple[int, ...], Oracle], result: PromptResult, bud
     return oracle
 
 
-def _decompose(a: RunRecord, b: RunRecord, label_a: str, label_b: str, category: Optional[str],
-               prompts: Sequence[_Prompt]) -> TauGap:
+def _decompose(a: RunRecord, b: RunRecord, label_a: str, label_b: str, draftings: tuple[str, str],
+               category: Optional[str], prompts: Sequence[_Prompt]) -> TauGap:
     def figures(pick: Callable[[_Prompt], Counters], native: Optional[str] = None) -> dict[str, Figure]:
         return ExactCounts.of([pick(p) for p in prompts]).figures(native)
 
@@ -207,22 +220,25 @@ def _decompose(a: RunRecord, b: RunRecord, label_a: str, label_b: str, category:
     native_a = figures(lambda p: p.real_a, a.params.schedule)
     native_b = figures(lambda p: p.real_b, b.params.schedule)
     hybrid_a, hybrid_b = figures(lambda p: p.hybrid_a), figures(lambda p: p.hybrid_b)
-    sim_a, sim_b, sim_b_on_a = figures(lambda p: p.sim_a), figures(lambda p: p.sim_b), figures(lambda p: p.sim_b_on_a)
+    sim_a, sim_b = figures(lambda p: p.sim_a), figures(lambda p: p.sim_b)
+    sim_b_with_a, sim_b_on_a = figures(lambda p: p.sim_b_with_a), figures(lambda p: p.sim_b_on_a)
     numerics = (difference(hybrid_a, sim_a), difference(hybrid_b, sim_b))
     residual = (difference(real_a, hybrid_a), difference(real_b, hybrid_b))
     parts = (Part("counting", difference(difference(native_a, real_a), difference(native_b, real_b))),
              Part("rendering", difference(sim_b_on_a, sim_b)),
-             Part("schedule and rules", difference(sim_a, sim_b_on_a)),
+             Part("drafter algorithm", difference(sim_b_with_a, sim_b_on_a)),
+             Part("schedule and rules", difference(sim_a, sim_b_with_a)),
              Part("numerics", difference(*numerics), numerics),
              Part("residual", difference(*residual), residual))
     return TauGap(label_a, label_b, a.params.schedule, b.params.schedule, category, len(prompts), native_a, native_b,
-                  parts)
+                  parts, *draftings)
 
 
-def build_oracles(target: ModelSession, drafter: ModelSession,
+def build_oracles(target: ModelSession, drafter: Optional[ModelSession],
                   records: Sequence[RunRecord]) -> dict[tuple[int, ...], Oracle]:
     """One oracle per distinct prompt ids the records finished, at their common token budget,
-    with drafts as long as the largest k among them."""
+    with drafts as long as the largest k among them (drafter None: no draft rows, for records
+    that all draft by lookup) and as many of the target's tokens past the output, plus one."""
     budgets = {record.params.max_new_tokens for record in records}
     if len(budgets) != 1 or None in budgets:
         raise ComparisonError(f"the records ran other or unknown token budgets ({sorted(map(str, budgets))})")
@@ -240,24 +256,43 @@ def build_oracles(target: ModelSession, drafter: ModelSession,
 ORACLE_RUNTIME = "llama-cpp"
 
 
-def parity_gaps(runs: Sequence[tuple[str, RunRecord]], threads: int = 1) -> list[str]:
-    """`crossrt parity`'s tau gap lines: for every two runs of one pair whose schedules differ,
-    the gap overall (tau, then alpha and steps) and per category (tau), or why it was not
-    computed. One oracle set per pair, built in-process on llama.cpp from the records' GGUF
-    files at the runs' context size (its default F16 KV cache and flash attention, as
-    llama.cpp's tools run)."""
-    lines: list[str] = []
+def _drafting_key(record: RunRecord) -> object:
+    """What a gap's drafter algorithm part compares: the Drafting, else what the record states."""
+    try:
+        return record_drafting(record)
+    except SettingsError:
+        params = record.params
+        return params.spec_type, params.drafting, params.tree
+
+
+def gap_pairs(runs: Sequence[tuple[str, RunRecord]]) -> list[list[tuple[tuple[str, RunRecord], tuple[str, RunRecord]]]]:
+    """The pairs of runs a tau gap is computed for, one list per pair of models: every two runs of
+    one pair whose schedules or draftings differ (two runs of one schedule and drafting compare
+    counters, in parity, instead)."""
     by_pair: dict[tuple, list[tuple[str, RunRecord]]] = {}
     for label, record in runs:
         by_pair.setdefault((record.pair.name, record.pair.target and record.pair.target.sha256), []).append(
             (label, record))
+    groups = []
     for group in by_pair.values():
         pairs = [(a, b) for i, a in enumerate(group) for b in group[i + 1:]
-                 if a[1].params.schedule != b[1].params.schedule]
-        if not pairs:
-            continue
+                 if (a[1].params.schedule, _drafting_key(a[1])) != (b[1].params.schedule, _drafting_key(b[1]))]
+        if pairs:
+            groups.append(pairs)
+    return groups
+
+
+def parity_gaps(runs: Sequence[tuple[str, RunRecord]], threads: int = 1) -> list[str]:
+    """`crossrt parity`'s tau gap lines: for every two runs of one pair whose schedules or
+    draftings differ, the gap overall (tau, then alpha and steps) and per category (tau), or why
+    it was not computed. One oracle set per pair, built in-process on llama.cpp from the records'
+    GGUF files at the runs' context size (its default F16 KV cache and flash attention, as
+    llama.cpp's tools run)."""
+    lines: list[str] = []
+    for pairs in gap_pairs(runs):
+        records = list({id(record): record for pair in pairs for _, record in pair}.values())
         try:
-            oracles = _parity_oracles([record for _, record in group if record.imported is None], threads)
+            oracles = _parity_oracles([record for record in records if record.imported is None], threads)
         except CrossrtError as error:  # no model files, a model that does not load, a prompt that does not fit
             lines += [f"tau gap {a} vs {b}: not computed ({error})" for (a, _), (b, _) in pairs]
             continue
@@ -272,24 +307,29 @@ def parity_gaps(runs: Sequence[tuple[str, RunRecord]], threads: int = 1) -> list
 
 
 def _parity_oracles(records: Sequence[RunRecord], threads: int) -> dict[tuple[int, ...], Oracle]:
-    files = next(((Path(r.pair.target.path), Path(r.pair.drafter.path)) for r in records
-                  if r.pair.target and r.pair.drafter and r.pair.target.format == r.pair.drafter.format == "gguf"
-                  and Path(r.pair.target.path).is_file() and Path(r.pair.drafter.path).is_file()), None)
+    """The oracles of the records a gap can be computed for, from the records' GGUF files: the
+    target's, and the drafter's where one of them drafts with it."""
+    simulated = [r for r in records if _simulable(r)]
+    if not simulated:
+        return {}
+    roles = ("target", "drafter") if any(record_drafting(r).name == MODEL for r in simulated) else ("target",)
+    files = next((tuple(Path(getattr(r.pair, role).path) for role in roles) for r in records
+                  if all(getattr(r.pair, role) and getattr(r.pair, role).format == "gguf"
+                         and Path(getattr(r.pair, role).path).is_file() for role in roles)), None)
     if files is None:
-        raise ComparisonError("no record names GGUF files of the pair to build the oracle from")
+        raise ComparisonError(f"no record names GGUF files of the pair's {' and '.join(roles)} to build oracles from")
     # The oracle drafts K tokens from one position past the output and checks them there.
     n_ctx = max(len(result.prompt_ids) + (r.params.max_new_tokens or 0) + r.params.k + 2
                 for r in records for result in r.results)
     runtime = open_runtime(ORACLE_RUNTIME, RuntimeOptions(n_ctx=n_ctx, threads=threads))
     with contextlib.ExitStack() as stack:
-        target, drafter = (stack.enter_context(runtime.load(path)) for path in files)
-        simulated = [r for r in records if _simulated(r)]
-        return build_oracles(target, drafter, simulated) if simulated else {}
+        target, *drafter = (stack.enter_context(runtime.load(path)) for path in files)
+        return build_oracles(target, drafter[0] if drafter else None, simulated)
 
 
-def _simulated(record: RunRecord) -> bool:
+def _simulable(record: RunRecord) -> bool:
     try:
-        _check(record, "")
+        _drafting(record, "")
     except ComparisonError:
         return False
     return True

@@ -1,7 +1,8 @@
-"""Why tau differs, drawn (docs/report.md): for every two runs of one pair whose schedules
-differ, the gap `crossrt parity` prints (crossrt/compare/tau_gap.py: counting, rendering,
-schedule and rules, numerics, residual), as a waterfall from one run's tau to the other's, and
-the same for alpha; the tables hold every figure, per category too, as parity prints them.
+"""Why tau differs, drawn (docs/report.md): for every two runs of one pair whose schedules or
+draftings differ, the gap `crossrt parity` prints (crossrt/compare/tau_gap.py: counting,
+rendering, drafter algorithm, schedule and rules, numerics, residual), as a waterfall from one
+run's tau to the other's, and the same for alpha; the tables hold every figure, per category
+too, as parity prints them.
 
 The decomposition is tau_gap's; this module only picks the pairs as `crossrt parity` does
 (parity_gaps) and keeps the TauGap objects, which parity turns into lines."""
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Optional, Sequence
 
-from crossrt.compare.tau_gap import PARTS, TauGap, _parity_oracles, tau_gap
+from crossrt.compare.tau_gap import PARTS, TauGap, _parity_oracles, gap_pairs, tau_gap
 from crossrt.errors import ComparisonError, CrossrtError
 from crossrt.report.page import Section, Table
 from crossrt.report.runs import ReportRun, category_name
@@ -32,18 +33,13 @@ class RunGap:
 
 
 def run_gaps(runs: Sequence[ReportRun], threads: int = 1) -> list[RunGap]:
-    """The pairs of runs `crossrt parity` decomposes (one pair of models, other schedules), each
-    with its gaps or why they were not computed. The oracles load the pair in llama.cpp."""
-    by_pair: dict[tuple, list[ReportRun]] = {}
-    for run in runs:
-        target = run.record.pair.target
-        by_pair.setdefault((run.record.pair.name, target and target.sha256), []).append(run)
+    """The pairs of runs `crossrt parity` decomposes (one pair of models, other schedules or
+    draftings), each with its gaps or why they were not computed. The oracles load the pair in llama.cpp."""
+    by_label = {run.label: run for run in runs}
     found = []
-    for group in by_pair.values():
-        pairs = [(a, b) for i, a in enumerate(group) for b in group[i + 1:]
-                 if a.record.params.schedule != b.record.params.schedule]
-        if not pairs:
-            continue
+    for labelled in gap_pairs([(run.label, run.record) for run in runs]):
+        pairs = [(by_label[a], by_label[b]) for (a, _), (b, _) in labelled]
+        group = list({run.label: run for pair in pairs for run in pair}.values())
         try:
             oracles = _parity_oracles([run.record for run in group if run.record.imported is None], threads)
         except CrossrtError as error:  # no model files, a model that does not load, a prompt that does not fit
@@ -88,7 +84,7 @@ def _none(gap: RunGap) -> bool:
 
 
 def gap_section(gaps: Sequence[RunGap]) -> Optional[Section]:
-    """None where no two runs of one pair ran other schedules."""
+    """None where no two runs of one pair ran other schedules or draftings."""
     if not gaps:
         return None
     figures = []
@@ -107,9 +103,10 @@ def gap_section(gaps: Sequence[RunGap]) -> Optional[Section]:
     folded = (Section("tau-gap-figures", "Every figure of these gaps, per category too", "", None, tables, (),
                       fold=True),) if tables else ()
     return Section("tau-gap", "Why tau differs",
-                   "For every two runs of one pair whose schedules differ, the gap in tau (and alpha) over the prompts "
-                   "both finished, as `crossrt parity` decomposes it (docs/analysis.md): counting (how each runtime "
-                   "counts its own figure), rendering (other prompt ids), schedule and rules (when drafts start, how "
+                   "For every two runs of one pair whose schedules or draftings differ, the gap in tau (and alpha) "
+                   "over the prompts both finished, as `crossrt parity` decomposes it (docs/analysis.md): counting "
+                   "(how each runtime counts its own figure), rendering (other prompt ids), drafter algorithm (the "
+                   "drafter model or a lookup, and its n-gram lengths), schedule and rules (when drafts start, how "
                    "long, cut how), numerics (other tokens accepted where a run left the greedy output) and the "
                    "residual the simulation misses. Each chart goes from run B's figure through the parts to run A's; "
                    "the tables hold every figure, per category too.", None, (), notes, tuple(figures), parts=folded)

@@ -30,7 +30,6 @@ import numpy as np
 from crossrt.run import loop
 from crossrt.errors import SettingsError
 from crossrt.run.acceptance import greedy_length
-from crossrt.run.lookup import LookupDrafter
 from crossrt.run.runtime import ModelSession, Rows
 from crossrt.run.schedules import Generation, check_prompt, top_probability
 from crossrt.records.metrics import Totals
@@ -47,7 +46,7 @@ class Oracle:
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     output: tuple[int, ...]  # the target's greedy output, EOS included when it stopped on it
-    drafts: np.ndarray  # int32 (len(output) + 1, K): row j drafts after prompt + output[:j]
+    drafts: np.ndarray  # int32 (len(output) + 1, K): row j drafts after prompt + output[:j]; K 0 without a drafter
     draft_p1: np.ndarray  # float32, same shape: the drafter's top-1 probability of each (full softmax)
     eog_ids: frozenset[int]
     # The target's greedy tokens after output, EOS or not (K + 1 of them): a step that overshoots
@@ -68,39 +67,25 @@ class Oracle:
         return self.output + self.beyond
 
 
-def _lookup_oracle(lookup: LookupDrafter, prompt_id: str, category: str, prompt_ids: tuple[int, ...],
-                   max_new_tokens: int, output: tuple[int, ...], beyond: list[int], eog: frozenset[int],
-                   max_k: int) -> Oracle:
-    """A prompt-lookup drafter's oracle: its proposals from every position, a confidence of 1
-    for each and 0 (token -1) where it finds none, so a draft ends there under any min_p1."""
-    n = len(output) + 1
-    drafts = np.full((n, max_k), -1, dtype=np.int32)
-    draft_p1 = np.zeros((n, max_k), dtype=np.float32)
-    for j in range(n):
-        proposal = lookup.propose(prompt_ids + output[:j], max_k).tokens
-        drafts[j, :len(proposal)] = proposal
-        draft_p1[j, :len(proposal)] = 1.0
-    return Oracle(prompt_id, category, prompt_ids, max_new_tokens, output, drafts, draft_p1, eog, tuple(beyond))
-
-
-def build_oracle(target: ModelSession, drafter: ModelSession | LookupDrafter, prompt_id: str, category: str,
+def build_oracle(target: ModelSession, drafter: Optional[ModelSession], prompt_id: str, category: str,
                  prompt_ids: Sequence[int], max_new_tokens: int, max_k: int) -> Oracle:
     """The oracle of one prompt. The drafter scores prompt + output in one pass (the first
     draft token of every position), then, from the last position back so that each needs only
     a truncation, continues each position one token at a time, or takes the next position's
-    row where its first token is the target's. A prompt-lookup drafter looks up every position."""
+    row where its first token is the target's. Without a drafter, the target's part alone (no
+    draft rows): what a lookup's replay reads (crossrt/simulate/drafting.py)."""
     prompt_ids = tuple(prompt_ids)
-    sessions = [target] if isinstance(drafter, LookupDrafter) else [target, drafter]
+    sessions = [target] if drafter is None else [target, drafter]
     # A draft from the row after the output reaches K tokens past it, and its check K + 1.
     check_prompt(prompt_ids, max_new_tokens, sessions, overrun=max_k + 1)
     output = loop.greedy_generate(target, prompt_ids, max_new_tokens).output_ids
     beyond = []
     for _ in range(max_k + 1):  # the target's cache holds prompt + output[:-1] after greedy_generate
         beyond.append(int(target.eval(((output + tuple(beyond))[-1],), Rows.LAST)[0].argmax()))
-    if isinstance(drafter, LookupDrafter):
-        return _lookup_oracle(drafter, prompt_id, category, prompt_ids, max_new_tokens, output, beyond,
-                              target.eog_ids, max_k)
     n = len(output) + 1
+    if drafter is None:
+        return Oracle(prompt_id, category, prompt_ids, max_new_tokens, output, np.zeros((n, 0), dtype=np.int32),
+                      np.zeros((n, 0), dtype=np.float32), target.eog_ids, tuple(beyond))
     drafts = np.full((n, max_k), -1, dtype=np.int32)
     draft_p1 = np.full((n, max_k), np.nan, dtype=np.float32)
     draft_p10 = np.full((n, max_k), np.nan, dtype=np.float32)
@@ -200,9 +185,9 @@ def oracle_step(oracle: Oracle, emitted: int, k: int, min_p1: float) -> tuple[in
     output = oracle.output
     cap = min(k, oracle.max_new_tokens - emitted - 1)
     draft = oracle.drafts[emitted, :max(cap, 0)]
-    # A draft ends before a token the drafter is unsure of, or where it proposed none (-1: prompt lookup).
-    unsure = np.flatnonzero((draft < 0) | (oracle.draft_p1[emitted, :len(draft)] < min_p1 if min_p1 > 0 else False))
-    n_draft = int(unsure[0]) if unsure.size else len(draft)
+    # A draft ends before a token the drafter is unsure of.
+    unsure = np.flatnonzero(oracle.draft_p1[emitted, :len(draft)] < min_p1) if min_p1 > 0 else ()
+    n_draft = int(unsure[0]) if len(unsure) else len(draft)
     n_accepted = greedy_length(draft[:n_draft], output[emitted:emitted + n_draft], oracle.eog_ids)
     # One drafter pass per draft token, and one for the token a cut-off refused.
     return n_draft, n_accepted, n_draft + (n_draft < cap)
