@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from crossrt.backends.llama_server_counts import MetricsCounters, speculative_counters
+from crossrt.backends.llama_server_ngram import NGRAM_DRAFTINGS, ngram_note, ngram_settings, ngram_simple_size_n
 from crossrt.backends.llama_server_process import HOST, ServerError, ServerProcess, find_executable
 from crossrt.backends.llama_tools import Build, probe
 from crossrt.errors import PromptRefused, SettingsError
@@ -238,15 +239,6 @@ LLAMA_SPEC_TYPES = {"draft": "draft-simple", "mtp": "draft-mtp", "eagle3": "draf
                     "ngram-map-k4v": "ngram-map-k4v", "ngram-mod": "ngram-mod", "ngram-cache": "ngram-cache"}
 
 
-NGRAM_SIMPLE_SIZE_N = 12  # llama.cpp's default lookup length (common/common.h)
-
-
-def ngram_simple_size_n(k: int) -> int:
-    """ngram-simple's lookup length for drafts of at most k: its default, unless k is shorter
-    (a draft must be at least as long as the lookup)."""
-    return min(NGRAM_SIMPLE_SIZE_N, k)
-
-
 def llama_spec_type(spec_type: str) -> str:
     if spec_type not in LLAMA_SPEC_TYPES:
         raise SettingsError(f"llama.cpp has no spec type {spec_type!r}; it has: {', '.join(LLAMA_SPEC_TYPES)}")
@@ -260,8 +252,8 @@ class LlamaServerRuntime(Runtime):
     scored_by = "llama-cpp"  # the same llama.cpp commit in-process, for logits
     program = "llama-server"
     drafting_rules = ("n_min", "p_min")  # passed as the build's own flags (Build.flags)
-    # --drafting llama-ngram-simple: its own ngram-simple at size_n = ngram_max, no drafter loaded.
-    native_draftings = ("llama-ngram-simple",)
+    # --drafting llama-ngram-*: its own n-gram type at the strategy's ngram_max, no drafter loaded.
+    native_draftings = tuple(NGRAM_DRAFTINGS)
 
     def __init__(self, options: RuntimeOptions):
         super().__init__(options)
@@ -300,8 +292,9 @@ class LlamaServerRuntime(Runtime):
             args += [flags.cache_ram, "0"]  # no prompt cache kept across requests
         return args
 
-    def _speculative_args(self, drafter: Optional[Path], rules: DraftRules, size_n: int) -> list[str]:
-        """drafter None: n-gram drafting without a drafter model loaded."""
+    def _speculative_args(self, drafter: Optional[Path], rules: DraftRules,
+                          ngram: tuple[tuple[str, int], ...]) -> list[str]:
+        """drafter None: n-gram drafting without a drafter model loaded; ngram: its type's settings."""
         options, flags = self.options, self.build.flags
         threads = str(options.threads)
         args = ["-md", str(drafter), "-td", threads, "-tbd", threads, "-ngld", str(options.n_gpu_layers)] \
@@ -312,25 +305,34 @@ class LlamaServerRuntime(Runtime):
             args += [flags.spec_type, llama_spec_type(rules.spec_type)]
         elif rules.spec_type != "draft":
             raise SettingsError(f"this llama-server build has no --spec-type: it cannot run spec type {rules.spec_type!r}")
-        if rules.spec_type == "ngram-simple" and flags.ngram_simple_size_m and flags.ngram_simple_size_n:
-            args += [flags.ngram_simple_size_n, str(size_n), flags.ngram_simple_size_m, str(rules.k)]
+        args += [str(part) for setting in ngram for part in setting]
         if options.f32_kv_cache and drafter is not None:
             args += ["-ctkd", "f32", "-ctvd", "f32"]
         return args
 
+    def _ngram_settings(self, rules: DraftRules, size_n: int, chosen: bool) -> tuple[tuple[str, int], ...]:
+        """What crossrt sets of the run's n-gram type: ngram-simple's always (its defaults draft
+        nothing shorter than 12 tokens), the others' where --drafting chose the type (chosen; else
+        llama.cpp's defaults); nothing where the build lacks the flags."""
+        if rules.spec_type not in NGRAM_DRAFTINGS.values() or (rules.spec_type != "ngram-simple" and not chosen):
+            return ()
+        settings = ngram_settings(rules.spec_type, size_n, rules)
+        return settings if all(flag in self.build.flags.spec_ngram for flag, _ in settings) else ()
+
     def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path,
                     strategy=None) -> LlamaServerSession:
-        """strategy: --drafting llama-ngram-simple, run as ngram-simple at its ngram_max, no drafter loaded."""
-        flags = self.build.flags
+        """strategy: --drafting llama-ngram-*, run as that n-gram type at its ngram_max, no drafter loaded."""
         size_n = ngram_simple_size_n(rules.k)
         if strategy is not None:
-            if rules.spec_type not in ("draft", "ngram-simple"):
-                raise SettingsError(f"--drafting llama-ngram-simple is llama-server's ngram-simple, not spec type "
+            spec_type = NGRAM_DRAFTINGS[strategy.drafting]
+            if rules.spec_type not in ("draft", spec_type):
+                raise SettingsError(f"--drafting {strategy.drafting} is llama-server's {spec_type}, not spec type "
                                     f"{rules.spec_type!r}")
-            if not (flags.spec_type and flags.ngram_simple_size_n and flags.ngram_simple_size_m):
-                raise SettingsError(f"llama-server {self.build.version} cannot set ngram-simple's sizes "
-                                    "(--spec-ngram-simple-size-n/-m): --drafting llama-ngram-simple needs them")
-            rules, size_n, drafter = dataclasses.replace(rules, spec_type="ngram-simple"), strategy.ngram_max, None
+            rules, size_n, drafter = dataclasses.replace(rules, spec_type=spec_type), strategy.ngram_max, None
+            if not (self.build.flags.spec_type and self._ngram_settings(rules, size_n, chosen=True)):
+                raise SettingsError(f"llama-server {self.build.version} cannot set {spec_type}'s sizes "
+                                    f"(--spec-{spec_type}-*): --drafting {strategy.drafting} needs them")
+        ngram = self._ngram_settings(rules, size_n, chosen=strategy is not None)
         for path in (target, drafter) if drafter is not None else (target,):
             if not Path(path).is_file():
                 raise FileNotFoundError(f"model file not found: {path}")
@@ -340,24 +342,21 @@ class LlamaServerRuntime(Runtime):
         together = plan_processes(self.name, ("baseline server", "speculative server"), lambda which: check_gguf_fits(
             [path for i in which for path in held[i]], self.options, self.name, gpu=gpu))
         model = ["-m", str(target)]
-        speculative = Launcher(self.build.path, tuple(model + self._speculative_args(drafter, rules, size_n)
+        speculative = Launcher(self.build.path, tuple(model + self._speculative_args(drafter, rules, ngram)
                                                       + self._common_args()),
                                Path(work_dir) / "llama-server-speculative.log")
         baseline = Launcher(self.build.path, tuple(model + self._common_args()),
                             Path(work_dir) / "llama-server-baseline.log")
-        notes = self._notes(rules, size_n) + (() if together else (ONE_AT_A_TIME,))
+        notes = self._notes(rules, ngram) + (() if together else (ONE_AT_A_TIME,))
         session = LlamaServerSession(speculative, baseline, rules, notes, one_at_a_time=not together)
-        if rules.spec_type == "ngram-simple" and flags.ngram_simple_size_m and flags.ngram_simple_size_n:
+        if ngram:
             # What it drafts under crossrt's names, as its driven reproduction records them (docs/ngram.md).
-            session.fixed_params = (("spec_type", "ngram-simple"), ("drafting", "llama-ngram-simple"),
-                                    ("ngram_max", size_n))
+            drafting = next(name for name, kind in NGRAM_DRAFTINGS.items() if kind == rules.spec_type)
+            session.fixed_params = (("spec_type", rules.spec_type), ("drafting", drafting), ("ngram_max", size_n))
         return session
 
-    def _notes(self, rules: DraftRules, size_n: int) -> tuple[str, ...]:
-        ngram = (f"ngram-simple: --spec-ngram-simple-size-m {rules.k} (drafts of at most k, where llama.cpp's default "
-                 f"is 48) and --spec-ngram-simple-size-n {size_n} (its default 12; crossrt's, unless --ngram-max "
-                 "sets it, at most k: a draft is made only when it is at least that long)",) \
-            if rules.spec_type == "ngram-simple" and self.build.flags.ngram_simple_size_m else ()
+    def _notes(self, rules: DraftRules, settings: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
+        ngram = (ngram_note(rules.spec_type, settings),) if settings else ()
         return ngram + (
             f"llama-server {self.build.version} (commit {self.build.commit or 'unknown'}): its own draft-model "
             f"speculative decoding (--spec-type {llama_spec_type(rules.spec_type)}, n_max {rules.k}, n_min {rules.n_min}, "

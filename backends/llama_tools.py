@@ -62,12 +62,10 @@ class Flags:
     # cache, and llama-server then splits every prompt into up to three decodes to checkpoint it
     # (tools/server/server-context.cpp, checkpoint_offsets {4 + n_ubatch, 4}).
     swa_full: Optional[str] = None
-    # ngram-simple drafts the m-gram after a matched n-gram, its length its own setting (default
-    # 48), not n_max; and it drafts only when that m-gram is at least n (default 12) long
-    # (common/ngram-map.cpp, common_ngram_simple_draft). Both are set from k, so drafts are at
-    # most k tokens, as every other spec type's, and can be made at all.
-    ngram_simple_size_n: Optional[str] = None
-    ngram_simple_size_m: Optional[str] = None
+    # Every --spec-ngram-* flag the build has: the n-gram types' own sizes (-simple-size-n,
+    # -map-k-size-m, -mod-n-match, ...), which replaced one shared set (--spec-ngram-size-n) that
+    # later builds still list, removed (backends/llama_server.py passes them from crossrt's settings).
+    spec_ngram: frozenset[str] = frozenset()
 
     @classmethod
     def from_help(cls, text: str) -> "Flags":
@@ -84,10 +82,7 @@ class Flags:
             cache_ram="--cache-ram" if _has_flag(text, "--cache-ram") else None,
             flash_attn_takes_value=re.search(r"--flash-attn \[on\|off", text) is not None,
             swa_full="--swa-full" if _has_flag(text, "--swa-full") else None,
-            ngram_simple_size_n=("--spec-ngram-simple-size-n" if _has_flag(text, "--spec-ngram-simple-size-n")
-                                 else None),
-            ngram_simple_size_m=("--spec-ngram-simple-size-m" if _has_flag(text, "--spec-ngram-simple-size-m")
-                                 else None),
+            spec_ngram=frozenset(re.findall(r"(?<![\w-])--spec-ngram-[a-z0-9-]*[a-z0-9]", text)),
         )
 
 

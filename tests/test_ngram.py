@@ -15,7 +15,9 @@ from transformers.generation.candidate_generator import PromptLookupCandidateGen
 from crossrt.cli import main
 from crossrt.records.record_json import load_record
 from crossrt.run import loop
-from crossrt.run.lookup import HfPromptLookup, LlamaNgramSimple
+from crossrt.run.lookup import HfPromptLookup, LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple
+from crossrt.run.runtime import DraftRules
+from crossrt.run.strategies import Strategy
 from crossrt.inputs.prompts import load_prompts
 
 from conftest import TINY_PAIR, assert_clean_error
@@ -161,3 +163,99 @@ def test_one_drafting_runs_natively_on_llama_server_and_driven_on_llama_cpp(repe
         assert ours.output_ids == theirs.output_ids, ours.prompt_id
         assert [getattr(ours.counters, name) for name in COUNTERS] == \
             [getattr(theirs.counters, name) for name in COUNTERS], ours.prompt_id
+
+
+def test_ngram_map_k_draws_on_its_map_and_what_was_last_accepted():
+    """size_n 2, size_m 3: the key (the slot's last token and the sampled one) is found by
+    scanning back from size_n + size_m + 1 tokens before the end; the draft is what followed it,
+    cut to what the key's last draft had accepted."""
+    lookup = LlamaNgramMap(2, 3, key_only=True)
+    prompt = [5, 1, 2, 3, 4, 6, 7, 8, 9, 1]
+    lookup.prefill(prompt)
+    assert lookup.propose([*prompt, 2], 9).tokens == (3, 4, 6)
+    lookup.keep(len(prompt) + 1 + 1)  # one draft token accepted (and the bonus)
+    assert lookup.propose([*prompt, 2], 9).tokens == (3,)  # the same key drafts what it had accepted
+    assert lookup.propose([*prompt, 2], 0).tokens == ()  # no call at a limit of 0
+    assert lookup.propose([*prompt, 7], 9).tokens == ()  # [1, 7] never seen
+
+
+def test_ngram_map_k4v_drafts_only_a_value_twice_as_common_as_the_others():
+    lookup = LlamaNgramMap(1, 2, key_only=False)
+    tied = [9, 1, 2, 3, 1, 4, 5, 8, 8, 8, 8]  # after 1: [2, 3] once, [4, 5] once
+    lookup.prefill(tied)
+    assert lookup.propose([*tied, 1], 9).tokens == ()
+    lookup = LlamaNgramMap(1, 2, key_only=False)
+    common = [9, 1, 2, 3, 1, 2, 3, 1, 4, 5, 8, 8, 8, 8]  # [2, 3] twice, [4, 5] once
+    lookup.prefill(common)
+    assert lookup.propose([*common, 1], 9).tokens == (4, 5)  # the tokens after the match, as llama.cpp copies
+
+
+def test_ngram_mod_chains_its_pool_and_drops_short_chains():
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2]
+    lookup = LlamaNgramMod(2, 3, 3)  # n_match 2, n_max 3, n_min 3
+    lookup.prefill(prompt[:-1])
+    assert lookup.propose(prompt, 9).tokens == (3, 4, 5)
+    assert lookup.propose([*prompt, 9], 9).tokens == ()  # [2, 9] unknown
+    for n_min, chain in ((3, ()), (2, (6, 7))):  # [1, 5] -> 6, [5, 6] -> 7, [6, 7] unknown: 2 tokens
+        short = LlamaNgramMod(2, 3, n_min)
+        short.prefill([1, 5, 6, 7])
+        assert short.propose([1, 5, 6, 7, 1, 5], 9).tokens == chain
+    # Nothing begun, nothing added yet: new n-grams go in 32 tokens at a time.
+    assert LlamaNgramMod(2, 3, 2).propose([7, 1, 2, 3, 4, 1, 2, 3], 9).tokens == ()
+
+
+def test_ngram_mod_empties_its_pool_after_five_poorly_accepted_drafts():
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2]
+    lookup = LlamaNgramMod(2, 3, 1)
+    lookup.prefill(prompt[:-1])
+    for _ in range(4):
+        assert lookup.propose(prompt, 9).tokens == (3, 4, 5)
+        lookup.keep(len(prompt))  # nothing accepted
+    assert lookup.propose(prompt, 9).tokens == (3, 4, 5)
+    lookup.keep(len(prompt))
+    assert lookup.propose(prompt, 9).tokens == ()
+
+
+LLAMA_NGRAMS = [("llama-ngram-map-k", "--spec-ngram-map-k-size-n 2 --spec-ngram-map-k-size-m 4"),
+                ("llama-ngram-map-k4v", "--spec-ngram-map-k4v-size-n 2 --spec-ngram-map-k4v-size-m 4 "
+                 "--spec-ngram-map-k4v-min-hits 1"),
+                ("llama-ngram-mod", "--spec-ngram-mod-n-match 2 --spec-ngram-mod-n-max 4 --spec-ngram-mod-n-min 4")]
+
+
+@pytest.mark.parametrize("drafting, flags", LLAMA_NGRAMS)
+def test_each_llama_ngram_type_runs_natively_and_its_reproduction_equals_it(drafting, flags, repeating_prompts,
+                                                                            tiny_sessions, tmp_path):
+    """The server keeps its maps and pool from one request to the next: the reproduction serves
+    the run's prompts in order from one drafter, and a drafter begun afresh on each prompt does not
+    draft as the server does."""
+    same = ["--pair", TINY_PAIR, "--k", 4, "--max-new-tokens", 40, "--prompts", repeating_prompts,
+            "--drafting", drafting, "--ngram-max", 2]
+    native = invoke("run", "--runtime", "llama-server", "--mode", "native", "--out", tmp_path / "server.json", *same)
+    assert native.exit_code == 0, native.output
+    driven = invoke("run", "--runtime", "llama-cpp", "--schedule", "llama-server", "--out", tmp_path / "llama.json",
+                    *same)
+    assert driven.exit_code == 0, driven.output
+    server, llama = load_record(tmp_path / "server.json"), load_record(tmp_path / "llama.json")
+    spec_type = drafting.removeprefix("llama-")
+    assert (server.params.spec_type, server.params.drafting, server.params.ngram_max, server.pair.drafter.loaded) \
+        == (spec_type, drafting, 2, ())
+    assert any(note.startswith(f"{spec_type}: {flags} ") for note in server.notes)
+    assert (llama.params.drafting, llama.params.ngram_max, llama.params.ngram_min) == (drafting, 2, None)
+    for ours, theirs in zip(llama.results, server.results, strict=True):
+        assert ours.output_ids == theirs.output_ids, ours.prompt_id
+        assert [getattr(ours.counters, name) for name in COUNTERS] == \
+            [getattr(theirs.counters, name) for name in COUNTERS], ours.prompt_id
+    assert sum(r.counters.accepted for r in server.results) > 0
+    # The same prompts on one target, the drafter kept across them or begun afresh on each.
+    target, _ = tiny_sessions
+    strategy, rules = Strategy(drafting=drafting, ngram_max=2), DraftRules(4)
+    kept = loop.run_lookup(strategy, rules, "llama-server", target.eog_ids)
+    counts = {name: [(run.drafted, run.accepted) for run in (
+        loop.speculative_generate(target, None, r.prompt_ids, rules, 40, "llama-server", strategy=strategy,
+                                  lookup=lookup).counters(4) for r in server.results)]
+        for name, lookup in (("kept", kept), ("fresh", None))}
+    assert counts["kept"][0] == counts["fresh"][0] and counts["kept"] != counts["fresh"]
+    if drafting == "llama-ngram-mod":
+        parity = invoke("parity", tmp_path / "server.json", tmp_path / "llama.json")
+        assert parity.exit_code == 0, parity.output
+        assert "identical, 0 explained, 0 failed, 0 not comparable; counters compared" in parity.output

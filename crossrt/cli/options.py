@@ -129,7 +129,8 @@ STRATEGY_OPTIONS = {
         "([[0], [0, 0], [1]]; `crossrt simulate --tree best:N --out` fits one)."),
     "ngram_max": click.option("--ngram-max", type=click.IntRange(min=1),
                               help=f"--drafting {', '.join(LOOKUPS)}: the longest n-gram looked up "
-                              "(transformers' max_matching_ngram_size; ngram-simple's one length, size_n). "
+                              "(transformers' max_matching_ngram_size; the one length llama.cpp's types look "
+                              "up: size_n, ngram-mod's n_match). "
                               "Default: 3."),
     "ngram_min": click.option("--ngram-min", type=click.IntRange(min=1),
                               help=f"--drafting {', '.join(STRATEGY_PARTS['ngram_min'][1])}: the shortest n-gram "

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from crossrt.run import loop
 from crossrt.run.baselines import BaselineStore, RunBaselines, run_key
+from crossrt.run.drafters import Drafter
 from crossrt.inputs.chat_template import ChatRendering, with_template_ids
 from crossrt.errors import PromptRefused, SettingsError
 from crossrt.records.journal import storage_error
@@ -89,12 +90,13 @@ def run_prompt(target: ModelSession, drafter: Optional[ModelSession], prompt: Pr
                max_new_tokens: int, schedule: str = loop.SCHEDULE,
                shared_ids: Optional[Sequence[int]] = None, trace: Optional[TraceRecorder] = None,
                baselines: Optional[RunBaselines] = None, strategy: Strategy = Strategy(),
-               tree_target: Optional[ModelSession] = None) -> PromptResult:
+               tree_target: Optional[ModelSession] = None, lookup: Optional[Drafter] = None) -> PromptResult:
     """Baseline then speculative run of one prompt; a prompt that cannot run (too long for
     the context, a decode error) becomes a failed result with the reason. trace, when given,
     records the speculative run; baselines, when given, holds the baseline decoded once;
     strategy: how the run drafts, sizes and accepts drafts (tree drafting verifies on
-    tree_target, the target's tree session; prompt lookup needs no drafter)."""
+    tree_target, the target's tree session; prompt lookup needs no drafter; lookup: the run's
+    lookup drafter where its state outlives a prompt, loop.run_lookup)."""
     prompt_ids: tuple[int, ...] = ()
     try:
         prompt_ids, own_ids = _prompt_ids(target.tokenize, prompt, shared_ids)
@@ -102,7 +104,7 @@ def run_prompt(target: ModelSession, drafter: Optional[ModelSession], prompt: Pr
         baseline, source = _baseline(baselines, prompt_ids, max_new_tokens, whole_prompt, lambda: loop.greedy_generate(
             target, prompt_ids, max_new_tokens, whole_prompt=whole_prompt))
         speculative = loop.speculative_generate(tree_target or target, drafter, prompt_ids, rules, max_new_tokens,
-                                                schedule, trace, strategy)
+                                                schedule, trace, strategy, lookup=lookup)
     except PromptRefused as error:
         return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
     # crossrt's own loop: counts that did not add up would be a bug, so they are not caught here.
@@ -282,9 +284,10 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
             target = stack.enter_context(runtime.load(paths["target"]))
             drafter = None if lookup else stack.enter_context(runtime.load(paths["drafter"]))
         tree_target = _tree_session(runtime, request, paths["target"], stack) if strategy.drafting == "tree" else None
+    kept = loop.run_lookup(strategy, request.rules, request.schedule, target.eog_ids)  # as one server's, in order
     return (lambda prompt, trace, baselines: run_prompt(target, drafter, prompt, request.rules,
                                                         request.max_new_tokens, request.schedule, shared(prompt),
-                                                        trace, baselines, strategy, tree_target)), None, target, None
+                                                        trace, baselines, strategy, tree_target, kept)), None, target, None
 
 
 def _with_loaded(info: PairInfo, runtime: Runtime, drafter_read: bool) -> PairInfo:

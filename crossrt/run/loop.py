@@ -143,6 +143,15 @@ def _drafter(strategy: Strategy, session: Optional[ModelSession], rules: DraftRu
     return ModelDrafter(session, unsure, ends, trace)
 
 
+def run_lookup(strategy: Strategy, rules: DraftRules, schedule: str, eog: frozenset[int]) -> Optional[Drafter]:
+    """One lookup drafter for a run's prompts, in order, where its state outlives a prompt as
+    llama-server keeps its n-gram maps and pool across requests (Lookup.per_run); else None."""
+    lookup = LOOKUPS.get(strategy.drafting)
+    if lookup is None or not lookup.per_run:
+        return None
+    return _drafter(strategy, None, rules, SCHEDULE_TYPES[schedule](), eog, None, None)
+
+
 def _acceptance(strategy: Strategy, eog: frozenset[int], schedule: Schedule) -> AcceptanceRule:
     if strategy.acceptance == "relaxed":
         return Relaxed(strategy.top_m, strategy.delta, eog)
@@ -152,11 +161,12 @@ def _acceptance(strategy: Strategy, eog: frozenset[int], schedule: Schedule) -> 
 def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], prompt_ids: Sequence[int],
                          rules: DraftRules, max_new_tokens: int, schedule: str = SCHEDULE,
                          trace: Optional[TraceRecorder] = None, strategy: Strategy = Strategy(),
-                         tree: Optional[Tree] = None) -> Generation:
+                         tree: Optional[Tree] = None, lookup: Optional[Drafter] = None) -> Generation:
     """Speculative decoding with the named schedule and strategy (module docstring): the one loop
     of every driven run. drafter: None for prompt lookup; tree drafting (strategy.tree, or a
     tree given as such, e.g. simulate's best:N) needs a target that evaluates trees
-    (TreeSession); trace, when given, records the run's per-token trace."""
+    (TreeSession); trace, when given, records the run's per-token trace; lookup: the run's own
+    lookup drafter where its state outlives a prompt (run_lookup), else one is built here."""
     if tree is not None and not strategy.is_default:
         raise SettingsError(f"a tree given to the loop is its drafting, at fixed k, greedy: not {strategy.label()}")
     if tree is None and strategy.drafting == "tree":
@@ -164,7 +174,7 @@ def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], 
     check_strategy(strategy, schedule, rules, trace is not None, tree_given=tree is not None)
     plan = SCHEDULE_TYPES[schedule]()
     eog = target.eog_ids
-    drafts = _drafter(strategy, drafter, rules, plan, eog, trace, tree)
+    drafts = lookup or _drafter(strategy, drafter, rules, plan, eog, trace, tree)
     is_tree = tree is not None
     policy = DraftPolicy.of(strategy, tree.depth if is_tree else rules.k)  # a tree is cut to its depth, not k
     accept = _acceptance(strategy, eog, plan)

@@ -29,7 +29,7 @@ CONTENT_TYPES = ("code", "prose")  # crossrt/run/policies.py content_type's verd
 # Each parameter and the choices it belongs to (part, choices): a parameter means nothing under
 # another choice, so the CLI refuses one given alone and a sweep cell drops it. ngram_min belongs
 # to the lookups that have a shortest n-gram of their own (transformers' looks down to 1-grams,
-# llama.cpp's ngram-simple looks up one length only).
+# llama.cpp's n-gram types look up one length only).
 STRATEGY_PARTS = {"tree": ("drafting", ("tree",)), "ngram_max": ("drafting", LOOKUPS),
                   "ngram_min": ("drafting", tuple(name for name in LOOKUPS if LOOKUP_DRAFTINGS[name].has_ngram_min)), "content_k": ("k_policy", ("content",)),
                   "k_max": ("k_policy", ("online",)), "min_p1": ("k_policy", ("confidence",)),
@@ -46,7 +46,8 @@ class Strategy:
     drafting: str = "model"
     tree: Optional[str] = None  # drafting="tree": WxD or a JSON choice-list file (tree_spec)
     # A lookup drafting's longest suffix looked up (transformers' max_matching_ngram_size, whose own
-    # default is 2; llama.cpp ngram-simple's one length, size_n, default 12); the shortest, crossrt's only.
+    # default is 2; llama.cpp's types' one length: size_n, default 12, ngram-mod's n_match, default 24);
+    # the shortest, crossrt's only.
     ngram_max: int = 3
     ngram_min: int = 1
     k_policy: str = "fixed"

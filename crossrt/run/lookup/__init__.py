@@ -14,7 +14,7 @@ from typing import Callable, Optional
 from crossrt.run.lookup.base import LookupDrafter
 from crossrt.run.lookup.crossrt_lookup import PromptLookup
 from crossrt.run.lookup.hf_lookup import HfPromptLookup
-from crossrt.run.lookup.llama_ngram import LlamaNgramSimple
+from crossrt.run.lookup.llama_ngram import LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,9 @@ class Lookup:
     build: Callable[[LookupSettings], LookupDrafter]
     has_ngram_min: bool = False  # whether it looks down to a shortest n-gram of its own
     schedule: Optional[str] = None  # the one schedule it runs under, at fixed k, greedy; None: any non-llama
+    # Its state outlives a prompt, as llama-server keeps it across requests: one drafter serves a
+    # run's prompts in order (crossrt/run/driver.py), begun on each.
+    per_run: bool = False
 
 
 LOOKUPS = {lookup.name: lookup for lookup in (
@@ -50,4 +53,14 @@ LOOKUPS = {lookup.name: lookup for lookup in (
     Lookup("llama-ngram-simple", "llama.cpp's ngram-simple exactly, size_n = --ngram-max, size_m = k; schedule "
            "llama-server", "llama-ngram-simple(n={ngram_max})",
            lambda s: LlamaNgramSimple(s.ngram_max, s.k), schedule="llama-server"),
+    Lookup("llama-ngram-map-k", "llama.cpp's ngram-map-k exactly, size_n = --ngram-max, size_m = k; schedule "
+           "llama-server", "llama-ngram-map-k(n={ngram_max})",
+           lambda s: LlamaNgramMap(s.ngram_max, s.k, key_only=True), schedule="llama-server", per_run=True),
+    Lookup("llama-ngram-map-k4v", "llama.cpp's ngram-map-k4v exactly, size_n = --ngram-max, size_m = k, "
+           "min_hits 1; schedule llama-server", "llama-ngram-map-k4v(n={ngram_max})",
+           lambda s: LlamaNgramMap(s.ngram_max, s.k, key_only=False), schedule="llama-server", per_run=True),
+    # n_min is crossrt's n_min (a shorter draft is dropped), which this schedule fixes at k.
+    Lookup("llama-ngram-mod", "llama.cpp's ngram-mod exactly, n_match = --ngram-max, n_max = n_min = k; schedule "
+           "llama-server", "llama-ngram-mod(n={ngram_max})",
+           lambda s: LlamaNgramMod(s.ngram_max, s.k, s.k), schedule="llama-server", per_run=True),
 )}
