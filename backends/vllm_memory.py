@@ -58,13 +58,14 @@ def vocab_size(path: Path) -> int:
         raise Uncounted(f"{path}: {error}") from None
 
 
-def engine_needs(target: Path, drafter: Path, options: RuntimeOptions, dtype: Optional[str] = None) -> tuple[int, int]:
-    """Bytes the baseline engine (the target) and the speculative engine (target and drafter)
-    hold once loaded: weights in the run's dtype (a GGUF's counted as its conversion will be),
-    buffers that grow with the vocabulary (VOCAB_BYTES), the KV reserve and the process's own
-    (ENGINE_OVERHEAD)."""
+def engine_needs(target: Path, drafter: Optional[Path], options: RuntimeOptions,
+                 dtype: Optional[str] = None) -> tuple[int, int]:
+    """Bytes the baseline engine (the target) and the speculative engine (target and drafter;
+    drafter None: the ngram method, the target alone) hold once loaded: weights in the run's
+    dtype (a GGUF's counted as its conversion will be), buffers that grow with the vocabulary
+    (VOCAB_BYTES), the KV reserve and the process's own (ENGINE_OVERHEAD)."""
     dtype = dtype or dtype_of(options)
-    held = [footprint(path, dtype, "f32").weights + VOCAB_BYTES[role] * vocab_size(path)
+    held = [footprint(path, dtype, "f32").weights + VOCAB_BYTES[role] * vocab_size(path) if path is not None else 0
             for role, path in (("target", target), ("drafter", drafter))]
     fixed = ENGINE_OVERHEAD + kv_reserve()
     return fixed + held[0], fixed + held[0] + held[1]

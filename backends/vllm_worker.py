@@ -4,9 +4,10 @@ crossrt's vllm runtime (backends/vllm.py) one request at a time over a pipe.
     .venv-vllm/bin/python backends/vllm_worker.py CONFIG_JSON
 
 vLLM pins a transformers that crossrt's environment cannot share, so this script imports
-nothing of crossrt: it reads a JSON config (model folder, drafter folder or null, k, context,
-dtype), builds `vllm.LLM`, and then answers JSON lines on stdin with JSON lines on the stdout
-it was started with; everything vLLM prints goes to stderr, which the runtime keeps as a log.
+nothing of crossrt: it reads a JSON config (model folder, context, dtype, and vLLM's
+speculative_config as crossrt wrote it, or null for the plain baseline), builds `vllm.LLM`, and
+then answers JSON lines on stdin with JSON lines on the stdout it was started with; everything
+vLLM prints goes to stderr, which the runtime keeps as a log.
 
     {"op": "tokenize", "text": ...}                  -> {"ids": [...]}
     {"op": "generate", "prompt_ids": [...], "max_new_tokens": N}
@@ -17,7 +18,9 @@ Each generate is one request on an otherwise idle engine, greedy, with the reque
 speculative statistics ("request": vLLM's per-request metrics at level "detailed": accepted
 and drafted per verification step, in order) and the engine's counters before and after it
 ("totals": the deltas of vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens
-and _num_accepted_tokens_per_pos), so the runtime can check one against the other.
+and _num_accepted_tokens_per_pos), so the runtime can check one against the other, and the
+request's target passes after its first token (the delta of vllm:inter_token_latency_seconds'
+count: one observation per engine step that gave the request tokens, drafted or not).
 """
 
 import json
@@ -33,23 +36,26 @@ sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+DECODE_PASSES = "vllm:inter_token_latency_seconds"  # a histogram: its count
 
 
 def engine_totals(llm) -> dict:
     """The engine's speculative counters since it started (all zero without a drafter)."""
-    totals = {name: 0 for name in COUNTERS}
+    totals = {name: 0 for name in (*COUNTERS, DECODE_PASSES)}
     totals[PER_POS] = []
     for metric in llm.get_metrics():
         if metric.name in COUNTERS:
             totals[metric.name] = int(metric.value)
         elif metric.name == PER_POS:
             totals[PER_POS] = [int(v) for v in metric.values]
+        elif metric.name == DECODE_PASSES:
+            totals[DECODE_PASSES] = int(metric.count)
     return totals
 
 
 def deltas(before: dict, after: dict) -> dict:
     per_pos = [a - b for a, b in zip(after[PER_POS], before[PER_POS] or [0] * len(after[PER_POS]))]
-    return {**{name: after[name] - before[name] for name in COUNTERS}, PER_POS: per_pos}
+    return {**{name: after[name] - before[name] for name in (*COUNTERS, DECODE_PASSES)}, PER_POS: per_pos}
 
 
 def system_info() -> str:
@@ -75,10 +81,8 @@ def build(config: dict):
     from vllm import LLM
 
     speculative = {}
-    if config["drafter"] is not None:
-        speculative = {"speculative_config": {"model": config["drafter"], "num_speculative_tokens": config["k"],
-                                              "method": "draft_model"},
-                       "per_request_spec_decode_metrics": "detailed"}
+    if config["speculative"] is not None:
+        speculative = {"speculative_config": config["speculative"], "per_request_spec_decode_metrics": "detailed"}
     return LLM(model=config["model"], dtype=config["dtype"], max_model_len=config["n_ctx"], seed=0,
                # CUDA graphs and torch.compile do not apply on the CPU; eager skips their warm-up.
                enforce_eager=True,

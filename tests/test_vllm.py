@@ -95,8 +95,9 @@ def test_a_folder_without_architectures_is_given_the_causal_lm_class(monkeypatch
     assert vllm.vllm_folder(REPO / "models" / "tiny" / "target-hf") == REPO / "models" / "tiny" / "target-hf"
 
 
-def reply(per_step_accepted, output_len, k=K, per_pos=None, engine_accepted=None):
-    """A worker's reply as vLLM 0.32.0 gives it, for a run of output_len tokens."""
+def reply(per_step_accepted, output_len, k=K, per_pos=None, engine_accepted=None, plain=0):
+    """A worker's reply as vLLM 0.32.0 gives it, for a run of output_len tokens with plain
+    decodes (passes without draft tokens) besides the steps."""
     accepted = sum(per_step_accepted)
     per_pos = per_pos if per_pos is not None else [sum(1 for a in per_step_accepted if a > i) for i in range(k)]
     return {"output_ids": list(range(output_len)), "finish_reason": "length", "prefill_s": 0.1, "decode_s": 0.2,
@@ -105,7 +106,8 @@ def reply(per_step_accepted, output_len, k=K, per_pos=None, engine_accepted=None
             "totals": {"vllm:spec_decode_num_drafts": len(per_step_accepted),
                        "vllm:spec_decode_num_draft_tokens": k * len(per_step_accepted),
                        "vllm:spec_decode_num_accepted_tokens": accepted if engine_accepted is None else engine_accepted,
-                       "vllm:spec_decode_num_accepted_tokens_per_pos": per_pos}}
+                       "vllm:spec_decode_num_accepted_tokens_per_pos": per_pos,
+                       "vllm:inter_token_latency_seconds": len(per_step_accepted) + plain}}
 
 
 def test_counting_first_token_from_prefill_and_the_tokens_cut_at_the_budget():
@@ -115,6 +117,9 @@ def test_counting_first_token_from_prefill_and_the_tokens_cut_at_the_budget():
     assert (counters.unverified, counters.cut) == (1, 2)
     assert counters.accepted_per_pos == (3, 2, 1, 1)
     assert counters.tau == 1 + 7 / 3  # vLLM's mean acceptance length: bonus in, prefill token out
+    # The ngram method's empty drafts are plain decodes: passes that are no steps, unverified.
+    counters = vllm.translate(reply([2, 4, 1], 11, plain=2), K, tuple(range(11)))
+    assert (counters.steps, counters.unverified, counters.cut, counters.emitted) == (3, 3, 2, 11)
 
 
 def test_counts_that_disagree_stop_the_run():
@@ -124,6 +129,8 @@ def test_counts_that_disagree_stop_the_run():
         vllm.translate(reply([2, 4, 1], 9, per_pos=[3, 3, 1, 0]), K, tuple(range(9)))
     with pytest.raises(RuntimeFailure, match="tokens cut"):  # more cut than one step can give
         vllm.translate(reply([4, 4, 4], 9), K, tuple(range(9)))
+    with pytest.raises(RuntimeFailure, match="fewer than the 3 steps"):
+        vllm.translate(reply([2, 4, 1], 9, plain=-1), K, tuple(range(9)))
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +145,10 @@ def hd64_pair(tmp_path_factory):
     return manifest
 
 
-def run(pair: Path, runtime: str, mode: str, out: Path):
+def run(pair: Path, runtime: str, mode: str, out: Path, *more: str):
     result = CliRunner().invoke(main, ["run", "--pair", str(pair), "--runtime", runtime, "--mode", mode,
                                        "--k", str(K), "--max-new-tokens", str(MAX_NEW), "--threads", "1",
-                                       "--prompts", str(pair.parent / "prompts.jsonl"), "--out", str(out)])
+                                       "--prompts", str(pair.parent / "prompts.jsonl"), "--out", str(out), *more])
     assert result.exit_code == 0, result.output
     return load_record(out)
 
@@ -189,13 +196,16 @@ def test_vllm_counts_step_for_step_as_its_schedule_simulated_from_vllms_source(v
 
 @needs_vllm
 @needs_transformers
-def test_vllm_emits_what_transformers_emits_on_the_same_weights(vllm_run, hd64_pair, tmp_path):
+def test_the_driven_vllm_schedule_on_transformers_is_vllms_run(vllm_run, hd64_pair, tmp_path):
     """Same F32 weights: the tiny design's margins are several logits, far above the numerics
-    of two runtimes, so greedy outputs are equal token for token."""
-    driven = run(hd64_pair, "transformers", "driven", tmp_path / "transformers.json")
-    for ours, theirs in zip(vllm_run[1].results, driven.results):
+    of two runtimes, so greedy outputs are equal token for token, and the driven loop's vllm
+    schedule (crossrt/run/schedules.py) with the drafter model counts as vLLM does, step for step."""
+    driven = run(hd64_pair, "transformers", "driven", tmp_path / "transformers.json", "--schedule", "vllm")
+    assert driven.params.schedule == vllm_run[1].params.schedule == "vllm"
+    for ours, theirs in zip(vllm_run[1].results, driven.results, strict=True):
         assert ours.prompt_ids == theirs.prompt_ids
         assert ours.baseline_ids == theirs.baseline_ids and ours.output_ids == theirs.output_ids
+        assert ours.counters == theirs.counters
 
 
 @needs_vllm
@@ -225,7 +235,7 @@ def worker_children(drafter: bool) -> list[int]:
         except OSError:
             continue
         if int(fields[1]) == os.getpid() and fields[0] != "Z" and any(a.endswith(b"vllm_worker.py") for a in argv):
-            found += [int(entry)] if (b'"drafter": null' not in argv[-2]) == drafter else []
+            found += [int(entry)] if (b'"speculative": null' not in argv[-2]) == drafter else []
     return found
 
 

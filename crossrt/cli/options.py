@@ -129,12 +129,12 @@ STRATEGY_OPTIONS = {
         "([[0], [0, 0], [1]]; `crossrt simulate --tree best:N --out` fits one)."),
     "ngram_max": click.option("--ngram-max", type=click.IntRange(min=1),
                               help=f"--drafting {', '.join(LOOKUPS)}: the longest n-gram looked up "
-                              "(transformers' max_matching_ngram_size; the one length llama.cpp's types look "
-                              "up: size_n, ngram-mod's n_match). "
+                              "(transformers' max_matching_ngram_size; vLLM's prompt_lookup_max; the one length "
+                              "llama.cpp's types look up: size_n, ngram-mod's n_match). "
                               "Default: 3."),
     "ngram_min": click.option("--ngram-min", type=click.IntRange(min=1),
                               help=f"--drafting {', '.join(STRATEGY_PARTS['ngram_min'][1])}: the shortest n-gram "
-                              "looked up. Default: 1."),
+                              "looked up (vLLM's prompt_lookup_min). Default: 1."),
     "k_policy": click.option(
         "--k-policy", type=click.Choice(K_POLICIES), default="fixed", show_default=True,
         help="How long each step's draft is: fixed (--k), content (by the content type of the text so far, "

@@ -25,8 +25,8 @@ from crossrt.run.resume import check_prompts, prompt_sha256, starting_record
 from crossrt.run.run_writer import RunWriter, record_lock
 from crossrt.run.runtime import (DraftRules, ModelSession, NativeSession, Runtime, RuntimeOptions,
                              RuntimeUnavailable, open_runtime)
-from crossrt.run.schedules import SERVER
-from crossrt.run.strategies import Strategy, format_content_k, tree_spec
+from crossrt.run.schedules import SERVER, VLLM
+from crossrt.run.strategies import STRATEGY_PARTS, Strategy, format_content_k, tree_spec
 from crossrt.records.schema import ModelInfo, PairInfo, PromptFormat, PromptResult, RunParams, RunRecord, Timings
 from crossrt.records.trace import PromptTrace, TraceRecorder, read_traces, trace_path
 
@@ -100,7 +100,7 @@ def run_prompt(target: ModelSession, drafter: Optional[ModelSession], prompt: Pr
     prompt_ids: tuple[int, ...] = ()
     try:
         prompt_ids, own_ids = _prompt_ids(target.tokenize, prompt, shared_ids)
-        whole_prompt = schedule == SERVER
+        whole_prompt = schedule in (SERVER, VLLM)  # their runtimes' baselines sample the first token so
         baseline, source = _baseline(baselines, prompt_ids, max_new_tokens, whole_prompt, lambda: loop.greedy_generate(
             target, prompt_ids, max_new_tokens, whole_prompt=whole_prompt))
         speculative = loop.speculative_generate(tree_target or target, drafter, prompt_ids, rules, max_new_tokens,
@@ -121,7 +121,7 @@ def strategy_params(strategy: Strategy) -> dict:
     return dict(
         drafting=strategy.drafting, tree=strategy.tree,
         ngram_max=strategy.ngram_max if strategy.looks_up else None,
-        ngram_min=strategy.ngram_min if strategy.drafting == "prompt-lookup" else None,
+        ngram_min=strategy.ngram_min if strategy.drafting in STRATEGY_PARTS["ngram_min"][1] else None,
         k_policy=strategy.k_policy,
         content_k=format_content_k(strategy.content_k) if strategy.content_k else None,
         k_max=strategy.k_max if strategy.k_policy == "online" else None,

@@ -3,10 +3,10 @@
 Pure logic over the ModelSession contract, identical whatever the runtime. Every driven run
 goes through speculative_generate, composed of small strategies:
 - a schedule (crossrt/run/schedules.py): when drafts start, how they are cut near the budget, and
-  when the run ends ("crossrt", "hf-assisted", and llama.cpp's "llama-spec-simple" and
-  "llama-server", with its drafting rules n_min and p_min);
+  when the run ends ("crossrt", "hf-assisted", llama.cpp's "llama-spec-simple" and
+  "llama-server", with its drafting rules n_min and p_min, and "vllm");
 - a drafter (crossrt/run/drafters.py): a draft model's chain, prompt lookup (crossrt's, transformers',
-  llama.cpp's ngram-simple), or a static tree;
+  llama.cpp's ngram-simple, vLLM's ngram), or a static tree;
 - a k policy (crossrt/run/policies.py): each step's draft length;
 - an acceptance rule (crossrt/run/acceptance.py): greedy, or relaxed (lossy).
 A step: the drafter proposes up to the schedule's cap; the target scores [last] + draft in one
@@ -18,7 +18,8 @@ records the run's per-token trace from the rows it computes anyway (crossrt/reco
 
 The baseline prefills the same prompt[:-1] and decodes one token at a time, so both runs do
 the same prefill and their decode timings compare like for like; under the "llama-server"
-schedule it takes its first token from a pass over the whole prompt, as llama-server does.
+and "vllm" schedules it takes its first token from a pass over the whole prompt, as those
+runtimes do.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ def run_lookup(strategy: Strategy, rules: DraftRules, schedule: str, eog: frozen
 def _acceptance(strategy: Strategy, eog: frozenset[int], schedule: Schedule) -> AcceptanceRule:
     if strategy.acceptance == "relaxed":
         return Relaxed(strategy.top_m, strategy.delta, eog)
-    return Greedy(eog, eos_last=schedule.llama)
+    # vLLM's rejection sampler knows no EOS: the stop check drops what follows one, after counting.
+    return Greedy(frozenset() if schedule.accepts_eos else eog, eos_last=schedule.llama)
 
 
 def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], prompt_ids: Sequence[int],

@@ -38,6 +38,15 @@ past N, and the target's token after an accepted EOS, are `cut`: n_predict = emi
 prompt pass (`unverified`). Its limit is min(n_ctx - n_tokens - 2, n_remaining - 1); at 0 or
 below no draft is made, and an empty draft is a plain decode (`unverified`), not a step. It
 counts a step's accepted tokens before its stop check, so tokens after an EOS are `cut`.
+
+"vllm" (vLLM 0.32.0's v1 scheduler, synchronous, one request; docs/schema.md "vLLM's counts"):
+the whole prompt is prefilled and its pass samples the first token (`unverified`); the proposer
+then drafts after it. Drafts are never cut near max_tokens, only where a step would pass
+max_model_len (scheduler.py schedule(): num_new_tokens <= max_model_len - num_computed_tokens - 1,
+so at most n_ctx - n_past - 2 draft tokens); no draft (an empty proposal, or none that fits) is a
+plain decode, not a step (update_from_output counts a step only with scheduled draft tokens). The
+greedy rejection sampler accepts the longest matching prefix, EOS or not, and the step's tokens
+are counted before the stop checks, so tokens past the budget or after an EOS are `cut`.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ SCHEDULE = "crossrt"
 HF_SCHEDULE = "hf-assisted"
 SPEC_SIMPLE = "llama-spec-simple"
 SERVER = "llama-server"
+VLLM = "vllm"
 TOP_K = 10  # draft-simple's drafter sampler keeps the 10 best tokens before its softmax
 
 
@@ -188,6 +198,7 @@ class Schedule:
     ends_at_eos = False  # a draft ends at the drafter's first EOS
     empty_is_step = True  # an empty draft still counts as a step (a plain decode verified)
     crops_at_budget = False  # a step's tokens past the budget are dropped before they are counted
+    accepts_eos = False  # verification accepts a matched EOS inside a draft (vLLM's rejection sampler)
 
     def overrun(self, k: int) -> int:
         """Positions past prompt + budget a step may use."""
@@ -255,6 +266,22 @@ class ServerSchedule(Schedule):
         return min(k, limit) if limit > 0 else 0
 
 
-SCHEDULE_TYPES = {kind.name: kind for kind in (Schedule, HfAssisted, SpecSimple, ServerSchedule)}
+class VllmSchedule(ServerSchedule):
+    """vLLM: the first token from the prefill pass, as llama-server; drafts of k cut only at the
+    context (max_model_len), never at the budget; a matched EOS accepted like any token."""
+
+    name = VLLM
+    llama = False
+    accepts_eos = True
+
+    def overrun(self, k: int) -> int:
+        return 0  # drafts are cut at the context itself
+
+    def n_max(self, target: ModelSession, tally: Tally, k: int) -> int:
+        limit = target.n_ctx - target.n_past - 2
+        return min(k, limit) if limit > 0 else 0
+
+
+SCHEDULE_TYPES = {kind.name: kind for kind in (Schedule, HfAssisted, SpecSimple, ServerSchedule, VllmSchedule)}
 SCHEDULES = tuple(SCHEDULE_TYPES)
 TRACED_SCHEDULES = (SCHEDULE, HF_SCHEDULE)  # the schedules that can record a trace (crossrt/records/trace.py)

@@ -1,10 +1,10 @@
 """Drafting by lookup: the draftings that copy tokens from the context instead of asking a drafter
-model, one module per proposer (crossrt's own, transformers', llama.cpp's), and the one table the
+model, one module per proposer (crossrt's own, transformers', llama.cpp's, vLLM's), and the one table the
 rest of crossrt reads them from: the strategy's choices and checks, the loop's drafter, --help.
 
 A proposer reproduced from a runtime is exact only under the schedule that runtime counts with
-(llama.cpp's n-gram types cut their drafts as llama-server does): `schedule` names it, and the
-loop refuses any other. docs/ngram.md sets the algorithms side by side."""
+(llama.cpp's n-gram types cut their drafts as llama-server does, vLLM's as its scheduler does):
+`schedule` names it, and the loop refuses any other. docs/ngram.md sets the algorithms side by side."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from crossrt.run.lookup.base import LookupDrafter
 from crossrt.run.lookup.crossrt_lookup import PromptLookup
 from crossrt.run.lookup.hf_lookup import HfPromptLookup
 from crossrt.run.lookup.llama_ngram import LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple
+from crossrt.run.lookup.vllm_ngram import VllmNgram
 
 
 @dataclass(frozen=True)
@@ -63,4 +64,8 @@ LOOKUPS = {lookup.name: lookup for lookup in (
     Lookup("llama-ngram-mod", "llama.cpp's ngram-mod exactly, n_match = --ngram-max, n_max = n_min = k; schedule "
            "llama-server", "llama-ngram-mod(n={ngram_max})",
            lambda s: LlamaNgramMod(s.ngram_max, s.k, s.k), schedule="llama-server", per_run=True),
+    Lookup("vllm-ngram", "vLLM's ngram method exactly, prompt_lookup_max = --ngram-max, prompt_lookup_min = "
+           "--ngram-min, num_speculative_tokens = k; schedule vllm; on the vllm runtime's native mode, vLLM's own",
+           "vllm-ngram({ngram_min}-{ngram_max})",
+           lambda s: VllmNgram(s.ngram_max, s.ngram_min), has_ngram_min=True, schedule="vllm"),
 )}
