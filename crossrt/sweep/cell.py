@@ -179,6 +179,14 @@ def skip_reason(cell: Cell) -> Optional[str]:
         return f"crossrt's driven loop drafts with a drafter model only, not {cell.spec_type!r}"
     if cell.mode == "driven" and cell.schedule not in loop.SCHEDULES:
         return f"unknown schedule {cell.schedule!r}"
+    if cell.mode == "driven":
+        try:  # a lookup reproduced from a runtime runs under that runtime's schedule only, and so on
+            loop.check_strategy(strategy, cell.schedule, rules)
+        except SettingsError as error:
+            return str(error)
     if cell.mode == "native" and not strategy.is_default and strategy.drafting not in runtime.native_draftings:
+        if strategy.looks_up:
+            return (f"{cell.runtime}'s native mode does not draft by {strategy.drafting}"
+                    + (f" (it runs {', '.join(runtime.native_draftings)})" if runtime.native_draftings else ""))
         return f"strategy {strategy.label()} is crossrt's driven loop's: native mode drafts as the runtime does"
     return None

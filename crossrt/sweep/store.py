@@ -55,6 +55,8 @@ CELL_COLUMNS = [
     ("runtime_version", "VARCHAR"), ("device", "VARCHAR"), ("kv_cache", "VARCHAR"), ("record_schedule", "VARCHAR"),
     ("host", "VARCHAR"), ("executor", "VARCHAR"), ("cell_wall_s", "DOUBLE"),
     ("server", "VARCHAR"),  # an attaching cell's server, its URL without credentials; else NULL
+    # a lookup drafting's n-gram lengths as its record states them; NULL where they mean nothing
+    ("ngram_max", "INTEGER"), ("ngram_min", "INTEGER"),
 ]
 PROMPT_COLUMNS = [
     ("prompt_id", "VARCHAR"), ("category", "VARCHAR"), ("status", "VARCHAR"), ("error", "VARCHAR"),
@@ -101,7 +103,8 @@ CREATE VIEW cells AS SELECT *, {rates} FROM (SELECT cell_id, any_value(cell_name
   any_value(pair) AS pair, any_value(runtime) AS runtime, any_value(mode) AS mode, any_value(schedule) AS schedule,
   any_value(k) AS k, any_value(drafting) AS drafting, any_value(k_policy) AS k_policy,
   any_value(acceptance) AS acceptance, any_value(lossy) AS lossy, any_value(prompts) AS prompts,
-  any_value(server) AS server, any_value(runtime_version) AS runtime_version, any_value(device) AS device,
+  any_value(server) AS server, any_value(ngram_max) AS ngram_max, any_value(ngram_min) AS ngram_min,
+  any_value(runtime_version) AS runtime_version, any_value(device) AS device,
   count(*) AS n_prompts, count(*) FILTER (status <> 'ok') AS failed,
   count(*) FILTER (lossless) AS lossless, {sums}, any_value(cell_wall_s) AS cell_wall_s, any_value(host) AS host
 FROM prompts GROUP BY cell_id)"""
@@ -260,7 +263,7 @@ class SweepStore:
                     params["flash_attn"], *(params.get(part, STRATEGY_DEFAULTS[part]) for part in STRATEGY_CHOICES),
                     record.params.lossy, record.runtime.version, record.runtime.device, record.runtime.kv_cache,
                     record.params.schedule, cell.meta["host"], cell.meta["executor"], cell.meta["wall_s"],
-                    params.get("server"))
+                    params.get("server"), record.params.ngram_max, record.params.ngram_min)
             for r in record.results:
                 c, t = r.counters, r.timings
                 yield settings + (r.prompt_id, r.category, r.status, r.error, len(r.prompt_ids), len(r.output_ids),
