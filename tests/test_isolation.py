@@ -3,9 +3,12 @@ really die by a signal, with the real llama.cpp runtime loaded on the tiny pair 
 CROSSRT_TEST_CRASH_AFTER=RUNTIME:N[:SIGNAL] kills the run's own process after N finished prompts:
 SIGSEGV by reading address 0, other signals sent to itself), and what `crossrt run`, `parity` and
 `sweep run` make of it: one line naming the runtime, the signal and where it died, the finished
-prompts kept, the other runtimes and cells still run."""
+prompts kept, the other runtimes and cells still run; and the calls that load a runtime outside a
+run (diff's and report's re-scoring, the tau gaps' oracle, MT-Bench's first answers), which go
+where call_safely places them."""
 
 import ctypes
+import dataclasses
 import json
 import os
 import re
@@ -22,18 +25,21 @@ import pytest
 from crossrt.records.record_json import load_record
 import crossrt
 import crossrt.backends
-from crossrt.run.isolation import (CRASH_HOOK, Isolated, RuntimeCrashed, call_isolated, crash_of, crashed_stack, isolated,
-                                   prompt_hook)
+from crossrt.records.record_json import save_record
+from crossrt.run.crashes import crash_of, crashed_stack
+from crossrt.run.isolation import (CRASH_HOOK, RESCORING, Isolated, RuntimeCrashed, call_isolated, call_safely,
+                                   isolated, prompt_hook)
 from crossrt.run.processes import oom_kills
 from crossrt.run.runtime import availability
 
-from conftest import TINY_PAIR
+from conftest import REPO, TINY_PAIR
 from test_processes import memory_cgroup
 
 CROSSRT = str(Path(sys.executable).parent / "crossrt")
 PROMPTS = [{"id": "code", "category": "code", "prompt": "def add(a, b):"},
            {"id": "prose", "category": "prose", "prompt": "The river"},
            {"id": "story", "category": "prose", "prompt": "Once upon a time"}]
+SPEC_BENCH = REPO / "tests" / "fixtures" / "benchmarks" / "spec_bench_question.jsonl"
 RUN = ["run", "--pair", str(TINY_PAIR), "--threads", "1", "--k", "3", "--max-new-tokens", "8"]
 
 
@@ -123,6 +129,49 @@ def test_a_crash_while_re_scoring_fails_parity_and_the_runs_are_still_compared(t
     assert re.search(r"^llama-cpp/driven \(k3\.json\) vs llama-cpp/driven \(k2\.json\): 3 prompts: 3 identical",
                      crashed.stdout, re.M), crashed.stdout
     assert "logits along common outputs" not in crashed.stdout
+
+
+SEGV = r"SIGSEGV \(Segmentation fault\) in ctypes/__init__\.py:\d+ string_at, from crossrt/run/isolation\.py:\d+ _crash"
+
+
+@pytest.mark.parametrize("command", [["diff", "{a}"], ["diff", "{a}", "{b}"], ["report", "{a}", "{b}", "-o", "r.md"]],
+                         ids=["diff-one", "diff-two", "report"])
+def test_re_scoring_outside_parity_crashes_in_one_line(two_records, tmp_path, command):
+    """diff's divergence detail and report's parity section re-score where RESCORING runs: its
+    death (the hook at once) is one line, no traceback."""
+    a, b = two_records
+    done = cli(*[part.format(a=a, b=b) for part in command], cwd=tmp_path, crash="re-scoring:0")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert re.fullmatch(f"Error: re-scoring crashed: {SEGV}", done.stderr.strip().splitlines()[-1]), done.stderr
+
+
+def test_a_crash_building_the_reports_tau_gap_oracle_is_that_gaps_reason(two_records, tmp_path):
+    """report's tau gaps (two schedules) build their oracle in llama.cpp's process: its death is
+    the gap's reason on the page, and the rest of the report is written."""
+    a, b = two_records
+    record = load_record(b)
+    relabelled = tmp_path / "server.json"
+    save_record(dataclasses.replace(record, params=dataclasses.replace(record.params, schedule="llama-server")),
+                relabelled)
+    done = cli("report", a, relabelled, "-o", "r.md", "--no-rescore", cwd=tmp_path, crash="llama-cpp:0")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    page = (tmp_path / "r.md").read_text()  # markdown: its underscores escaped
+    assert "vs llama-cpp/driven llama-server k=2: not computed (llama-cpp crashed: SIGSEGV (Segmentation fault) in " \
+           "ctypes/" in page, page
+
+
+def test_mt_benchs_first_answers_are_made_in_a_process_of_their_own(tmp_path):
+    """--turn 2's first answers load the target in llama.cpp's process: its death is one line
+    saying no answer was kept, and no answers file is written."""
+    questions = tmp_path / "question.jsonl"
+    questions.write_text(SPEC_BENCH.read_text().splitlines(keepends=True)[0])
+    done = cli(*RUN, "--prompts", f"mtbench:{questions}", "--turn", 2, "--out", tmp_path / "turn2.json", cwd=tmp_path,
+               crash="llama-cpp:0")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    answers = tmp_path / "tiny-first-answers.jsonl"
+    assert re.match(f"Error: llama-cpp crashed: {SEGV}; while making --turn 2's first answers, none of them kept "
+                    f"in {re.escape(str(answers))}; ", done.stderr.strip().splitlines()[-1]), done.stderr
+    assert not answers.exists() and not (tmp_path / "turn2.json").exists()
 
 
 SWEEP = """
@@ -238,10 +287,13 @@ def test_the_crashed_threads_frames_name_the_binding_call_and_the_backend():
 
 
 def test_in_process_runtimes_are_isolated_and_programs_are_not(monkeypatch):
-    assert isolated("llama-cpp") and isolated("transformers")
+    assert isolated("llama-cpp") and isolated("transformers") and isolated(RESCORING)
     assert not isolated("llama-server") and not isolated("llama-spec-cli")
+    assert call_safely("llama-cpp", os.getpid) != os.getpid()
+    assert call_safely("llama-server", os.getpid) == os.getpid()
     monkeypatch.setenv("CROSSRT_IN_PROCESS", "1")
-    assert not isolated("llama-cpp")
+    assert not isolated("llama-cpp") and not isolated(RESCORING)
+    assert call_safely("llama-cpp", os.getpid) == os.getpid()
 
 
 def test_simulate_builds_its_oracle_in_a_process_of_its_own(tmp_path):

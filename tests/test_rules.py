@@ -3,9 +3,13 @@ llama.cpp's n_min leaves nothing to draft within the token budget."""
 
 import pytest
 
+from crossrt.compare.parity_run import Matrix, cell_rules, run_matrix
 from crossrt.errors import SettingsError
+from crossrt.inputs.pairs import load_pair
 from crossrt.run.rules import run_rules
-from crossrt.run.runtime import DraftRules
+from crossrt.run.runtime import DraftRules, RuntimeOptions
+
+from conftest import TINY_PAIR
 
 
 def test_a_run_whose_n_min_no_draft_reaches_is_warned_where_drafts_shorter_than_n_min_are_dropped():
@@ -28,3 +32,22 @@ def test_rules_that_contradict_each_other_are_refused():
         run_rules("llama-cpp", "driven", "crossrt", 32, 4, n_min=5)
     with pytest.raises(SettingsError, match="unknown spec type"):
         run_rules("llama-cpp", "driven", "crossrt", 32, 4, spec_type="guess")
+
+
+def test_a_parity_matrix_builds_each_cells_rules_here_and_warns_before_any_cell_runs(tmp_path):
+    """parity's cells take their rules from run_rules too: llama-server's native cell is warned
+    (it drops drafts shorter than n_min), llama-cpp's driven cell (crossrt's schedule) is not,
+    and the warnings come before the first cell starts."""
+    matrix = Matrix(load_pair(TINY_PAIR), ("llama-cpp", "llama-server"), ("driven", "native"),
+                    RuntimeOptions(threads=1), 8, 8, tmp_path)
+    warned, started = [], []
+
+    def first_cell(label):
+        started.append((label, list(warned)))
+        raise KeyboardInterrupt  # stops the matrix before anything loads
+
+    with pytest.raises(KeyboardInterrupt):
+        run_matrix(matrix, [], on_run=first_cell, on_warning=warned.append)
+    assert started == [("llama-cpp/driven", warned)]
+    assert warned == ["llama-server/native: " + run_rules("llama-server", "native", "crossrt", 8, 8)[1][0]]
+    assert cell_rules(matrix, "llama-cpp", "driven") == (DraftRules(8), ())

@@ -11,20 +11,18 @@ import click
 from crossrt.cli.common import PROMPTS_HELP, CommaChoice, distinct_records, refuse_inputs_as_outputs, user_errors
 from crossrt.cli.options import runtime_options
 from crossrt.cli.prompt_options import chat_options, fed_prompts, first_answers
-from crossrt.compare.diagnosis import Explainer, explain_record
-from crossrt.compare.diff import diff_records, render_diff, render_record_splits
+from crossrt.compare.diff import diff_records, record_splits, render_diff, render_record_splits
 from crossrt.errors import ComparisonError
 from crossrt.records.journal import write_atomically
 from crossrt.inputs.pairs import resolve_pair, run_k
 from crossrt.compare.parity import labelled
 from crossrt.compare.parity_report import ParityReport, render_junit, render_markdown, render_text
 from crossrt.compare.control import not_one_function
-from crossrt.compare.parity_run import Matrix, compare_isolated, run_matrix
+from crossrt.compare.parity_run import Matrix, compare_safely, run_matrix
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
-from crossrt.compare.replay import Replayer
 from crossrt.report.parity import parity_html
-from crossrt.run.runtime import DraftRules, runtime_names, usable_runtimes
+from crossrt.run.runtime import runtime_names, usable_runtimes
 from crossrt.compare.tau_gap import parity_gaps
 
 
@@ -100,23 +98,23 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
         runs = labelled([load_record(path) for path in records], [path.name for path in records])
     else:
         resolved = resolve_pair(pair)
-        rules = DraftRules(run_k(resolved, k))
         answers = first_answers(turn, first_answers_file, out_dir, resolved, options, max_new_tokens)
         prompts, rendering, prompt_format = fed_prompts(load_prompts(prompt_source), resolved, chat,
                                                         chat_template, template_vars, answers)
         if "usable" in runtimes:
             usable = usable_runtimes()
             runtimes = tuple(dict.fromkeys(n for name in runtimes for n in (usable if name == "usable" else (name,))))
-        matrix = Matrix(resolved, runtimes, modes, options, rules, max_new_tokens, out_dir,
+        matrix = Matrix(resolved, runtimes, modes, options, run_k(resolved, k), max_new_tokens, out_dir,
                         chat=rendering, prompt_format=prompt_format)
         records_run, not_run, skipped = run_matrix(matrix, prompts, jobs=jobs,
-                                                   on_run=lambda label: click.echo(f"running {label}", err=True))
+                                                   on_run=lambda label: click.echo(f"running {label}", err=True),
+                                                   on_warning=lambda line: click.echo(f"warning: {line}", err=True))
         runs = labelled(records_run, [""] * len(records_run))
     # Explaining splits and re-scoring logits load runtimes: in a process of their own, where a crash
     # is a FAIL and the runs are still compared from what they recorded.
-    verdicts, crashed = compare_isolated(runs, [load_record(path) for path in baselines], counter_tolerance,
-                                         logit_tolerance, strict, not no_rescore, not no_logits,
-                                         not no_float_control)
+    verdicts, crashed = compare_safely(runs, [load_record(path) for path in baselines], counter_tolerance,
+                                       logit_tolerance, strict, not no_rescore, not no_logits,
+                                       not no_float_control)
     if verdicts.passes:
         click.echo(f"explaining: {verdicts.passes} passes re-scored in {verdicts.explain_s:.1f} s", err=True)
     report = ParityReport(verdicts.comparisons, verdicts.logit_checks, tuple(not_run) + tuple(crashed), counters_only,
@@ -169,16 +167,14 @@ def diff(records: tuple[Path, ...]) -> None:
                          "nothing to diff")
     if len(runs) == 1:
         (label, record), = runs
-        with Replayer() as replay:
-            detokenize = replay.session(record, "target").detokenize
-            splits = explain_record(label, record, Explainer(replay=replay, detokenize=detokenize))
+        splits = record_splits(label, record)
         click.echo(render_record_splits(label, splits, sum(r.ok for r in record.results)))
         sys.exit(0 if all(split.numerics for split in splits) else 1)
     (label_a, a), (label_b, b) = runs
     if a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
         raise ComparisonError("the two runs used different vocabularies: their token ids cannot be compared")
     # One verdict with parity's: its comparisons, logit checks and float control, in a process of its own.
-    verdicts, crashed = compare_isolated(runs, [], 0.0, None, False, True, True)
+    verdicts, crashed = compare_safely(runs, [], 0.0, None, False, True, True)
     verdict = ParityReport(verdicts.comparisons, verdicts.logit_checks, tuple(crashed), controls=verdicts.controls)
     failed = [c.failure() for c in not_one_function(verdicts.controls)]
     click.echo(render_diff(diff_records(label_a, a, label_b, b, failed)))

@@ -19,6 +19,9 @@ It is shown beside the verdict, which it does not decide: whether the two runs c
 function is parity's float control (crossrt/compare/control.py), the same check `crossrt parity`
 runs; where it fails, every divergence is a disagreement, whatever its own flip, and `crossrt
 diff` exits 1 whenever parity would.
+
+Re-scoring loads the records' scorers, so it runs where crossrt/run/isolation.py places
+RESCORING (a process of its own: a crash there is one line, not the end of crossrt).
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from crossrt.compare.diagnosis import Explainer, twins_of
+from crossrt.compare.diagnosis import Explainer, explain_record, twins_of
 from crossrt.compare.splits import (DISAGREEMENT, Split, first_divergence, own_tokenization, template_split,
                                     tokenization_split)
+from crossrt.run.isolation import RESCORING, call_safely
 from crossrt.run.numerics import NOISE_PERCENTILE, gap_shifts
 from crossrt.compare.replay import Replayer
 from crossrt.compare.rescore import score, top_k
@@ -155,11 +159,16 @@ def diff_records(label_a: str, a: RunRecord, label_b: str, b: RunRecord,
     """Where and why two runs part (module docstring); splits the runs recorded no passes for
     are re-scored in the runtime's own pass shapes. not_one_function: parity's float control
     failures for these runs, which no split between them can be numerics against."""
+    return call_safely(RESCORING, _rescored_diff, label_a, a, label_b, b, tuple(not_one_function))
+
+
+def _rescored_diff(label_a: str, a: RunRecord, label_b: str, b: RunRecord,
+                   not_one_function: tuple[str, ...]) -> DiffReport:
     with Replayer() as replay:
         scorers = (replay.session(a, "target"), replay.session(b, "target"))
         explainer = Explainer(twins_of([(label_a, a), (label_b, b)]), replay,
                               scorers[0].detokenize)
-        return _diff((label_a, label_b), (a, b), scorers, explainer, tuple(not_one_function))
+        return _diff((label_a, label_b), (a, b), scorers, explainer, not_one_function)
 
 
 def _diff(labels: tuple[str, str], records: tuple[RunRecord, RunRecord], scorers: tuple[ModelSession, ModelSession],
@@ -226,6 +235,19 @@ def render_diff(report: DiffReport) -> str:
             lines.append(f"  {divergence.note}")
         lines.append(f"  verdict: {report.verdict(divergence)}")
     return "\n".join(lines)
+
+
+def record_splits(label: str, record: RunRecord) -> list[Split]:
+    """`crossrt diff RUN.json`: the record's lossless failures and tokenization splits, each
+    explained; where the run recorded no passes, re-scored in its runtime's pass shapes (where
+    RESCORING runs: module docstring)."""
+    return call_safely(RESCORING, _rescored_splits, label, record)
+
+
+def _rescored_splits(label: str, record: RunRecord) -> list[Split]:
+    with Replayer() as replay:
+        detokenize = replay.session(record, "target").detokenize
+        return explain_record(label, record, Explainer(replay=replay, detokenize=detokenize))
 
 
 def render_record_splits(label: str, splits: Sequence[Split], finished: int) -> str:

@@ -16,7 +16,8 @@ import numpy as np
 from crossrt.run.baselines import BaselineStore
 from crossrt.inputs.chat_template import ChatRendering
 from crossrt.run.driver import RunRequest
-from crossrt.run.isolation import IsolatedRun, RuntimeCrashed, call_isolated
+from crossrt.run.crashes import RuntimeCrashed
+from crossrt.run.isolation import RESCORING, IsolatedRun, call_safely
 from crossrt.inputs.pairs import Pair
 from crossrt.compare.parity import PromptParity, compare_against, compare_all
 from crossrt.compare.parity_report import LogitCheck, NotRun, logit_checks
@@ -25,6 +26,8 @@ from crossrt.compare.replay import Replayer
 from crossrt.compare.tolerance import tolerance_for
 from crossrt.inputs.prompts import Prompt
 from crossrt.compare.rescore import open_scorer, score, scoring_runtime
+from crossrt.run.loop import SCHEDULE
+from crossrt.run.rules import run_rules
 from crossrt.run.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, runtime_class
 from crossrt.records.schema import PromptFormat, RunRecord
 
@@ -35,16 +38,22 @@ class Matrix:
     runtimes: tuple[str, ...]
     modes: tuple[str, ...]
     options: RuntimeOptions
-    rules: DraftRules
+    k: int  # every cell's draft length; each cell's rules are its own (crossrt/run/rules.py)
     max_new_tokens: int
     out_dir: Path
     chat: Optional[ChatRendering] = None  # the chat template prompts were rendered with, for template parity
     prompt_format: Optional[PromptFormat] = None
 
 
+def cell_rules(matrix: Matrix, name: str, mode: str) -> tuple[DraftRules, tuple[str, ...]]:
+    """A cell's drafting rules and warnings, built as every run's are (crossrt/run/rules.py), under
+    the schedule its request runs (driven: crossrt's own)."""
+    return run_rules(name, mode, SCHEDULE, matrix.max_new_tokens, matrix.k)
+
+
 def _request(matrix: Matrix, name: str, mode: str, shared_ids: Optional[dict]) -> RunRequest:
-    out = matrix.out_dir / f"{matrix.pair.name}-{name}-{mode}-k{matrix.rules.k}.json"
-    return RunRequest(pair=matrix.pair, runtime=name, options=matrix.options, rules=matrix.rules,
+    out = matrix.out_dir / f"{matrix.pair.name}-{name}-{mode}-k{matrix.k}.json"
+    return RunRequest(pair=matrix.pair, runtime=name, options=matrix.options, rules=cell_rules(matrix, name, mode)[0],
                       max_new_tokens=matrix.max_new_tokens, out=out, mode=mode, overwrite=True,
                       shared_prompt_ids=shared_ids, chat=matrix.chat, prompt_format=matrix.prompt_format,
                       baselines=BaselineStore.default(),
@@ -86,19 +95,24 @@ def _run_cells(matrix: Matrix, cells: Sequence[tuple[str, str]], prompts: Sequen
 
 
 def run_matrix(matrix: Matrix, prompts: Sequence[Prompt], on_run: Optional[Callable[[str], None]] = None,
-               jobs: int = 1) -> tuple[list[RunRecord], list[NotRun], list[str]]:
+               jobs: int = 1, on_warning: Optional[Callable[[str], None]] = None,
+               ) -> tuple[list[RunRecord], list[NotRun], list[str]]:
     """Records of every (runtime, mode) the runtime has; the combinations that could not run or
     crashed (failures), and those skipped because the runtime lacks the mode (not failures).
+    Each cell's rules' warnings go to on_warning before any cell runs.
 
-    Every cell runs in a process of its own (spawned: a runtime's libraries and threads are not
-    forked; crossrt/run/isolation.py), so a runtime that crashes is its cell's failure and every
-    other cell still runs. The first run's tokenization feeds every later run, so cells run one
+    Every cell runs in a process of its own (an IsolatedRun, whatever its runtime: --jobs keeps
+    several going at once; crossrt/run/isolation.py), so a runtime that crashes is its cell's
+    failure and every other cell still runs. The first run's tokenization feeds every later run, so cells run one
     by one until one has run; then jobs at once, results kept in matrix order."""
     cells, skipped = [], []
+    warn = on_warning or (lambda line: None)
     for name in matrix.runtimes:
         for mode in matrix.modes:
             if mode in runtime_class(name).modes:
                 cells.append((name, mode))
+                for warning in cell_rules(matrix, name, mode)[1]:
+                    warn(f"{name}/{mode}: {warning}")
             else:
                 skipped.append(f"{name}/{mode}: {name} has no {mode} mode")
     announce = on_run or (lambda label: None)
@@ -136,9 +150,6 @@ def score_records(runs: Sequence[tuple[str, RunRecord]]) -> dict[tuple[str, str]
     return scored
 
 
-RESCORING = "re-scoring"  # what a crash while explaining splits or re-scoring logits is named after
-
-
 @dataclass(frozen=True)
 class Verdicts:
     comparisons: tuple[PromptParity, ...]
@@ -173,17 +184,17 @@ def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecor
     return Verdicts(tuple(comparisons), tuple(checks), controls, passes, explain_s)
 
 
-def compare_isolated(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecord], counter_tolerance: float,
-                     logit_tolerance: Optional[float], strict: bool, rescore: bool,
-                     logits: bool, control: bool = True) -> tuple[Verdicts, list[NotRun]]:
-    """compare_runs in a process of its own where it may load a runtime to re-score (the scoring
-    runtimes run in-process: crossrt/run/isolation.py). If that process crashes, the crash is a failure (NotRun, crashed)
-    and the runs are compared here from what they recorded, nothing re-scored."""
+def compare_safely(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecord], counter_tolerance: float,
+                   logit_tolerance: Optional[float], strict: bool, rescore: bool,
+                   logits: bool, control: bool = True) -> tuple[Verdicts, list[NotRun]]:
+    """compare_runs where it may load a runtime to re-score, as crossrt/run/isolation.py's call_safely
+    places RESCORING (a process of its own). If that process crashes, the crash is a failure (NotRun,
+    crashed) and the runs are compared here from what they recorded, nothing re-scored."""
     if not (rescore or logits) or all(record.imported for _, record in runs):  # nothing to load
         return compare_runs(runs, saved, counter_tolerance, logit_tolerance, strict, rescore, logits), []
     try:
-        return call_isolated(RESCORING, compare_runs, list(runs), list(saved), counter_tolerance, logit_tolerance,
-                             strict, rescore, logits, control), []
+        return call_safely(RESCORING, compare_runs, list(runs), list(saved), counter_tolerance, logit_tolerance,
+                           strict, rescore, logits, control), []
     except RuntimeCrashed as crash:
         verdicts = compare_runs(runs, saved, counter_tolerance, logit_tolerance, strict, False, False)
         return verdicts, [NotRun(RESCORING, f"{crash.cause()}; the runs were compared from what they recorded, "

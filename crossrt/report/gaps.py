@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from html import escape
 from typing import Optional, Sequence
 
-from crossrt.compare.tau_gap import PARTS, TauGap, _parity_oracles, gap_pairs, tau_gap
+from crossrt.compare.tau_gap import ORACLE_RUNTIME, PARTS, TauGap, _parity_oracles, gap_pairs, tau_gap
 from crossrt.errors import ComparisonError, CrossrtError
 from crossrt.report.page import Section, Table
 from crossrt.report.runs import ReportRun, category_name
 from crossrt.report.svg import waterfall_chart
+from crossrt.run.isolation import call_safely
 
 DIGITS = {"tau": 2, "alpha": 3}  # as `crossrt parity` prints each gap
 
@@ -34,15 +35,17 @@ class RunGap:
 
 def run_gaps(runs: Sequence[ReportRun], threads: int = 1) -> list[RunGap]:
     """The pairs of runs `crossrt parity` decomposes (one pair of models, other schedules or
-    draftings), each with its gaps or why they were not computed. The oracles load the pair in llama.cpp."""
+    draftings), each with its gaps or why they were not computed. The oracles load the pair in
+    llama.cpp, where crossrt/run/isolation.py places it (a process of its own: a crash is that pair's reason)."""
     by_label = {run.label: run for run in runs}
     found = []
     for labelled in gap_pairs([(run.label, run.record) for run in runs]):
         pairs = [(by_label[a], by_label[b]) for (a, _), (b, _) in labelled]
         group = list({run.label: run for pair in pairs for run in pair}.values())
         try:
-            oracles = _parity_oracles([run.record for run in group if run.record.imported is None], threads)
-        except CrossrtError as error:  # no model files, a model that does not load, a prompt that does not fit
+            oracles = call_safely(ORACLE_RUNTIME, _parity_oracles,
+                                  [run.record for run in group if run.record.imported is None], threads)
+        except CrossrtError as error:  # no model files, a model that does not load or crashes, a prompt too long
             found += [RunGap(a, b, (), str(error)) for a, b in pairs]
             continue
         for a, b in pairs:

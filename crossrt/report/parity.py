@@ -30,6 +30,7 @@ from crossrt.report.layout import report_sections
 from crossrt.report.page import Banner, Section, Table, page, to_html
 from crossrt.report.runs import ReportRun, report_run
 from crossrt.report.steps import Vocab, load_vocab, token_texts
+from crossrt.run.isolation import RESCORING, call_safely
 from crossrt.records.schema import PassView, PromptResult, RunRecord
 
 if TYPE_CHECKING:
@@ -327,13 +328,18 @@ def parity_section(runs: Sequence[tuple[str, RunRecord]], report: ParityReport, 
 
 def report_parity(runs: Sequence[ReportRun], rescore: bool = True) -> Optional[tuple[Banner, Section]]:
     """`crossrt report`'s verdict and parity section over its runs, labelled as the page labels
-    them; None for a single run (its lossless failures are in the runs section's notes)."""
+    them; None for a single run (its lossless failures are in the runs section's notes). Splits
+    are re-scored where crossrt/run/isolation.py places RESCORING (a process of its own)."""
     if len(runs) < 2:
         return None
     labelled = [(run.label, run.record) for run in runs]
-    with Replayer() as replay:
-        report, notes = compare_by_vocabulary(labelled, replay if rescore else None)
+    report, notes = call_safely(RESCORING, _rescored, labelled) if rescore else compare_by_vocabulary(labelled, None)
     return verdict_banner(report), parity_section(labelled, report, rescore, notes)
+
+
+def _rescored(labelled: Sequence[tuple[str, RunRecord]]) -> tuple[ParityReport, list[str]]:
+    with Replayer() as replay:
+        return compare_by_vocabulary(labelled, replay)
 
 
 def parity_html(runs: Sequence[tuple[str, RunRecord]], report: ParityReport, paths: Sequence[Optional[Path]],

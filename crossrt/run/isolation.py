@@ -8,10 +8,16 @@ child's stack into a file. The child is forked by the runtime's zygote (crossrt/
 a process that has only imported crossrt and the runtime's Python modules: no model, no kernel
 and no thread of crossrt's own process is in it, and it starts in milliseconds, not the seconds
 of a fresh interpreter's imports.
-When the child dies by a signal, the caller gets a RuntimeCrashed naming the runtime, the signal,
-and from that stack the innermost Python frame outside crossrt (the binding's call into native
-code) and the crossrt call it came from. What the child finished stays where it put it (a run's
-journal: crossrt/records/journal.py).
+When the child dies by a signal, the caller gets a RuntimeCrashed (crossrt/run/crashes.py) naming
+the runtime, the signal, and from that stack the innermost Python frame outside crossrt and the
+crossrt call it came from. What the child finished stays where it put it (a run's journal:
+crossrt/records/journal.py).
+
+This module is where a runtime runs in a child, and isolated() decides which runtimes do. A
+caller does not choose: a pair's run goes through run_pair_safely, any other call that loads a
+runtime (re-scoring records for parity, diff and report, the tau gaps' oracle, MT-Bench's first
+answers, simulate's study) through call_safely. Executors that keep several children at once
+(parity's matrix with --jobs, a sweep's cells) hold Isolated (IsolatedRun) children themselves.
 
 The child never outlives its parent (the kernel's parent-death signal, through its zygote) and
 sits in a process group of its own (its zygote's), so a terminal's Ctrl-C reaches the parent
@@ -30,147 +36,45 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
-import importlib.util
 import os
 import pickle
-import re
 import shutil
 import signal
 import sys
 import tempfile
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import crossrt
 from crossrt.errors import USER_ERRORS, CrossrtError
 from crossrt.inputs.prompts import Prompt
 from crossrt.records.record_json import load_record
 from crossrt.records.schema import PromptResult, RunRecord
+from crossrt.run.crashes import RuntimeCrashed, crash_of
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.run.run_writer import OWNER_PID
 from crossrt.run.processes import oom_kills
-from crossrt.run.runtime import RUNTIMES, RuntimeFailure, runtime_class
+from crossrt.run.runtime import RUNTIMES, runtime_class
 from crossrt.run.zygote import interrupted, note_interrupt, zygote_for
 
 CRASH_HOOK = "CROSSRT_TEST_CRASH_AFTER"
 IN_PROCESS = "CROSSRT_IN_PROCESS"
 ENTRY = "crossrt.run.isolation:_serve_call"
-# What SIGKILL means, by whether the kernel's OOM-kill count (/proc/vmstat) rose while the child ran
-# (its victims are always killed by SIGKILL; None: the count cannot be read here).
-KILLED = {True: "killed by the kernel's out-of-memory killer",
-          False: "killed, not by the kernel's out-of-memory killer: its count did not change",
-          None: "killed: out of memory, or by a user"}
-# faulthandler's frame line: `  File "/path/module.py", line 12 in function`
-_FRAME = re.compile(r'^\s*File "(?P<path>.+)", line (?P<line>\d+) in (?P<function>\S+)')
-
-
-# crossrt's own source folders (backends/ is installed as crossrt.backends from a folder of its own),
-# by the name their frames are shown with.
-_OURS = {"crossrt/backends/": Path(importlib.util.find_spec("crossrt.backends").submodule_search_locations[0]),
-         "crossrt/": Path(crossrt.__file__).parent}
-
-
-@dataclass(frozen=True)
-class Frame:
-    path: str
-    line: int
-    function: str
-
-    def _ours(self) -> Optional[str]:
-        """The path as crossrt/... when the frame is crossrt's own code, else None."""
-        for name, folder in _OURS.items():
-            if self.path.startswith(str(folder) + os.sep):
-                return name + self.path[len(str(folder)) + 1:]
-        return None
-
-    @property
-    def in_crossrt(self) -> bool:
-        return self._ours() is not None
-
-    @property
-    def in_backend(self) -> bool:
-        return (self._ours() or "").startswith("crossrt/backends/")
-
-    def short(self) -> str:
-        """`crossrt/backends/llama_cpp.py:212 _forward`, `llama_cpp/_internals.py:310 decode`: the
-        path from its package on (after site-packages/ or the standard library's folder)."""
-        path = self._ours() or self.path
-        if "/site-packages/" in path:
-            path = path.rsplit("/site-packages/", 1)[1]
-        elif re.search(r"/lib/python[\d.]+/", path):
-            path = re.split(r"/lib/python[\d.]+/", path)[-1]
-        return f"{path}:{self.line} {self.function}"
-
-
-def crashed_stack(dump: str) -> list[Frame]:
-    """The faulting thread's frames, innermost first, from faulthandler's dump (empty if none)."""
-    blocks = dump.split("\n\n")
-    current = [b for b in blocks if "Current thread" in b or "Stack (most recent call first)" in b]
-    lines = (current[0] if current else "").splitlines()
-    return [Frame(m["path"], int(m["line"]), m["function"]) for m in map(_FRAME.match, lines) if m]
-
-
-class RuntimeCrashed(RuntimeFailure):
-    """A runtime's process died by a signal (or exited without an answer): one line naming the
-    runtime, the signal, the call outside crossrt it died in and the crossrt call that made it."""
-
-    def __init__(self, runtime: str, signal_name: Optional[str], native: Optional[str] = None,
-                 frame: Optional[str] = None, detail: str = "", exit_code: Optional[int] = None,
-                 out_of_memory: Optional[bool] = None):
-        self.runtime, self.signal_name, self.native, self.frame = runtime, signal_name, native, frame
-        # For SIGKILL: whether the kernel's OOM-kill count rose while the child ran (None: unknown).
-        self.detail, self.exit_code, self.out_of_memory = detail, exit_code, out_of_memory
-        super().__init__(self.describe())
-
-    def __reduce__(self):
-        return RuntimeCrashed, (self.runtime, self.signal_name, self.native, self.frame, self.detail, self.exit_code,
-                                self.out_of_memory)
-
-    def cause(self) -> str:
-        """The crash without the runtime's name: `SIGSEGV (Segmentation fault) in ..., from ...`."""
-        if self.signal_name is None:
-            what = f"its process exited with code {self.exit_code} without an answer"
-        else:
-            meaning = (KILLED[self.out_of_memory] if self.signal_name == "SIGKILL"
-                       else signal.strsignal(signal.Signals[self.signal_name]))
-            what = f"{self.signal_name} ({meaning})"
-        where = (f" in {self.native}" if self.native else "") + (f", from {self.frame}" if self.frame else "")
-        return what + where
-
-    def describe(self) -> str:
-        return f"{self.runtime} crashed: {self.cause()}" + (f"; {self.detail}" if self.detail else "")
-
-    def with_detail(self, detail: str) -> "RuntimeCrashed":
-        return RuntimeCrashed(self.runtime, self.signal_name, self.native, self.frame, detail, self.exit_code,
-                              self.out_of_memory)
-
-
-def crash_of(runtime: str, exit_code: Optional[int], dump: str, out_of_memory: Optional[bool] = None) -> RuntimeCrashed:
-    """The RuntimeCrashed for a child that ended with exit_code (negative: the signal) and left
-    faulthandler's dump: the innermost frame outside crossrt, and the innermost crossrt frame
-    (a backend's, where one is on the stack). out_of_memory: for SIGKILL, whether the kernel's
-    OOM-kill count rose meanwhile."""
-    name = signal.Signals(-exit_code).name if exit_code is not None and exit_code < 0 else None
-    # The child's own frames (its zygote's, _serve_call, the hook's counting) are left out; the
-    # test hook's _crash stays.
-    frames = [f for f in crashed_stack(dump) if f.path != "<string>" and not f.path.endswith(os.sep + "zygote.py")
-              and (f.function == "_crash" or not f.path.endswith(os.sep + "isolation.py"))]
-    outside = next((f for f in frames if not f.in_crossrt), None)
-    ours = [f for f in frames if f.in_crossrt]
-    backend = next((f for f in ours if f.in_backend), ours[0] if ours else None)
-    return RuntimeCrashed(runtime, name, outside.short() if outside else None, backend.short() if backend else None,
-                          exit_code=exit_code, out_of_memory=out_of_memory if name == "SIGKILL" else None)
+# Work that loads in-process runtimes without being one runtime's: records' outputs re-scored and
+# their splits explained on each record's scorer (crossrt/compare/rescore.py). Its crashes, and
+# the test hook, go by this name.
+RESCORING = "re-scoring"
 
 
 def isolated(runtime: str) -> bool:
-    """Whether runs of the runtime go to a process of their own: those whose native code runs in
-    crossrt's process, which are those with a driven mode (crossrt's loop calls their forward
-    pass), unless CROSSRT_IN_PROCESS=1 keeps them here (a debugger's breakpoints then reach the
-    backend, and a crash ends crossrt). Native-only runtimes run their own programs or servers."""
-    return "driven" in runtime_class(runtime).modes and os.environ.get(IN_PROCESS) != "1"
+    """Whether a call that loads the runtime goes to a process of its own: those whose native code
+    runs in crossrt's process, which are those with a driven mode (crossrt's loop calls their
+    forward pass) and RESCORING (every scorer is one), unless CROSSRT_IN_PROCESS=1 keeps them here
+    (a debugger's breakpoints then reach the backend, and a crash ends crossrt). Native-only
+    runtimes run their own programs or servers."""
+    in_process = runtime == RESCORING or "driven" in runtime_class(runtime).modes
+    return in_process and os.environ.get(IN_PROCESS) != "1"
 
 
 class ChildTraceback(Exception):
@@ -326,6 +230,15 @@ def call_isolated(runtime: str, function: Callable, *args, on_event: Optional[Ca
     each emit(payload) in the child calls on_event(payload) here); its result or exception, or
     RuntimeCrashed. function and args must pickle."""
     return Isolated(runtime, function, args, events=on_event is not None).wait(on_event)
+
+
+def call_safely(runtime: str, function: Callable, *args) -> Any:
+    """function(*args), a call that loads runtime (or RESCORING's scorers), where that runtime
+    belongs: in a process of its own where its native code would run in crossrt's (isolated: a
+    crash is RuntimeCrashed, one line), else here. function and args must pickle."""
+    if isolated(runtime):
+        return call_isolated(runtime, function, *args)
+    return function(*args)
 
 
 def crash_hook(runtime: str) -> Optional[tuple[int, signal.Signals]]:

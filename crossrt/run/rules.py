@@ -1,6 +1,7 @@
 """A run's drafting rules, built in one place with their checks and what a run should be warned
-of: `crossrt run`, reproduce's claims and sweep cells build them here (`run_rules`). Simulations
-and tests that replay or probe a loop build DraftRules directly."""
+of: `crossrt run`, reproduce's claims, parity's matrix cells and sweep cells build them here
+(`run_rules`). Simulations, benches and tests that replay or probe a loop build DraftRules
+directly."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ an answer made again by each runtime would differ wherever the runtimes' greedy 
 A kept answer is reused only when it was made for the same turn-1 prompt (the digest of its
 text as fed, as a run record's prompt_sha256), by the same target file and with the same token
 budget; any other is refused, never silently made again. Answers for questions the file does
-not hold yet are made and added to it.
+not hold yet are made and added to it. The runtime answers where crossrt/run/isolation.py places
+it (a process of its own: a crash is one line, and the file keeps only what it held).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Optional, Sequence
 from crossrt.inputs.chat_template import ChatRendering, user_turn
 from crossrt.errors import PromptRefused
 from crossrt.records.journal import storage_error, write_atomically
+from crossrt.run.crashes import RuntimeCrashed
+from crossrt.run.isolation import call_safely
 from crossrt.run.loop import greedy_generate
 from crossrt.inputs.pairs import Pair, PairError, sha256_of
 from crossrt.inputs.prompts import Prompt, PromptError, json_lines
@@ -115,6 +118,14 @@ def _answer(prompts: Sequence[Prompt], pair: Pair, source: FirstAnswers,
             wanted: dict[str, FirstAnswer]) -> list[FirstAnswer]:
     """The target's greedy answers to prompts' first turns, in one model load."""
     name, path = _target(pair)
+    try:
+        return call_safely(name, _answered, name, path, list(prompts), source, wanted)
+    except RuntimeCrashed as crash:
+        raise crash.with_detail(f"while making --turn 2's first answers, none of them kept in {source.path}") from None
+
+
+def _answered(name: str, path: Path, prompts: Sequence[Prompt], source: FirstAnswers,
+              wanted: dict[str, FirstAnswer]) -> list[FirstAnswer]:
     runtime = open_runtime(name, dataclasses.replace(source.options, executable=None))
     info = runtime.info()
     made_by = f"{info.name} {info.version}, {info.kv_cache} KV cache, flash_attn {info.flash_attn}"
