@@ -145,19 +145,26 @@ def test_re_scoring_outside_parity_crashes_in_one_line(two_records, tmp_path, co
     assert re.fullmatch(f"Error: re-scoring crashed: {SEGV}", done.stderr.strip().splitlines()[-1]), done.stderr
 
 
-def test_a_crash_building_the_reports_tau_gap_oracle_is_that_gaps_reason(two_records, tmp_path):
-    """report's tau gaps (two schedules) build their oracle in llama.cpp's process: its death is
-    the gap's reason on the page, and the rest of the report is written."""
+@pytest.mark.parametrize("command", ["report", "parity"])
+def test_a_crash_building_the_tau_gap_oracle_is_that_gaps_reason(two_records, tmp_path, command):
+    """report's and parity's tau gaps (two schedules) build their oracle in llama.cpp's process: its
+    death is the gap's reason, and the rest (the page; parity's comparisons and verdict) follows."""
     a, b = two_records
     record = load_record(b)
     relabelled = tmp_path / "server.json"
     save_record(dataclasses.replace(record, params=dataclasses.replace(record.params, schedule="llama-server")),
                 relabelled)
-    done = cli("report", a, relabelled, "-o", "r.md", "--no-rescore", cwd=tmp_path, crash="llama-cpp:0")
+    out = ["-o", "r.md"] if command == "report" else ["--no-logits"]
+    done = cli(command, a, relabelled, "--no-rescore", *out, cwd=tmp_path, crash="llama-cpp:0")
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stdout + done.stderr
-    page = (tmp_path / "r.md").read_text()  # markdown: its underscores escaped
-    assert "vs llama-cpp/driven llama-server k=2: not computed (llama-cpp crashed: SIGSEGV (Segmentation fault) in " \
-           "ctypes/" in page, page
+    if command == "report":
+        page = (tmp_path / "r.md").read_text()  # markdown: its underscores escaped
+        assert "vs llama-cpp/driven llama-server k=2: not computed (llama-cpp crashed: SIGSEGV (Segmentation fault) " \
+               "in ctypes/" in page, page
+    else:
+        assert re.search(f"^tau gap .* vs .*server.json.*: not computed \\(llama-cpp crashed: {SEGV}\\)$", done.stdout,
+                         re.M), done.stdout
+        assert done.stdout.strip().splitlines()[-1].startswith("parity: OK"), done.stdout
 
 
 def test_mt_benchs_first_answers_are_made_in_a_process_of_their_own(tmp_path):

@@ -18,12 +18,11 @@ from crossrt.inputs.pairs import resolve_pair, run_k
 from crossrt.compare.parity import labelled
 from crossrt.compare.parity_report import ParityReport, render_junit, render_markdown, render_text
 from crossrt.compare.control import not_one_function
-from crossrt.compare.parity_run import Matrix, compare_safely, run_matrix
+from crossrt.compare.parity_run import Matrix, compare_safely, gap_lines, run_matrix
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
 from crossrt.report.parity import parity_html
 from crossrt.run.runtime import runtime_names, usable_runtimes
-from crossrt.compare.tau_gap import parity_gaps
 
 
 @click.command()
@@ -125,7 +124,7 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
         click.echo("note: fewer than two runs, so nothing was compared across runs", err=True)
     text = render_text(report).splitlines()
     # Runs whose schedules differ: their tau gap in named parts, before the verdict (crossrt/compare/tau_gap.py).
-    click.echo("\n".join(text[:-1] + parity_gaps(runs, options.threads) + text[-1:]))
+    click.echo("\n".join(text[:-1] + gap_lines(runs, options.threads) + text[-1:]))
     # Each file whole or not at all; a full disk or a read-only folder is a one-line error (user_errors).
     if junit:
         write_atomically(junit, render_junit(report).encode(), option="--junit")

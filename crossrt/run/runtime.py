@@ -26,9 +26,9 @@ from crossrt.records.schema import LoadedFile, RuntimeInfo
 from crossrt.run.session import ModelSession, NativeGeneration, NativeSession, Rows
 
 # The sessions' names are part of the contract a backend imports from here.
-__all__ = ["DTYPES", "RUNTIMES", "SPEC_TYPES", "DraftRules", "ModelSession", "NativeGeneration", "NativeSession", "Rows",
-           "Runtime", "RuntimeFailure", "RuntimeOptions", "RuntimeUnavailable", "Server", "availability", "open_runtime",
-           "runtime_class", "runtime_names", "usable_runtimes", "without_user_info"]
+__all__ = ["DTYPES", "RUNTIMES", "SPEC_TYPES", "DraftRules", "ModelSession", "NativeGeneration", "NativeSession",
+           "Rows", "Runtime", "RuntimeFailure", "RuntimeOptions", "RuntimeUnavailable", "Server", "availability",
+           "open_runtime", "runtime_class", "runtime_names", "usable_runtimes", "without_user_info"]
 
 RUNTIMES: dict[str, str] = {
     "llama-cpp": "crossrt.backends.llama_cpp:LlamaCppRuntime",
