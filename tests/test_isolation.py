@@ -25,6 +25,7 @@ import pytest
 from crossrt.records.record_json import load_record
 import crossrt
 import crossrt.backends
+from crossrt.compare.census import Variant, take_census
 from crossrt.records.record_json import save_record
 from crossrt.run.crashes import crash_of, crashed_stack
 from crossrt.run.isolation import (CRASH_HOOK, RESCORING, Isolated, RuntimeCrashed, call_isolated, call_safely,
@@ -165,6 +166,20 @@ def test_a_crash_building_the_tau_gap_oracle_is_that_gaps_reason(two_records, tm
         assert re.search(f"^tau gap .* vs .*server.json.*: not computed \\(llama-cpp crashed: {SEGV}\\)$", done.stdout,
                          re.M), done.stdout
         assert done.stdout.strip().splitlines()[-1].startswith("parity: OK"), done.stdout
+
+
+def test_a_census_batch_whose_re_scoring_crashes_is_a_failure_and_is_still_counted(two_records, tmp_path, monkeypatch):
+    """The split census re-scores as parity does: a crash there (the hook at once) is that batch's
+    failure, and the batch is still compared from what its runs recorded."""
+    made = dict(zip(("k3", "k2"), two_records))
+    monkeypatch.setenv(CRASH_HOOK, "re-scoring:0")  # each child gets the caller's environment
+    census = take_census(lambda variant, prompts, out: load_record(made[variant.name]), tmp_path,
+                         (Variant("k3", "llama-cpp", "driven"), Variant("k2", "llama-cpp", "driven")), batch=1,
+                         max_batches=1)
+    assert len(census.failures) == 1 and re.fullmatch(
+        rf"batch 0 \(prompts-0\.jsonl\): re-scoring crashed: {SEGV}; the runs were compared from what they "
+        r"recorded, nothing re-scored", census.failures[0]), census.failures
+    assert census.compared == 9  # 3 prompts: each run against its baseline, and the two runs
 
 
 def test_mt_benchs_first_answers_are_made_in_a_process_of_their_own(tmp_path):

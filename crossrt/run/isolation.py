@@ -15,10 +15,10 @@ crossrt/records/journal.py).
 
 This module is where a runtime runs in a child, and isolated() decides which runtimes do. A
 caller does not choose: a pair's run goes through run_pair_safely, any other call that loads a
-runtime (re-scoring records for parity, diff and report, the tau gaps' oracle, MT-Bench's first
-answers) through call_safely (simulate's study asks isolated() itself). Executors that keep
-several children at once (parity's matrix, a sweep's cells) hold Isolated (IsolatedRun) children
-themselves.
+runtime (re-scoring records for parity, diff, report and the split census; the tau gaps' oracle;
+MT-Bench's first answers) through call_safely (simulate's study asks isolated() itself).
+Executors that keep several children at once (parity's matrix, a sweep's cells) hold Isolated
+(IsolatedRun) children themselves.
 
 The child never outlives its parent (the kernel's parent-death signal, through its zygote) and
 sits in a process group of its own (its zygote's), so a terminal's Ctrl-C reaches the parent
