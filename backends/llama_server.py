@@ -23,6 +23,7 @@ from crossrt.backends.llama_server_ngram import NGRAM_DRAFTINGS, ngram_note, ngr
 from crossrt.backends.llama_server_process import HOST, ServerError, ServerProcess, find_executable
 from crossrt.backends.llama_tools import Build, probe
 from crossrt.errors import PromptRefused, SettingsError
+from crossrt.run.lookup.llama_ngram import check_ngram_cache
 from crossrt.run.memory import check_gguf_fits, plan_processes
 from crossrt.run.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeOptions,
                              RuntimeUnavailable)
@@ -328,8 +329,11 @@ class LlamaServerRuntime(Runtime):
             if rules.spec_type not in ("draft", spec_type):
                 raise SettingsError(f"--drafting {strategy.drafting} is llama-server's {spec_type}, not spec type "
                                     f"{rules.spec_type!r}")
+            if spec_type == "ngram-cache":
+                check_ngram_cache(rules.k, strategy.ngram_max)
             rules, size_n, drafter = dataclasses.replace(rules, spec_type=spec_type), strategy.ngram_max, None
-            if not (self.build.flags.spec_type and self._ngram_settings(rules, size_n, chosen=True)):
+            if not self.build.flags.spec_type or \
+                    (spec_type != "ngram-cache" and not self._ngram_settings(rules, size_n, chosen=True)):
                 raise SettingsError(f"llama-server {self.build.version} cannot set {spec_type}'s sizes "
                                     f"(--spec-{spec_type}-*): --drafting {strategy.drafting} needs them")
         ngram = self._ngram_settings(rules, size_n, chosen=strategy is not None)
@@ -347,17 +351,18 @@ class LlamaServerRuntime(Runtime):
                                Path(work_dir) / "llama-server-speculative.log")
         baseline = Launcher(self.build.path, tuple(model + self._common_args()),
                             Path(work_dir) / "llama-server-baseline.log")
-        notes = self._notes(rules, ngram) + (() if together else (ONE_AT_A_TIME,))
+        chosen = bool(ngram) or strategy is not None  # the type under crossrt's settings
+        notes = ((ngram_note(rules.spec_type, ngram),) if chosen else ()) + self._notes(rules) \
+            + (() if together else (ONE_AT_A_TIME,))
         session = LlamaServerSession(speculative, baseline, rules, notes, one_at_a_time=not together)
-        if ngram:
+        if chosen:
             # What it drafts under crossrt's names, as its driven reproduction records them (docs/ngram.md).
             drafting = next(name for name, kind in NGRAM_DRAFTINGS.items() if kind == rules.spec_type)
             session.fixed_params = (("spec_type", rules.spec_type), ("drafting", drafting), ("ngram_max", size_n))
         return session
 
-    def _notes(self, rules: DraftRules, settings: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
-        ngram = (ngram_note(rules.spec_type, settings),) if settings else ()
-        return ngram + (
+    def _notes(self, rules: DraftRules) -> tuple[str, ...]:
+        return (
             f"llama-server {self.build.version} (commit {self.build.commit or 'unknown'}): its own draft-model "
             f"speculative decoding (--spec-type {llama_spec_type(rules.spec_type)}, n_max {rules.k}, n_min {rules.n_min}, "
             f"p_min {rules.p_min:g}), one slot, greedy (temperature 0, samplers [temperature]), no prompt cache; "

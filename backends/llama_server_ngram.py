@@ -9,7 +9,8 @@ from crossrt.run.runtime import DraftRules
 
 # --drafting values llama-server runs as its own n-gram spec types.
 NGRAM_DRAFTINGS = {"llama-ngram-simple": "ngram-simple", "llama-ngram-map-k": "ngram-map-k",
-                   "llama-ngram-map-k4v": "ngram-map-k4v", "llama-ngram-mod": "ngram-mod"}
+                   "llama-ngram-map-k4v": "ngram-map-k4v", "llama-ngram-mod": "ngram-mod",
+                   "llama-ngram-cache": "ngram-cache"}
 NGRAM_SIMPLE_SIZE_N = 12  # llama.cpp's default lookup length (common/common.h)
 MIN_HITS = 1  # the map types' default; crossrt has no counterpart (docs/ngram.md)
 
@@ -20,6 +21,8 @@ DEFAULTS = {
     "ngram-map-k": "its defaults size_n 12, size_m 48; its min_hits (1) is not read by map-k",
     "ngram-map-k4v": "its defaults size_n 12, size_m 48",
     "ngram-mod": "its defaults n_match 24, n_max 64, n_min 48",
+    "ngram-cache": "no flags: 1- to 4-grams, 8 tokens a draft, fixed in common/speculative.cpp; no cache files "
+                   "(-lcs, -lcd) given",
 }
 # State a type keeps across one server's requests, which makes its drafts depend on request order.
 ACROSS_REQUESTS = {
@@ -29,6 +32,8 @@ ACROSS_REQUESTS = {
                  "a quarter accepted",
 }
 ACROSS_REQUESTS["ngram-map-k4v"] = ACROSS_REQUESTS["ngram-map-k"]
+ACROSS_REQUESTS["ngram-cache"] = ("its n-gram counts, and how far into the text it has counted, last across "
+                                  "requests")
 
 
 def ngram_simple_size_n(k: int) -> int:
@@ -39,8 +44,11 @@ def ngram_simple_size_n(k: int) -> int:
 
 def ngram_settings(spec_type: str, size_n: int, rules: DraftRules) -> tuple[tuple[str, int], ...]:
     """The type's own flags for crossrt's settings: the lookup length (ngram_max), the longest
-    draft (k), and ngram-mod's n_min, which drops a shorter draft as crossrt's n_min does."""
+    draft (k), and ngram-mod's n_min, which drops a shorter draft as crossrt's n_min does;
+    ngram-cache has none."""
     k = rules.k
+    if spec_type == "ngram-cache":
+        return ()
     if spec_type == "ngram-mod":
         return (("--spec-ngram-mod-n-match", size_n), ("--spec-ngram-mod-n-max", k),
                 ("--spec-ngram-mod-n-min", rules.n_min))
@@ -53,8 +61,9 @@ def ngram_settings(spec_type: str, size_n: int, rules: DraftRules) -> tuple[tupl
 def ngram_note(spec_type: str, settings: tuple[tuple[str, int], ...]) -> str:
     """The record's note: llama.cpp's own flags and values, what they stand for, and the state
     the type keeps across requests."""
-    given = " ".join(f"{flag} {value}" for flag, value in settings)
+    given = " ".join(f"{flag} {value}" for flag, value in settings) or "its fixed sizes"
     crossrt = "ngram_max, k" + (", n_min" if spec_type == "ngram-mod" else "") + \
-        (f", and min_hits {MIN_HITS}, its default" if spec_type == "ngram-map-k4v" else "")
+        (f", and min_hits {MIN_HITS}, its default" if spec_type == "ngram-map-k4v" else "") + \
+        (" (4 and 8: the only values it runs at)" if spec_type == "ngram-cache" else "")
     kept = f"; {ACROSS_REQUESTS[spec_type]}" if spec_type in ACROSS_REQUESTS else ""
     return f"{spec_type}: {given} (crossrt's {crossrt}; {DEFAULTS[spec_type]}){kept}"

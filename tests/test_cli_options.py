@@ -66,7 +66,7 @@ def test_run_help_offers_drafting_k_policy_and_acceptance():
     result = CliRunner().invoke(main, ["run", "--help"])
     assert result.exit_code == 0
     for option in ("--drafting [model|prompt-lookup|hf-prompt-lookup|llama-ngram-simple|llama-ngram-map-k|"
-                   "llama-ngram-map-k4v|llama-ngram-mod|vllm-ngram|tree]", "--k-policy [fixed|content|online|confidence]",
+                   "llama-ngram-map-k4v|llama-ngram-mod|llama-ngram-cache|vllm-ngram|tree]", "--k-policy [fixed|content|online|confidence]",
                    "--acceptance [greedy|relaxed]", "--content-k", "--k-max", "--min-p1", "--top-m", "--delta",
                    "--tree", "--ngram-max", "--ngram-min", "--executable"):
         assert option in result.output

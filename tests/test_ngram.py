@@ -15,7 +15,8 @@ from transformers.generation.candidate_generator import PromptLookupCandidateGen
 from crossrt.cli import main
 from crossrt.records.record_json import load_record
 from crossrt.run import loop
-from crossrt.run.lookup import HfPromptLookup, LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple
+from crossrt.errors import SettingsError
+from crossrt.run.lookup import HfPromptLookup, LlamaNgramCache, LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple
 from crossrt.run.runtime import DraftRules
 from crossrt.run.strategies import Strategy
 from crossrt.inputs.prompts import load_prompts
@@ -216,20 +217,22 @@ def test_ngram_mod_empties_its_pool_after_five_poorly_accepted_drafts():
     assert lookup.propose(prompt, 9).tokens == ()
 
 
-LLAMA_NGRAMS = [("llama-ngram-map-k", "--spec-ngram-map-k-size-n 2 --spec-ngram-map-k-size-m 4"),
-                ("llama-ngram-map-k4v", "--spec-ngram-map-k4v-size-n 2 --spec-ngram-map-k4v-size-m 4 "
+LLAMA_NGRAMS = [("llama-ngram-map-k", 4, 2, "--spec-ngram-map-k-size-n 2 --spec-ngram-map-k-size-m 4"),
+                ("llama-ngram-map-k4v", 4, 2, "--spec-ngram-map-k4v-size-n 2 --spec-ngram-map-k4v-size-m 4 "
                  "--spec-ngram-map-k4v-min-hits 1"),
-                ("llama-ngram-mod", "--spec-ngram-mod-n-match 2 --spec-ngram-mod-n-max 4 --spec-ngram-mod-n-min 4")]
+                ("llama-ngram-mod", 4, 2, "--spec-ngram-mod-n-match 2 --spec-ngram-mod-n-max 4 --spec-ngram-mod-n-min 4"),
+                ("llama-ngram-cache", 8, 4, "its fixed sizes")]  # k 8, 1- to 4-grams: all it runs at
 
 
-@pytest.mark.parametrize("drafting, flags", LLAMA_NGRAMS)
-def test_each_llama_ngram_type_runs_natively_and_its_reproduction_equals_it(drafting, flags, repeating_prompts,
-                                                                            tiny_sessions, tmp_path):
+@pytest.mark.parametrize("drafting, k, ngram_max, flags", LLAMA_NGRAMS)
+def test_each_llama_ngram_type_runs_natively_and_its_reproduction_equals_it(drafting, k, ngram_max, flags,
+                                                                            repeating_prompts, tiny_sessions,
+                                                                            tmp_path):
     """The server keeps its maps and pool from one request to the next: the reproduction serves
     the run's prompts in order from one drafter, and a drafter begun afresh on each prompt does not
     draft as the server does."""
-    same = ["--pair", TINY_PAIR, "--k", 4, "--max-new-tokens", 40, "--prompts", repeating_prompts,
-            "--drafting", drafting, "--ngram-max", 2]
+    same = ["--pair", TINY_PAIR, "--k", k, "--max-new-tokens", 40, "--prompts", repeating_prompts,
+            "--drafting", drafting, "--ngram-max", ngram_max]
     native = invoke("run", "--runtime", "llama-server", "--mode", "native", "--out", tmp_path / "server.json", *same)
     assert native.exit_code == 0, native.output
     driven = invoke("run", "--runtime", "llama-cpp", "--schedule", "llama-server", "--out", tmp_path / "llama.json",
@@ -238,9 +241,9 @@ def test_each_llama_ngram_type_runs_natively_and_its_reproduction_equals_it(draf
     server, llama = load_record(tmp_path / "server.json"), load_record(tmp_path / "llama.json")
     spec_type = drafting.removeprefix("llama-")
     assert (server.params.spec_type, server.params.drafting, server.params.ngram_max, server.pair.drafter.loaded) \
-        == (spec_type, drafting, 2, ())
+        == (spec_type, drafting, ngram_max, ())
     assert any(note.startswith(f"{spec_type}: {flags} ") for note in server.notes)
-    assert (llama.params.drafting, llama.params.ngram_max, llama.params.ngram_min) == (drafting, 2, None)
+    assert (llama.params.drafting, llama.params.ngram_max, llama.params.ngram_min) == (drafting, ngram_max, None)
     for ours, theirs in zip(llama.results, server.results, strict=True):
         assert ours.output_ids == theirs.output_ids, ours.prompt_id
         assert [getattr(ours.counters, name) for name in COUNTERS] == \
@@ -248,14 +251,26 @@ def test_each_llama_ngram_type_runs_natively_and_its_reproduction_equals_it(draf
     assert sum(r.counters.accepted for r in server.results) > 0
     # The same prompts on one target, the drafter kept across them or begun afresh on each.
     target, _ = tiny_sessions
-    strategy, rules = Strategy(drafting=drafting, ngram_max=2), DraftRules(4)
+    strategy, rules = Strategy(drafting=drafting, ngram_max=ngram_max), DraftRules(k)
     kept = loop.run_lookup(strategy, rules, "llama-server", target.eog_ids)
     counts = {name: [(run.drafted, run.accepted) for run in (
         loop.speculative_generate(target, None, r.prompt_ids, rules, 40, "llama-server", strategy=strategy,
-                                  lookup=lookup).counters(4) for r in server.results)]
+                                  lookup=lookup).counters(k) for r in server.results)]
         for name, lookup in (("kept", kept), ("fresh", None))}
     assert counts["kept"][0] == counts["fresh"][0] and counts["kept"] != counts["fresh"]
     if drafting == "llama-ngram-mod":
         parity = invoke("parity", tmp_path / "server.json", tmp_path / "llama.json")
         assert parity.exit_code == 0, parity.output
         assert "identical, 0 explained, 0 failed, 0 not comparable; counters compared" in parity.output
+
+
+def test_ngram_cache_gives_a_tie_to_the_newer_follower():
+    """[1, 2] was followed by 3, then by 4: once each, a 50 % share, which passes the 2-gram
+    threshold; llama.cpp takes the first in its unordered_map, which holds two keys newest first.
+    The drafted 4 extends the suffix: [1, 2, 4] was followed by 9."""
+    lookup = LlamaNgramCache(8, 4)
+    lookup.prefill([7, 1, 2, 3, 8, 1, 2, 4, 9, 1])
+    assert lookup.propose([7, 1, 2, 3, 8, 1, 2, 4, 9, 1, 2], 9).tokens[:2] == (4, 9)
+    assert lookup.propose([7, 1, 2, 3, 8, 1, 2, 4, 9, 1, 2], 1).tokens == (4,)  # cut to the limit
+    with pytest.raises(SettingsError, match="--k 8 --ngram-max 4"):
+        LlamaNgramCache(7, 4)

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 from crossrt.run.lookup.base import LookupDrafter
 from crossrt.run.lookup.crossrt_lookup import PromptLookup
 from crossrt.run.lookup.hf_lookup import HfPromptLookup
-from crossrt.run.lookup.llama_ngram import LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple
+from crossrt.run.lookup.llama_ngram import LlamaNgramCache, LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple
 from crossrt.run.lookup.vllm_ngram import VllmNgram
 
 
@@ -64,6 +64,9 @@ LOOKUPS = {lookup.name: lookup for lookup in (
     Lookup("llama-ngram-mod", "llama.cpp's ngram-mod exactly, n_match = --ngram-max, n_max = n_min = k; schedule "
            "llama-server", "llama-ngram-mod(n={ngram_max})",
            lambda s: LlamaNgramMod(s.ngram_max, s.k, s.k), schedule="llama-server", per_run=True),
+    Lookup("llama-ngram-cache", "llama.cpp's ngram-cache exactly, without cache files: 1- to 4-grams, 8 tokens "
+           "(--ngram-max 4 --k 8 only); schedule llama-server", "llama-ngram-cache(n={ngram_max})",
+           lambda s: LlamaNgramCache(s.k, s.ngram_max), schedule="llama-server", per_run=True),
     Lookup("vllm-ngram", "vLLM's ngram method exactly, prompt_lookup_max = --ngram-max, prompt_lookup_min = "
            "--ngram-min, num_speculative_tokens = k; schedule vllm; on the vllm runtime's native mode, vLLM's own",
            "vllm-ngram({ngram_min}-{ngram_max})",

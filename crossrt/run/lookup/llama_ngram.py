@@ -1,4 +1,6 @@
-"""llama.cpp's n-gram drafting exactly, at the vendored commit (common/ngram-map.cpp).
+"""llama.cpp's n-gram drafting exactly, at the vendored commit 0c1e57098 (common/ngram-map.cpp,
+ngram-mod.cpp, ngram-cache.cpp, speculative.cpp): ngram-simple, and ngram-map-k, ngram-map-k4v,
+ngram-mod and ngram-cache, whose state lasts across a server's requests (_ServerState).
 
 ngram-simple (common_ngram_simple_draft): the context's last size_n tokens are looked up, most
 recent match first, skipping position 0 and the window that ends one token before the context
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from crossrt.errors import SettingsError
 from crossrt.run.acceptance import Proposal
 from crossrt.run.lookup.base import LookupDrafter
 
@@ -298,3 +301,71 @@ class LlamaNgramMod(_ServerState):
                     self.n_low = self.i_last = 0
             else:
                 self.n_low = 0
+
+
+# ngram-cache's fixed sizes (common/ngram-cache.h, common/speculative.cpp): crossrt runs it only
+# where its own settings say the same, k 8 and ngram_max 4.
+CACHE_DRAFT, CACHE_NGRAM_MAX, CACHE_STATIC = 8, 4, 2
+# try_draft's lax thresholds for the context cache, by n-gram size 1 to 4 (common/ngram-cache.cpp).
+CACHE_MIN_SAMPLES, CACHE_MIN_PERCENT = (2, 2, 1, 1), (66, 50, 50, 50)
+
+
+def check_ngram_cache(k: int, ngram_max: int) -> None:
+    if (k, ngram_max) != (CACHE_DRAFT, CACHE_NGRAM_MAX):
+        raise SettingsError(f"llama.cpp's ngram-cache drafts up to {CACHE_DRAFT} tokens from 1- to "
+                            f"{CACHE_NGRAM_MAX}-grams, fixed: run it at --k {CACHE_DRAFT} --ngram-max {CACHE_NGRAM_MAX}, "
+                            f"not k {k}, ngram_max {ngram_max}")
+
+
+class LlamaNgramCache(_ServerState):
+    """ngram-cache without cache files: common_speculative_impl_ngram_cache::draft_one,
+    common_ngram_cache_update and common_ngram_cache_draft.
+
+    Each call counts, for every 1- to 4-gram, the tokens that followed it, but only within the
+    tokens new since the last call (n-grams across that boundary are never counted). A draft
+    token is the commonest follower of the longest suffix, 4 tokens down to 1, whose counts pass
+    that size's thresholds; drafted tokens extend the suffix, up to 8. Counts and the size counted
+    up to last from one request to the next. Among equally common followers llama.cpp takes the
+    first in its std::unordered_map's order; a tie passes the thresholds only between exactly two
+    followers, which libstdc++ holds newest first (each goes to the front), so the newer wins."""
+
+    def __init__(self, k: int, ngram_max: int):
+        check_ngram_cache(k, ngram_max)
+        super().__init__()
+        self.counts: dict[tuple[int, ...], dict[int, int]] = {}  # n-gram -> follower -> count, oldest first
+        self.cache_size = 0
+
+    def _begin(self, prompt: list[int]) -> None:
+        """Nothing: llama.cpp's begin is a no-op for ngram-cache."""
+
+    def _draft(self, prompt: list[int], sampled: int) -> list[int]:
+        if self.cache_size < len(prompt) + 1:
+            new = [*prompt[self.cache_size:], sampled]
+            for size in range(1, CACHE_NGRAM_MAX + 1):
+                for i in range(size, len(new)):
+                    followers = self.counts.setdefault(tuple(new[i - size:i]), {})
+                    followers[new[i]] = followers.get(new[i], 0) + 1
+            self.cache_size = len(prompt) + 1
+        text = [*prompt, sampled]
+        if len(text) < CACHE_STATIC:
+            return []
+        draft: list[int] = []
+        while len(draft) < CACHE_DRAFT:
+            token = self._next(text + draft)
+            if token is None:
+                break
+            draft.append(token)
+        return draft
+
+    def _next(self, text: list[int]) -> Optional[int]:
+        for size in range(CACHE_NGRAM_MAX, 0, -1):
+            followers = self.counts.get(tuple(text[len(text) - size:]))
+            if followers is None:
+                continue
+            best, total = max(reversed(followers.items()), key=lambda item: item[1]), sum(followers.values())
+            if total >= CACHE_MIN_SAMPLES[size - 1] and 100 * best[1] >= CACHE_MIN_PERCENT[size - 1] * total:
+                return best[0]
+        return None
+
+    def _accept(self, n_accepted: int) -> None:
+        """Nothing: ngram-cache learns from the text only."""
