@@ -83,8 +83,8 @@ class DraftRules:
     def require_drafter_model(self, where: str) -> None:
         """Refuse spec types other than a drafter model, for runtimes that have no other."""
         if self.spec_type != "draft":
-            driven = (" (or reproduce it: --drafting llama-ngram-simple --schedule llama-server)"
-                      if self.spec_type == "ngram-simple" else "")
+            driven = (f" (or reproduce it: --drafting llama-{self.spec_type} --schedule llama-server)"
+                      if self.spec_type.startswith("ngram-") else "")
             raise SettingsError(f"{where} drafts with a drafter model only (spec type 'draft'), not "
                              f"{self.spec_type!r}: run it natively on a runtime that has it (e.g. llama-server){driven}")
 
