@@ -73,30 +73,33 @@ def test_the_proposer_is_vllms_own_kernel_on_random_texts():
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """tiny-hd64 and prompts that repeat: a built-in prompt, the target's greedy continuation,
-    the prompt again."""
+    """tiny-hd64, prompts that repeat (a built-in prompt, the target's greedy continuation, the
+    prompt again), and a context that the longest of them fills, prompt and budget: near its end
+    vLLM cuts drafts at max_model_len and drafts zeros where the last pass came too close to it."""
     folder = tmp_path_factory.mktemp("tiny-hd64-ngram")
     build_pair(folder, preset="tiny-hd64")
     manifest = folder / "tiny-hd64.toml"
     manifest.write_text('name = "tiny-hd64"\n[target]\nhf = "target-hf"\ngguf = "target.f32.gguf"\n'
                         '[drafter]\nhf = "drafter-hf"\ngguf = "drafter.f32.gguf"\n')
-    lines = []
+    lines, longest = [], 0
     with open_runtime("llama-cpp", RuntimeOptions(threads=1, f32_kv_cache=True)).load(
             folder / "target.f32.gguf") as target:
         for prompt in load_prompts("builtin")[::3]:
             seen = loop.greedy_generate(target, target.tokenize(prompt.text), 24).output_ids
             text = prompt.text + target.detokenize(seen) + "\n" + prompt.text
             lines.append(json.dumps({"id": prompt.id, "category": prompt.category, "prompt": text}) + "\n")
+            longest = max(longest, len(target.tokenize(text)))
     (folder / "prompts.jsonl").write_text("".join(lines))
-    return manifest
+    return manifest, longest + MAX_NEW
 
 
 def run(pair, out, *how):
     # k 4 at a budget of 23: last steps draft past the budget, which vLLM counts and then cuts.
-    result = CliRunner().invoke(main, ["run", "--pair", str(pair), *how, "--drafting", "vllm-ngram",
+    manifest, n_ctx = pair
+    result = CliRunner().invoke(main, ["run", "--pair", str(manifest), *how, "--drafting", "vllm-ngram",
                                        "--ngram-max", str(NGRAM_MAX), "--ngram-min", str(NGRAM_MIN), "--k", str(K),
-                                       "--max-new-tokens", str(MAX_NEW), "--threads", "1",
-                                       "--prompts", str(pair.parent / "prompts.jsonl"), "--out", str(out)])
+                                       "--max-new-tokens", str(MAX_NEW), "--n-ctx", str(n_ctx), "--threads", "1",
+                                       "--prompts", str(manifest.parent / "prompts.jsonl"), "--out", str(out)])
     assert result.exit_code == 0, result.output
     return load_record(out)
 

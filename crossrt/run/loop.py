@@ -193,7 +193,11 @@ def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], 
     while not plan.done(tally):
         k = policy.next_k(previous, lambda: target.detokenize(context[-CONTENT_WINDOW:]))
         n_max = plan.n_max(target, tally, k)
-        proposal = drafts.propose(context, k if drafts.past_budget and n_max > 0 else n_max)
+        stand_in = plan.stand_in(k)
+        if stand_in is not None:  # the runtime schedules it without asking the drafter (vLLM's zeros)
+            proposal = Proposal.chain(stand_in[:n_max])
+        else:
+            proposal = drafts.propose(context, k if drafts.past_budget and n_max > 0 else n_max)
         if plan.llama and not strategy.looks_up and not rules.kept(len(proposal)):
             proposal = Proposal.chain(())  # llama.cpp throws a short draft model's draft away
         # What the target should hold: the context but its last token, which this step verifies.

@@ -44,9 +44,11 @@ the whole prompt is prefilled and its pass samples the first token (`unverified`
 then drafts after it. Drafts are never cut near max_tokens, only where a step would pass
 max_model_len (scheduler.py schedule(): num_new_tokens <= max_model_len - num_computed_tokens - 1,
 so at most n_ctx - n_past - 2 draft tokens); no draft (an empty proposal, or none that fits) is a
-plain decode, not a step (update_from_output counts a step only with scheduled draft tokens). The
-greedy rejection sampler accepts the longest matching prefix, EOS or not, and the step's tokens
-are counted before the stop checks, so tokens past the budget or after an EOS are `cut`.
+plain decode, not a step (update_from_output counts a step only with scheduled draft tokens).
+Where the positions a pass reached plus k pass max_model_len, the model runner does not run the
+proposer and the next draft is k zeros (gpu_model_runner.py, _input_fits_in_drafter), cut as any.
+The greedy rejection sampler accepts the longest matching prefix, EOS or not, and the step's
+tokens are counted before the stop checks, so tokens past the budget or after an EOS are `cut`.
 """
 
 from __future__ import annotations
@@ -216,6 +218,11 @@ class Schedule:
         """The most tokens the next draft may hold: never past the budget."""
         return min(k, tally.max_new_tokens - len(tally.output) - 1)
 
+    def stand_in(self, k: int) -> Optional[tuple[int, ...]]:
+        """The draft the runtime schedules instead of the drafter's for the pass n_max was
+        just asked of (cut to n_max by the loop); None: the drafter's."""
+        return None
+
     def done(self, tally: Tally) -> bool:
         return tally.stopped
 
@@ -268,18 +275,36 @@ class ServerSchedule(Schedule):
 
 class VllmSchedule(ServerSchedule):
     """vLLM: the first token from the prefill pass, as llama-server; drafts of k cut only at the
-    context (max_model_len), never at the budget; a matched EOS accepted like any token."""
+    context (max_model_len), never at the budget, and k zeros instead of a draft once the last
+    pass reached too close to it; a matched EOS accepted like any token."""
 
     name = VLLM
     llama = False
     accepts_eos = True
 
+    def start(self, target: ModelSession, drafter, prompt_ids: Sequence[int], tally: Tally) -> list[int]:
+        context = super().start(target, drafter, prompt_ids, tally)
+        # The last pass: the positions it started after, and the steps counted before it (the
+        # prefill starts after none and is no step, so it reached the prompt's length).
+        self._pass = (len(prompt_ids), len(tally.step_drafted))
+        self._zeros = False
+        return context
+
     def overrun(self, k: int) -> int:
         return 0  # drafts are cut at the context itself
 
     def n_max(self, target: ModelSession, tally: Tally, k: int) -> int:
+        # Positions the last pass reached, the model runner's max_seq_len: where it started, its
+        # last token and the draft tokens it verified, accepted or not.
+        began, steps = self._pass
+        reached = began + (tally.step_drafted[-1] if len(tally.step_drafted) > steps else 0)
+        self._zeros = reached + k > target.n_ctx
+        self._pass = (target.n_past + 1, len(tally.step_drafted))
         limit = target.n_ctx - target.n_past - 2
         return min(k, limit) if limit > 0 else 0
+
+    def stand_in(self, k: int) -> Optional[tuple[int, ...]]:
+        return (0,) * k if self._zeros else None
 
 
 SCHEDULE_TYPES = {kind.name: kind for kind in (Schedule, HfAssisted, SpecSimple, ServerSchedule, VllmSchedule)}
