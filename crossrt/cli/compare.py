@@ -76,7 +76,7 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
            baselines, counter_tolerance, logit_tolerance, strict, no_logits, no_float_control, counters_only, no_rescore,
            jobs, junit, markdown, html, chat, chat_template, template_vars, turn, first_answers_file, options) -> None:
     """Check that runs agree: same token ids over the full length, counters equal between runs
-    with the same schedule, each run lossless, logits close along common outputs.
+    that counted and drafted alike (schedule, k, rules, drafting), each run lossless, logits close along common outputs.
 
     \b
     Compare saved records:  crossrt parity runs/a.json runs/b.json
