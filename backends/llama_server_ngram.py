@@ -1,7 +1,8 @@
-"""llama-server's n-gram spec types under crossrt's settings: which --drafting runs which type,
-and the type's own flags for crossrt's ngram_max, k and n_min (common/arg.cpp, common/common.h at
+"""llama.cpp's n-gram spec types under crossrt's settings, for llama-server and
+llama-speculative-simple (backends/llama_spec_cli.py): which --drafting runs which type, and the
+type's own flags for crossrt's ngram_max, k and n_min (common/arg.cpp, common/common.h at
 the vendored commit 0c1e57098). crossrt/run/lookup/llama_ngram.py reproduces each type under the
-llama-server schedule; docs/ngram.md sets the settings side by side."""
+llama-server and llama-spec-simple schedules; docs/ngram.md sets the settings side by side."""
 
 from __future__ import annotations
 
@@ -58,12 +59,13 @@ def ngram_settings(spec_type: str, size_n: int, rules: DraftRules) -> tuple[tupl
     return ((f"{flag}-size-n", size_n), (f"{flag}-size-m", k)) + hits
 
 
-def ngram_note(spec_type: str, settings: tuple[tuple[str, int], ...]) -> str:
+def ngram_note(spec_type: str, settings: tuple[tuple[str, int], ...], across: bool = True) -> str:
     """The record's note: llama.cpp's own flags and values, what they stand for, and the state
-    the type keeps across requests."""
+    the type keeps across requests where one process serves them all (across: llama-server, not
+    llama-speculative-simple, which runs one prompt per process)."""
     given = " ".join(f"{flag} {value}" for flag, value in settings) or "its fixed sizes"
     crossrt = "ngram_max, k" + (", n_min" if spec_type == "ngram-mod" else "") + \
         (f", and min_hits {MIN_HITS}, its default" if spec_type == "ngram-map-k4v" else "") + \
         (" (4 and 8: the only values it runs at)" if spec_type == "ngram-cache" else "")
-    kept = f"; {ACROSS_REQUESTS[spec_type]}" if spec_type in ACROSS_REQUESTS else ""
+    kept = f"; {ACROSS_REQUESTS[spec_type]}" if across and spec_type in ACROSS_REQUESTS else ""
     return f"{spec_type}: {given} (crossrt's {crossrt}; {DEFAULTS[spec_type]}){kept}"

@@ -3,10 +3,16 @@
 
 Each speculative generation runs the tool once with debug logging (-lv 5), the prompt in a
 file, stdout and stderr written to files; a run whose log lost its statistics tail at exit is
-rerun. Output token ids come from the
-debug log, never from text: each step logs its draft (the drafter's candidate 0 at each
-position) and "accepted A/N draft tokens, the last target token is: (ID)", from which the
-step's tokens are rebuilt; the printed text is then checked byte for byte against them.
+rerun. Output token ids come from the debug log, never from text: each step logs its draft
+(draft-simple: the drafter's candidate 0 at each position; an n-gram type logs none, so the
+target's input batch [last token] + draft, listed under LLAMA_BATCH_DEBUG=1) and "accepted A/N
+draft tokens, the last target token is: (ID)", from which the step's tokens are rebuilt; the
+printed text is then checked byte for byte against them (backends/llama_spec_cli_log.py).
+
+--drafting llama-ngram-* runs the tool's own n-gram type (--spec-type ngram-*, no -md: no
+drafter model is loaded) with crossrt's settings mapped to the type's flags as for llama-server
+(backends/llama_server_ngram.py). The tool runs one prompt per process, so nothing a type
+learns carries over to the next prompt.
 The tool tokenizes the prompt text itself (add_special and parse_special, as
 `common_tokenize(ctx, prompt, true, true)`); crossrt tokenizes the same way in-process at the
 same llama.cpp commit and checks the tool's prompt (its token count and echoed text) against it.
@@ -20,30 +26,28 @@ details and where each rule comes from.
 
 from __future__ import annotations
 
-import ctypes
-import math
+import dataclasses
 import os
-import re
 import subprocess
 import time
-from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Optional, Sequence
 
 from crossrt.run import loop
-from crossrt.errors import ModelError, PromptRefused
+from crossrt.errors import ModelError, PromptRefused, SettingsError
 from crossrt.run.memory import check_gguf_fits
 from crossrt.run.processes import die_with_parent
 from crossrt.run.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                              RuntimeOptions, RuntimeUnavailable)
 from crossrt.run.schedules import SPEC_SIMPLE, check_prompt
 from crossrt.records.schema import Counters, CountsDoNotAddUp, RuntimeInfo
-# _internals: llama_cpp's module, None where llama_cpp did not import (reported by check_available)
-from crossrt.backends.llama_cpp import LlamaCppRuntime, _internals, llama_cpp
+from crossrt.backends.llama_cpp import LlamaCppRuntime
+from crossrt.backends.llama_server_ngram import NGRAM_DRAFTINGS, ngram_note, ngram_settings
+from crossrt.backends.llama_spec_cli_log import TOOL, ToolRun, Vocab, parse_log, step_tokens
 from crossrt.backends.llama_tools import BUILD_BIN, find_tool, log_tail, probe
-
-TOOL = "llama-speculative-simple"
+from crossrt.run.lookup.llama_ngram import check_ngram_cache
+from crossrt.run.strategies import Strategy
 REPO_TOOL = BUILD_BIN / TOOL
 # The tool's logger thread is leaked at exit, so the log's tail (the statistics) is lost in a
 # quarter to most of the runs on a busy 2-core machine. scripts/build_llama_tools builds a small
@@ -63,105 +67,6 @@ TOOL_S_PER_TOKEN = 2.0
 PROBE_S = 5.0
 STOPPED_PROBES = 3
 
-_EVENT = re.compile(
-    rb"draft candidate\s+(?P<rank>\d+), pos\s+(?P<pos>\d+):\s+(?P<token>\d+) \("
-    rb"|accepted (?P<accepted>\d+)/(?P<drafted>\d+) draft tokens, the last target token is: \((?P<last>-?\d+)\)")
-_PHASE = re.compile(rb"(?P<name>encoded|decoded)\s+(?P<n>\d+) tokens in\s+(?P<s>[\d.]+) seconds, "
-                    rb"speed:\s+(?P<speed>\S+) t/s")
-_STAT = re.compile(rb"(?P<name>n_predict|n_drafted|n_accept)\s+= (?P<value>\d+)")
-
-
-@dataclass(frozen=True)
-class ToolStep:
-    draft: tuple[int, ...]
-    accepted: int
-    last: int  # the step's last emitted token (an accepted EOS when one ends the step)
-
-
-@dataclass(frozen=True)
-class ToolRun:
-    """What one run of the tool printed: its log events and its final statistics."""
-
-    n_prompt: int
-    steps: tuple[ToolStep, ...]
-    n_predict: int
-    n_drafted: int
-    n_accept: int
-    prefill_s: float
-    decode_s: float
-
-
-def _seconds(match: re.Match) -> float:
-    # tokens / speed keeps the precision the printed seconds (3 decimals) lose
-    speed = float(match["speed"])
-    n = int(match["n"])
-    return n / speed if math.isfinite(speed) and speed > 0 else float(match["s"])
-
-
-def parse_log(log: bytes) -> Optional[ToolRun]:
-    """The run in the tool's stderr; None when its statistics tail is missing (lost at exit)."""
-    stats = {m["name"].decode(): int(m["value"]) for m in _STAT.finditer(log)}
-    phases = {m["name"].decode(): m for m in _PHASE.finditer(log)}
-    if len(stats) < 3 or len(phases) < 2:
-        return None
-    steps: list[ToolStep] = []
-    candidates: dict[int, int] = {}
-    for event in _EVENT.finditer(log):
-        if event["rank"] is not None:
-            if event["rank"] == b"0":
-                candidates[int(event["pos"])] = int(event["token"])
-            continue
-        n_draft = int(event["drafted"])
-        if any(pos not in candidates for pos in range(n_draft)):
-            raise RuntimeFailure(f"{TOOL} log: a step verified {n_draft} draft tokens but logged "
-                                 f"candidates for positions {sorted(candidates)}")
-        steps.append(ToolStep(tuple(candidates[pos] for pos in range(n_draft)), int(event["accepted"]),
-                              int(event["last"])))
-        candidates = {}
-    return ToolRun(int(phases["encoded"]["n"]), tuple(steps), stats["n_predict"],
-                   stats["n_drafted"], stats["n_accept"], _seconds(phases["encoded"]), _seconds(phases["decoded"]))
-
-
-def step_tokens(step: ToolStep, eog: frozenset[int]) -> list[int]:
-    """The tokens a step emitted. After a fully accepted draft ending in EOS the tool stops at
-    that EOS and its bonus token is never shown (but it counts in n_predict)."""
-    if step.draft and step.accepted == len(step.draft) and step.draft[-1] in eog:
-        return list(step.draft)
-    return list(step.draft[:step.accepted]) + [step.last]
-
-
-class Vocab:
-    """The target's vocabulary in-process, at the tool's llama.cpp commit."""
-
-    def __init__(self, path: Path):
-        params = llama_cpp.llama_model_default_params()
-        params.vocab_only = True
-        self._model = _internals.LlamaModel(path_model=str(path), params=params, verbose=False)
-        vocab = self._model.vocab
-        self.eog_ids = frozenset(t for t in range(self._model.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t))
-
-    def tokenize(self, text: str) -> list[int]:
-        # common_tokenize(ctx, prompt, add_special=true, parse_special=true), as the tool calls it
-        return self._model.tokenize(text.encode("utf-8"), add_bos=True, special=True)
-
-    def piece(self, token: int) -> bytes:
-        """common_token_to_piece(ctx, token): special tokens rendered, as the tool prints them."""
-        size = 64
-        while True:
-            buffer = (ctypes.c_char * size)()
-            n = llama_cpp.llama_token_to_piece(self._model.vocab, token, buffer, size, 0, True)
-            if n >= 0:
-                return bytes(buffer[:n])
-            size = -n
-
-    def printed(self, ids: Sequence[int]) -> bytes:
-        """ids as the tool prints them: with printf's %s, so each piece ends at a NUL byte."""
-        return b"".join(self.piece(t).split(b"\0")[0] for t in ids)
-
-    def close(self) -> None:
-        self._model.close()
-
-
 def _is_stopped(pid: int) -> bool:
     """The process is stopped (SIGSTOP, SIGTSTP), as /proc tells where there is one."""
     try:
@@ -175,9 +80,10 @@ class LlamaSpecCliSession(NativeSession):
     schedule = SPEC_SIMPLE
 
     def __init__(self, command: list[str], baseline_runtime: LlamaCppRuntime, target: Path,
-                 rules: DraftRules, work_dir: Path, notes: tuple[str, ...]):
+                 rules: DraftRules, work_dir: Path, notes: tuple[str, ...], batches: bool = False):
         self._command = command
         self._rules = rules
+        self._batches = batches  # an n-gram type: drafts read from the target's batches
         work_dir.mkdir(parents=True, exist_ok=True)
         # Only the latest run's files are kept: enough to read a failure, bounded on disk.
         self._prompt = work_dir / f"{TOOL}.prompt"
@@ -215,6 +121,8 @@ class LlamaSpecCliSession(NativeSession):
         environment = dict(os.environ)
         if LOG_FLUSH_SHIM.is_file():
             environment["LD_PRELOAD"] = " ".join(filter(None, [str(LOG_FLUSH_SHIM), os.environ.get("LD_PRELOAD")]))
+        if self._batches:  # the n-gram types log no draft ids: llama.cpp's batch listing has them
+            environment["LLAMA_BATCH_DEBUG"] = "1"
         for _ in range(ATTEMPTS):
             with open(self._out, "wb") as out_file, open(self._log, "wb") as log_file:
                 code = self._watched(command, out_file, log_file, environment, work_tokens)
@@ -226,7 +134,7 @@ class LlamaSpecCliSession(NativeSession):
                 raise RuntimeFailure(f"{TOOL}: this target cannot drop part of a sequence, so the tool "
                                      "verifies through checkpoints, re-running partial drafts; crossrt "
                                      "does not read that path's log")
-            run = parse_log(log)
+            run = parse_log(log, self._batches)
             if run is not None:
                 return run
         raise RuntimeFailure(f"{TOOL} printed no statistics in {ATTEMPTS} runs; log {self._log}:\n"
@@ -307,6 +215,8 @@ class LlamaSpecCliRuntime(Runtime):
     scored_by = "llama-cpp"  # the same llama.cpp commit in-process, for logits
     program = TOOL
     drafting_rules = ("n_min", "p_min")  # passed as the build's own flags (Build.flags)
+    # --drafting llama-ngram-*: the tool's own n-gram type at the strategy's ngram_max, no drafter loaded.
+    native_draftings = tuple(NGRAM_DRAFTINGS)
 
     def __init__(self, options: RuntimeOptions):
         super().__init__(options)
@@ -341,19 +251,22 @@ class LlamaSpecCliRuntime(Runtime):
             system_info=self.build.system_info,
         )
 
-    def command(self, target: Path, drafter: Path, rules: DraftRules) -> list[str]:
-        """Everything but -n and the prompt: greedy, the run options, debug logging."""
+    def command(self, target: Path, drafter: Optional[Path], rules: DraftRules,
+                ngram: tuple[tuple[str, int], ...] = ()) -> list[str]:
+        """Everything but -n and the prompt: greedy, the run options, debug logging; drafter None:
+        rules.spec_type, an n-gram type, with its settings ngram and no drafter model."""
         options, flags = self.options, self.flags
         threads = str(options.threads)
-        command = [str(self.executable), "-m", str(target), "-md", str(drafter),
+        model = ["-md", str(drafter), "-td", threads, "-ngld", str(options.n_gpu_layers)] if drafter is not None else []
+        command = [str(self.executable), "-m", str(target), *model,
                    flags.n_max, str(rules.k), flags.n_min, str(rules.n_min), flags.p_min, repr(rules.p_min),
                    # The in-process runtime's batch sizes: the prompt is one batch, 512-token ubatches.
                    "-c", str(options.n_ctx), "-b", str(options.n_ctx), "-ub", str(min(options.n_ctx, 512)),
                    "--temp", "0",
-                   "-t", threads, "-tb", threads, "-td", threads,
-                   "-ngl", str(options.n_gpu_layers), "-ngld", str(options.n_gpu_layers), "-lv", "5"]
+                   "-t", threads, "-tb", threads, "-ngl", str(options.n_gpu_layers), "-lv", "5"]
         if flags.spec_type:
-            command += [flags.spec_type, "draft-simple"]
+            command += [flags.spec_type, "draft-simple" if drafter is not None else rules.spec_type]
+        command += [str(part) for setting in ngram for part in setting]
         if flags.swa_full:  # the in-process runtime's cache shape (backends/llama_tools.py, Flags)
             command.append(flags.swa_full)
         if flags.flash_attn_takes_value:
@@ -361,28 +274,64 @@ class LlamaSpecCliRuntime(Runtime):
         elif options.flash_attn:
             command += ["-fa"]
         if options.f32_kv_cache:
-            command += ["-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32"]
+            command += ["-ctk", "f32", "-ctv", "f32"] + (["-ctkd", "f32", "-ctvd", "f32"] if drafter is not None else [])
         if options.gpu_split:
             command += ["-ts", ",".join(str(share) for share in options.gpu_split)]
         return command
 
-    def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path) -> LlamaSpecCliSession:
-        # Draft token ids are read from draft-simple's debug lines; other spec types log differently.
-        rules.require_drafter_model("runtime llama-spec-cli")
-        for path in (target, drafter):
+    def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path,
+                    strategy: Optional[Strategy] = None) -> LlamaSpecCliSession:
+        """strategy: --drafting llama-ngram-*, run as that n-gram type at its ngram_max, no drafter loaded."""
+        ngram: tuple[tuple[str, int], ...] = ()
+        if strategy is None:
+            # Draft token ids are read from draft-simple's debug lines; an n-gram type needs --drafting.
+            if rules.spec_type.startswith("ngram-"):
+                raise SettingsError(f"runtime llama-spec-cli runs spec type {rules.spec_type!r} as --drafting "
+                                    f"llama-{rules.spec_type} --ngram-max N (its lookup length)")
+            rules.require_drafter_model("runtime llama-spec-cli")
+        else:
+            rules, ngram = self._ngram(rules, strategy)
+        models = (target,) if strategy is not None else (target, drafter)
+        for path in models:
             if not Path(path).is_file():
                 raise FileNotFoundError(f"model file not found: {path}")
-        # The tool holds target and drafter while the in-process baseline holds the target.
-        check_gguf_fits([target, drafter, target], self.options, self.name, gpu="(none)" not in self._devices)
-        baseline_runtime = LlamaCppRuntime(replace(self.options, executable=None))
+        # The tool holds target (and drafter) while the in-process baseline holds the target.
+        check_gguf_fits([*models, target], self.options, self.name, gpu="(none)" not in self._devices)
+        baseline_runtime = LlamaCppRuntime(dataclasses.replace(self.options, executable=None))
+        how = (f"its {rules.spec_type} drafts read from the target's input batches (LLAMA_BATCH_DEBUG=1), as "
+               "the type logs no draft ids" if strategy is not None else "its debug log's steps")
         notes = [
             f"speculative runs: {self.executable.name} (schedule {SPEC_SIMPLE}); counters from its "
-            "n_drafted, n_accept, n_predict (= emitted + cut: its last step overshoots -n) and its "
-            "debug log's steps; timings from its encoded/decoded lines, with debug logging on",
+            "n_drafted, n_accept, n_predict (= emitted + cut: its last step overshoots -n) and "
+            f"{how}; timings from its encoded/decoded lines, with debug logging on",
             "baseline: plain greedy in-process through llama-cpp-python at the same llama.cpp commit "
             "and options, timed with crossrt's Python loop (the tool has no plain mode)",
         ]
+        if strategy is not None:
+            notes[:0] = [ngram_note(rules.spec_type, ngram, across=False),
+                         "one process per prompt: nothing the type learns carries from one prompt to the next"]
         if self.build.commit is None:
             notes.append(f"{self.executable} does not say its commit: the baseline's commit may differ")
-        return LlamaSpecCliSession(self.command(target, drafter, rules), baseline_runtime, Path(target),
-                                   rules, Path(work_dir), tuple(notes))
+        session = LlamaSpecCliSession(self.command(target, None if strategy is not None else drafter, rules, ngram),
+                                      baseline_runtime, Path(target), rules, Path(work_dir), tuple(notes),
+                                      batches=strategy is not None)
+        if strategy is not None:  # what it drafts under crossrt's names, as its driven reproduction records them
+            session.fixed_params = (("spec_type", rules.spec_type), ("drafting", strategy.drafting),
+                                    ("ngram_max", strategy.ngram_max))
+        return session
+
+    def _ngram(self, rules: DraftRules, strategy: Strategy) -> tuple[DraftRules, tuple[tuple[str, int], ...]]:
+        """The run's rules under the strategy's n-gram type, and the type's own flags for crossrt's
+        settings (llama-server's mapping, backends/llama_server_ngram.py)."""
+        spec_type = NGRAM_DRAFTINGS[strategy.drafting]
+        if rules.spec_type not in ("draft", spec_type):
+            raise SettingsError(f"--drafting {strategy.drafting} is {TOOL}'s {spec_type}, not spec type "
+                                f"{rules.spec_type!r}")
+        if spec_type == "ngram-cache":
+            check_ngram_cache(rules.k, strategy.ngram_max)
+        rules = dataclasses.replace(rules, spec_type=spec_type)
+        ngram = ngram_settings(spec_type, strategy.ngram_max, rules)
+        if not self.flags.spec_type or any(flag not in self.flags.spec_ngram for flag, _ in ngram):
+            raise SettingsError(f"{TOOL} {self.build.version} cannot set {spec_type}'s sizes "
+                                f"(--spec-{spec_type}-*): --drafting {strategy.drafting} needs them")
+        return rules, ngram

@@ -103,11 +103,11 @@ def check_strategy(strategy: Strategy, schedule: str, rules: DraftRules, traced:
     if traced and drafting != "model":
         raise SettingsError(f"traces record a draft model's chain, not {drafting} drafting")
     lookup = LOOKUPS.get(strategy.drafting)
-    if lookup is not None and lookup.schedule is not None:
-        if (schedule != lookup.schedule or strategy.k_policy != "fixed" or strategy.acceptance != "greedy"
+    if lookup is not None and lookup.schedules:
+        if (schedule not in lookup.schedules or strategy.k_policy != "fixed" or strategy.acceptance != "greedy"
                 or not rules.fixed):
-            raise SettingsError(f"--drafting {lookup.name} is reproduced under the {lookup.schedule} schedule, at "
-                                "fixed k, greedy, without n_min or p_min (draft-model rules)")
+            raise SettingsError(f"--drafting {lookup.name} is reproduced under the {' or '.join(lookup.schedules)} "
+                                "schedule, at fixed k, greedy, without n_min or p_min (draft-model rules)")
     elif SCHEDULE_TYPES[schedule].llama:
         if not strategy.is_default:
             raise SettingsError(f"the {schedule} schedule drafts as llama.cpp does (a draft model, fixed k, greedy), "
@@ -146,9 +146,10 @@ def _drafter(strategy: Strategy, session: Optional[ModelSession], rules: DraftRu
 
 def run_lookup(strategy: Strategy, rules: DraftRules, schedule: str, eog: frozenset[int]) -> Optional[Drafter]:
     """One lookup drafter for a run's prompts, in order, where its state outlives a prompt as
-    llama-server keeps its n-gram maps and pool across requests (Lookup.per_run); else None."""
+    llama-server keeps its n-gram maps and pool across requests (Lookup.kept_across_prompts);
+    else None: each prompt begins afresh, as llama-speculative-simple's process per prompt."""
     lookup = LOOKUPS.get(strategy.drafting)
-    if lookup is None or not lookup.per_run:
+    if lookup is None or not lookup.kept_across_prompts(schedule):
         return None
     return _drafter(strategy, None, rules, SCHEDULE_TYPES[schedule](), eog, None, None)
 

@@ -6,7 +6,15 @@ ngram-simple (common_ngram_simple_draft): the context's last size_n tokens are l
 recent match first, skipping position 0 and the window that ends one token before the context
 does; the draft is what followed the match, at most size_m tokens, none at all when fewer than
 size_n tokens followed it or when the context holds size_n + size_m + 2 tokens or fewer.
-llama-server then cuts it to the step's limit (common/speculative.cpp)."""
+The tool then cuts it to the step's limit (common_speculative_draft, common/speculative.cpp:
+llama-server drafts nothing at a limit of 0, llama-speculative-simple takes a limit of 0 as none).
+
+Under llama-speculative-simple (examples/speculative-simple) every step drafts, and
+common_speculative_accept reaches the type that drafted last after every step, an empty draft's
+too; each type's draft call first forgets its last draft (map: last_draft_created, mod:
+n_draft_last), so that accept changes nothing, and the types are told what was accepted exactly
+as llama-server tells them (keep after a non-empty draft). The tool runs one prompt per process:
+its state begins afresh on each (Lookup.kept_across_prompts)."""
 
 from __future__ import annotations
 
@@ -40,10 +48,11 @@ class LlamaNgramSimple(LookupDrafter):
 
 
 class _ServerState(LookupDrafter):
-    """A proposer whose state lasts as long as llama-server's: begun on each prompt (prefill, as
-    common_speculative_begin on the slot's prompt), told how many draft tokens each verified step
-    accepted (keep, as common_speculative_accept: only after a non-empty draft), and kept from one
-    prompt to the next (Lookup.per_run), since the server keeps it across requests."""
+    """A proposer whose state lasts as long as the tool's process: begun on each prompt (prefill,
+    as common_speculative_begin on the prompt the schedule prefills), told how many draft tokens
+    each verified step accepted (keep, as common_speculative_accept: only after a non-empty draft),
+    and kept from one prompt to the next under llama-server, which keeps it across requests
+    (Lookup.kept_across_prompts); llama-speculative-simple's process ends with its prompt."""
 
     def __init__(self):
         super().__init__()
