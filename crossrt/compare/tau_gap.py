@@ -13,8 +13,10 @@ per-prompt counts that differ in one respect only (docs/analysis.md):
 
 "sim X on an oracle" is X's schedule with X's drafting rules and X's drafting simulated on the
 oracle of those prompt ids (crossrt/simulate/drafting.py: the drafter model's rows, or the
-lookup replayed); "hybrid X" takes, per prompt, the simulation where the run
-emitted the oracle's greedy output and the run's own counts where it did not. So numerics is
+lookup replayed); on A's oracles the simulations go through A's finished prompts in A's order,
+on B's through B's, so that a lookup whose state outlives a prompt is replayed as the run saw
+its prompts ("A's prompt ids" is their order too). "hybrid X" takes, per prompt, the simulation
+where the run emitted the oracle's greedy output and the run's own counts where it did not. So numerics is
 what runs that left the greedy output (other tokens accepted) change, and residual what the
 simulation misses on runs that did not leave it: drafts changed by near-ties in the drafter, or
 a rule the simulation does not model. The sum telescopes, and every figure is an exact
@@ -31,7 +33,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from crossrt.errors import ComparisonError, CrossrtError, SettingsError
 from crossrt.run.runtime import ModelSession, RuntimeOptions, open_runtime
-from crossrt.simulate.drafting import MODEL, Drafting, check_drafting, record_drafting, simulate_drafting
+from crossrt.simulate.drafting import MODEL, Drafting, check_drafting, per_run, record_drafting, simulate_sequence
 from crossrt.simulate.schedules import record_rules
 from crossrt.records.schema import Counters, PromptResult, RunRecord
 from crossrt.simulate.oracle import Oracle, build_oracle
@@ -147,14 +149,34 @@ class _Prompt:
     sim_b_on_a: Counters  # B's schedule and drafting on A's oracle
 
 
-def _simulated(oracle: Oracle, record: RunRecord, drafting: Drafting, label: str) -> Counters:
-    """record's schedule and rules with drafting on oracle, counted; a what-if that cannot be
-    simulated (a drafting under a schedule or rules it has no simulation for) as one line."""
+def _simulated(run: Sequence[tuple[PromptResult, Oracle]], record: RunRecord, drafting: Drafting,
+               label: str) -> dict[str, Counters]:
+    """record's schedule, rules and n_ctx with drafting on a run's oracles, one run through them
+    in order, counted per prompt id of the run; a what-if that cannot be simulated (a drafting
+    under a schedule or rules it has no simulation for) as one line."""
     rules = record_rules(record)
     try:
-        return simulate_drafting(oracle, record.params.schedule, rules, drafting).counters(rules.k)
+        sims = simulate_sequence([oracle for _, oracle in run], record.params.schedule, rules, drafting,
+                                 record.params.n_ctx)
     except SettingsError as error:
         raise ComparisonError(f"{label}'s schedule with {drafting.label}: {error}") from None
+    return {result.prompt_id: sim.counters(rules.k) for (result, _), sim in zip(run, sims, strict=True)}
+
+
+def _finished(record: RunRecord, label: str, common: set[str], draftings: Sequence[Drafting],
+              oracles: Mapping[tuple[int, ...], Oracle]) -> list[tuple[PromptResult, Oracle]]:
+    """record's finished prompts in its order, with their oracles; ComparisonError where a drafting replayed through
+    them keeps its state from prompt to prompt and a failed prompt, whose output is unknown,
+    comes before a prompt the gap compares."""
+    kept = next((d for d in draftings if per_run(d)), None)
+    failed = None
+    for result in record.results:
+        if kept is not None and failed is not None and result.ok and result.prompt_id in common:
+            raise ComparisonError(f"{label}: prompt {failed} failed, and {kept.name} keeps its state from prompt to "
+                                  f"prompt: the prompts after it cannot be replayed without its output")
+        if not result.ok and failed is None:
+            failed = result.prompt_id
+    return [(result, _oracle(oracles, result, record.params.max_new_tokens)) for result in record.results if result.ok]
 
 
 def _drafting(record: RunRecord, label: str) -> Drafting:
@@ -178,21 +200,26 @@ def tau_gap(a: RunRecord, b: RunRecord, oracles: Mapping[tuple[int, ...], Oracle
         raise ComparisonError(f"{label_a} and {label_b} ran other token budgets "
                               f"({a.params.max_new_tokens} and {b.params.max_new_tokens})")
     b_results = {r.prompt_id: r for r in b.results if r.ok}
+    common = {r.prompt_id for r in a.results if r.ok and r.prompt_id in b_results}
+    # A's run carries A's drafting (sim A, sim B with A's) and B's (sim B on A); B's, B's alone.
+    on_a = _finished(a, label_a, common, (drafting_a, drafting_b), oracles)
+    on_b = _finished(b, label_b, common, (drafting_b,), oracles)
+    oracle_a, oracle_b = ({result.prompt_id: oracle for result, oracle in run} for run in (on_a, on_b))
+    sim_a = _simulated(on_a, a, drafting_a, label_a)
+    sim_b = _simulated(on_b, b, drafting_b, label_b)
+    sim_b_with_a = _simulated(on_a, b, drafting_a, label_b)
+    sim_b_on_a = sim_b_with_a if drafting_a == drafting_b else _simulated(on_a, b, drafting_b, label_b)
     prompts = []
     for result_a in a.results:
-        result_b = b_results.get(result_a.prompt_id)
-        if not result_a.ok or result_b is None:
+        if result_a.prompt_id not in common:
             continue
-        oracle_a = _oracle(oracles, result_a, a.params.max_new_tokens)
-        oracle_b = _oracle(oracles, result_b, b.params.max_new_tokens)
-        sim_a = _simulated(oracle_a, a, drafting_a, label_a)
-        sim_b = _simulated(oracle_b, b, drafting_b, label_b)
-        hybrid_a = sim_a if tuple(result_a.output_ids) == oracle_a.output else result_a.counters
-        hybrid_b = sim_b if tuple(result_b.output_ids) == oracle_b.output else result_b.counters
-        sim_b_with_a = _simulated(oracle_a, b, drafting_a, label_b)
-        sim_b_on_a = sim_b_with_a if drafting_a == drafting_b else _simulated(oracle_a, b, drafting_b, label_b)
+        result_b, key = b_results[result_a.prompt_id], result_a.prompt_id
+        greedy_a = tuple(result_a.output_ids) == oracle_a[key].output
+        greedy_b = tuple(result_b.output_ids) == oracle_b[key].output
+        hybrid_a = sim_a[key] if greedy_a else result_a.counters
+        hybrid_b = sim_b[key] if greedy_b else result_b.counters
         prompts.append(_Prompt(result_a.category, result_a.counters, result_b.counters, hybrid_a, hybrid_b,
-                               sim_a, sim_b, sim_b_with_a, sim_b_on_a))
+                               sim_a[key], sim_b[key], sim_b_with_a[key], sim_b_on_a[key]))
     if not prompts:
         raise ComparisonError(f"{label_a} and {label_b} finished no prompt in common")
     categories = sorted({p.category for p in prompts})

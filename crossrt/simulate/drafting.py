@@ -4,24 +4,27 @@ model, read from the oracle's draft rows (crossrt/simulate/schedules.py), or by 
 
 A lookup proposes from the context alone, and some keep state between calls (llama.cpp's
 hit-counted n-gram maps are told what was accepted), so its drafts cannot be read from rows made
-ahead of time at every position: the replay builds a fresh lookup per prompt, as the one loop
-does, and calls it as the loop calls it (crossrt/run/loop.py: propose at the schedule's cap,
-mirror under llama.cpp's schedules, keep), with the run stage's own schedule (its start, each
-draft's cap, when it is done), Tally and greedy acceptance. The target's choices come from the
-oracle: after prompt + output[:e] + a draft's first i tokens, while those match the greedy
-output, the target chooses extended[e + i]; greedy verification reads nothing past the first
-mismatch. So the replay is a real run's steps wherever the loop runs that lookup
-(tests/test_tau_gap_lookup.py holds them against driven runs step for step), and under a schedule
-the loop does not run it with (llama-ngram-simple under hf-assisted) the same calls are the
-what-if a tau gap's drafter algorithm part reads. n_min and p_min are draft-model rules: the
-loop never applies them to a lookup, nor does the replay.
+ahead of time at every position: the replay builds its lookups as the run stage does (a fresh
+one per prompt, or one for a run's prompts in order where its state outlives a prompt,
+Lookup.per_run, as loop.run_lookup) and calls them as the loop calls them (crossrt/run/loop.py:
+propose at the schedule's cap, or the schedule's stand-in draft, mirror under llama.cpp's
+schedules, keep), with the run stage's own schedule (its start, each draft's cap at the run's
+n_ctx, when it is done), Tally and greedy acceptance (a matched EOS accepted where the schedule's
+verifier does so). The target's choices come from the oracle: after prompt + output[:e] + a
+draft's first i tokens, while those match the greedy output, the target chooses extended[e + i];
+greedy verification reads nothing past the first mismatch. So the replay is a real run's steps
+wherever the loop runs that lookup (tests/test_tau_gap_lookup.py holds them against driven runs
+step for step, prompt by prompt through a run), and under a schedule the loop does not run it
+with (llama-ngram-simple under hf-assisted) the same calls are the what-if a tau gap's drafter
+algorithm part reads. n_min and p_min are draft-model rules: the loop never applies them to a
+lookup, nor does the replay.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -29,16 +32,17 @@ from crossrt.errors import SettingsError
 from crossrt.records.schema import RunRecord
 from crossrt.run.acceptance import Greedy, Proposal
 from crossrt.run.lookup import LOOKUPS, LookupSettings
+from crossrt.run.lookup.base import LookupDrafter
 from crossrt.run.numerics import Choices
 from crossrt.run.runtime import DraftRules, Rows
-from crossrt.run.schedules import HF_SCHEDULE, SCHEDULE, SCHEDULE_TYPES, SERVER, SPEC_SIMPLE, Tally
+from crossrt.run.schedules import HF_SCHEDULE, SCHEDULE, SCHEDULE_TYPES, SERVER, SPEC_SIMPLE, VLLM, Tally
 from crossrt.simulate.oracle import Oracle, SimRun
 from crossrt.simulate.schedules import check_rules, record_rules, simulate_schedule
 
 MODEL = "model"
 # The schedules whose loop the replay follows: a lookup run under another (a runtime's own,
 # added later) is refused rather than replayed as if it were one of these.
-REPLAYED = (SCHEDULE, HF_SCHEDULE, SPEC_SIMPLE, SERVER)
+REPLAYED = (SCHEDULE, HF_SCHEDULE, SPEC_SIMPLE, SERVER, VLLM)
 
 
 @dataclass(frozen=True)
@@ -80,34 +84,58 @@ def check_drafting(schedule: str, rules: DraftRules, drafting: Drafting) -> None
         check_rules(schedule, rules)
     elif schedule not in REPLAYED:
         raise SettingsError(f"schedule {schedule!r}: a lookup's run is replayed under {', '.join(REPLAYED)} only")
-    elif getattr(LOOKUPS[drafting.name], "per_run", False):  # Lookup.per_run, where the table has it
-        raise SettingsError(f"{drafting.name} keeps its state from prompt to prompt, and a run is replayed prompt "
-                            "by prompt")
 
 
-def simulate_drafting(oracle: Oracle, schedule: str, rules: DraftRules, drafting: Drafting) -> SimRun:
-    """schedule's run with rules and drafting on oracle."""
+def per_run(drafting: Drafting) -> bool:
+    """Whether drafting's state outlives a prompt (Lookup.per_run), so a run is replayed as a whole."""
+    return drafting.name != MODEL and LOOKUPS[drafting.name].per_run
+
+
+def simulate_drafting(oracle: Oracle, schedule: str, rules: DraftRules, drafting: Drafting,
+                      n_ctx: Optional[int] = None) -> SimRun:
+    """schedule's run of one prompt with rules and drafting on oracle (a lookup begun afresh);
+    n_ctx: the run's context, where the schedule cuts drafts at it (None: it never binds)."""
+    return simulate_sequence([oracle], schedule, rules, drafting, n_ctx)[0]
+
+
+def simulate_sequence(oracles: Sequence[Oracle], schedule: str, rules: DraftRules, drafting: Drafting,
+                      n_ctx: Optional[int] = None) -> list[SimRun]:
+    """A run of the oracles' prompts in this order: each simulated as simulate_drafting does, but
+    through one lookup where its state outlives a prompt (per_run), as the run stage drives it."""
     if drafting.name == MODEL:
-        return simulate_schedule(oracle, schedule, rules)
+        return [simulate_schedule(oracle, schedule, rules) for oracle in oracles]
     check_drafting(schedule, rules, drafting)
-    if rules.k >= len(oracle.beyond):
-        raise SettingsError(f"k={rules.k} reaches past the oracle's {len(oracle.beyond)} tokens beyond its output")
-    return _replay(oracle, schedule, rules.k, drafting)
+    short = next((oracle for oracle in oracles if rules.k >= len(oracle.beyond)), None)
+    if short is not None:
+        raise SettingsError(f"k={rules.k} reaches past the oracle's {len(short.beyond)} tokens beyond its output")
+    kept = _lookup(oracles[0], schedule, rules.k, drafting) if oracles and per_run(drafting) else None
+    return [_replay(oracle, schedule, rules.k, kept or _lookup(oracle, schedule, rules.k, drafting), n_ctx)
+            for oracle in oracles]
 
 
-def simulate_record(oracle: Oracle, record: RunRecord) -> SimRun:
-    """The record's schedule, rules and drafting on oracle."""
-    return simulate_drafting(oracle, record.params.schedule, record_rules(record), record_drafting(record))
+def simulate_record(record: RunRecord, oracles: Mapping[tuple[int, ...], Oracle]) -> list[SimRun]:
+    """The record's finished prompts, in its results' order, replayed with its schedule, rules,
+    drafting and n_ctx; oracles maps prompt ids to their oracle (compare/tau_gap.build_oracles)."""
+    runs = [oracles[tuple(result.prompt_ids)] for result in record.results if result.ok]
+    return simulate_sequence(runs, record.params.schedule, record_rules(record), record_drafting(record),
+                             record.params.n_ctx)
+
+
+def _lookup(oracle: Oracle, schedule: str, k: int, drafting: Drafting) -> LookupDrafter:
+    """The lookup as the loop builds it (loop._drafter)."""
+    eog = oracle.eog_ids
+    ends = eog if SCHEDULE_TYPES[schedule].ends_at_eos else frozenset()
+    return LOOKUPS[drafting.name].build(LookupSettings(drafting.ngram_max, drafting.ngram_min, k, eog, ends))
 
 
 class _Replayed:
-    """The target as the replay sees it: a position count for the schedule's caps (n_ctx never
-    binds: a real run refuses a prompt where it would) and its choices read from the oracle."""
+    """The target as the replay sees it: a position count and the run's n_ctx for the schedule's
+    caps (vLLM's cut at max_model_len; under llama.cpp's schedules it never binds, since a real run
+    refuses a prompt where it would) and its choices read from the oracle."""
 
-    n_ctx = sys.maxsize
-
-    def __init__(self, oracle: Oracle):
+    def __init__(self, oracle: Oracle, n_ctx: Optional[int]):
         self.oracle, self.n_past = oracle, 0
+        self.n_ctx = sys.maxsize if n_ctx is None else n_ctx
 
     def truncate(self, n_keep: int) -> None:
         self.n_past = min(self.n_past, n_keep)
@@ -132,20 +160,22 @@ class _Replayed:
         return Choices(best, np.full(n, -1), np.zeros(n, dtype=np.float32), ((),) * n, ((),) * n)
 
 
-def _replay(oracle: Oracle, schedule: str, k: int, drafting: Drafting) -> SimRun:
+def _replay(oracle: Oracle, schedule: str, k: int, lookup: LookupDrafter, n_ctx: Optional[int]) -> SimRun:
     """The one loop's steps at fixed k with greedy acceptance (crossrt/run/loop.py's
     speculative_generate), the lookup called as it calls it."""
     plan = SCHEDULE_TYPES[schedule]()
     eog = oracle.eog_ids
-    lookup = LOOKUPS[drafting.name].build(LookupSettings(drafting.ngram_max, drafting.ngram_min, k, eog,
-                                                         eog if plan.ends_at_eos else frozenset()))
-    target = _Replayed(oracle)
+    target = _Replayed(oracle, n_ctx)
     tally = Tally(oracle.max_new_tokens, eog)
-    accept = Greedy(eog, eos_last=plan.llama)
+    accept = Greedy(frozenset() if plan.accepts_eos else eog, eos_last=plan.llama)
     context = plan.start(target, lookup, oracle.prompt_ids, tally)
     while not plan.done(tally):
         n_max = plan.n_max(target, tally, k)
-        proposal: Proposal = lookup.propose(context, k if lookup.past_budget and n_max > 0 else n_max)
+        stand_in = plan.stand_in(k)
+        if stand_in is not None:
+            proposal = Proposal.chain(stand_in[:n_max])
+        else:
+            proposal = lookup.propose(context, k if lookup.past_budget and n_max > 0 else n_max)
         n_past = len(context) - 1
         batch = [context[-1], *proposal.tokens]
         if plan.llama:
