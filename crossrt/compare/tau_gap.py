@@ -163,12 +163,12 @@ def _simulated(run: Sequence[tuple[PromptResult, Oracle]], record: RunRecord, dr
     return {result.prompt_id: sim.counters(rules.k) for (result, _), sim in zip(run, sims, strict=True)}
 
 
-def _finished(record: RunRecord, label: str, common: set[str], draftings: Sequence[Drafting],
+def _finished(record: RunRecord, label: str, common: set[str], replayed: Sequence[tuple[Drafting, str]],
               oracles: Mapping[tuple[int, ...], Oracle]) -> list[tuple[PromptResult, Oracle]]:
-    """record's finished prompts in its order, with their oracles; ComparisonError where a drafting replayed through
-    them keeps its state from prompt to prompt and a failed prompt, whose output is unknown,
-    comes before a prompt the gap compares."""
-    kept = next((d for d in draftings if per_run(d)), None)
+    """record's finished prompts in its order, with their oracles; ComparisonError where a
+    drafting replayed through them under a schedule (replayed) keeps its state from prompt to
+    prompt and a failed prompt, whose output is unknown, comes before a prompt the gap compares."""
+    kept = next((drafting for drafting, schedule in replayed if per_run(drafting, schedule)), None)
     failed = None
     for result in record.results:
         if kept is not None and failed is not None and result.ok and result.prompt_id in common:
@@ -201,9 +201,11 @@ def tau_gap(a: RunRecord, b: RunRecord, oracles: Mapping[tuple[int, ...], Oracle
                               f"({a.params.max_new_tokens} and {b.params.max_new_tokens})")
     b_results = {r.prompt_id: r for r in b.results if r.ok}
     common = {r.prompt_id for r in a.results if r.ok and r.prompt_id in b_results}
-    # A's run carries A's drafting (sim A, sim B with A's) and B's (sim B on A); B's, B's alone.
-    on_a = _finished(a, label_a, common, (drafting_a, drafting_b), oracles)
-    on_b = _finished(b, label_b, common, (drafting_b,), oracles)
+    # A's run carries sim A, sim B with A's drafting and sim B on A; B's, sim B alone.
+    schedule_a, schedule_b = a.params.schedule, b.params.schedule
+    on_a = _finished(a, label_a, common, ((drafting_a, schedule_a), (drafting_a, schedule_b), (drafting_b, schedule_b)),
+                     oracles)
+    on_b = _finished(b, label_b, common, ((drafting_b, schedule_b),), oracles)
     oracle_a, oracle_b = ({result.prompt_id: oracle for result, oracle in run} for run in (on_a, on_b))
     sim_a = _simulated(on_a, a, drafting_a, label_a)
     sim_b = _simulated(on_b, b, drafting_b, label_b)

@@ -5,19 +5,19 @@ model, read from the oracle's draft rows (crossrt/simulate/schedules.py), or by 
 A lookup proposes from the context alone, and some keep state between calls (llama.cpp's
 hit-counted n-gram maps are told what was accepted), so its drafts cannot be read from rows made
 ahead of time at every position: the replay builds its lookups as the run stage does (a fresh
-one per prompt, or one for a run's prompts in order where its state outlives a prompt,
-Lookup.per_run, as loop.run_lookup) and calls them as the loop calls them (crossrt/run/loop.py:
-propose at the schedule's cap, or the schedule's stand-in draft, mirror under llama.cpp's
-schedules, keep), with the run stage's own schedule (its start, each draft's cap at the run's
-n_ctx, when it is done), Tally and greedy acceptance (a matched EOS accepted where the schedule's
-verifier does so). The target's choices come from the oracle: after prompt + output[:e] + a
-draft's first i tokens, while those match the greedy output, the target chooses extended[e + i];
-greedy verification reads nothing past the first mismatch. So the replay is a real run's steps
-wherever the loop runs that lookup (tests/test_tau_gap_lookup.py holds them against driven runs
-step for step, prompt by prompt through a run), and under a schedule the loop does not run it
-with (llama-ngram-simple under hf-assisted) the same calls are the what-if a tau gap's drafter
-algorithm part reads. n_min and p_min are draft-model rules: the loop never applies them to a
-lookup, nor does the replay.
+one per prompt, or one for a run's prompts in order where its state outlives a prompt under the
+schedule: Lookup.kept_across_prompts, as loop.run_lookup) and calls them as the loop calls them
+(crossrt/run/loop.py: propose at the schedule's cap, or the schedule's stand-in draft, mirror
+under llama.cpp's schedules, keep), with the run stage's own schedule (its start, each draft's
+cap at the run's n_ctx, when it is done), Tally and greedy acceptance (a matched EOS accepted
+where the schedule's verifier does so). The target's choices come from the oracle: after
+prompt + output[:e] + a draft's first i tokens, while those match the greedy output, the target
+chooses extended[e + i]; greedy verification reads nothing past the first mismatch. So the
+replay is a real run's steps wherever the loop runs that lookup (tests/test_tau_gap_lookup.py
+holds them against driven runs step for step, prompt by prompt through a run), and under a
+schedule the loop does not run it with (llama-ngram-simple under hf-assisted) the same calls are
+the what-if a tau gap's drafter algorithm part reads. n_min and p_min are draft-model rules: the
+loop never applies them to a lookup, nor does the replay.
 """
 
 from __future__ import annotations
@@ -86,9 +86,10 @@ def check_drafting(schedule: str, rules: DraftRules, drafting: Drafting) -> None
         raise SettingsError(f"schedule {schedule!r}: a lookup's run is replayed under {', '.join(REPLAYED)} only")
 
 
-def per_run(drafting: Drafting) -> bool:
-    """Whether drafting's state outlives a prompt (Lookup.per_run), so a run is replayed as a whole."""
-    return drafting.name != MODEL and LOOKUPS[drafting.name].per_run
+def per_run(drafting: Drafting, schedule: str) -> bool:
+    """Whether one lookup serves a run's prompts under schedule (Lookup.kept_across_prompts, as
+    loop.run_lookup), so such a run is replayed as a whole."""
+    return drafting.name != MODEL and LOOKUPS[drafting.name].kept_across_prompts(schedule)
 
 
 def simulate_drafting(oracle: Oracle, schedule: str, rules: DraftRules, drafting: Drafting,
@@ -101,14 +102,14 @@ def simulate_drafting(oracle: Oracle, schedule: str, rules: DraftRules, drafting
 def simulate_sequence(oracles: Sequence[Oracle], schedule: str, rules: DraftRules, drafting: Drafting,
                       n_ctx: Optional[int] = None) -> list[SimRun]:
     """A run of the oracles' prompts in this order: each simulated as simulate_drafting does, but
-    through one lookup where its state outlives a prompt (per_run), as the run stage drives it."""
+    through one lookup where the run stage keeps one across prompts (per_run)."""
     if drafting.name == MODEL:
         return [simulate_schedule(oracle, schedule, rules) for oracle in oracles]
     check_drafting(schedule, rules, drafting)
     short = next((oracle for oracle in oracles if rules.k >= len(oracle.beyond)), None)
     if short is not None:
         raise SettingsError(f"k={rules.k} reaches past the oracle's {len(short.beyond)} tokens beyond its output")
-    kept = _lookup(oracles[0], schedule, rules.k, drafting) if oracles and per_run(drafting) else None
+    kept = _lookup(oracles[0], schedule, rules.k, drafting) if oracles and per_run(drafting, schedule) else None
     return [_replay(oracle, schedule, rules.k, kept or _lookup(oracle, schedule, rules.k, drafting), n_ctx)
             for oracle in oracles]
 
