@@ -19,6 +19,7 @@ from crossrt.run.lookup.crossrt_lookup import PromptLookup
 from crossrt.run.lookup.hf_lookup import HfPromptLookup
 from crossrt.run.lookup.llama_ngram import LlamaNgramCache, LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple
 from crossrt.run.lookup.vllm_ngram import VllmNgram
+from crossrt.run.schedules import SERVER, SPEC_SIMPLE, VLLM
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,8 @@ class LookupSettings:
 
 # The schedules whose runtime serves all of a run's prompts from one process, so a lookup's state
 # can outlive a prompt there (llama-server); under the others every prompt begins afresh.
-ONE_PROCESS_SCHEDULES = ("llama-server",)
-LLAMA_SCHEDULES = ("llama-server", "llama-spec-simple")  # the llama.cpp tools that run its n-gram types
+ONE_PROCESS_SCHEDULES = (SERVER,)
+LLAMA_SCHEDULES = (SERVER, SPEC_SIMPLE)  # the llama.cpp tools that run its n-gram types
 
 
 @dataclass(frozen=True)
@@ -90,5 +91,5 @@ LOOKUPS = {lookup.name: lookup for lookup in (
     Lookup("vllm-ngram", "vLLM's ngram method exactly, prompt_lookup_max = --ngram-max, prompt_lookup_min = "
            "--ngram-min, num_speculative_tokens = k; schedule vllm; on the vllm runtime's native mode, vLLM's own",
            "vllm-ngram({ngram_min}-{ngram_max})",
-           lambda s: VllmNgram(s.ngram_max, s.ngram_min), has_ngram_min=True, schedules=("vllm",)),
+           lambda s: VllmNgram(s.ngram_max, s.ngram_min), has_ngram_min=True, schedules=(VLLM,)),
 )}
