@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.cli import main
-from crossrt.compare.tau_gap import METRICS, PARTS, ExactCounts, build_oracles, tau_gap
+from crossrt.compare.tau_gap import METRICS, PARTS, build_oracles, exact_figures, tau_gap
 from crossrt.errors import ComparisonError, SettingsError
 from crossrt.inputs.prompts import Prompt, load_prompts
 from crossrt.records.record_json import save_record
@@ -202,7 +202,7 @@ def test_the_drafter_algorithm_part_is_bs_schedule_with_as_drafting_against_bs(r
 
     def tau(drafting):
         runs = [simulate_drafting(o, "hf-assisted", DraftRules(4), drafting).counters(4) for o in on_a]
-        return ExactCounts.of(runs).figures()["tau"]
+        return exact_figures(runs)["tau"]
     assert parts(gap)["drafter algorithm"]["tau"] == tau(Drafting("llama-ngram-simple", 3)) - \
         tau(Drafting("hf-prompt-lookup", 2))
     assert "(llama-server, llama-ngram-simple(n=3)) vs B (hf-assisted, hf-prompt-lookup(max=2))" in gap.lines()[0]

@@ -35,6 +35,7 @@ from crossrt.errors import ComparisonError, CrossrtError, SettingsError
 from crossrt.run.runtime import ModelSession, RuntimeOptions, open_runtime
 from crossrt.simulate.drafting import MODEL, Drafting, check_drafting, per_run, record_drafting, simulate_sequence
 from crossrt.simulate.schedules import record_rules
+from crossrt.records.metrics import Totals, ratio
 from crossrt.records.schema import Counters, PromptResult, RunRecord
 from crossrt.simulate.oracle import Oracle, build_oracle
 
@@ -48,28 +49,14 @@ METRICS = ("tau", "alpha", "steps")
 Figure = Optional[Fraction]
 
 
-@dataclass(frozen=True)
-class ExactCounts:
-    """A set of prompts' summed counters, their figures as exact fractions (so the parts of a gap
-    add up to it exactly), tau as a native runtime prints it where asked."""
-
-    steps: int
-    drafted: int
-    accepted: int
-    emitted: int
-
-    @classmethod
-    def of(cls, counters: Sequence[Counters]) -> "ExactCounts":
-        return cls(*(sum(getattr(c, name) for c in counters) for name in ("steps", "drafted", "accepted", "emitted")))
-
-    def figures(self, native_schedule: Optional[str] = None) -> dict[str, Figure]:
-        """tau, alpha and steps; native_schedule: tau as that schedule's runtime prints it."""
-        tau = None
-        if self.steps:
-            per_step = self.emitted if native_schedule in EMITTED_PER_STEP else self.steps + self.accepted
-            tau = Fraction(per_step, self.steps)
-        return {"tau": tau, "alpha": Fraction(self.accepted, self.drafted) if self.drafted else None,
-                "steps": Fraction(self.steps)}
+def exact_figures(counters: Sequence[Counters], native_schedule: Optional[str] = None) -> dict[str, Figure]:
+    """tau, alpha and steps of a set of prompts' summed counters, by the metrics' own formulas
+    (crossrt/records/metrics.py) over Totals of exact fractions, so the parts of a gap add up to
+    it exactly; native_schedule: tau as that schedule's runtime prints it."""
+    totals = Totals(*(Fraction(sum(getattr(c, name) for c in counters))
+                      for name in ("steps", "drafted", "accepted", "emitted")))
+    tau = ratio(totals.emitted, totals.steps) if native_schedule in EMITTED_PER_STEP else totals.tau
+    return {"tau": tau, "alpha": totals.alpha, "steps": totals.steps}
 
 
 def _minus(a: Figure, b: Figure) -> Figure:
@@ -240,7 +227,7 @@ def _oracle(oracles: Mapping[tuple[int, ...], Oracle], result: PromptResult, bud
 def _decompose(a: RunRecord, b: RunRecord, label_a: str, label_b: str, draftings: tuple[str, str],
                category: Optional[str], prompts: Sequence[_Prompt]) -> TauGap:
     def figures(pick: Callable[[_Prompt], Counters], native: Optional[str] = None) -> dict[str, Figure]:
-        return ExactCounts.of([pick(p) for p in prompts]).figures(native)
+        return exact_figures([pick(p) for p in prompts], native)
 
     def difference(x: dict[str, Figure], y: dict[str, Figure]) -> dict[str, Figure]:
         return {metric: _minus(x[metric], y[metric]) for metric in METRICS}
