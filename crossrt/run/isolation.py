@@ -16,7 +16,7 @@ crossrt/records/journal.py).
 This module is where a runtime runs in a child, and isolated() decides which runtimes do. A
 caller does not choose: a pair's run goes through run_pair_safely, any other call that loads a
 runtime (re-scoring records for parity, diff, report and the split census; the tau gaps' oracle;
-MT-Bench's first answers) through call_safely (simulate's study asks isolated() itself).
+MT-Bench's first answers, simulate's study) through call_safely.
 Executors that keep several children at once (parity's matrix, a sweep's cells) hold Isolated
 (IsolatedRun) children themselves.
 

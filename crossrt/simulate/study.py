@@ -16,7 +16,7 @@ from crossrt.errors import PromptRefused, SettingsError
 from crossrt.inputs.pairs import ROLES, Pair, PairInfo, pair_info, run_k
 from crossrt.inputs.prompts import Prompt
 from crossrt.records.record_json import load_record
-from crossrt.run.isolation import call_isolated, isolated
+from crossrt.run.isolation import call_safely
 from crossrt.run.policies import DraftPolicy
 from crossrt.run.runtime import DraftRules, RuntimeInfo, RuntimeOptions, open_runtime
 from crossrt.run.strategies import LOOKUPS, Strategy
@@ -148,7 +148,5 @@ def _study(request: StudyRequest, say: Callable[[str], None]) -> Study:
 def study(request: StudyRequest, say: Callable[[str], None]) -> Study:
     """What `crossrt simulate` computes: the oracles and everything read from them (module
     docstring); say: where a prompt that cannot run is named (it must pickle)."""
-    # The models load and run in a process of their own where the runtime runs in-process: a crash is one line.
-    if isolated(request.runtime):
-        return call_isolated(request.runtime, _study, request, say)
-    return _study(request, say)
+    # The models load and run where crossrt/run/isolation.py places the runtime: a crash is one line.
+    return call_safely(request.runtime, _study, request, say)
