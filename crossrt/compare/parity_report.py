@@ -285,7 +285,8 @@ def logit_checks(comparisons: Sequence[PromptParity], scored: dict[tuple[str, st
     (run label, prompt id) -> logits rows along that run's output; tolerance(run_a, run_b)
     gives the bounds for that pair of runs (crossrt/compare/tolerance.py)."""
     checks = []
-    rows = {key: ScoredRows(logits) for key, logits in scored.items()}  # each run's rows analysed once
+    analysed: dict[int, ScoredRows] = {}  # runs one scoring serves share their rows (score_records): analysed once
+    rows = {key: analysed.setdefault(id(logits), ScoredRows(logits)) for key, logits in scored.items()}
     for comparison in comparisons:
         a, b = rows.get((comparison.run_a, comparison.prompt_id)), rows.get((comparison.run_b, comparison.prompt_id))
         if a is None or b is None:

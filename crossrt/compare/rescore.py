@@ -136,7 +136,7 @@ def log_softmax(rows: np.ndarray) -> np.ndarray:
 
 class ScoredRows:
     """One run's logits rows with what agreement reads of each row computed once, on first
-    use: its top 5 and its log-probabilities. A parity of n runs compares each run's rows with
+    use: its top 5 and its log-probabilities (its probabilities are computed per comparison). A parity of n runs compares each run's rows with
     n - 1 others; every statistic is per row, so a prefix of the rows (the positions two runs
     share) reads a prefix of these."""
 
@@ -154,36 +154,71 @@ class ScoredRows:
     def log_probs(self) -> np.ndarray:
         return log_softmax(self.logits)
 
-    @functools.cached_property
-    def probs(self) -> np.ndarray:
-        return np.exp(self.log_probs)
+
+
+@dataclass(frozen=True)
+class RowStatistics:
+    """What an agreement reads of each compared row, before it is summarized: rows of many
+    prompts are pooled by concatenating these, never the rows themselves (a real model's
+    rows are a 262,144-entry vocabulary of float64s each)."""
+
+    max_abs: np.ndarray
+    sum_abs: np.ndarray
+    same_top1: np.ndarray
+    top5_overlap: np.ndarray
+    kl: np.ndarray
+    delta_p: np.ndarray
+    flips: tuple[float, ...]
+    width: int  # entries per row
+
+    def summary(self) -> LogitAgreement:
+        n = len(self.kl)
+        if n == 0:
+            return LogitAgreement(0, 0.0, 0.0, 1.0, 1.0)
+        return LogitAgreement(n, float(self.max_abs.max()), float(self.sum_abs.sum() / (n * self.width)),
+                              float(np.mean(self.same_top1)), float(np.mean(self.top5_overlap)),
+                              float(self.kl.mean()), float(np.median(self.kl)), float(np.percentile(self.kl, 99)),
+                              float(self.kl.max()), float(np.sqrt(np.mean(self.delta_p ** 2))), self.flips)
+
+    @classmethod
+    def joined(cls, parts: Sequence["RowStatistics"]) -> "RowStatistics":
+        parts = [part for part in parts if len(part.kl)]
+        if not parts:
+            return cls(*(np.zeros(0),) * 6, (), 1)
+        return cls(*(np.concatenate([getattr(part, name) for part in parts])
+                     for name in ("max_abs", "sum_abs", "same_top1", "top5_overlap", "kl", "delta_p")),
+                   tuple(flip for part in parts for flip in part.flips), parts[0].width)
+
+
+def row_statistics(a, b, tokens: Optional[Sequence[int]] = None, length: Optional[int] = None) -> RowStatistics:
+    """What agreement() summarizes, row by row (arguments as agreement's)."""
+    a, b = (rows if isinstance(rows, ScoredRows) else ScoredRows(rows) for rows in (a, b))
+    if a.logits.shape[1:] != b.logits.shape[1:] or (length is None and len(a) != len(b)):
+        raise ComparisonError(f"logit shapes differ: {a.logits.shape} vs {b.logits.shape} "
+                              "(different vocabulary sizes?)")
+    n = len(a) if length is None else length
+    width = int(a.logits.shape[-1]) if a.logits.ndim > 1 else 1
+    if n == 0:
+        return RowStatistics.joined(())
+    difference = np.abs(a.logits[:n] - b.logits[:n])
+    top_a, top_b = a.top5[:n], b.top5[:n]
+    overlap = np.array([len(set(x) & set(y)) / 5 for x, y in zip(top_a, top_b, strict=True)])
+    log_a, log_b = a.log_probs[:n], b.log_probs[:n]
+    probs_a = np.exp(log_a)  # per comparison: kept per run it would be a third copy of every run's rows
+    kl = np.maximum((probs_a * (log_a - log_b)).sum(axis=-1), 0.0)  # rounding can dip below 0
+    emitted = np.asarray(tokens if tokens is not None else top_a[:, 0])
+    rows = np.arange(n)
+    delta_p = np.exp(log_b[rows, emitted]) - probs_a[rows, emitted]
+    first_a, first_b = top_a[:, 0], top_b[:, 0]
+    return RowStatistics(difference.max(axis=-1), difference.sum(axis=-1), first_a == first_b, overlap, kl,
+                         delta_p, argmax_flips(a.logits[:n], b.logits[:n], first_a, first_b), width)
 
 
 def agreement(a, b, tokens: Optional[Sequence[int]] = None, length: Optional[int] = None) -> LogitAgreement:
     """The agreement of rows a and b (arrays, or ScoredRows to reuse what was computed of them),
     over their first length rows (default all). tokens: the token emitted at each position
     (for Δp); default A's top-1."""
-    a, b = (rows if isinstance(rows, ScoredRows) else ScoredRows(rows) for rows in (a, b))
-    if a.logits.shape[1:] != b.logits.shape[1:] or (length is None and len(a) != len(b)):
-        raise ComparisonError(f"logit shapes differ: {a.logits.shape} vs {b.logits.shape} "
-                              "(different vocabulary sizes?)")
-    n = len(a) if length is None else length
-    if n == 0:
-        return LogitAgreement(0, 0.0, 0.0, 1.0, 1.0)
-    difference = np.abs(a.logits[:n] - b.logits[:n])
-    top_a, top_b = a.top5[:n], b.top5[:n]
-    overlap = np.mean([len(set(x) & set(y)) / 5 for x, y in zip(top_a, top_b, strict=True)])
-    log_a, log_b = a.log_probs[:n], b.log_probs[:n]
-    kl = np.maximum((a.probs[:n] * (log_a - log_b)).sum(axis=-1), 0.0)  # rounding can dip below 0
-    emitted = np.asarray(tokens if tokens is not None else top_a[:, 0])
-    rows = np.arange(n)
-    delta_p = np.exp(log_b[rows, emitted]) - a.probs[rows, emitted]  # b's whole probs only if b is ever A
-    first_a, first_b = top_a[:, 0], top_b[:, 0]
-    flips = argmax_flips(a.logits[:n], b.logits[:n], first_a, first_b)
-    return LogitAgreement(n, float(difference.max()), float(difference.mean()),
-                          float(np.mean(first_a == first_b)), float(overlap),
-                          float(kl.mean()), float(np.median(kl)), float(np.percentile(kl, 99)), float(kl.max()),
-                          float(np.sqrt(np.mean(delta_p ** 2))), flips)
+    return row_statistics(a, b, tokens, length).summary()
 
 
 def argmax_flips(a: np.ndarray, b: np.ndarray, top_a: np.ndarray, top_b: np.ndarray) -> tuple[float, ...]:
