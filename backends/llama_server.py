@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from crossrt.backends.llama_server_counts import MetricsCounters, speculative_counters
-from crossrt.backends.llama_server_ngram import NGRAM_DRAFTINGS, ngram_note, ngram_settings, ngram_simple_size_n
+from crossrt.backends.llama_server_ngram import (NGRAM_DRAFTINGS, ngram_note, ngram_rules, ngram_settings,
+                                                 ngram_simple_size_n)
 from crossrt.backends.llama_server_process import HOST, ServerError, ServerProcess, find_executable
 from crossrt.backends.llama_tools import Build, probe
 from crossrt.errors import PromptRefused, SettingsError
-from crossrt.run.lookup.llama_ngram import check_ngram_cache
 from crossrt.run.memory import check_gguf_fits, plan_processes
 from crossrt.run.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeOptions,
                              RuntimeUnavailable)
@@ -325,13 +325,8 @@ class LlamaServerRuntime(Runtime):
         """strategy: --drafting llama-ngram-*, run as that n-gram type at its ngram_max, no drafter loaded."""
         size_n = ngram_simple_size_n(rules.k)
         if strategy is not None:
-            spec_type = NGRAM_DRAFTINGS[strategy.drafting]
-            if rules.spec_type not in ("draft", spec_type):
-                raise SettingsError(f"--drafting {strategy.drafting} is llama-server's {spec_type}, not spec type "
-                                    f"{rules.spec_type!r}")
-            if spec_type == "ngram-cache":
-                check_ngram_cache(rules.k, strategy.ngram_max)
-            rules, size_n, drafter = dataclasses.replace(rules, spec_type=spec_type), strategy.ngram_max, None
+            rules = ngram_rules(rules, strategy.drafting, strategy.ngram_max, "llama-server")
+            spec_type, size_n, drafter = rules.spec_type, strategy.ngram_max, None
             if not self.build.flags.spec_type or \
                     (spec_type != "ngram-cache" and not self._ngram_settings(rules, size_n, chosen=True)):
                 raise SettingsError(f"llama-server {self.build.version} cannot set {spec_type}'s sizes "

@@ -6,6 +6,10 @@ llama-server and llama-spec-simple schedules; docs/ngram.md sets the settings si
 
 from __future__ import annotations
 
+import dataclasses
+
+from crossrt.errors import SettingsError
+from crossrt.run.lookup.llama_ngram import check_ngram_cache
 from crossrt.run.runtime import DraftRules
 
 # --drafting values llama-server runs as its own n-gram spec types.
@@ -35,6 +39,17 @@ ACROSS_REQUESTS = {
 ACROSS_REQUESTS["ngram-map-k4v"] = ACROSS_REQUESTS["ngram-map-k"]
 ACROSS_REQUESTS["ngram-cache"] = ("its n-gram counts, and how far into the text it has counted, last across "
                                   "requests")
+
+
+def ngram_rules(rules: DraftRules, drafting: str, ngram_max: int, tool: str) -> DraftRules:
+    """The run's rules under --drafting's n-gram type (rules.spec_type set to it); refused in one
+    line where --spec-type names another type, or ngram-cache is asked for sizes it does not run."""
+    spec_type = NGRAM_DRAFTINGS[drafting]
+    if rules.spec_type not in ("draft", spec_type):
+        raise SettingsError(f"--drafting {drafting} is {tool}'s {spec_type}, not spec type {rules.spec_type!r}")
+    if spec_type == "ngram-cache":
+        check_ngram_cache(rules.k, ngram_max)
+    return dataclasses.replace(rules, spec_type=spec_type)
 
 
 def ngram_simple_size_n(k: int) -> int:

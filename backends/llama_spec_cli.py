@@ -43,10 +43,9 @@ from crossrt.run.runtime import (DraftRules, NativeGeneration, NativeSession, Ru
 from crossrt.run.schedules import SPEC_SIMPLE, check_prompt
 from crossrt.records.schema import Counters, CountsDoNotAddUp, RuntimeInfo
 from crossrt.backends.llama_cpp import LlamaCppRuntime
-from crossrt.backends.llama_server_ngram import NGRAM_DRAFTINGS, ngram_note, ngram_settings
+from crossrt.backends.llama_server_ngram import NGRAM_DRAFTINGS, ngram_note, ngram_rules, ngram_settings
 from crossrt.backends.llama_spec_cli_log import TOOL, ToolRun, Vocab, parse_log, step_tokens
 from crossrt.backends.llama_tools import BUILD_BIN, find_tool, log_tail, probe
-from crossrt.run.lookup.llama_ngram import check_ngram_cache
 from crossrt.run.strategies import Strategy
 REPO_TOOL = BUILD_BIN / TOOL
 # The tool's logger thread is leaked at exit, so the log's tail (the statistics) is lost in a
@@ -323,13 +322,8 @@ class LlamaSpecCliRuntime(Runtime):
     def _ngram(self, rules: DraftRules, strategy: Strategy) -> tuple[DraftRules, tuple[tuple[str, int], ...]]:
         """The run's rules under the strategy's n-gram type, and the type's own flags for crossrt's
         settings (llama-server's mapping, backends/llama_server_ngram.py)."""
-        spec_type = NGRAM_DRAFTINGS[strategy.drafting]
-        if rules.spec_type not in ("draft", spec_type):
-            raise SettingsError(f"--drafting {strategy.drafting} is {TOOL}'s {spec_type}, not spec type "
-                                f"{rules.spec_type!r}")
-        if spec_type == "ngram-cache":
-            check_ngram_cache(rules.k, strategy.ngram_max)
-        rules = dataclasses.replace(rules, spec_type=spec_type)
+        rules = ngram_rules(rules, strategy.drafting, strategy.ngram_max, TOOL)
+        spec_type = rules.spec_type
         ngram = ngram_settings(spec_type, strategy.ngram_max, rules)
         if not self.flags.spec_type or any(flag not in self.flags.spec_ngram for flag, _ in ngram):
             raise SettingsError(f"{TOOL} {self.build.version} cannot set {spec_type}'s sizes "

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Prompts whose answer repeats earlier text, for n-gram drafting (docs/ngram.md): each prompt of
 a suite, then its target's own greedy continuation, then the prompt again, so the target's output
-copies what the prompt holds and a lookup has something to find (tests/test_ngram.py builds the
-same on the tiny pair). On llama.cpp in-process, F32 KV cache.
+copies what the prompt holds and a lookup has something to find (crossrt/run/repeating.py, as the
+n-gram tests build theirs on the tiny pair). On llama.cpp in-process, F32 KV cache.
 
     .venv/bin/python scripts/repeating_prompts.py --pair tiny --out runs/ngram/repeating.jsonl
 """
@@ -10,7 +10,6 @@ same on the tiny pair). On llama.cpp in-process, F32 KV cache.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ sys.path.insert(0, str(REPO))
 
 from crossrt.inputs.pairs import resolve_pair  # noqa: E402
 from crossrt.inputs.prompts import load_prompts  # noqa: E402
-from crossrt.run import loop  # noqa: E402
+from crossrt.run.repeating import repeating, write_jsonl  # noqa: E402
 from crossrt.run.runtime import RuntimeOptions, open_runtime  # noqa: E402
 
 
@@ -32,14 +31,9 @@ def main() -> int:
     args = parser.parse_args()
     runtime = open_runtime("llama-cpp", RuntimeOptions(threads=1, f32_kv_cache=True))
     with runtime.load(resolve_pair(args.pair).path("target", "gguf")) as target:
-        lines = []
-        for prompt in load_prompts(args.prompts):
-            seen = loop.greedy_generate(target, target.tokenize(prompt.text), args.continuation).output_ids
-            text = prompt.text + target.detokenize(seen) + "\n" + prompt.text
-            lines.append(json.dumps({"id": prompt.id, "category": prompt.category, "prompt": text}) + "\n")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(lines))
-    print(f"{len(lines)} prompts: {args.out}")
+        prompts = repeating(target, load_prompts(args.prompts), args.continuation)
+    write_jsonl(prompts, args.out)
+    print(f"{len(prompts)} prompts: {args.out}")
     return 0
 
 

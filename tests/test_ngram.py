@@ -4,7 +4,6 @@ schedule with it on llama.cpp equals the transformers runtime's native prompt lo
 llama-server schedule with LlamaNgramSimple equals llama-server's own ngram-simple. Both id for
 id and count for count on the tiny pair."""
 
-import json
 import random
 
 import pytest
@@ -20,6 +19,7 @@ from crossrt.run.lookup import HfPromptLookup, LlamaNgramCache, LlamaNgramMap, L
 from crossrt.run.runtime import DraftRules
 from crossrt.run.strategies import Strategy
 from crossrt.inputs.prompts import load_prompts
+from crossrt.run.repeating import repeating, write_jsonl
 
 from conftest import TINY_PAIR, assert_clean_error
 
@@ -60,14 +60,8 @@ def repeating_prompts(tiny_sessions, tmp_path_factory):
     """Built-in prompts followed by the target's own greedy continuation and the prompt again,
     so the output repeats earlier text and prompt lookup has something to find."""
     target, _ = tiny_sessions
-    path = tmp_path_factory.mktemp("lookup") / "prompts.jsonl"
-    lines = []
-    for prompt in load_prompts("builtin")[::3]:
-        seen = loop.greedy_generate(target, target.tokenize(prompt.text), 24).output_ids
-        text = prompt.text + target.detokenize(seen) + "\n" + prompt.text
-        lines.append(json.dumps({"id": prompt.id, "category": prompt.category, "prompt": text}) + "\n")
-    path.write_text("".join(lines))
-    return path
+    return write_jsonl(repeating(target, load_prompts("builtin")[::3], 24),
+                       tmp_path_factory.mktemp("lookup") / "prompts.jsonl")
 
 
 def test_driven_hf_prompt_lookup_on_llama_cpp_equals_transformers_native(repeating_prompts, tmp_path):

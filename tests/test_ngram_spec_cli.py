@@ -15,6 +15,7 @@ from crossrt.cli import main
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
 from crossrt.run import loop
+from crossrt.run.repeating import repeating, write_jsonl
 from crossrt.run.runtime import DraftRules, RuntimeFailure, availability
 from crossrt.run.schedules import SPEC_SIMPLE
 from crossrt.run.strategies import Strategy
@@ -44,14 +45,8 @@ def repeating_prompts(tiny_sessions, tmp_path_factory):
     """Three built-in prompts, each followed by the target's greedy continuation and itself again,
     so the output repeats earlier text (as scripts/repeating_prompts.py builds them)."""
     target, _ = tiny_sessions
-    path = tmp_path_factory.mktemp("spec-cli-ngram") / "prompts.jsonl"
-    lines = []
-    for prompt in load_prompts("builtin")[::4]:
-        seen = loop.greedy_generate(target, target.tokenize(prompt.text), 24).output_ids
-        text = prompt.text + target.detokenize(seen) + "\n" + prompt.text
-        lines.append(json.dumps({"id": prompt.id, "category": prompt.category, "prompt": text}) + "\n")
-    path.write_text("".join(lines))
-    return path
+    return write_jsonl(repeating(target, load_prompts("builtin")[::4], 24),
+                       tmp_path_factory.mktemp("spec-cli-ngram") / "prompts.jsonl")
 
 
 def _runs(tmp_path, prompts, drafting, k, ngram_max):

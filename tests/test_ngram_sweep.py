@@ -4,7 +4,6 @@ lookup natively and driven where it runs, skips the rest saying why, keeps every
 store like any; each native cell equals its driven reproduction; analyze reads their acceptance
 per content type from the records' own counters."""
 
-import json
 
 import pytest
 from click.testing import CliRunner
@@ -12,7 +11,7 @@ from click.testing import CliRunner
 from crossrt.analyze import analysis
 from crossrt.cli import main
 from crossrt.inputs.prompts import load_prompts
-from crossrt.run import loop
+from crossrt.run.repeating import repeating, write_jsonl
 from crossrt.sweep.cell import STRATEGY_DEFAULTS
 from crossrt.sweep.plan import load_sweep
 from crossrt.sweep.runner import Executor, run_sweep
@@ -51,11 +50,8 @@ def store(tiny_sessions, tmp_path_factory):
     continuation and the prompt again, so lookups find something."""
     target, _ = tiny_sessions
     folder = tmp_path_factory.mktemp("ngram-sweep")
-    with open(folder / "repeating.jsonl", "w") as out:
-        for prompt in [p for p in load_prompts("builtin") if p.id in ("code-fib", "prose-river", "structured-json")]:
-            seen = loop.greedy_generate(target, target.tokenize(prompt.text), 12).output_ids
-            text = prompt.text + target.detokenize(seen) + "\n" + prompt.text
-            out.write(json.dumps({"id": prompt.id, "category": prompt.category, "prompt": text}) + "\n")
+    chosen = [p for p in load_prompts("builtin") if p.id in ("code-fib", "prose-river", "structured-json")]
+    write_jsonl(repeating(target, chosen, 12), folder / "repeating.jsonl")
     (folder / "sweep.toml").write_text(SWEEP)
     sweep = load_sweep(folder / "sweep.toml")
     found = SweepStore(folder / "store")
@@ -91,7 +87,7 @@ def test_each_lookup_runs_natively_and_driven_at_each_ngram_max(store):
     assert accepted > 0
     # What cannot run is skipped with its reason, not run and failed.
     reasons = [planned.skipped for planned in sweep.cells if planned.skipped]
-    assert any("reproduced under the llama-server schedule" in reason for reason in reasons)
+    assert any("llama-ngram-simple is reproduced under the llama-server" in reason for reason in reasons)
     assert any("native mode does not draft by llama-ngram-simple" in reason for reason in reasons)
 
 

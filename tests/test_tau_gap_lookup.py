@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from crossrt.cli import main
 from crossrt.compare.tau_gap import METRICS, PARTS, build_oracles, exact_figures, tau_gap
 from crossrt.errors import ComparisonError, SettingsError
-from crossrt.inputs.prompts import Prompt, load_prompts
+from crossrt.inputs.prompts import load_prompts
+from crossrt.run.repeating import repeating
 from crossrt.records.record_json import save_record
 from crossrt.records.schema import PromptResult
 from crossrt.run import loop
@@ -42,11 +43,7 @@ def prompts(tiny_sessions):
     """Three built-in prompts, each followed by the target's greedy continuation and the prompt
     again, so lookups find something (as scripts/repeating_prompts.py)."""
     target, _ = tiny_sessions
-    found = []
-    for prompt in load_prompts("builtin")[::4]:
-        seen = loop.greedy_generate(target, target.tokenize(prompt.text), 16).output_ids
-        found.append(Prompt(prompt.id, prompt.category, prompt.text + target.detokenize(seen) + "\n" + prompt.text))
-    return found
+    return repeating(target, load_prompts("builtin")[::4], 16)
 
 
 def runs_under(name: str) -> list[str]:

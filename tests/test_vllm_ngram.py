@@ -15,8 +15,8 @@ from crossrt.backends import vllm
 from crossrt.builders.tinypair import build_pair
 from crossrt.cli import main
 from crossrt.inputs.prompts import load_prompts
+from crossrt.run.repeating import repeating, write_jsonl
 from crossrt.records.record_json import load_record
-from crossrt.run import loop
 from crossrt.run.lookup.vllm_ngram import VllmNgram, propose_tokens
 from crossrt.run.runtime import RuntimeOptions, availability, open_runtime
 
@@ -81,15 +81,11 @@ def pair(tmp_path_factory):
     manifest = folder / "tiny-hd64.toml"
     manifest.write_text('name = "tiny-hd64"\n[target]\nhf = "target-hf"\ngguf = "target.f32.gguf"\n'
                         '[drafter]\nhf = "drafter-hf"\ngguf = "drafter.f32.gguf"\n')
-    lines, longest = [], 0
     with open_runtime("llama-cpp", RuntimeOptions(threads=1, f32_kv_cache=True)).load(
             folder / "target.f32.gguf") as target:
-        for prompt in load_prompts("builtin")[::3]:
-            seen = loop.greedy_generate(target, target.tokenize(prompt.text), 24).output_ids
-            text = prompt.text + target.detokenize(seen) + "\n" + prompt.text
-            lines.append(json.dumps({"id": prompt.id, "category": prompt.category, "prompt": text}) + "\n")
-            longest = max(longest, len(target.tokenize(text)))
-    (folder / "prompts.jsonl").write_text("".join(lines))
+        prompts = repeating(target, load_prompts("builtin")[::3], 24)
+        longest = max(len(target.tokenize(prompt.text)) for prompt in prompts)
+    write_jsonl(prompts, folder / "prompts.jsonl")
     return manifest, longest + MAX_NEW
 
 
