@@ -114,3 +114,15 @@ def with_sigint() -> None:
     starts in the background inherits SIGINT ignored, and Python keeps an ignored SIGINT
     ignored, so the signal would do nothing (run that way, the interrupt tests failed)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+# What a reproduction must equal prompt by prompt (the n-gram tests): every counter, per position too.
+REPRODUCED_COUNTERS = ("steps", "drafted", "accepted", "emitted", "unverified", "cut", "accepted_per_pos")
+
+
+def assert_reproduced(ours, theirs) -> None:
+    """Two records' prompts, in order and all of them, with the same output ids and counters."""
+    for a, b in zip(ours.results, theirs.results, strict=True):
+        assert a.output_ids == b.output_ids, a.prompt_id
+        assert [getattr(a.counters, name) for name in REPRODUCED_COUNTERS] == \
+            [getattr(b.counters, name) for name in REPRODUCED_COUNTERS], a.prompt_id

@@ -21,13 +21,12 @@ from crossrt.run.strategies import Strategy
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.repeating import repeating, write_jsonl
 
-from conftest import TINY_PAIR, assert_clean_error
+from conftest import TINY_PAIR, assert_clean_error, assert_reproduced
 
 EXACT = ["--f32-kv-cache", "--no-flash-attn"]
 EOS = 0
 
 
-COUNTERS = ("steps", "drafted", "accepted", "emitted", "unverified", "cut", "accepted_per_pos")
 
 
 def invoke(*args):
@@ -132,10 +131,7 @@ def test_driven_ngram_simple_on_llama_cpp_equals_llama_server_native(repeating_p
     for record in (server, llama):  # llama.cpp's size_n under crossrt's name; it has no ngram_min
         assert (record.params.drafting, record.params.ngram_max, record.params.ngram_min) == \
             ("llama-ngram-simple", 4, None)
-    for ours, theirs in zip(llama.results, server.results, strict=True):
-        assert ours.output_ids == theirs.output_ids, ours.prompt_id
-        assert [getattr(ours.counters, name) for name in COUNTERS] == \
-            [getattr(theirs.counters, name) for name in COUNTERS], ours.prompt_id
+    assert_reproduced(llama, server)
     assert sum(r.counters.accepted for r in server.results) > 0
     parity = invoke("parity", tmp_path / "server.json", tmp_path / "llama.json")
     assert parity.exit_code == 0, parity.output
@@ -154,10 +150,7 @@ def test_one_drafting_runs_natively_on_llama_server_and_driven_on_llama_cpp(repe
     server, llama = load_record(tmp_path / "server.json"), load_record(tmp_path / "llama.json")
     assert (server.params.spec_type, server.params.ngram_max, server.pair.drafter.loaded) == ("ngram-simple", 3, ())
     assert any("--spec-ngram-simple-size-n 3" in note for note in server.notes)
-    for ours, theirs in zip(llama.results, server.results, strict=True):
-        assert ours.output_ids == theirs.output_ids, ours.prompt_id
-        assert [getattr(ours.counters, name) for name in COUNTERS] == \
-            [getattr(theirs.counters, name) for name in COUNTERS], ours.prompt_id
+    assert_reproduced(llama, server)
 
 
 def test_ngram_map_k_draws_on_its_map_and_what_was_last_accepted():
@@ -238,10 +231,7 @@ def test_each_llama_ngram_type_runs_natively_and_its_reproduction_equals_it(draf
         == (spec_type, drafting, ngram_max, ())
     assert any(note.startswith(f"{spec_type}: {flags} ") for note in server.notes)
     assert (llama.params.drafting, llama.params.ngram_max, llama.params.ngram_min) == (drafting, ngram_max, None)
-    for ours, theirs in zip(llama.results, server.results, strict=True):
-        assert ours.output_ids == theirs.output_ids, ours.prompt_id
-        assert [getattr(ours.counters, name) for name in COUNTERS] == \
-            [getattr(theirs.counters, name) for name in COUNTERS], ours.prompt_id
+    assert_reproduced(llama, server)
     assert sum(r.counters.accepted for r in server.results) > 0
     # The same prompts on one target, the drafter kept across them or begun afresh on each.
     target, _ = tiny_sessions

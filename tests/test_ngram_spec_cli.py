@@ -20,12 +20,11 @@ from crossrt.run.runtime import DraftRules, RuntimeFailure, availability
 from crossrt.run.schedules import SPEC_SIMPLE
 from crossrt.run.strategies import Strategy
 
-from conftest import TINY_PAIR, assert_clean_error
+from conftest import TINY_PAIR, assert_clean_error, assert_reproduced
 
 pytestmark = pytest.mark.skipif(availability("llama-spec-cli") is not None,
                                 reason=str(availability("llama-spec-cli")))
 
-COUNTERS = ("steps", "drafted", "accepted", "emitted", "unverified", "cut", "accepted_per_pos")
 MAX_NEW = 32
 # drafting, k, ngram_max, the type's own flags in the record's note
 TYPES = [("llama-ngram-simple", 4, 3, "--spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 4"),
@@ -69,10 +68,7 @@ def test_each_ngram_type_runs_natively_and_its_reproduction_equals_it(drafting, 
             native.pair.drafter.loaded) == (SPEC_SIMPLE, spec_type, drafting, ngram_max, ())
     assert any(note.startswith(f"{spec_type}: {flags} ") for note in native.notes)
     assert (driven.params.schedule, driven.params.drafting, driven.params.ngram_max) == (SPEC_SIMPLE, drafting, ngram_max)
-    for ours, theirs in zip(driven.results, native.results, strict=True):
-        assert ours.output_ids == theirs.output_ids, ours.prompt_id
-        assert [getattr(ours.counters, name) for name in COUNTERS] == \
-            [getattr(theirs.counters, name) for name in COUNTERS], ours.prompt_id
+    assert_reproduced(driven, native)
     assert sum(r.counters.accepted for r in native.results) > 0
 
 
