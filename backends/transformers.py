@@ -37,6 +37,7 @@ from crossrt.run.memory import ALL_LAYERS, check_fits
 from crossrt.inputs.pairs import model_files
 from crossrt.run.runtime import DTYPES, DraftRules, ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
 from crossrt.records.schema import LoadedFile, RuntimeInfo
+from crossrt.backends import transformers_plants
 from crossrt.backends.transformers_conversion import (DIGESTS, conversion_files, dequantized_folder, each_gguf_read_once,
                                                       save_dequantized)
 
@@ -290,6 +291,7 @@ class TransformersRuntime(Runtime):
             raise RuntimeUnavailable(f"torch and transformers are not installed: {INSTALL_HINT}")
 
     def load(self, path: Path) -> TransformersSession:
+        transformers_plants.install(TransformersSession)  # a planted bug, only where asked for (tests)
         return TransformersSession(load_model(path, self.options), self.options)
 
     def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path, strategy=None):

@@ -31,7 +31,7 @@ from crossrt.compare.splits import (BATCH_SHAPE, COUNTERS_UNEXPLAINED, CROSS_NUM
                                     DRAFTER_NUMERICS, INSIDE_DISAGREEMENT, NOT_REPRODUCED, STOP, UNEXPLAINED,
                                     Detokenize, Side, Split, first_divergence, no_text, own_tokenization,
                                     recorded_side, template_split, token_text)
-from crossrt.compare.tolerance import tolerance_for
+from crossrt.compare.tolerance import batch_shape_ceiling, tolerance_for
 from crossrt.records.schema import PassView, PromptResult, RunRecord
 from crossrt.compare.rescore import scoring_runtime
 from crossrt.errors import CrossrtError
@@ -83,16 +83,37 @@ class Explainer:
     splits stay unexplained, with the hint to re-score)."""
 
     def __init__(self, twins: Optional[Twins] = None, replay: Optional[Replay] = None,
-                 detokenize: Detokenize = no_text, logit_tolerance: Optional[float] = None):
+                 detokenize: Detokenize = no_text, logit_tolerance: Optional[float] = None,
+                 batch_noise: Optional[dict] = None):
         self.twins = twins or {}
         self.replay = replay
         self.detokenize = detokenize
         self.logit_tolerance = logit_tolerance
+        # run label -> its scorer's measured batch-shape noise (crossrt/compare/verification.py)
+        self.batch_noise = batch_noise or {}
 
     def _threshold(self, a: RunRecord, b: RunRecord):
         return tolerance_for(a, b, self.logit_tolerance)
 
-    def _views(self, record: RunRecord, result: PromptResult) -> tuple[Optional[PassView], Optional[PassView], str]:
+    def batch_threshold(self, label: str, record: RunRecord) -> tuple[float, str]:
+        """How near a tie a split of one run's speculative output from its own baseline may be:
+        the measured batch-shape noise of the arithmetic the run did (verification.BatchNoise),
+        under the constant of its class as a ceiling; the ceiling alone where nothing was
+        measured (logits not re-scored), and said so."""
+        if self.logit_tolerance is not None:
+            tolerance = tolerance_for(record, record, self.logit_tolerance)
+            return tolerance.near_tie_flip, tolerance.reason
+        ceiling = batch_shape_ceiling(record)
+        noise = self.batch_noise.get(label)
+        if noise is None:
+            return ceiling.near_tie_flip, f"{ceiling.reason}; a constant ceiling (no batch-shape noise measured)"
+        measured = noise.near_tie()
+        if measured >= ceiling.near_tie_flip:
+            return ceiling.near_tie_flip, (f"the ceiling for {ceiling.reason}, below {noise.describe()} = "
+                                           f"{measured:.3g}")
+        return measured, f"{noise.describe()}; ceiling {ceiling.near_tie_flip:g} for {ceiling.reason}"
+
+    def views(self, record: RunRecord, result: PromptResult) -> tuple[Optional[PassView], Optional[PassView], str]:
         if result.output_view is not None:
             return result.output_view, result.baseline_view, "the run's own passes"
         twin = self.twins.get(_twin_key(record, result)) if result.ok else None
@@ -109,7 +130,7 @@ class Explainer:
         index = first_divergence(out, base)
         if index >= min(len(out), len(base)):
             return Split(result.prompt_id, STOP, index, (), "one output ends here (an EOS emitted by one run only)")
-        output_view, baseline_view, how = self._views(record, result)
+        output_view, baseline_view, how = self.views(record, result)
         spec_label, base_label = f"{label} speculative", f"{label} baseline"
         if output_view is not None and baseline_view is not None:
             sides = (recorded_side(spec_label, out, output_view, index, base[index], self.detokenize),
@@ -130,8 +151,7 @@ class Explainer:
                      recorded_side(base_label, base, None, index, out[index], self.detokenize))
             return Split(result.prompt_id, UNEXPLAINED, index, sides,
                          "the run recorded no pass views (native mode) and re-scoring was off (--no-rescore)")
-        tolerance = self._threshold(record, record)
-        verdict = judge([s.gap for s in sides], tolerance.near_tie_flip, tolerance.reason)
+        verdict = judge([s.gap for s in sides], *self.batch_threshold(label, record))
         if verdict.near:
             kind, what = BATCH_SHAPE, (f"the same weights after the same {index} tokens; the two passes put the "
                                        f"two tokens within the near-tie threshold: {verdict.describe()}")
@@ -159,7 +179,7 @@ class Explainer:
             return Split(prompt_id, STOP, index, (), "one baseline ends here (an EOS emitted by one run only)")
         sides, hows = [], set()
         for label, record, result, own, other in zip(labels, records, results, ids, reversed(ids)):
-            _, baseline_view, how = self._views(record, result)
+            _, baseline_view, how = self.views(record, result)
             if baseline_view is not None:
                 sides.append(recorded_side(f"{label} baseline", own, baseline_view, index, other[index],
                                            self.detokenize))

@@ -272,13 +272,14 @@ def lossless_checks(label: str, record: RunRecord, explainer: Explainer, strict:
 
 
 def compare_all(runs: Sequence[tuple[str, RunRecord]], counter_tolerance: float = 0.0,
-                logit_tolerance: Optional[float] = None, strict: bool = False, replay=None) -> list[PromptParity]:
+                logit_tolerance: Optional[float] = None, strict: bool = False, replay=None,
+                batch_noise: Optional[dict] = None) -> list[PromptParity]:
     """Every (label, record) run against its own baseline, then every pair of runs, every prompt.
     Native runs borrow the pass views of a driven twin that emitted the same ids; replay
     (crossrt/compare/replay.py's Replayer) re-scores the splits neither explains (None: they stay
     unexplained and fail)."""
     twins = twins_of(runs)
-    explainer = Explainer(twins, replay, logit_tolerance=logit_tolerance)
+    explainer = Explainer(twins, replay, logit_tolerance=logit_tolerance, batch_noise=batch_noise)
     checks = [check for label, record in runs for check in lossless_checks(label, record, explainer, strict)]
     return checks + [comparison
                      for i, (label_a, a) in enumerate(runs) for label_b, b in runs[i + 1:]

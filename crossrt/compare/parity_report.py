@@ -12,6 +12,7 @@ from crossrt.compare.control import FLOAT_CONTROL, WEIGHTS, ControlCheck
 from crossrt.compare.parity import COUNTERS, IDS, OWN_BASELINE, PromptParity
 from crossrt.compare.rescore import LogitAgreement, ScoredRows, agreement
 from crossrt.compare.tolerance import Tolerance
+from crossrt.compare.verification import VERIFICATION
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ class ParityReport:
                   ("logits", len(self.logit_checks)))
         found = ", ".join(f"{what} in {n} comparison{'s' * (n != 1)}" for what, n in counts if n) or "nothing"
         floats = [c for c in self.controls if c.kind == FLOAT_CONTROL]
+        paths = [c for c in self.controls if c.kind == VERIFICATION]
+        if paths:
+            found += f", verification batches of {len(paths)} scorer{'s' * (len(paths) != 1)}"
         if floats:
             found += f", logits against a float control in {len(floats)} pair{'s' * (len(floats) != 1)} of scorings"
         elif self.logit_checks and (self.no_float_control or any(c.kind == WEIGHTS and not c.weights.wrong for c in self.controls)):
@@ -252,7 +256,9 @@ def render_markdown(report: ParityReport) -> str:
         lines += [f"| {c.kind} | {c.scorings[0]} | {c.scorings[1]} | {c.prompts} | {c.measured.positions} | "
                   f"{c.measured.max_abs_diff:.3g} | {c.measured.kl_mean:.3g} | {c.measured.kl_p99:.3g} | "
                   f"{c.measured.top1_agreement:.3f} | {c.bounds.describe()} | "
-                  f"{c.power.describe() if c.power else ''} | {'ok' if c.ok else 'FAILED'} |" for c in report.controls]
+                  f"{c.power.describe() if c.power else ''} | {'ok' if c.ok else 'FAILED'} |" for c in report.controls
+                  if c.measured is not None]
+        lines += [f"- {c.describe()}: {'ok' if c.ok else 'FAILED'}" for c in report.controls if c.measured is None]
     notes = explained(report)
     if notes:
         lines += ["", "### Explained (numerics, not failures)", ""] + [f"- {line}" for line in notes]

@@ -22,11 +22,13 @@ from crossrt.inputs.pairs import Pair
 from crossrt.compare.parity import PromptParity, compare_against, compare_all
 from crossrt.compare.parity_report import LogitCheck, NotRun, logit_checks
 from crossrt.compare.control import ControlCheck, float_controls, judged_by_control, reference_sequences
+from crossrt.compare.diagnosis import Explainer, twins_of
 from crossrt.compare.replay import Replayer
 from crossrt.compare.tolerance import tolerance_for
 from crossrt.inputs.prompts import Prompt
-from crossrt.compare.rescore import open_scorer, score, scoring_runtime
+from crossrt.compare.rescore import open_scorer, score
 from crossrt.compare.tau_gap import ORACLE_RUNTIME, gap_pairs, parity_gaps
+from crossrt.compare.verification import PathCheck, departure_checks, judged_by_paths, path_checks, scorer_key
 from crossrt.run.loop import SCHEDULE
 from crossrt.run.rules import run_rules
 from crossrt.run.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, runtime_class
@@ -143,9 +145,7 @@ def score_records(runs: Sequence[tuple[str, RunRecord]]) -> dict[tuple[str, str]
     scored = {}
     with contextlib.ExitStack() as stack:
         for label, record in runs:
-            # What open_scorer's computation depends on (n_ctx only sizes the cache).
-            key = (scoring_runtime(record.runtime), record.pair.target.path, record.runtime.kv_cache,
-                   record.runtime.flash_attn, record.runtime.dtype)
+            key = scorer_key(record)
             if key not in scorers:
                 scorers[key] = stack.enter_context(open_scorer(record))
             for result in record.results:
@@ -161,7 +161,9 @@ def score_records(runs: Sequence[tuple[str, RunRecord]]) -> dict[tuple[str, str]
 class Verdicts:
     comparisons: tuple[PromptParity, ...]
     logit_checks: tuple[LogitCheck, ...]
-    controls: tuple[ControlCheck, ...]  # the float control and quantization checks (crossrt/compare/control.py)
+    # The float control and quantization checks (crossrt/compare/control.py), then the
+    # verification-path checks (crossrt/compare/verification.py).
+    controls: tuple[ControlCheck | PathCheck, ...]
     passes: int  # passes re-scored to explain splits
     explain_s: float
 
@@ -171,24 +173,33 @@ def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecor
                  control: bool = True) -> Verdicts:
     """Every comparison of the runs (and of them against saved records), splits explained by
     re-scoring passes where rescore, logits along the reference sequences re-scored where logits,
-    and the float control (crossrt/compare/control.py) where logits and control."""
+    and the float control (crossrt/compare/control.py) where logits and control. Where logits,
+    each run's verification path is checked first (crossrt/compare/verification.py), and its
+    measured batch-shape noise sets how near a tie its splits may be."""
+    scored = [run for run in runs if not run[1].imported]  # imported: no outputs to re-score
+    as_run, paths, noises = {}, (), {}
+    if logits:
+        as_run = score_records(scored)
+        paths, noises = path_checks(scored, as_run)
     with Replayer() as replay:
         started = time.perf_counter()
-        comparisons = compare_all(runs, counter_tolerance, logit_tolerance, strict, replay=replay if rescore else None)
+        comparisons = compare_all(runs, counter_tolerance, logit_tolerance, strict, replay=replay if rescore else None,
+                                  batch_noise=noises)
         if saved:
             comparisons += compare_against(runs, saved, counter_tolerance, replay if rescore else None)
         passes, explain_s = replay.passes, time.perf_counter() - started
     by_label = dict(runs)
     checks, controls = (), ()
     if logits:
-        scored = [run for run in runs if not run[1].imported]  # imported: no outputs to re-score
-        as_run = score_records(scored)
+        views = Explainer(twins_of(scored))
+        paths += departure_checks(scored, noises, lambda record, result: views.views(record, result)[1])
         checks = logit_checks(comparisons, as_run,
                               lambda a, b: tolerance_for(by_label[a], by_label[b], logit_tolerance))
         if control:
             controls = float_controls(scored, as_run)
             comparisons = judged_by_control(comparisons, controls)
-    return Verdicts(tuple(comparisons), tuple(checks), controls, passes, explain_s)
+        comparisons = judged_by_paths(comparisons, paths)
+    return Verdicts(tuple(comparisons), tuple(checks), tuple(controls) + tuple(paths), passes, explain_s)
 
 
 def compare_safely(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecord], counter_tolerance: float,

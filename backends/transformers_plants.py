@@ -1,0 +1,160 @@
+"""Bugs planted in one runtime's verification path only, to show what parity catches.
+
+Where crossrt/builders/plants.py edits a model file (a bug in the model's function), these edit
+how the transformers runtime computes a *verification-shaped* call: more than one token on a
+non-empty cache, the shape of a speculative step and never of plain greedy decoding (a prompt
+pass runs on an empty cache, a decode is one token). Plain greedy output stays exact; only
+speculative output can leave it, as with the bugs users report (llama.cpp#27306, vllm#54506).
+
+A plant is switched on by CROSSRT_PLANT_VERIFY=<kind> in the environment, so every process of
+a command (each run's, the re-scoring's) carries it; the transformers runtime installs it before
+a model loads (TransformersRuntime.load). scripts/planted_bugs.py --verification prints
+which kinds parity catches; tests/test_planted_path.py asserts each fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from crossrt.errors import SettingsError
+
+PLANT_ENV = "CROSSRT_PLANT_VERIFY"
+
+
+@dataclass(frozen=True)
+class PathPlant:
+    name: str
+    what: str
+
+
+PATH_PLANTS = (
+    PathPlant("attention-scale", "every layer's query scaled by 1.13 (attention at another temperature)"),
+    PathPlant("positions", "positions off by one within the batch: every token after the first one further on"),
+    PathPlant("mask", "the causal mask lets each token of the batch see the next one"),
+    PathPlant("kv-slots", "the batch's last two tokens' keys and values written to each other's slots"),
+    PathPlant("drafter-rollback", "the drafter's cache not rolled back after a rejection (the target's is)"),
+)
+# Not a verification-path bug: fresh random noise on every call's logits, whatever its shape (a
+# nondeterministic runtime, whose noise control would otherwise widen with it).
+CALL_NOISE = PathPlant("call-noise", "fresh Gaussian noise of sigma 0.01 on every call's logits")
+SCALE = 1.13
+NOISE_SIGMA = 0.01
+
+
+def planted() -> Optional[str]:
+    """The kind named in the environment, or None; an unknown name is an error, not ignored."""
+    name = os.environ.get(PLANT_ENV)
+    if not name:
+        return None
+    kinds = [plant.name for plant in (*PATH_PLANTS, CALL_NOISE)]
+    if name not in kinds:
+        raise SettingsError(f"{PLANT_ENV}={name!r}: kinds are {', '.join(kinds)}")
+    return name
+
+
+def install(session: type) -> None:
+    """Wrap the transformers runtime's session class so that each call follows the plant the
+    environment names at that moment (none: the clean call). Once per process."""
+    if planted() is None or getattr(session, "_plants_installed", False):
+        return
+    clean_forward, clean_drop, clean_init = session._forward, session._drop, session.__init__
+    session._plants_installed = True
+
+    def forward(self, tokens, rows):
+        name = planted()
+        if name == "call-noise":
+            logits = clean_forward(self, tokens, rows)
+            return logits + _rng.normal(0.0, NOISE_SIGMA, logits.shape).astype(logits.dtype)
+        if name in (None, "drafter-rollback") or len(tokens) < 2 or self._n_past == 0:
+            return clean_forward(self, tokens, rows)
+        if name == "attention-scale":
+            with _scaled_queries(self._model):
+                return clean_forward(self, tokens, rows)
+        if name == "kv-slots":
+            logits = clean_forward(self, tokens, rows)
+            _swap_last_two(self._cache)
+            return logits
+        return _forward_with(self, tokens, rows, name)
+
+    def init(self, loaded, options):
+        clean_init(self, loaded, options)
+        layers = self._model.config.get_text_config().num_hidden_layers
+        _layers_seen.append(layers)
+        self._plant_skips_crop = layers < max(_layers_seen)  # the smaller model of a pair: the drafter
+
+    def drop(self, n_keep):
+        if planted() == "drafter-rollback" and n_keep > 0 and self._plant_skips_crop:
+            return None  # the rejected drafts stay in the cache, read by every later draft
+        return clean_drop(self, n_keep)
+
+    session._forward, session._drop, session.__init__ = forward, drop, init
+
+
+_layers_seen: list[int] = []  # hidden layers of each model loaded in this process
+_rng = np.random.default_rng()  # unseeded: every call's noise is new
+
+
+@contextlib.contextmanager
+def _scaled_queries(model):
+    """Every attention layer's query (after its norm, where it has one) scaled by SCALE."""
+    hooks = []
+    for module in model.modules():
+        target = getattr(module, "q_norm", None) or getattr(module, "q_proj", None)
+        if target is not None and hasattr(module, "k_proj"):
+            hooks.append(target.register_forward_hook(lambda _m, _i, output: output * SCALE))
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _swap_last_two(cache) -> None:
+    import torch
+
+    with torch.inference_mode():
+        _swap(cache)
+
+
+def _swap(cache) -> None:
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        if keys is not None and keys.shape[-2] >= 2:
+            for tensor in (layer.keys, layer.values):
+                last = tensor[..., -1, :].clone()
+                tensor[..., -1, :] = tensor[..., -2, :]
+                tensor[..., -2, :] = last
+
+
+def _forward_with(session, tokens, rows, name):
+    """The session's forward with wrong positions or a leaking mask for this batch."""
+    import torch
+
+    from crossrt.run.runtime import Rows
+
+    n = len(tokens)
+    past = session._n_past
+    input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=session._device)
+    positions = torch.arange(past, past + n, device=session._device)
+    extra = {}
+    if name == "positions":
+        positions = positions + (torch.arange(n, device=session._device) > 0).long()
+    else:  # mask: token j sees the cache, itself and the tokens up to j + 1
+        dtype = session._model.dtype
+        allowed = torch.ones(n, past + n, dtype=torch.bool, device=session._device)
+        allowed[:, past:] = torch.tril(torch.ones(n, n, dtype=torch.bool, device=session._device), diagonal=1)
+        mask = torch.zeros(n, past + n, dtype=dtype, device=session._device)
+        mask[~allowed] = torch.finfo(dtype).min
+        extra["attention_mask"] = mask[None, None]
+    with torch.inference_mode():
+        keep = 1 if rows is Rows.LAST else 0
+        output = session._model(input_ids=input_ids, position_ids=positions.unsqueeze(0), cache=session._cache,
+                                use_cache=True, logits_to_keep=keep, **extra)
+    if rows is Rows.NONE:
+        return np.empty((0, session.n_vocab), dtype=np.float32)
+    return output.logits[0].float().cpu().numpy()

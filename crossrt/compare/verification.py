@@ -1,0 +1,298 @@
+"""Parity's verification-path control: does a runtime's verification batch compute what its
+one-token decodes compute, and do its runs leave their baselines no more often than that allows?
+
+The bugs users hit most break speculative decoding only where it verifies: a batch of drafts on
+a non-empty cache computed otherwise than the one-token decodes of plain greedy decoding (another
+attention scale, positions off by one, a mask that lets a draft see the next one, KV written to
+other slots). The float control scores a prompt pass and one-token decodes, never such a batch,
+so each run's scorer (its runtime or in-process sibling, with the run's own numerics) also scores
+the reference sequence as the run verified it, and three checks follow:
+
+- *verification batches*: those rows against one-token decodes (the first CONTROL_ROWS) and
+  against one pass (every row), within FACTOR times the *batch-shape noise*: one pass against
+  one-token decodes, a control a bug confined to verification cannot widen;
+- *nondeterminism*: the same pass scored twice must give the same logits; a runtime that does
+  not is reported, never absorbed into a noise control it would widen;
+- *departures*: a run that leaves its own baseline on more prompts than the measured
+  verification-path noise makes plausible (a Poisson bound over its baselines' margins) fails,
+  each split small or not: a bug the re-scoring does not reproduce (one in a server only, or in
+  state only the run had) shows there.
+
+The batch-shape noise also sets the near-tie threshold of every batch-shape split of the run
+(crossrt/compare/diagnosis.py), under the constant of tolerance.batch_shape_ceiling as a ceiling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from crossrt.compare.control import CONTROL_ROWS, FACTOR, FLOAT32_EPS, find_power, noise_bounds, reference_sequences
+from crossrt.compare.parity import OWN_BASELINE
+from crossrt.compare.rescore import LogitAgreement, RowStatistics, open_scorer, row_statistics, score, score_stepwise
+from crossrt.compare.rescore import scoring_runtime
+from crossrt.compare.tolerance import Tolerance
+from crossrt.records.schema import PassView, RunRecord
+from crossrt.run.numerics import gap_shifts
+from crossrt.run.runtime import ModelSession, Rows
+
+VERIFICATION, NONDETERMINISM, DEPARTURES = "verification batches", "nondeterminism", "departures"
+SURPRISE = 1e-3  # a departure count this unlikely under the measured noise fails
+NOISE_SLACK = 3.0  # the departure bound assumes the verification path up to 3x noisier than measured
+LEAST_DEPARTURES = 2  # one departure is judged by its split alone
+
+
+@dataclass(frozen=True)
+class BatchNoise:
+    """A scorer's measured batch-shape noise: one pass against one-token decodes (gap shifts of
+    the top two, and max abs logit difference), and the gap shifts of its verification batches
+    against one-token decodes (the departure check's sample)."""
+
+    scorer: str
+    shift_max: float
+    max_abs: float
+    logit_scale: float
+    verification_shifts: tuple[float, ...]
+
+    def near_tie(self) -> float:
+        """The flip a split of this scorer's runs may have and still be numerics: FACTOR times
+        the largest gap shift measured, at least float32's rounding of logits of this scale."""
+        return FACTOR * max(self.shift_max, FLOAT32_EPS * max(self.logit_scale, 1.0))
+
+    def describe(self) -> str:
+        return (f"{FACTOR:g}x the measured batch-shape noise of {self.scorer} (one pass against one-token decodes: "
+                f"gap shifts up to {self.shift_max:.3g}, max abs diff {self.max_abs:.3g})")
+
+
+@dataclass(frozen=True)
+class PathCheck:
+    """One verification-path check (module docstring) for the runs one scorer serves."""
+
+    kind: str  # VERIFICATION, NONDETERMINISM or DEPARTURES
+    scorings: tuple[str, str]
+    runs: tuple[tuple[str, ...], tuple[str, ...]]
+    prompts: int
+    findings: tuple[str, ...]  # what fails, each in words; () when it passes
+    summary: str  # what was measured
+    measured: Optional[LogitAgreement] = None
+    bounds: Optional[Tolerance] = None
+    noise: Optional[LogitAgreement] = None
+    power: Optional[object] = None  # control.Power
+
+    @property
+    def problems(self) -> list[str]:
+        return list(self.findings)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def failure(self) -> str:
+        return "; ".join(self.findings)
+
+    def describe(self) -> str:
+        power = f"; {self.power.describe()}" if self.power else ""
+        return f"{self.kind}: {' vs '.join(self.scorings)}: {self.summary}{power}"
+
+
+def verification_rows(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                      batch: int) -> np.ndarray:
+    """Rows predicting each output token as a run verifies them: the prompt but its last token
+    cached, then steps of `batch` tokens on a cache holding everything before them, each the
+    last token so far, the next batch - 2 tokens of the sequence (drafts accepted) and a token
+    that is not the next one (a draft rejected), then the cache rolled back past the rejected
+    one, as a step that accepts all but its last draft leaves it."""
+    session.truncate(0)
+    if len(prompt_ids) > 1:
+        session.eval(list(prompt_ids[:-1]), Rows.NONE)
+    fed = [prompt_ids[-1], *output_ids[:-1]]
+    found = []
+    for start in range(0, len(fed), batch - 1):
+        kept = fed[start:start + batch - 1]
+        following = fed[start + len(kept)] if start + len(kept) < len(fed) else output_ids[-1]
+        rejected = (following + 1) % session.n_vocab
+        n_past = session.n_past
+        rows = session.eval([*kept, rejected], Rows.ALL)
+        found.extend(np.asarray(rows[:len(kept)], dtype=np.float64))
+        session.truncate(n_past + len(kept))
+    return np.array(found)
+
+
+def _batches(records: Sequence[RunRecord]) -> tuple[int, ...]:
+    """The verification batch sizes a scorer's runs used: k + 1 each (a lookup's or policy's k
+    is its largest)."""
+    return tuple(sorted({max(2, (record.params.k_max or record.params.k) + 1) for record in records}))
+
+
+def _first_beyond(pairs, bound: float) -> Optional[tuple[str, int, float]]:
+    """The first (prompt, output row, max abs diff) whose rows differ beyond bound."""
+    for prompt_id, a, b in pairs:
+        diffs = np.abs(a - b).max(axis=1)
+        beyond = np.flatnonzero(diffs > bound)
+        if len(beyond):
+            return prompt_id, int(beyond[0]), float(diffs[beyond[0]])
+    return None
+
+
+def scorer_key(record: RunRecord) -> tuple:
+    """What a scorer's computation depends on (score_records' key: n_ctx only sizes the cache)."""
+    return (scoring_runtime(record.runtime), record.pair.target.path, record.runtime.kv_cache,
+            record.runtime.flash_attn, record.runtime.dtype)
+
+
+def scorer_label(key: tuple) -> str:
+    runtime, path, kv_cache, flash_attn, dtype = key
+    numerics = [f"{kv_cache} KV" if kv_cache else "", "flash attention" if flash_attn else "",
+                dtype if dtype else ""]
+    return f"{runtime} as run ({', '.join(n for n in numerics if n) or 'its defaults'})"
+
+
+def path_checks(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str, str], np.ndarray],
+                threads: int = 1) -> tuple[tuple[PathCheck, ...], dict[str, BatchNoise]]:
+    """The verification-batch and nondeterminism checks per scorer of runs (module docstring), and
+    each run's measured batch-shape noise by label. as_run: score_records' one-pass rows."""
+    references = reference_sequences(runs)
+    groups: dict[tuple, list[tuple[str, RunRecord]]] = {}
+    for label, record in runs:
+        if not record.imported:
+            groups.setdefault(scorer_key(record), []).append((label, record))
+    checks, noises = [], {}
+    for key, members in groups.items():
+        prompts = {p: ref for p, ref in references.items() if (members[0][0], p) in as_run}
+        if not prompts:
+            continue
+        labels = tuple(label for label, _ in members)
+        name = scorer_label(key)
+        with contextlib.ExitStack() as stack:
+            session = stack.enter_context(open_scorer(members[0][1], threads=threads))
+            noise_parts, verify_parts, shifts, beside = [], [], [], []
+            scale = 0.0
+            repeat = None
+            for prompt_id, (prompt_ids, output_ids) in prompts.items():
+                full = as_run[members[0][0], prompt_id]
+                scale = max(scale, float(np.abs(full).max()))
+                decoded = score_stepwise(session, prompt_ids, output_ids, min(CONTROL_ROWS, len(full)))
+                noise_parts.append((prompt_id, decoded, full[:len(decoded)]))
+                for batch in _batches([record for _, record in members]):
+                    verified = verification_rows(session, prompt_ids, output_ids, batch)
+                    verify_parts.append((prompt_id, decoded, verified[:len(decoded)]))
+                    beside.append((prompt_id, full, verified))
+                    shifts.extend(gap_shifts(decoded, verified[:len(decoded)])[1])
+                if repeat is None:  # the same pass again, after other passes have run
+                    repeat = (prompt_id, float(np.abs(score(session, prompt_ids, output_ids) - full).max()), len(full))
+        noise = RowStatistics.joined([row_statistics(a, b) for _, a, b in noise_parts]).summary()
+        noise_shifts = np.concatenate([gap_shifts(a, b)[1] for _, a, b in noise_parts])
+        batch_noise = BatchNoise(name, float(noise_shifts.max()), noise.max_abs_diff, scale,
+                                 tuple(float(s) for s in shifts))
+        for label in labels:
+            noises[label] = batch_noise
+        bounds = noise_bounds(noise, scale)
+        pairs = [(a, b) for _, a, b in verify_parts] + [(a, b) for _, a, b in beside]
+        measured = RowStatistics.joined([row_statistics(a, b) for a, b in pairs]).summary()
+        findings = []
+        problems = bounds.problems(measured)
+        if problems:
+            first = _first_beyond([*verify_parts, *beside], bounds.max_abs_diff)
+            where = (f"; first at {first[0]}, output token {first[1]} (max abs diff {first[2]:.3g})"
+                     if first else "")
+            findings.append(f"verification batches compute otherwise than one-token decodes and one pass: "
+                            f"{'; '.join(problems)} (bounds {bounds.describe()}){where}")
+        batches = ", ".join(str(b) for b in _batches([record for _, record in members]))
+        checks.append(PathCheck(VERIFICATION, (f"{name} verification batches of {batches}",
+                                               "one-token decodes and one pass"), (labels, ()), len(prompts),
+                                tuple(findings),
+                                f"{len(prompts)} prompts, {measured.positions} rows: max abs diff "
+                                f"{measured.max_abs_diff:.3g}, mean KL {measured.kl_mean:.3g}, same top-1 "
+                                f"{measured.top1_agreement:.3f}; bounds {bounds.describe()}",
+                                measured, bounds, noise, find_power(pairs, bounds)))
+        prompt_id, repeated, rows = repeat
+        checks.append(PathCheck(NONDETERMINISM, (name, "itself"), (labels, ()), 1,
+                                (f"nondeterministic: {name} scored the same {rows} rows of {prompt_id} twice and they "
+                                 f"differ by max abs {repeated:.3g}: its noise cannot be measured, every split and "
+                                 "bound of its runs is in doubt",) if repeated > 0 else (),
+                                f"the same pass scored twice: max abs diff {repeated:.3g}"))
+    return tuple(checks), noises
+
+
+def _departure_chance(margins: Sequence[float], shifts: np.ndarray) -> float:
+    """The chance that a verification path with these gap shifts (NOISE_SLACK times noisier)
+    breaks at least one of a baseline's margins."""
+    if not len(shifts):
+        return 0.0
+    ordered = np.sort(shifts * NOISE_SLACK)
+    stay = 1.0
+    for margin in margins:
+        stay *= 1.0 - (len(ordered) - np.searchsorted(ordered, margin, side="left")) / len(ordered)
+    return 1.0 - stay
+
+
+def poisson_tail(observed: int, expected: float) -> float:
+    """P(X >= observed) for X ~ Poisson(expected)."""
+    if observed <= 0:
+        return 1.0
+    term = math.exp(-expected)
+    below = term
+    for n in range(1, observed):
+        term *= expected / n
+        below += term
+    return max(0.0, 1.0 - below)
+
+
+def departure_checks(runs: Sequence[tuple[str, RunRecord]], noises: dict[str, BatchNoise],
+                     baseline_view) -> tuple[PathCheck, ...]:
+    """Per run with measured noise and baseline margins (baseline_view(label, record, result):
+    the run's own or a driven twin's PassView, else None): how many prompts left their
+    baseline against how many its noise makes plausible (module docstring)."""
+    checks = []
+    for label, record in runs:
+        noise = noises.get(label)
+        if noise is None or record.imported:
+            continue
+        shifts = np.asarray(noise.verification_shifts)
+        expected, departed, prompts = 0.0, 0, 0
+        for result in record.results:
+            view: Optional[PassView] = baseline_view(record, result) if result.ok else None
+            if view is None:
+                continue
+            prompts += 1
+            out, base = result.output_ids, result.baseline_ids
+            index = next((i for i, (a, b) in enumerate(zip(out, base)) if a != b), None)
+            if result.lossless is False and index is not None:
+                departed += 1
+            upto = len(view.margins) if index is None else index + 1
+            expected += _departure_chance(view.margins[:upto], shifts)
+        if not prompts:
+            continue
+        chance = poisson_tail(departed, expected)
+        findings = ()
+        if departed >= LEAST_DEPARTURES and chance < SURPRISE:
+            findings = (f"{label} leaves its own baseline on {departed} of {prompts} prompts where the measured "
+                        f"verification-path noise of {noise.scorer} (gap shifts up to {shifts.max(initial=0):.3g}, "
+                        f"taken {NOISE_SLACK:g}x) makes {expected:.3g} plausible (chance {chance:.2g} < {SURPRISE:g}): "
+                        "not numerics, look for a bug in its verification path",)
+        checks.append(PathCheck(DEPARTURES, (label, "its baseline"), ((label,), ()), prompts, findings,
+                                f"{departed} of {prompts} prompts leave the baseline, {expected:.3g} expected from "
+                                f"the measured noise (chance of as many {chance:.2g})"))
+    return tuple(checks)
+
+
+def judged_by_paths(comparisons: Sequence, checks: Sequence[PathCheck]) -> list:
+    """The comparisons with every split of a run from its own baseline taken out of "numerics"
+    where a verification-path check of that run fails: a near-tie on a path that computes
+    otherwise is no near-tie. Such splits become problems that say why."""
+    failed = [check for check in checks if not check.ok]
+    judged = []
+    for comparison in comparisons:
+        why = next((check for check in failed if comparison.run_a in check.runs[0]), None)
+        if why is None or comparison.run_b != OWN_BASELINE or not comparison.explained:
+            judged.append(comparison)
+            continue
+        demoted = tuple(f"not numerics: {line} (the {why.kind} check fails for this run: {why.failure()})"
+                        for line in comparison.explained)
+        judged.append(dataclasses.replace(comparison, problems=comparison.problems + demoted, explained=()))
+    return judged

@@ -1,0 +1,89 @@
+"""Bugs planted in one runtime's verification path only fail plain `crossrt parity` (issue 54).
+
+Each plant (backends/transformers_plants.py) changes how transformers computes a call of more
+than one token on a non-empty cache, the shape of a speculative step only: plain greedy
+decoding stays exact, so the float control (a prompt pass and one-token decodes) cannot see it.
+Parity must exit 1 with a FAIL naming the verification path (or, for a drafter that is not
+rolled back, the counters its drafts leave); clean runs pass under every numerics variant.
+Nothing here depends on which prompt splits where.
+"""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from crossrt.backends.transformers_plants import CALL_NOISE, PATH_PLANTS, PLANT_ENV
+from crossrt.cli import main
+from crossrt.compare.verification import _departure_chance, poisson_tail
+
+PROMPTS = [{"id": "code", "category": "code", "prompt": "def add(a, b):\n    return"},
+           {"id": "prose", "category": "prose", "prompt": "The river ran past the old mill and"},
+           {"id": "list", "category": "structured", "prompt": "- apples\n- pears\n-"}]
+# What a FAIL line of a verification-path plant may name.
+NAMED = {"drafter-rollback": ("counters unexplained",)}
+VERIFICATION_PATH = ("verification batches compute otherwise", "verification path")
+
+
+def parity(folder, pair="tiny", tokens=16, *extra, prompts=None):
+    if prompts is None:
+        prompts = folder / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return CliRunner().invoke(main, ["parity", "--pair", pair, "--runtimes", "llama-cpp,transformers",
+                                     "--modes", "driven", "--prompts", str(prompts), "--max-new-tokens",
+                                     str(tokens), "--out-dir", str(folder / "runs"), *extra], catch_exceptions=False)
+
+
+def fails(result) -> list[str]:
+    return [line for line in result.output.splitlines() if line.startswith("FAIL ")]
+
+
+@pytest.mark.parametrize("plant", [p.name for p in PATH_PLANTS])
+def test_each_verification_path_plant_fails_on_the_tiny_pair(plant, tmp_path, monkeypatch):
+    monkeypatch.setenv(PLANT_ENV, plant)
+    # A drafter that is not rolled back shows only after rejections: every built-in prompt, longer.
+    result = parity(tmp_path, "tiny", 24, prompts="builtin") if plant == "drafter-rollback" else parity(tmp_path)
+    assert result.exit_code == 1, f"{plant} passed parity:\n{result.output}"
+    named = NAMED.get(plant, VERIFICATION_PATH)
+    assert any(name in line for line in fails(result) for name in named), f"{plant}:\n{result.output}"
+    assert result.output.strip().splitlines()[-1].startswith("parity: FAILED")
+
+
+@pytest.mark.parametrize("numerics", [(), ("--f32-kv-cache", "--no-flash-attn"), ("--flash-attn",),
+                                      ("--threads", "2")])
+def test_clean_runs_pass_under_each_numerics_variant(numerics, tmp_path, monkeypatch):
+    monkeypatch.delenv(PLANT_ENV, raising=False)
+    result = parity(tmp_path, "tiny", 16, *numerics)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    # Each scorer's verification path checked, with its measured noise and power stated.
+    assert sum(line.strip().startswith("verification batches:") for line in lines) == 2
+    assert all("would catch logit noise" in line for line in lines if line.strip().startswith("verification batches:"))
+    assert "verification batches of 2 scorers" in lines[-1]
+
+
+def test_a_runtime_that_scores_the_same_input_twice_differently_is_nondeterministic(tmp_path, monkeypatch):
+    monkeypatch.setenv(PLANT_ENV, CALL_NOISE.name)
+    result = parity(tmp_path)
+    assert result.exit_code == 1, result.output
+    assert any("nondeterministic: transformers" in line for line in fails(result)), result.output
+
+
+def test_the_departure_bound_follows_the_measured_noise():
+    # A verification path whose gap shifts never reach a margin makes no departure plausible...
+    assert _departure_chance([0.5, 0.2, 0.9], [1e-5] * 50) == 0.0
+    # ...and one whose shifts exceed every margin makes one certain.
+    assert _departure_chance([1e-6, 0.2], [1.0] * 50) == 1.0
+    # Poisson tails: none observed is no surprise; five where 0.01 are expected is.
+    assert poisson_tail(0, 0.01) == 1.0
+    assert poisson_tail(5, 0.01) < 1e-9
+    assert abs(poisson_tail(1, 2.0) - (1 - 2.718281828459045 ** -2)) < 1e-9
+
+
+def test_the_attention_scale_plant_fails_on_the_real_model(real_pair, tmp_path, monkeypatch):
+    """The issue's own case: Gemma 3 270M, transformers' multi-token calls on a cache at
+    another attention temperature (llama.cpp clean)."""
+    monkeypatch.setenv(PLANT_ENV, "attention-scale")
+    result = parity(tmp_path, "gemma3-270m", 24)
+    assert result.exit_code == 1, result.output
+    assert any(name in line for line in fails(result) for name in VERIFICATION_PATH), result.output
