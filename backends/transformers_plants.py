@@ -6,7 +6,7 @@ non-empty cache, the shape of a speculative step and never of plain greedy decod
 pass runs on an empty cache, a decode is one token). Plain greedy output stays exact; only
 speculative output can leave it, as with the bugs users report (llama.cpp#27306, vllm#54506).
 
-A plant is switched on by CROSSRT_PLANT_VERIFY=<kind> in the environment, so every process of
+A plant is switched on by CROSSRT_PLANT_VERIFY=<kind>[:<size>] in the environment, so every process of
 a command (each run's, the re-scoring's) carries it; the transformers runtime installs it before
 a model loads (TransformersRuntime.load). scripts/planted_bugs.py --verification prints
 which kinds parity catches; tests/test_planted_path.py asserts each fails.
@@ -33,7 +33,7 @@ class PathPlant:
 
 
 PATH_PLANTS = (
-    PathPlant("attention-scale", "every layer's query scaled by 1.13 (attention at another temperature)"),
+    PathPlant("attention-scale", "every layer's query scaled (x1.13 unless sized): attention at another temperature"),
     PathPlant("positions", "positions off by one within the batch: every token after the first one further on"),
     PathPlant("mask", "the causal mask lets each token of the batch see the next one"),
     PathPlant("kv-slots", "the batch's last two tokens' keys and values written to each other's slots"),
@@ -48,13 +48,24 @@ NOISE_SIGMA = 0.01
 
 def planted() -> Optional[str]:
     """The kind named in the environment, or None; an unknown name is an error, not ignored."""
-    name = os.environ.get(PLANT_ENV)
-    if not name:
+    value = os.environ.get(PLANT_ENV)
+    if not value:
         return None
+    name = value.split(":")[0]
     kinds = [plant.name for plant in (*PATH_PLANTS, CALL_NOISE)]
     if name not in kinds:
-        raise SettingsError(f"{PLANT_ENV}={name!r}: kinds are {', '.join(kinds)}")
+        raise SettingsError(f"{PLANT_ENV}={value!r}: kinds are {', '.join(kinds)} (attention-scale:SCALE and "
+                            "call-noise:SIGMA take a size)")
     return name
+
+
+def size(default: float) -> float:
+    """The plant's size where the environment gives one (kind:size), else default."""
+    _, _, given = os.environ.get(PLANT_ENV, "").partition(":")
+    try:
+        return float(given) if given else default
+    except ValueError:
+        raise SettingsError(f"{PLANT_ENV}: {given!r} is not a number") from None
 
 
 def install(session: type) -> None:
@@ -69,7 +80,7 @@ def install(session: type) -> None:
         name = planted()
         if name == "call-noise":
             logits = clean_forward(self, tokens, rows)
-            return logits + _rng.normal(0.0, NOISE_SIGMA, logits.shape).astype(logits.dtype)
+            return logits + _rng.normal(0.0, size(NOISE_SIGMA), logits.shape).astype(logits.dtype)
         if name in (None, "drafter-rollback") or len(tokens) < 2 or self._n_past == 0:
             return clean_forward(self, tokens, rows)
         if name == "attention-scale":
@@ -102,11 +113,12 @@ _rng = np.random.default_rng()  # unseeded: every call's noise is new
 @contextlib.contextmanager
 def _scaled_queries(model):
     """Every attention layer's query (after its norm, where it has one) scaled by SCALE."""
+    scale = size(SCALE)
     hooks = []
     for module in model.modules():
         target = getattr(module, "q_norm", None) or getattr(module, "q_proj", None)
         if target is not None and hasattr(module, "k_proj"):
-            hooks.append(target.register_forward_hook(lambda _m, _i, output: output * SCALE))
+            hooks.append(target.register_forward_hook(lambda _m, _i, output: output * scale))
     try:
         yield
     finally:

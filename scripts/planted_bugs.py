@@ -5,6 +5,11 @@ how much. The table in docs/parity.md comes from this script.
 
     .venv/bin/python scripts/planted_bugs.py --pair tiny
     .venv/bin/python scripts/planted_bugs.py --pair gemma3-270m --plants rope-base,attention-scale
+    .venv/bin/python scripts/planted_bugs.py --pair tiny --verification --sizes 1.001,1.01,1.13
+
+--verification plants bugs in the transformers runtime's verification path instead
+(backends/transformers_plants.py: calls of more than one token on a non-empty cache), the
+model files clean; --sizes then sizes attention-scale (the factor on its queries).
 
 Each row is one real `crossrt parity --runtimes llama-cpp,transformers --modes driven` run (in a
 process of its own) on a manifest naming the GGUF beside a transformers folder, one of them
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -23,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -52,21 +59,26 @@ def pair_files(pair: str) -> PairFiles:
                                                                ("drafter", "gguf"), ("drafter", "hf"))))
 
 
-def parity(manifest: Path, folder: Path, tokens: int) -> tuple[int, str, float]:
+def parity(manifest: Path, folder: Path, tokens: int, environment: Optional[dict] = None) -> tuple[int, str, float]:
     prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     started = time.perf_counter()
     done = subprocess.run([str(REPO / ".venv" / "bin" / "crossrt"), "parity", "--pair", str(manifest), "--runtimes",
                            "llama-cpp,transformers", "--modes", "driven", "--prompts", str(prompts),
                            "--max-new-tokens", str(tokens), "--out-dir", str(folder / "runs")],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env={**os.environ, **(environment or {})})
     return done.returncode, done.stdout, time.perf_counter() - started
 
 
 def caught_by(output: str) -> str:
     """Which check failed first, in parity's words."""
     fails = [line for line in output.splitlines() if line.startswith("FAIL ")]
-    for name, words in (("weights check", "weights: not the same model"),
+    for name, words in (("verification batches", "verification batches compute otherwise"),
+                        ("nondeterminism", "nondeterministic: "),
+                        ("departures", "look for a bug in its verification path"),
+                        ("lossless split", "disagreement inside the runtime"),
+                        ("counters", "counters unexplained"),
+                        ("weights check", "weights: not the same model"),
                         ("float control", "float control: logits beyond"),
                         ("tokenization", "tokenizes the prompt text differently"),
                         ("as-run logits", ": logits: "), ("ids", "outputs part")):
@@ -81,14 +93,47 @@ def control_ratio(output: str) -> str:
     return f"{float(match.group(1)) / float(match.group(2)):.3g}" if match else "-"
 
 
+def verification_ratio(output: str) -> str:
+    """The transformers scorer's verification batches: measured max abs diff over its bound."""
+    match = re.search(r"verification batches: transformers .*? max abs diff ([0-9.e+-]+),.*?bounds max abs diff "
+                      r"<= ([0-9.e+-]+)", output)
+    return f"{float(match.group(1)) / float(match.group(2)):.3g}" if match else "-"
+
+
+def verification_table(files: PairFiles, sizes: list, tokens: int) -> None:
+    """Each verification-path plant (and the nondeterministic runtime) on the clean pair."""
+    from crossrt.backends.transformers_plants import CALL_NOISE, PATH_PLANTS, PLANT_ENV
+
+    print("| plant | what | size | parity exit | caught by | verification batches max abs / bound | seconds |")
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="planted-") as scratch:
+        for plant in (None, *PATH_PLANTS, CALL_NOISE):
+            sized = plant is not None and plant.name == "attention-scale"
+            for size in (sizes if sized else [None]):
+                folder = Path(scratch) / f"{plant.name if plant else 'clean'}-{size}"
+                folder.mkdir()
+                value = "" if plant is None else plant.name + (f":{size:g}" if size is not None else "")
+                code, output, seconds = parity(files.manifest(folder), folder, tokens, {PLANT_ENV: value})
+                print(f"| {plant.name if plant else '(none)'} | {plant.what if plant else '-'} | "
+                      f"{'default' if size is None else f'{size:g}'} | {code} | "
+                      f"{caught_by(output) if code else 'passes'} | {verification_ratio(output)} | {seconds:.0f} |",
+                      flush=True)
+                shutil.rmtree(folder, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", default="tiny")
     parser.add_argument("--plants", default="all", help="comma-separated plant names, or all")
     parser.add_argument("--sizes", default="", help="comma-separated sizes for every plant (default: each plant's own)")
     parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--verification", action="store_true",
+                        help="plant bugs in transformers' verification path, not in a model file")
     args = parser.parse_args()
     files = pair_files(args.pair)
+    if args.verification:
+        sizes = [float(size) for size in args.sizes.split(",")] if args.sizes else [None]
+        return verification_table(files, sizes, args.max_new_tokens)
     plants = PLANTS if args.plants == "all" else [plant_named(name) for name in args.plants.split(",")]
     sizes = [float(size) for size in args.sizes.split(",")] if args.sizes else [None]
     print("| plant | area | planted in | size | parity exit | caught by | float control max abs / bound | seconds |")

@@ -91,3 +91,14 @@ def test_command_modules_take_only_shared_pieces_or_commands_from_each_other():
                 if not isinstance(getattr(source, alias.name, None), click.Command):
                     taken.append(f"{own} imports {alias.name} from {node.module}")
     assert not taken, "\n".join(taken)
+
+
+def test_every_package_folder_is_installed():
+    """pip builds the wheel from pyproject.toml's package list: a folder of modules missing from it
+    (crossrt.run.lookup was) installs a crossrt that fails on import."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(path.parent.relative_to(PACKAGE.parent).parts) for path in PACKAGE.rglob("*.py")
+               if "__pycache__" not in path.parts}
+    assert folders <= listed, f"not in pyproject.toml's packages: {sorted(folders - listed)}"

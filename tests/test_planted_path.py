@@ -84,6 +84,26 @@ def test_the_attention_scale_plant_fails_on_the_real_model(real_pair, tmp_path, 
     """The issue's own case: Gemma 3 270M, transformers' multi-token calls on a cache at
     another attention temperature (llama.cpp clean)."""
     monkeypatch.setenv(PLANT_ENV, "attention-scale")
-    result = parity(tmp_path, "gemma3-270m", 24)
+    result = parity(tmp_path, "gemma3-270m", 16)
     assert result.exit_code == 1, result.output
     assert any(name in line for line in fails(result) for name in VERIFICATION_PATH), result.output
+
+
+def test_an_error_in_the_shared_dequantization_is_found(real_pair, monkeypatch):
+    """gguf-py dequantizes for both the float twin and transformers' conversion, so the float
+    control cannot see an error there; ggml's own to_float, independent of it, does."""
+    from gguf import quants
+
+    from crossrt.compare.dequantization import check_file
+
+    target = real_pair.path("target", "gguf")
+    clean = check_file(target, ("llama-cpp/driven",))
+    assert clean.ok and "Q8_0" in clean.summary, clean.summary
+    original = quants.Q8_0.dequantize_blocks.__func__
+
+    def two_percent_off(cls, blocks):
+        return original(cls, blocks) * 1.02
+
+    monkeypatch.setattr(quants.Q8_0, "dequantize_blocks", classmethod(two_percent_off))
+    planted = check_file(target, ("llama-cpp/driven",))
+    assert not planted.ok and "(Q8_0) otherwise than ggml" in planted.failure(), planted.summary

@@ -27,6 +27,7 @@ from crossrt.imports.importer import import_summary
 from crossrt.run.loop import SCHEDULE, SCHEDULES
 from crossrt.inputs.pairs import run_k, run_spec_type
 from crossrt.inputs.prompts import load_prompts
+from crossrt.run.record_name import default_record_path
 from crossrt.run.rules import run_rules
 from crossrt.run.runtime import (SPEC_TYPES, availability, runtime_class, runtime_names, usable_runtimes,
                                  without_user_info)
@@ -76,7 +77,9 @@ def main() -> None:
               help=PROMPTS_HELP)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False),
-              help="Run record to write, after every prompt. Default: runs/<pair>-<runtime>-k<k>.json")
+              help="Run record to write, after every prompt. Default: runs/<pair>-<runtime>-k<k>.json, with a "
+              "part for each setting that differs from a plain run (mode, schedule, drafting, k policy, "
+              "acceptance, draft rules), so runs of other settings never share a file.")
 @click.option("--trace", is_flag=True, help="Also record per-token traces (driven mode, crossrt or hf-assisted "
               "schedule) in <out stem>.trace.npz beside the record, for `crossrt analyze`.")
 @click.option("--resume", is_flag=True, help="Continue the record at --out, skipping finished prompts.")
@@ -102,13 +105,15 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
         k = run_k(pair, k)
         mode = mode or ("driven" if "driven" in runtime_class(runtime_name).modes else "native")
         options = with_executable(options, runtime_name, executable)
-        named_out = out or Path("runs") / f"{pair.name}-{runtime_name}-k{k}.json"
+        rules, warnings = run_rules(runtime_name, mode, schedule, max_new_tokens, k, draft_n_min, draft_p_min,
+                                    run_spec_type(pair, spec_type))
+        default_mode = runtime_class(runtime_name).modes[0]
+        named_out = out or default_record_path(pair.name, runtime_name, mode, default_mode, k, schedule, strategy,
+                                               rules)
         answers = first_answers(turn, first_answers_file, named_out.parent, pair, options, max_new_tokens)
         prompts, rendering, prompt_format = fed_prompts(load_prompts(prompt_source), pair, chat, chat_template,
                                                         template_vars, answers)
         out = named_out
-        rules, warnings = run_rules(runtime_name, mode, schedule, max_new_tokens, k, draft_n_min, draft_p_min,
-                                    run_spec_type(pair, spec_type))
         request = RunRequest(pair=pair, runtime=runtime_name, options=options, rules=rules,
                              max_new_tokens=max_new_tokens, out=out, mode=mode, schedule=schedule, resume=resume,
                              overwrite=overwrite, trace=trace, chat=rendering, prompt_format=prompt_format,

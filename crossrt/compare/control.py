@@ -314,10 +314,14 @@ def judged_by_control(comparisons: Sequence, controls: Sequence[ControlCheck]) -
         if why is None or not comparison.explained or comparison.imported:
             judged.append(comparison)
             continue
-        demoted = tuple(f"not numerics: {line} (the {why.kind} fails for these runs: {why.failure()})"
-                        for line in comparison.explained)
-        judged.append(dataclasses.replace(comparison, problems=comparison.problems + demoted, explained=()))
+        judged.append(demoted(comparison, f"the {why.kind} fails for these runs: {why.failure()}"))
     return judged
+
+
+def demoted(comparison, why: str):
+    """The comparison with its splits explained as numerics turned into problems saying why not."""
+    lines = tuple(f"not numerics: {line} ({why})" for line in comparison.explained)
+    return dataclasses.replace(comparison, problems=comparison.problems + lines, explained=())
 
 
 def _across(check: ControlCheck) -> set[tuple[str, str]]:

@@ -22,6 +22,7 @@ from crossrt.inputs.pairs import Pair
 from crossrt.compare.parity import PromptParity, compare_against, compare_all
 from crossrt.compare.parity_report import LogitCheck, NotRun, logit_checks
 from crossrt.compare.control import ControlCheck, float_controls, judged_by_control, reference_sequences
+from crossrt.compare.dequantization import dequantization_checks
 from crossrt.compare.diagnosis import Explainer, twins_of
 from crossrt.compare.replay import Replayer
 from crossrt.compare.tolerance import tolerance_for
@@ -196,7 +197,7 @@ def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecor
         checks = logit_checks(comparisons, as_run,
                               lambda a, b: tolerance_for(by_label[a], by_label[b], logit_tolerance))
         if control:
-            controls = float_controls(scored, as_run)
+            controls = float_controls(scored, as_run) + dequantization_checks(scored)
             comparisons = judged_by_control(comparisons, controls)
         comparisons = judged_by_paths(comparisons, paths)
     return Verdicts(tuple(comparisons), tuple(checks), tuple(controls) + tuple(paths), passes, explain_s)

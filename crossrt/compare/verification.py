@@ -8,8 +8,8 @@ other slots). The float control scores a prompt pass and one-token decodes, neve
 so each run's scorer (its runtime or in-process sibling, with the run's own numerics) also scores
 the reference sequence as the run verified it, and three checks follow:
 
-- *verification batches*: those rows against one-token decodes (the first CONTROL_ROWS) and
-  against one pass (every row), within FACTOR times the *batch-shape noise*: one pass against
+- *verification batches*: those rows against one-token decodes (the first rows of each prompt,
+  DECODED_ROWS in all) and against one pass (every row), within FACTOR times the *batch-shape noise*: one pass against
   one-token decodes, a control a bug confined to verification cannot widen;
 - *nondeterminism*: the same pass scored twice must give the same logits; a runtime that does
   not is reported, never absorbed into a noise control it would widen;
@@ -24,24 +24,25 @@ The batch-shape noise also sets the near-tie threshold of every batch-shape spli
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
-from crossrt.compare.control import CONTROL_ROWS, FACTOR, FLOAT32_EPS, find_power, noise_bounds, reference_sequences
+from crossrt.compare.control import (CONTROL_ROWS, FACTOR, FLOAT32_EPS, demoted, find_power, noise_bounds,
+                                     reference_sequences)
 from crossrt.compare.parity import OWN_BASELINE
-from crossrt.compare.rescore import LogitAgreement, RowStatistics, open_scorer, row_statistics, score, score_stepwise
-from crossrt.compare.rescore import scoring_runtime
+from crossrt.compare.rescore import (LogitAgreement, RowStatistics, open_scorer, row_statistics, score, score_stepwise,
+                                     scoring_runtime)
 from crossrt.compare.tolerance import Tolerance
 from crossrt.records.schema import PassView, RunRecord
 from crossrt.run.numerics import gap_shifts
 from crossrt.run.runtime import ModelSession, Rows
 
 VERIFICATION, NONDETERMINISM, DEPARTURES = "verification batches", "nondeterminism", "departures"
+DECODED_ROWS = 96  # one-token decodes per scorer, spread over the prompts (each a pass: the check's main cost)
+LEAST_ROWS = 4  # decoded rows per prompt at least
 SURPRISE = 1e-3  # a departure count this unlikely under the measured noise fails
 NOISE_SLACK = 3.0  # the departure bound assumes the verification path up to 3x noisier than measured
 LEAST_DEPARTURES = 2  # one departure is judged by its split alone
@@ -129,16 +130,6 @@ def _batches(records: Sequence[RunRecord]) -> tuple[int, ...]:
     return tuple(sorted({max(2, (record.params.k_max or record.params.k) + 1) for record in records}))
 
 
-def _first_beyond(pairs, bound: float) -> Optional[tuple[str, int, float]]:
-    """The first (prompt, output row, max abs diff) whose rows differ beyond bound."""
-    for prompt_id, a, b in pairs:
-        diffs = np.abs(a - b).max(axis=1)
-        beyond = np.flatnonzero(diffs > bound)
-        if len(beyond):
-            return prompt_id, int(beyond[0]), float(diffs[beyond[0]])
-    return None
-
-
 def scorer_key(record: RunRecord) -> tuple:
     """What a scorer's computation depends on (score_records' key: n_ctx only sizes the cache)."""
     return (scoring_runtime(record.runtime), record.pair.target.path, record.runtime.kv_cache,
@@ -152,6 +143,44 @@ def scorer_label(key: tuple) -> str:
     return f"{runtime} as run ({', '.join(n for n in numerics if n) or 'its defaults'})"
 
 
+@dataclass(frozen=True)
+class _Measured:
+    """What one scorer's re-scoring gave, per prompt summarized at once (a verified row of a real
+    model is a vocabulary of float64s: rows are not kept)."""
+
+    noise: RowStatistics  # one pass against one-token decodes
+    noise_shifts: np.ndarray
+    verified: RowStatistics  # verification rows against decodes, then against one pass
+    first_rows: tuple[tuple[str, np.ndarray], ...]  # (prompt, per-row max abs diff) in verified's order
+    decoded_pairs: tuple[tuple[np.ndarray, np.ndarray], ...]  # (decoded, verified) rows: the power's sample
+    verification_shifts: np.ndarray
+    scale: float
+    repeat: tuple[str, float, int]  # (prompt, max abs diff of the same pass scored twice, rows)
+
+
+def _measure(session: ModelSession, prompts: dict, rows: dict[str, np.ndarray], batches: Sequence[int],
+             per_prompt: int) -> _Measured:
+    noise, shifts, verified, first_rows, pairs, verification_shifts = [], [], [], [], [], []
+    repeat = None
+    for prompt_id, (prompt_ids, output_ids) in prompts.items():
+        full = rows[prompt_id]
+        decoded = score_stepwise(session, prompt_ids, output_ids, min(per_prompt, len(full)))
+        noise.append(row_statistics(decoded, full[:len(decoded)]))
+        shifts.append(gap_shifts(decoded, full[:len(decoded)])[1])
+        for batch in batches:
+            rows_verified = verification_rows(session, prompt_ids, output_ids, batch)
+            for statistics in (row_statistics(decoded, rows_verified[:len(decoded)]), row_statistics(full, rows_verified)):
+                verified.append(statistics)
+                first_rows.append((prompt_id, statistics.max_abs))
+            pairs.append((decoded, rows_verified[:len(decoded)]))
+            verification_shifts.append(gap_shifts(decoded, rows_verified[:len(decoded)])[1])
+        if repeat is None:  # the same pass again, after other passes have run
+            repeat = (prompt_id, float(np.abs(score(session, prompt_ids, output_ids) - full).max()), len(full))
+    return _Measured(RowStatistics.joined(noise), np.concatenate(shifts), RowStatistics.joined(verified),
+                     tuple(first_rows), tuple(pairs), np.concatenate(verification_shifts),
+                     max(float(np.abs(r).max()) for r in rows.values()), repeat)
+
+
 def path_checks(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str, str], np.ndarray],
                 threads: int = 1) -> tuple[tuple[PathCheck, ...], dict[str, BatchNoise]]:
     """The verification-batch and nondeterminism checks per scorer of runs (module docstring), and
@@ -163,54 +192,35 @@ def path_checks(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str, s
             groups.setdefault(scorer_key(record), []).append((label, record))
     checks, noises = [], {}
     for key, members in groups.items():
-        prompts = {p: ref for p, ref in references.items() if (members[0][0], p) in as_run}
+        first_label = members[0][0]
+        prompts = {p: ref for p, ref in references.items() if (first_label, p) in as_run}
         if not prompts:
             continue
-        labels = tuple(label for label, _ in members)
-        name = scorer_label(key)
-        with contextlib.ExitStack() as stack:
-            session = stack.enter_context(open_scorer(members[0][1], threads=threads))
-            noise_parts, verify_parts, shifts, beside = [], [], [], []
-            scale = 0.0
-            repeat = None
-            for prompt_id, (prompt_ids, output_ids) in prompts.items():
-                full = as_run[members[0][0], prompt_id]
-                scale = max(scale, float(np.abs(full).max()))
-                decoded = score_stepwise(session, prompt_ids, output_ids, min(CONTROL_ROWS, len(full)))
-                noise_parts.append((prompt_id, decoded, full[:len(decoded)]))
-                for batch in _batches([record for _, record in members]):
-                    verified = verification_rows(session, prompt_ids, output_ids, batch)
-                    verify_parts.append((prompt_id, decoded, verified[:len(decoded)]))
-                    beside.append((prompt_id, full, verified))
-                    shifts.extend(gap_shifts(decoded, verified[:len(decoded)])[1])
-                if repeat is None:  # the same pass again, after other passes have run
-                    repeat = (prompt_id, float(np.abs(score(session, prompt_ids, output_ids) - full).max()), len(full))
-        noise = RowStatistics.joined([row_statistics(a, b) for _, a, b in noise_parts]).summary()
-        noise_shifts = np.concatenate([gap_shifts(a, b)[1] for _, a, b in noise_parts])
-        batch_noise = BatchNoise(name, float(noise_shifts.max()), noise.max_abs_diff, scale,
-                                 tuple(float(s) for s in shifts))
-        for label in labels:
-            noises[label] = batch_noise
-        bounds = noise_bounds(noise, scale)
-        pairs = [(a, b) for _, a, b in verify_parts] + [(a, b) for _, a, b in beside]
-        measured = RowStatistics.joined([row_statistics(a, b) for a, b in pairs]).summary()
+        labels, name = tuple(label for label, _ in members), scorer_label(key)
+        batches = _batches([record for _, record in members])
+        per_prompt = max(LEAST_ROWS, min(CONTROL_ROWS, DECODED_ROWS // len(prompts)))
+        with open_scorer(members[0][1], threads=threads) as session:
+            measured = _measure(session, prompts, {p: as_run[first_label, p] for p in prompts}, batches, per_prompt)
+        noise, agreement = measured.noise.summary(), measured.verified.summary()
+        noises.update(dict.fromkeys(labels, BatchNoise(name, float(measured.noise_shifts.max()), noise.max_abs_diff,
+                                                       measured.scale, tuple(map(float, measured.verification_shifts)))))
+        bounds = noise_bounds(noise, measured.scale)
         findings = []
-        problems = bounds.problems(measured)
+        problems = bounds.problems(agreement)
         if problems:
-            first = _first_beyond([*verify_parts, *beside], bounds.max_abs_diff)
-            where = (f"; first at {first[0]}, output token {first[1]} (max abs diff {first[2]:.3g})"
-                     if first else "")
+            first = next(((p, int(np.flatnonzero(d > bounds.max_abs_diff)[0]), float(d.max()))
+                          for p, d in measured.first_rows if (d > bounds.max_abs_diff).any()), None)
+            where = f"; first at {first[0]}, output token {first[1]}" if first else ""
             findings.append(f"verification batches compute otherwise than one-token decodes and one pass: "
                             f"{'; '.join(problems)} (bounds {bounds.describe()}){where}")
-        batches = ", ".join(str(b) for b in _batches([record for _, record in members]))
-        checks.append(PathCheck(VERIFICATION, (f"{name} verification batches of {batches}",
+        checks.append(PathCheck(VERIFICATION, (f"{name} verification batches of {', '.join(map(str, batches))}",
                                                "one-token decodes and one pass"), (labels, ()), len(prompts),
                                 tuple(findings),
-                                f"{len(prompts)} prompts, {measured.positions} rows: max abs diff "
-                                f"{measured.max_abs_diff:.3g}, mean KL {measured.kl_mean:.3g}, same top-1 "
-                                f"{measured.top1_agreement:.3f}; bounds {bounds.describe()}",
-                                measured, bounds, noise, find_power(pairs, bounds)))
-        prompt_id, repeated, rows = repeat
+                                f"{len(prompts)} prompts, {agreement.positions} rows: max abs diff "
+                                f"{agreement.max_abs_diff:.3g}, mean KL {agreement.kl_mean:.3g}, same top-1 "
+                                f"{agreement.top1_agreement:.3f}; bounds {bounds.describe()}",
+                                agreement, bounds, noise, find_power(list(measured.decoded_pairs), bounds)))
+        prompt_id, repeated, rows = measured.repeat
         checks.append(PathCheck(NONDETERMINISM, (name, "itself"), (labels, ()), 1,
                                 (f"nondeterministic: {name} scored the same {rows} rows of {prompt_id} twice and they "
                                  f"differ by max abs {repeated:.3g}: its noise cannot be measured, every split and "
@@ -224,7 +234,7 @@ def _departure_chance(margins: Sequence[float], shifts: np.ndarray) -> float:
     breaks at least one of a baseline's margins."""
     if not len(shifts):
         return 0.0
-    ordered = np.sort(shifts * NOISE_SLACK)
+    ordered = np.sort(np.asarray(shifts, dtype=float) * NOISE_SLACK)
     stay = 1.0
     for margin in margins:
         stay *= 1.0 - (len(ordered) - np.searchsorted(ordered, margin, side="left")) / len(ordered)
@@ -292,7 +302,5 @@ def judged_by_paths(comparisons: Sequence, checks: Sequence[PathCheck]) -> list:
         if why is None or comparison.run_b != OWN_BASELINE or not comparison.explained:
             judged.append(comparison)
             continue
-        demoted = tuple(f"not numerics: {line} (the {why.kind} check fails for this run: {why.failure()})"
-                        for line in comparison.explained)
-        judged.append(dataclasses.replace(comparison, problems=comparison.problems + demoted, explained=()))
+        judged.append(demoted(comparison, f"the {why.kind} check fails for this run: {why.failure()}"))
     return judged

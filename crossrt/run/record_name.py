@@ -1,0 +1,42 @@
+"""The default name of a run's record: every setting that makes a run distinct shows in it.
+
+runs/<pair>-<runtime>-k<k>.json for the plain run (a draft model at fixed k, greedy, crossrt's
+schedule, the runtime's first mode), then one part per setting that differs from that, and a
+short digest of the strategy's parameters where they differ: two runs of other settings never
+share a file (`run --schedule llama-server` beside the plain run, a lossy run beside a greedy one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+from crossrt.run.runtime import DraftRules
+from crossrt.run.schedules import SCHEDULE
+from crossrt.run.strategies import Strategy
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-").lower()
+
+
+def default_record_path(pair: str, runtime: str, mode: str, default_mode: str, k: int, schedule: str,
+                        strategy: Strategy, rules: DraftRules, folder: Path = Path("runs")) -> Path:
+    parts = [pair, runtime]
+    if mode != default_mode:
+        parts.append(mode)
+    if schedule != SCHEDULE:
+        parts.append(schedule)
+    if not strategy.is_default or strategy != Strategy():
+        label = strategy.label()
+        digest = hashlib.sha256(repr(strategy).encode()).hexdigest()[:6]
+        parts.append(f"{_slug(label)[:48]}-{digest}")
+    parts.append(f"k{k}")
+    if rules.n_min != rules.k:
+        parts.append(f"nmin{rules.n_min}")
+    if rules.p_min:
+        parts.append(f"pmin{rules.p_min:g}")
+    if rules.spec_type != "draft":
+        parts.append(_slug(rules.spec_type))
+    return folder / f"{'-'.join(parts)}.json"
