@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from crossrt.records.schema import Counters, UnfitCounts
-from crossrt.run.runtime import RuntimeFailure
+from crossrt.run.runtime import K_LIMIT, RuntimeFailure
 
 SAMPLE = re.compile(r'^(?P<name>[A-Za-z_:][\w:]*)(?P<labels>\{[^\n]*\})?\s+(?P<value>\S+)(?:\s+-?\d+)?\s*$', re.M)
 POSITION = re.compile(r'position="(\d+)"')
@@ -53,7 +53,9 @@ def parse_metrics(text: str, names: dict[str, str], per_pos_name: str, busy_name
         if "e" in raw.lower() or value != int(value):
             exact = exact and not (name in names.values() or name == per_pos_name)
         position = POSITION.search(labels) if name == per_pos_name else None
-        if position:
+        if position and int(position.group(1)) >= K_LIMIT:  # beyond any draft: bounded before anything is built
+            exact = False
+        elif position:
             per_pos[int(position.group(1))] = per_pos.get(int(position.group(1)), 0) + value
         else:
             values[name] = values.get(name, 0) + value

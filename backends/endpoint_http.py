@@ -14,15 +14,17 @@ import base64
 import http.client
 import json
 import os
+import re
 import socket
 import threading
 import time
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from crossrt.errors import SettingsError
+from crossrt.records.printable import one_line
 from crossrt.run.runtime import RuntimeFailure, without_user_info
 
 API_KEY_VARIABLE = "CROSSRT_ENDPOINT_API_KEY"
@@ -223,8 +225,22 @@ class Endpoint:
             raise RuntimeFailure(f"{method} {self.display}{path}: HTTP {answer.status}, the server wants an API key: "
                                  f"set {API_KEY_VARIABLE}")
         if answer.status != 200:
-            raise HttpStatusError(answer.status, error_text(answer.body))
+            raise HttpStatusError(answer.status, one_line(self.redacted(error_text(answer.body))))
         return answer
+
+    def redacted(self, text: str) -> str:
+        """Text from the server with this endpoint's credentials taken out (a gateway that echoes
+        the request echoes its key), and anything shaped like a credential, whatever its value."""
+        secrets = []
+        if self._authorization:
+            scheme, _, token = self._authorization.partition(" ")
+            secrets.append(token)
+            if scheme == "Basic":
+                secrets += base64.b64decode(token).decode("utf-8", errors="replace").split(":", 1)
+        secrets += [value for _, value in parse_qsl(self._query)]
+        for secret in sorted((s for s in secrets if len(s) >= 4), key=len, reverse=True):  # not every short word
+            text = text.replace(secret, REDACTED)
+        return CREDENTIAL.sub(lambda match: match.group(1) + REDACTED, text)
 
     def call_json(self, method: str, path: str, body: Any = None, budget: Optional[Budget] = None) -> Any:
         return self.call(method, path, body, budget).json(f"{method} {self.display}{path}")
@@ -252,6 +268,12 @@ def _expire(sockets: list[socket.socket], expired: threading.Event) -> None:
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:  # already closed: the request ended as the deadline came
             pass
+
+
+REDACTED = "[redacted]"
+# A credential in any text: a header or parameter named like one, or an Authorization scheme's token.
+CREDENTIAL = re.compile(r"(?i)((?:authorization|api[_-]?key|access[_-]?token|token|password|secret)[\"']?\s*[:=]\s*"
+                        r"[\"']?(?:bearer\s+|basic\s+)?|\b(?:bearer|basic)\s+)[^\s\"'&,;]+")
 
 
 def _too_large(where: str, what: str, budget: Budget) -> str:

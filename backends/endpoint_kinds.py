@@ -17,12 +17,14 @@ lists what is used per server and version, with the source files it was read fro
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 from crossrt.backends.endpoint_http import Endpoint, HttpStatusError, generation_budget, tokenize_budget
 from crossrt.errors import PromptRefused
+from crossrt.records.printable import one_line
 from crossrt.inputs.prompts import refuse_non_unicode
 from crossrt.backends.endpoint_counts import Scrape, parse_metrics
 from crossrt.run.runtime import RuntimeFailure
@@ -43,6 +45,14 @@ class Served:
     # Settings that change numerics (attention kernels, dtypes, batch sizes, prompt cache) as the
     # server reports them; () where it reports none (llama-server, vLLM's API).
     numerics: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        # What a server says of itself is printed and stored: one printable line each.
+        for name in ("version", "build", "model"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, one_line(getattr(self, name)))
+        for name in ("speculative", "numerics"):
+            object.__setattr__(self, name, tuple((one_line(key), one_line(value)) for key, value in getattr(self, name)))
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,22 @@ def token_ids(value: Any, where: str, error: type[Exception]) -> tuple[int, ...]
     return tuple(value)
 
 
+# The longest time a server may say one request took: a day. Beyond it, as for NaN, infinity or a
+# negative time, what it says is not a time, and a record holding it would make speedups meaningless.
+LONGEST_S = 86400.0
+
+
+def server_seconds(value, per_second: float, name: str, where: str) -> Optional[float]:
+    """A duration a server reported (in 1/per_second of a second) as seconds; None where it gave
+    none; a value that is not a finite number from 0 to LONGEST_S fails the prompt, naming it."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            not 0 <= value / per_second <= LONGEST_S:
+        raise PromptRefused(f"{where} answered {name} = {repr(value)[:40]}: not a time from 0 to {LONGEST_S:g} s")
+    return value / per_second
+
+
 def _metrics_text(endpoint: Endpoint) -> Optional[tuple[str, dict[str, str]]]:
     try:
         answer = endpoint.call("GET", "/metrics")
@@ -208,8 +234,8 @@ class LlamaServer(ServerKind):
             tokens = token_ids(response["tokens"], where, PromptRefused)
             stop_type = response.get("stop_type")
             timings = response.get("timings") or {}  # absent: the request's wall clock stands in (as for vLLM)
-            seconds = [timings.get(name) for name in ("prompt_ms", "predicted_ms")]
-            prefill_s, decode_s = [ms / 1000 if isinstance(ms, (int, float)) else None for ms in seconds]
+            prefill_s, decode_s = [server_seconds(timings.get(name), 1000, f"timings.{name}", where)
+                                   for name in ("prompt_ms", "predicted_ms")]
             per_request = dict(timings)
             bad = [f"{name} {timings[name]!r}" for name in ("draft_n", "draft_n_accepted") if name in timings
                    and (isinstance(timings[name], bool) or not isinstance(timings[name], int) or timings[name] < 0)]
@@ -367,7 +393,7 @@ class Sglang(ServerKind):
             stop = "eos"
         else:
             raise PromptRefused(f"SGLang finished ({repr(reason)[:40]}) after {len(tokens)} of {max_new_tokens} tokens")
-        return Reply(tokens, stop, None, latency if isinstance(latency, (int, float)) else None, counts)
+        return Reply(tokens, stop, None, server_seconds(latency, 1, "meta_info.e2e_latency", where), counts)
 
     def scrape(self, endpoint: Endpoint) -> Optional[Scrape]:
         found = _metrics_text(endpoint)

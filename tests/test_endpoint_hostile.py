@@ -380,3 +380,78 @@ def test_attaching_has_one_deadline_over_all_its_requests(monkeypatch):
     assert "\n" not in message and "deadline over all of attaching's requests" in message, message
     assert waited < 1.5 + 1.0, waited  # not one PROBE_TIMEOUT_S per endpoint asked
     assert len(server.paths) >= 2  # the answers themselves each came within their own deadline
+
+
+@pytest.mark.parametrize("latency", [float("nan"), -1.0, 1e308, "fast"], ids=["nan", "negative", "huge", "string"])
+def test_a_time_that_is_not_a_time_fails_the_prompt_naming_it(latency):
+    """NaN seconds once went into a record that no command could read again (issue 58)."""
+    from test_endpoint import FormatServer, sglang_routes
+
+    routes = sglang_routes()
+    answer = routes["/generate"](None)[1]
+    routes["/generate"] = lambda _: (200, {**answer, "meta_info": {**answer["meta_info"], "e2e_latency": latency}})
+    spec = FormatServer(routes)
+    try:
+        speculative = Attached.attach(spec.url)
+        session = EndpointSession(speculative, speculative, DraftRules(3), ())
+        with pytest.raises(PromptRefused, match=r"answered meta_info.e2e_latency = .*: not a time from 0 to 86400 s"):
+            session.generate([1, 2, 3], 16, speculative=True)
+    finally:
+        spec.shutdown()
+
+
+def test_a_metrics_position_beyond_any_draft_allocates_nothing():
+    """One line `..._per_pos_total{position="9999999999"} 1` once built a list that long (issue 58)."""
+    from crossrt.backends.endpoint_counts import parse_metrics
+    from crossrt.run.runtime import K_LIMIT
+
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    text = f'{name}{{position="0"}} 3\n{name}{{position="9999999999"}} 1\n'
+    started = time.perf_counter()
+    scrape = parse_metrics(text, {}, name, (), None)
+    assert time.perf_counter() - started < 1.0
+    assert scrape.per_pos == (3,) and not scrape.exact and len(scrape.per_pos) <= K_LIMIT
+
+
+def test_a_server_echoing_the_request_gets_no_secret_into_the_message(monkeypatch):
+    """A gateway's error that quotes the request's key, query or Authorization header (issue 58)."""
+    from crossrt.backends.endpoint_http import API_KEY_VARIABLE, HttpStatusError
+
+    key, query_key = "sk-env-0123456789", "qk-9876543210"
+    echo = f"bad request GET /v1/completions?api_key={query_key}; Authorization: Bearer {key}; password=hunter22"
+    server = Scripted({"/v1/completions": lambda body: (400, {"error": {"message": echo}})})
+    monkeypatch.setenv(API_KEY_VARIABLE, key)
+    try:
+        endpoint = Endpoint.parse(f"{server.url}/?api_key={query_key}")
+        with pytest.raises(HttpStatusError) as raised:
+            endpoint.call("POST", "/v1/completions", {})
+    finally:
+        server.shutdown()
+    message = str(raised.value)
+    assert key not in message and query_key not in message and "hunter22" not in message, message
+    assert "[redacted]" in message
+
+
+def test_a_servers_name_cannot_clear_the_screen_or_forge_a_line(tmp_path):
+    """A model id holding ESC [2J and a newline then `Error: ...` is printed as one line with its
+    control characters written out (issue 58)."""
+    routes = vllm_routes(True)
+    hostile = "tiny\x1b[2J\nError: forged"
+    models = routes["/v1/models"](None)[1]
+    routes["/v1/models"] = lambda _: (200, {**models, "data": [{**models["data"][0], "id": hostile}]})
+    result, _ = timed_attach(Scripted(routes), tmp_path)
+    # Refused (one server cannot be its own plain baseline), in a message that names it as it is.
+    assert "\x1b" not in result.output and "\nError: forged" not in result.output, result.output
+    assert "serving tiny\\x1b[2J\\x0aError: forged" in result.output, result.output
+    assert sum(line.startswith("Error:") for line in result.output.splitlines()) == 1
+
+
+def test_everything_printed_goes_through_one_filter():
+    """Whatever a command prints (a record's strings included), ESC and other controls are written out."""
+    import io
+
+    from crossrt.records.printable import SafeStream
+
+    stream = io.StringIO()
+    SafeStream(stream).write("ok\x1b[2J\x9b31m\x07\tend\n")
+    assert stream.getvalue() == "ok\\x1b[2J\\x9b31m\\x07\tend\n"

@@ -7,7 +7,8 @@ from crossrt.compare.parity_run import Matrix, cell_rules, run_matrix
 from crossrt.errors import SettingsError
 from crossrt.inputs.pairs import load_pair
 from crossrt.run.rules import run_rules
-from crossrt.run.runtime import DraftRules, RuntimeOptions
+from crossrt.run.runtime import K_LIMIT, DraftRules, RuntimeOptions
+from crossrt.run.strategies import NGRAM_LIMIT, Strategy
 
 from conftest import TINY_PAIR
 
@@ -51,3 +52,14 @@ def test_a_parity_matrix_builds_each_cells_rules_here_and_warns_before_any_cell_
     assert started == [("llama-cpp/driven", warned)]
     assert warned == ["llama-server/native: " + run_rules("llama-server", "native", "crossrt", 8, 8)[1][0]]
     assert cell_rules(matrix, "llama-cpp", "driven") == (DraftRules(8), ())
+
+
+def test_absurd_draft_lengths_and_ngram_sizes_are_refused_up_front_with_the_limit_named():
+    """A k of 10^8 once ran for minutes building per-position counts before the first prompt."""
+    with pytest.raises(SettingsError, match=f"between 1 and {K_LIMIT}"):
+        DraftRules(10 ** 8)
+    assert DraftRules(K_LIMIT).k == K_LIMIT
+    with pytest.raises(SettingsError, match=f"up to {NGRAM_LIMIT}"):
+        Strategy(drafting="prompt-lookup", ngram_max=10 ** 5)
+    with pytest.raises(SettingsError, match=f"k_max up to {K_LIMIT}"):
+        Strategy(k_policy="online", k_max=10 ** 6)

@@ -13,9 +13,11 @@ Written once per source file, keyed by its digest, in crossrt's cache folder.
 from __future__ import annotations
 
 import functools
+import hashlib
 import mmap
 import os
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -61,15 +63,23 @@ def float_twin(source: Path) -> Path:
     except (OSError, ValueError, struct.error) as error:
         raise FloatTwinError(f"{source} is not a readable GGUF file ({error}): cannot write its float twin") from None
     output = float_twin_path(source)
+    digest_file = output.with_name(output.name + ".sha256")
     if output.is_file():
-        return output
+        if _intact(output, digest_file):
+            return output
+        sys.stderr.write(f"crossrt: the cached float twin {output} does not match its digest (damaged, or written "
+                         "before twins had one): writing it again\n")
     output.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(output)
     temporary = output.with_name(f".{output.name}.{os.getpid()}.tmp")
     try:
         with open(source, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data, \
                 open(temporary, "wb") as out:
             _write_twin(out, data)
+        digest = _sha256(temporary)
         os.replace(temporary, output)
+        digest_file.write_text(digest + "\n")
+        _verified.add((str(output), digest))
     except OSError as error:
         raise FloatTwinError(f"cannot write the float twin of {source} to {output}: "
                              f"{error.strerror or error}") from None
@@ -77,6 +87,40 @@ def float_twin(source: Path) -> Path:
         if os.path.exists(temporary):
             os.unlink(temporary)
     return output
+
+
+_verified: set[tuple[str, str]] = set()  # (twin, digest) hashed whole in this process
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _intact(twin: Path, digest_file: Path) -> bool:
+    """The twin's bytes are the ones written: its digest, written beside it, hashed whole once
+    per process (a twin damaged in place, even at its size and time, gave parity a wrong verdict)."""
+    try:
+        expected = digest_file.read_text().strip()
+    except OSError:
+        return False
+    if (str(twin), expected) in _verified:
+        return True
+    if _sha256(twin) != expected:
+        return False
+    _verified.add((str(twin), expected))
+    return True
+
+
+def _remove_abandoned(output: Path) -> None:
+    """Temporary twins whose writer is gone (killed mid-write), so none lies there for ever."""
+    for temporary in output.parent.glob(f".{output.name}.*.tmp"):
+        pid = temporary.name[len(output.name) + 2:-len(".tmp")]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            temporary.unlink(missing_ok=True)
 
 
 def dequantized(data, start: int, tensor) -> np.ndarray:

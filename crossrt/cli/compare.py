@@ -116,6 +116,7 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
                                        not no_float_control)
     if verdicts.passes:
         click.echo(f"explaining: {verdicts.passes} passes re-scored in {verdicts.explain_s:.1f} s", err=True)
+    click.echo(verdicts.cost(runs), err=True)
     report = ParityReport(verdicts.comparisons, verdicts.logit_checks, tuple(not_run) + tuple(crashed), counters_only,
                           verdicts.controls, no_float_control and not no_logits)
     for line in skipped:

@@ -20,6 +20,7 @@ from crossrt.cli.prompt_options import chat_options, fed_prompts, first_answers
 from crossrt.cli.report import report
 from crossrt.cli.reproduce import reproduce
 from crossrt.cli.sweep import sweep
+from crossrt.records.printable import SafeStream
 from crossrt.run.baselines import BaselineStore
 from crossrt.run.driver import RunRequest
 from crossrt.run.isolation import RuntimeCrashed, run_pair_safely
@@ -47,6 +48,9 @@ def main() -> None:
       crossrt run --pair tiny --k 4             # tiny pair, built-in prompts -> runs/*.json
       crossrt show runs/tiny-llama-cpp-k4.json  # tau, alpha, lossless, speed per category
     """
+    # Everything a command prints, whatever string from outside it holds, goes through one filter.
+    if not isinstance(sys.stdout, SafeStream):
+        sys.stdout, sys.stderr = SafeStream(sys.stdout), SafeStream(sys.stderr)
 
 
 @main.command()

@@ -283,7 +283,8 @@ class Explainer:
                          f"drafter's confidence lies within {P_MIN_BAND} of p_min = {p_min:g} at output token(s) "
                          f"{', '.join(map(str, at_rule))}, so a draft stops there in one run and not the other")
         return Split(prompt_id, COUNTERS_UNEXPLAINED, window[0] if window else None, (),
-                     f"counts differ with identical outputs{where}, and the re-scored drafters show no near-tie there")
+                     f"counts differ with identical outputs{where}, and the re-scored drafters show no near-tie there: "
+                     "look for a drafter whose state is not rolled back after a rejection, or a counting bug")
 
     def _pair_text(self, tokens: Sequence[int]) -> str:
         texts = [self.detokenize([t]) for t in tokens]

@@ -167,6 +167,14 @@ class Verdicts:
     controls: tuple[ControlCheck | PathCheck, ...]
     passes: int  # passes re-scored to explain splits
     explain_s: float
+    verdict_s: float = 0.0  # the whole comparison: explaining, re-scoring, every check
+
+    def cost(self, runs: Sequence[tuple[str, RunRecord]]) -> str:
+        """The verdict's cost against the runs' own generation (their prompts' recorded timings)."""
+        generated = sum(t.prefill_s + t.decode_s + t.baseline_prefill_s + t.baseline_decode_s
+                        for _, record in runs for result in record.results if (t := result.timings) is not None)
+        ratio = f", {self.verdict_s / generated:.2f}x the runs' own generation ({generated:.1f} s)" if generated else ""
+        return f"verdict: {self.verdict_s:.1f} s of explaining, re-scoring and checks{ratio}"
 
 
 def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecord], counter_tolerance: float,
@@ -177,6 +185,7 @@ def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecor
     and the float control (crossrt/compare/control.py) where logits and control. Where logits,
     each run's verification path is checked first (crossrt/compare/verification.py), and its
     measured batch-shape noise sets how near a tie its splits may be."""
+    began = time.perf_counter()
     scored = [run for run in runs if not run[1].imported]  # imported: no outputs to re-score
     as_run, paths, noises = {}, (), {}
     if logits:
@@ -193,14 +202,15 @@ def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecor
     checks, controls = (), ()
     if logits:
         views = Explainer(twins_of(scored))
-        paths += departure_checks(scored, noises, lambda record, result: views.views(record, result)[1])
+        paths += departure_checks(scored, noises, as_run, lambda record, result: views.views(record, result)[1])
         checks = logit_checks(comparisons, as_run,
                               lambda a, b: tolerance_for(by_label[a], by_label[b], logit_tolerance))
         if control:
             controls = float_controls(scored, as_run) + dequantization_checks(scored)
             comparisons = judged_by_control(comparisons, controls)
         comparisons = judged_by_paths(comparisons, paths)
-    return Verdicts(tuple(comparisons), tuple(checks), tuple(controls) + tuple(paths), passes, explain_s)
+    return Verdicts(tuple(comparisons), tuple(checks), tuple(controls) + tuple(paths), passes, explain_s,
+                    time.perf_counter() - began)
 
 
 def compare_safely(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecord], counter_tolerance: float,

@@ -35,6 +35,7 @@ from crossrt.compare.control import (CONTROL_ROWS, FACTOR, FLOAT32_EPS, demoted,
 from crossrt.compare.parity import OWN_BASELINE
 from crossrt.compare.rescore import (LogitAgreement, RowStatistics, open_scorer, row_statistics, score, score_stepwise,
                                      scoring_runtime)
+from crossrt.compare.splits import first_divergence
 from crossrt.compare.tolerance import Tolerance
 from crossrt.records.schema import PassView, RunRecord
 from crossrt.run.numerics import gap_shifts
@@ -253,11 +254,30 @@ def poisson_tail(observed: int, expected: float) -> float:
     return max(0.0, 1.0 - below)
 
 
+def baseline_margins(label: str, record: RunRecord, result, view: Optional[PassView],
+                     as_run: dict[tuple[str, str], np.ndarray], references: dict) -> Optional[np.ndarray]:
+    """The top-two margin of each pass of a prompt's plain baseline: the recorded view's (the
+    run's own or a driven twin's), else the scorer's one-pass rows along the reference sequence
+    as far as the baseline follows it (a native run records none); None where neither serves."""
+    if view is not None:
+        return np.asarray(view.margins)
+    rows, reference = as_run.get((label, result.prompt_id)), references.get(result.prompt_id)
+    if rows is None or reference is None or tuple(result.prompt_ids) != reference[0]:
+        return None
+    same = first_divergence(result.baseline_ids, reference[1])
+    rows = rows[:len(rows) if same is None else same]
+    if not len(rows):
+        return None
+    top2 = np.partition(rows, rows.shape[1] - 2, axis=1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
 def departure_checks(runs: Sequence[tuple[str, RunRecord]], noises: dict[str, BatchNoise],
-                     baseline_view) -> tuple[PathCheck, ...]:
-    """Per run with measured noise and baseline margins (baseline_view(label, record, result):
-    the run's own or a driven twin's PassView, else None): how many prompts left their
+                     as_run: dict[tuple[str, str], np.ndarray], baseline_view) -> tuple[PathCheck, ...]:
+    """Per run with measured noise and baseline margins (baseline_margins; baseline_view(record,
+    result): the run's own or a driven twin's PassView, else None): how many prompts left their
     baseline against how many its noise makes plausible (module docstring)."""
+    references = reference_sequences(runs)
     checks = []
     for label, record in runs:
         noise = noises.get(label)
@@ -266,16 +286,17 @@ def departure_checks(runs: Sequence[tuple[str, RunRecord]], noises: dict[str, Ba
         shifts = np.asarray(noise.verification_shifts)
         expected, departed, prompts = 0.0, 0, 0
         for result in record.results:
-            view: Optional[PassView] = baseline_view(record, result) if result.ok else None
-            if view is None:
+            if not result.ok:
+                continue
+            margins = baseline_margins(label, record, result, baseline_view(record, result), as_run, references)
+            if margins is None:
                 continue
             prompts += 1
-            out, base = result.output_ids, result.baseline_ids
-            index = next((i for i, (a, b) in enumerate(zip(out, base)) if a != b), None)
+            index = first_divergence(result.output_ids, result.baseline_ids)
             if result.lossless is False and index is not None:
                 departed += 1
-            upto = len(view.margins) if index is None else index + 1
-            expected += _departure_chance(view.margins[:upto], shifts)
+            upto = len(margins) if index is None else index + 1
+            expected += _departure_chance(margins[:upto], shifts)
         if not prompts:
             continue
         chance = poisson_tail(departed, expected)

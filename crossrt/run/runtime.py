@@ -57,6 +57,11 @@ SPEC_TYPES = ("draft", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mo
               "mtp", "eagle3", "dflash", "dflash2", "dspark")
 
 
+# The longest draft crossrt runs: block drafters draft 16, llama.cpp's --draft-max is 16 by
+# default; a k of 10^8 would allocate per-position counts of that length before the first prompt.
+K_LIMIT = 256
+
+
 @dataclass(frozen=True)
 class DraftRules:
     """How drafts are made: up to k tokens; llama.cpp's drafting rules add n_min (shorter
@@ -69,8 +74,9 @@ class DraftRules:
     spec_type: str = "draft"
 
     def __post_init__(self):
-        if self.k < 1:
-            raise SettingsError(f"k must be at least 1, got {self.k}")
+        if not 1 <= self.k <= K_LIMIT:
+            raise SettingsError(f"k must be between 1 and {K_LIMIT} (drafts longer than that are refused: every "
+                                f"verification batch and per-position count grows with k), got {self.k}")
         if self.n_min is None:
             object.__setattr__(self, "n_min", self.k)
         if not 0 <= self.n_min <= self.k:

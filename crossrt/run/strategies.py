@@ -17,6 +17,7 @@ from typing import Optional
 
 from crossrt.errors import SettingsError
 from crossrt.run.lookup import LOOKUPS as LOOKUP_DRAFTINGS
+from crossrt.run.runtime import K_LIMIT
 from crossrt.run.tree import Tree
 
 # Draftings that copy tokens from the context (crossrt/run/lookup/): no drafter model is loaded or read.
@@ -24,6 +25,7 @@ LOOKUPS = tuple(LOOKUP_DRAFTINGS)
 DRAFTINGS = ("model", *LOOKUPS, "tree")
 K_POLICIES = ("fixed", "content", "online", "confidence")
 ACCEPTANCES = ("greedy", "relaxed")
+NGRAM_LIMIT = 64  # the longest n-gram looked up (llama.cpp's ngram-mod matches 24 by default)
 CONTENT_TYPES = ("code", "prose")  # crossrt/run/policies.py content_type's verdicts
 
 # Each parameter and the choices it belongs to (part, choices): a parameter means nothing under
@@ -73,6 +75,9 @@ class Strategy:
             if self.k_policy != "fixed" or self.min_p1 > 0 or self.acceptance != "greedy":
                 raise SettingsError("tree drafting verifies its whole static tree with greedy acceptance: "
                                     "no k policy, no confidence stop, no relaxed acceptance")
+        if self.ngram_max > NGRAM_LIMIT or self.k_max > K_LIMIT:
+            raise SettingsError(f"n-gram sizes go up to {NGRAM_LIMIT} and k_max up to {K_LIMIT}, got ngram_max "
+                                f"{self.ngram_max}, k_max {self.k_max}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise SettingsError(f"prompt lookup needs 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
                                 f"{self.ngram_max}")
