@@ -37,7 +37,8 @@ PATH_PLANTS = (
     PathPlant("positions", "positions off by one within the batch: every token after the first one further on"),
     PathPlant("mask", "the causal mask lets each token of the batch see the next one"),
     PathPlant("kv-slots", "the batch's last two tokens' keys and values written to each other's slots"),
-    PathPlant("drafter-rollback", "the drafter's cache not rolled back after a rejection (the target's is)"),
+    PathPlant("drafter-rollback", "the drafter's cache not rolled back after a rejection (the target's is; "
+                                  "drafter-rollback:N: models of fewer than N layers)"),
 )
 # Not a verification-path bug: fresh random noise on every call's logits, whatever its shape (a
 # nondeterministic runtime, whose noise control would otherwise widen with it).
@@ -54,8 +55,8 @@ def planted() -> Optional[str]:
     name = value.split(":")[0]
     kinds = [plant.name for plant in (*PATH_PLANTS, CALL_NOISE)]
     if name not in kinds:
-        raise SettingsError(f"{PLANT_ENV}={value!r}: kinds are {', '.join(kinds)} (attention-scale:SCALE and "
-                            "call-noise:SIGMA take a size)")
+        raise SettingsError(f"{PLANT_ENV}={value!r}: kinds are {', '.join(kinds)} (attention-scale:SCALE, "
+                            "call-noise:SIGMA and drafter-rollback:LAYERS take a size)")
     return name
 
 
@@ -96,7 +97,8 @@ def install(session: type) -> None:
         clean_init(self, loaded, options)
         layers = self._model.config.get_text_config().num_hidden_layers
         _layers_seen.append(layers)
-        self._plant_skips_crop = layers < max(_layers_seen)  # the smaller model of a pair: the drafter
+        # The drafter: a model of fewer layers than drafter-rollback:N says, else than the largest loaded.
+        self._plant_skips_crop = layers < size(max(_layers_seen))
 
     def drop(self, n_keep):
         if planted() == "drafter-rollback" and n_keep > 0 and self._plant_skips_crop:

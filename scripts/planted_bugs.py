@@ -100,6 +100,11 @@ def verification_ratio(output: str) -> str:
     return f"{float(match.group(1)) / float(match.group(2)):.3g}" if match else "-"
 
 
+def _layers(folder: Path) -> int:
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return int(config.get("text_config", config)["num_hidden_layers"])
+
+
 def verification_table(files: PairFiles, sizes: list, tokens: int) -> None:
     """Each verification-path plant (and the nondeterministic runtime) on the clean pair."""
     from crossrt.backends.transformers_plants import CALL_NOISE, PATH_PLANTS, PLANT_ENV
@@ -113,6 +118,8 @@ def verification_table(files: PairFiles, sizes: list, tokens: int) -> None:
                 folder = Path(scratch) / f"{plant.name if plant else 'clean'}-{size}"
                 folder.mkdir()
                 value = "" if plant is None else plant.name + (f":{size:g}" if size is not None else "")
+                if plant is not None and plant.name == "drafter-rollback":  # the drafter: fewer layers than the target
+                    value += f":{_layers(files.target_hf)}"
                 code, output, seconds = parity(files.manifest(folder), folder, tokens, {PLANT_ENV: value})
                 print(f"| {plant.name if plant else '(none)'} | {plant.what if plant else '-'} | "
                       f"{'default' if size is None else f'{size:g}'} | {code} | "

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shlex
 import signal
 import subprocess
@@ -127,7 +128,9 @@ def check_interrupted(process, stderr: str, sig: int, out: Path, args: list) -> 
         assert process.returncode == -signal.SIGKILL
         return [*args, "--out", out, "--resume"]
     assert process.returncode == 130, stderr
-    assert (f"interrupted: the finished prompts are kept in {out}; continue with:" in stderr) != \
+    # How many finished is said, never "kept" with nothing kept (issue 58).
+    assert (re.search(rf"interrupted: [1-9]\d* of \d+ prompts finished, kept in {re.escape(str(out))}; continue with:",
+                      stderr) is not None) != \
         (f"interrupted before any prompt finished: nothing is kept in {out} yet; continue with:" in stderr), stderr
     command = stderr.strip().splitlines()[-1].strip()
     assert command == shlex.join(["crossrt", *map(str, args), "--out", str(out), "--resume"])
@@ -442,3 +445,28 @@ def test_two_names_of_one_pair_are_planned_once(tmp_path):
     assert "tiny-f16" not in planned.stderr  # another manifest: its own cells
     ids = {line.split()[0] for line in once.stdout.splitlines() if line.endswith("to run")}
     assert len(ids) == 2 and all(cell in planned.stdout for cell in ids)
+
+
+def test_an_interrupted_parity_says_what_each_record_kept(tmp_path):
+    """Ctrl-C while a parity matrix runs: each record with what finished, and how to go on, never
+    a bare `Aborted!` (issue 58)."""
+    out_dir = tmp_path / "matrix"
+    first = out_dir / "tiny-llama-cpp-driven-k4.json"
+    process = subprocess.Popen([CROSSRT, "parity", "--pair", "tiny", "--runtimes", "llama-cpp,transformers", "--modes",
+                                "driven", "--max-new-tokens", "64", "--out-dir", str(out_dir)], cwd=tmp_path,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=with_sigint)
+    try:
+        deadline = time.monotonic() + 120
+        while journal_prompts(first) < 1:  # the first cell has finished a prompt at least
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+            time.sleep(0.01)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130 and "Traceback" not in stderr and "Aborted!" not in stderr, stderr
+    assert f"interrupted: the runs' records in {out_dir}:" in stderr, stderr
+    assert re.search(rf"[1-9]\d* of 10 prompts finished, kept in {re.escape(str(first))}", stderr), stderr
+    assert f"crossrt parity {out_dir}/*.json" in stderr

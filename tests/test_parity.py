@@ -2,6 +2,7 @@
 logit checks that catch what tokens do not, saved baselines, CI outputs."""
 
 import dataclasses
+import json
 import xml.etree.ElementTree as ElementTree
 
 import pytest
@@ -153,3 +154,23 @@ def test_runs_that_draft_differently_under_one_schedule_are_not_counter_compared
     assert same and all(COUNTERS in c.compared for c in same)
     assert differ and all(COUNTERS not in c.compared and IDS in c.compared for c in differ)
     assert all(f"{next(iter(changed))} differs" in c.no_counters for c in differ)
+
+
+def test_records_of_one_name_in_two_folders_keep_their_own_lines(records, tmp_path):
+    """Two records both named r.json once shared one label, and their lines merged (issue 58)."""
+    first, second = tmp_path / "a" / "r.json", tmp_path / "b" / "r.json"
+    for source, target in ((records["f32"], first), (records["f32-again"], second)):
+        target.parent.mkdir()
+        target.write_bytes(source.read_bytes())
+    result = parity(first, second, "--no-logits")
+    assert result.exit_code == 0, result.output
+    assert f"llama-cpp/driven ({first}) vs llama-cpp/driven ({second}): 4 prompts" in result.output, result.output
+
+
+def test_a_record_written_again_is_still_the_same_record_and_a_device_is_not_read(records, tmp_path):
+    copy = tmp_path / "copy.json"
+    copy.write_text(json.dumps(json.loads(records["f32"].read_text()), indent=4, sort_keys=True))
+    result = parity(records["f32"], copy)
+    assert result.exit_code != 0 and "is given twice (the same record as" in result.output, result.output
+    result = parity("/dev/zero", records["f32"])
+    assert result.exit_code != 0 and "no run record at /dev/zero" in result.output, result.output

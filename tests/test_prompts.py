@@ -8,7 +8,9 @@ canonical_solution, test, shipped as HumanEval.jsonl.gz), with our own text, not
 
 import gzip
 import json
+import os
 import re
+import threading
 
 import pytest
 
@@ -165,3 +167,14 @@ def test_a_prompt_that_is_not_unicode_fails_alone_in_one_line(runtime, tmp_path)
     bad, good = load_record(out).results
     assert (bad.status, good.status) == ("failed", "ok")
     assert bad.error == "the text is not valid Unicode: a lone surrogate '\\ud800' at character 4"
+
+
+def test_a_pipe_is_read_as_a_prompt_file(tmp_path):
+    """`--prompts <(cat f)` names a pipe, not a regular file (issue 58: it was "not found")."""
+    fifo = tmp_path / "prompts"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text('{"id": "a", "category": "code", "prompt": "x = "}\n'))
+    writer.start()
+    prompts = load_prompts(str(fifo))
+    writer.join()
+    assert [(p.id, p.category) for p in prompts] == [("a", "code")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -101,16 +102,24 @@ def refuse_inputs_as_outputs(outputs: Mapping[str, Path], inputs: Sequence[Path]
                 raise click.ClickException(f"{option} and {other} name the same file {path}: name two files")
 
 
+RECORD_BYTES = 1 << 30  # a record larger than this is not one crossrt wrote (10,000 prompts take ~100 MB)
+
+
 def distinct_records(paths: Sequence[Path]) -> None:
     """RecordError when one record is given twice (as `report` refuses it): the same path, or
-    another path to the same content (a hard link, a byte-for-byte copy): a run compared with
-    itself agrees by construction, and its prompts would count twice."""
+    another path to the same content (a hard link, a copy, a copy written again with other
+    spacing or key order): a run compared with itself agrees by construction, and its prompts
+    would count twice. Only regular files are read (/dev/zero would never end), and not past
+    RECORD_BYTES; what is not a readable JSON record is left to loading, which says why."""
     seen: dict[str, Path] = {}
     for path in paths:
         try:
-            key = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-        except OSError:
-            continue  # unreadable: loading it says why, in one line
+            if not Path(path).is_file() or Path(path).stat().st_size > RECORD_BYTES:
+                continue
+            content = json.loads(Path(path).read_bytes())
+        except (OSError, ValueError, RecursionError):
+            continue
+        key = hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
         if key in seen:
             same = "" if Path(path).resolve() == Path(seen[key]).resolve() else f" (the same record as {seen[key]})"
             raise RecordError(f"{path} is given twice{same}")

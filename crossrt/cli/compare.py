@@ -22,6 +22,7 @@ from crossrt.compare.parity_run import Matrix, compare_safely, gap_lines, run_ma
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
 from crossrt.report.parity import parity_html
+from crossrt.run.isolation import kept
 from crossrt.run.runtime import runtime_names, usable_runtimes
 
 
@@ -94,7 +95,7 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
     not_run, skipped = [], []
     if records:
         distinct_records([*records, *baselines])
-        runs = labelled([load_record(path) for path in records], [path.name for path in records])
+        runs = labelled([load_record(path) for path in records], [str(path) for path in records])
     else:
         resolved = resolve_pair(pair)
         answers = first_answers(turn, first_answers_file, out_dir, resolved, options, max_new_tokens)
@@ -105,9 +106,12 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
             runtimes = tuple(dict.fromkeys(n for name in runtimes for n in (usable if name == "usable" else (name,))))
         matrix = Matrix(resolved, runtimes, modes, options, run_k(resolved, k), max_new_tokens, out_dir,
                         chat=rendering, prompt_format=prompt_format)
-        records_run, not_run, skipped = run_matrix(matrix, prompts, jobs=jobs,
-                                                   on_run=lambda label: click.echo(f"running {label}", err=True),
-                                                   on_warning=lambda line: click.echo(f"warning: {line}", err=True))
+        try:
+            records_run, not_run, skipped = run_matrix(
+                matrix, prompts, jobs=jobs, on_run=lambda label: click.echo(f"running {label}", err=True),
+                on_warning=lambda line: click.echo(f"warning: {line}", err=True))
+        except KeyboardInterrupt:
+            _interrupted(out_dir, len(prompts))
         runs = labelled(records_run, [""] * len(records_run))
     # Explaining splits and re-scoring logits load runtimes: in a process of their own, where a crash
     # is a FAIL and the runs are still compared from what they recorded.
@@ -137,6 +141,16 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
     sys.exit(0 if report.ok else 1)
 
 
+def _interrupted(out_dir: Path, prompts: int) -> None:
+    """A parity matrix interrupted while its runs ran: what each record holds, and how to go on."""
+    said = [kept(path, prompts) for path in sorted(out_dir.glob("*.json"))]
+    lines = [f"  {line}" for line in said if line != "no prompt finished"]
+    kept_lines = "\n".join(lines) if lines else "  no record was written yet"
+    click.echo(f"\ninterrupted: the runs' records in {out_dir}:\n{kept_lines}\ncompare what finished with: crossrt parity "
+               f"{out_dir}/*.json (or continue one with crossrt run ... --out RECORD --resume)", err=True)
+    sys.exit(130)
+
+
 @click.command()
 @user_errors
 @click.argument("records", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
@@ -160,7 +174,7 @@ def diff(records: tuple[Path, ...]) -> None:
     if len(records) > 2:
         raise click.UsageError("give one record (its lossless failures) or two (where they part)")
     distinct_records(records)
-    runs = labelled([load_record(path) for path in records], [path.name for path in records])
+    runs = labelled([load_record(path) for path in records], [str(path) for path in records])
     imported = [label for label, record in runs if record.imported]
     if imported:
         raise ComparisonError(f"{', '.join(imported)}: imported from another runtime's statistics, no token ids: "

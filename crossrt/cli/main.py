@@ -23,7 +23,7 @@ from crossrt.cli.sweep import sweep
 from crossrt.records.printable import SafeStream
 from crossrt.run.baselines import BaselineStore
 from crossrt.run.driver import RunRequest
-from crossrt.run.isolation import RuntimeCrashed, run_pair_safely
+from crossrt.run.isolation import RuntimeCrashed, kept, run_pair_safely
 from crossrt.imports.importer import import_summary
 from crossrt.run.loop import SCHEDULE, SCHEDULES
 from crossrt.inputs.pairs import run_k, run_spec_type
@@ -105,6 +105,7 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
     if resume and overwrite:  # one keeps the record's prompts, the other throws them away
         raise click.UsageError("--resume and --overwrite contradict each other: --resume continues the record at "
                                "--out, --overwrite replaces it; pass one")
+    prompts = ()  # read below; an interrupt before then keeps nothing
     try:
         k = run_k(pair, k)
         mode = mode or ("driven" if "driven" in runtime_class(runtime_name).modes else "native")
@@ -135,10 +136,10 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
     except KeyboardInterrupt:
         if out is None:  # interrupted before a record was named: nothing to resume
             raise click.Abort() from None
-        if out.exists() or journal_path(out).exists():
-            click.echo(f"\ninterrupted: the finished prompts are kept in {out}; continue with:\n"
-                       f"  {resume_command(out)}", err=True)
-        else:  # interrupted while loading or attaching: nothing is written yet (--resume starts it anew)
+        finished = kept(out, len(prompts)) if out.exists() or journal_path(out).exists() else "no prompt finished"
+        if finished != "no prompt finished":
+            click.echo(f"\ninterrupted: {finished}; continue with:\n  {resume_command(out)}", err=True)
+        else:  # interrupted while loading, attaching or in the first prompt (--resume starts it anew)
             click.echo(f"\ninterrupted before any prompt finished: nothing is kept in {out} yet; continue with:\n"
                        f"  {resume_command(out)}", err=True)
         sys.exit(130)  # the shell's code for a run ended by SIGINT

@@ -9,6 +9,7 @@ two runtimes with different schedules legitimately count differently (docs/schem
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 from crossrt.compare.diagnosis import Explainer, twins_of
@@ -33,11 +34,16 @@ def run_label(record: RunRecord) -> str:
 
 
 def labelled(records: Sequence[RunRecord], sources: Sequence[str]) -> list[tuple[str, RunRecord]]:
-    """Records named runtime/mode, with their source (e.g. file name) added where two would
-    otherwise share a name."""
+    """Records named runtime/mode, with their source added where two would otherwise share a
+    name: the file's name, or its path where two files share a name (runs/a/r.json, runs/b/r.json),
+    and a number where even that repeats, so no two runs' lines merge under one label."""
     names = [run_label(record) for record in records]
-    return [(name if names.count(name) == 1 else f"{name} ({source})", record)
-            for name, record, source in zip(names, records, sources, strict=True)]
+    shown = [str(source) if any(Path(other).name == Path(source).name and other != source for other in sources)
+             else Path(source).name for source in sources]
+    labels = [name if names.count(name) == 1 else f"{name} ({where})" for name, where in zip(names, shown, strict=True)]
+    numbered = [label if labels.count(label) == 1 else f"{label} #{labels[:i].count(label) + 1}"
+                for i, label in enumerate(labels)]
+    return list(zip(numbered, records, strict=True))
 
 
 @dataclass(frozen=True)

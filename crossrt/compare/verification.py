@@ -42,6 +42,7 @@ from crossrt.run.numerics import gap_shifts
 from crossrt.run.runtime import ModelSession, Rows
 
 VERIFICATION, NONDETERMINISM, DEPARTURES = "verification batches", "nondeterminism", "departures"
+DRAFTER = "drafter rollback"
 DECODED_ROWS = 96  # one-token decodes per scorer, spread over the prompts (each a pass: the check's main cost)
 LEAST_ROWS = 4  # decoded rows per prompt at least
 SURPRISE = 1e-3  # a departure count this unlikely under the measured noise fails
@@ -125,15 +126,34 @@ def verification_rows(session: ModelSession, prompt_ids: Sequence[int], output_i
     return np.array(found)
 
 
+def drafter_rows(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence[int], k: int,
+                 rows: int) -> np.ndarray:
+    """The first rows rows predicting output tokens as a drafter computes them: one-token
+    decodes, and after every k of them a draft the target rejected, decoded and rolled back."""
+    session.truncate(0)
+    if len(prompt_ids) > 1:
+        session.eval(list(prompt_ids[:-1]), Rows.NONE)
+    fed = [prompt_ids[-1], *output_ids[:-1]][:rows]
+    found = []
+    for start in range(0, len(fed), k):
+        for token in fed[start:start + k]:
+            found.append(np.asarray(session.eval([token], Rows.LAST)[0], dtype=np.float64))
+        following = output_ids[min(start + k, len(output_ids) - 1)]
+        n_past = session.n_past
+        session.eval([(following + 1) % session.n_vocab], Rows.LAST)  # drafted, then rejected
+        session.truncate(n_past)
+    return np.array(found)
+
+
 def _batches(records: Sequence[RunRecord]) -> tuple[int, ...]:
     """The verification batch sizes a scorer's runs used: k + 1 each (a lookup's or policy's k
     is its largest)."""
     return tuple(sorted({max(2, (record.params.k_max or record.params.k) + 1) for record in records}))
 
 
-def scorer_key(record: RunRecord) -> tuple:
+def scorer_key(record: RunRecord, role: str = "target") -> tuple:
     """What a scorer's computation depends on (score_records' key: n_ctx only sizes the cache)."""
-    return (scoring_runtime(record.runtime), record.pair.target.path, record.runtime.kv_cache,
+    return (scoring_runtime(record.runtime), getattr(record.pair, role).path, record.runtime.kv_cache,
             record.runtime.flash_attn, record.runtime.dtype)
 
 
@@ -182,6 +202,49 @@ def _measure(session: ModelSession, prompts: dict, rows: dict[str, np.ndarray], 
                      max(float(np.abs(r).max()) for r in rows.values()), repeat)
 
 
+def _drafts_with_model(record: RunRecord) -> bool:
+    return record.pair.drafter is not None and record.params.drafting in ("model", "tree")
+
+
+def drafter_checks(groups: dict, references: dict, threads: int) -> list[PathCheck]:
+    """Per drafter scorer: its decodes with rejected drafts rolled back (drafter_rows) against
+    one pass, within FACTOR times the noise of plain one-token decodes (no rollback) against it:
+    a drafter whose state is not rolled back leaves every output exact, and only this sees it."""
+    checks = []
+    for key, members in groups.items():
+        records = [record for _, record in members]
+        k = max(max(1, record.params.k) for record in records)
+        labels = tuple(label for label, _ in members)
+        name = f"the drafter on {scorer_label(key)}"
+        per_prompt = max(2 * k + 2, min(CONTROL_ROWS, DECODED_ROWS // max(1, len(references))))
+        noise_parts, rolled_parts = [], []
+        with open_scorer(records[0], role="drafter", threads=threads) as session:
+            for prompt_id, (prompt_ids, output_ids) in references.items():
+                full = score(session, prompt_ids, output_ids)
+                rows = drafter_rows(session, prompt_ids, output_ids, k, min(per_prompt, len(full)))
+                decoded = score_stepwise(session, prompt_ids, output_ids, len(rows))  # no rollback: the control
+                noise_parts.append(row_statistics(decoded, full[:len(decoded)]))
+                rolled_parts.append((prompt_id, row_statistics(rows, full[:len(rows)]), full))
+        noise = RowStatistics.joined(noise_parts).summary()
+        measured = RowStatistics.joined([part for _, part, _ in rolled_parts]).summary()
+        scale = max(float(np.abs(full).max()) for _, _, full in rolled_parts)
+        bounds = noise_bounds(noise, scale)
+        problems = bounds.problems(measured)
+        findings = ()
+        if problems:
+            first = next(((p, int(np.flatnonzero(part.max_abs > bounds.max_abs_diff)[0])) for p, part, _ in rolled_parts
+                          if (part.max_abs > bounds.max_abs_diff).any()), None)
+            where = f"; first at {first[0]}, output token {first[1]}" if first else ""
+            findings = (f"the drafter's decodes after a rejected draft compute otherwise than one pass: "
+                        f"{'; '.join(problems)} (bounds {bounds.describe()}){where}: a drafter state not rolled back "
+                        "after a rejection",)
+        checks.append(PathCheck(DRAFTER, (f"{name} decodes, rejected drafts rolled back every {k}", "one pass"),
+                                (labels, ()), len(references), findings,
+                                f"{len(references)} prompts, {measured.positions} rows: max abs diff "
+                                f"{measured.max_abs_diff:.3g}; bounds {bounds.describe()}", measured, bounds, noise))
+    return checks
+
+
 def path_checks(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str, str], np.ndarray],
                 threads: int = 1) -> tuple[tuple[PathCheck, ...], dict[str, BatchNoise]]:
     """The verification-batch and nondeterminism checks per scorer of runs (module docstring), and
@@ -227,6 +290,12 @@ def path_checks(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str, s
                                  f"differ by max abs {repeated:.3g}: its noise cannot be measured, every split and "
                                  "bound of its runs is in doubt",) if repeated > 0 else (),
                                 f"the same pass scored twice: max abs diff {repeated:.3g}"))
+    drafters: dict[tuple, list[tuple[str, RunRecord]]] = {}
+    for label, record in runs:
+        if not record.imported and _drafts_with_model(record) and record.results:
+            drafters.setdefault(scorer_key(record, "drafter"), []).append((label, record))
+    if references:
+        checks += drafter_checks(drafters, references, threads)
     return tuple(checks), noises
 
 
@@ -319,8 +388,10 @@ def judged_by_paths(comparisons: Sequence, checks: Sequence[PathCheck]) -> list:
     failed = [check for check in checks if not check.ok]
     judged = []
     for comparison in comparisons:
-        why = next((check for check in failed if comparison.run_a in check.runs[0]), None)
-        if why is None or comparison.run_b != OWN_BASELINE or not comparison.explained:
+        why = next((check for check in failed if comparison.run_a in check.runs[0]
+                    or (check.kind == DRAFTER and comparison.run_b in check.runs[0])), None)
+        lossless = comparison.run_b == OWN_BASELINE
+        if why is None or (why.kind != DRAFTER and not lossless) or not comparison.explained:
             judged.append(comparison)
             continue
         judged.append(demoted(comparison, f"the {why.kind} check fails for this run: {why.failure()}"))

@@ -315,7 +315,7 @@ def load_prompts(source: str) -> list[Prompt]:
     if path.is_dir():  # a benchmark's checkout, say: its question file lies inside
         raise PromptError(f"{path} is a folder, not a prompt file: name the file in it, as "
                           f"{READERS[scheme].help}")
-    if not path.is_file():
+    if not path.exists():  # a pipe (--prompts <(...)) is no regular file, and is read as one
         raise PromptError(f"prompt file not found: {path} (built-in suites: {', '.join(BUILTIN_SUITES)}; "
                           f"file formats: {', '.join(f'{name}:PATH' for name in READERS)})")
     if scheme == "speedbench":
@@ -323,9 +323,33 @@ def load_prompts(source: str) -> list[Prompt]:
     return parse_prompts(_file_text(path), str(path), scheme)
 
 
+PROMPT_BYTES = 1 << 30  # the most a prompt file (decompressed) may hold: read up to it, never past
+
+
+def _capped(path: Path) -> bytes:
+    with open(path, "rb") as handle:
+        raw = handle.read(PROMPT_BYTES + 1)
+    if len(raw) > PROMPT_BYTES:
+        raise PromptError(f"{path}: more than {PROMPT_BYTES >> 20} MiB: not a prompt file crossrt reads whole")
+    return raw
+
+
+def _capped_gunzip(raw: bytes, path: Path) -> bytes:
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    out = inflater.decompress(raw, PROMPT_BYTES + 1)
+    if len(out) > PROMPT_BYTES:
+        raise PromptError(f"{path}: decompresses to more than {PROMPT_BYTES >> 20} MiB: not a prompt file crossrt "
+                          "reads whole")
+    if not inflater.eof:
+        raise EOFError("the compressed stream ends early")
+    return out
+
+
 def _file_text(path: Path) -> str:
     try:
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        raw = _capped(path)
+        if path.suffix == ".gz":
+            raw = _capped_gunzip(raw, path)
     except (OSError, EOFError, zlib.error) as error:
         raise PromptError(f"{path}: cannot read ({error})") from None
     try:
