@@ -166,6 +166,9 @@ class EndpointSession(NativeSession):
     def _timed(self, server: Attached, prompt_ids: Sequence[int], max_new_tokens: int) -> tuple[Reply, float]:
         started = time.perf_counter()
         reply = server.kind.complete(server.endpoint, server.served, prompt_ids, max_new_tokens)
+        if len(reply.output_ids) > max_new_tokens:  # never stored: a record holds what was asked for
+            raise PromptRefused(f"{server.describe()} answered {len(reply.output_ids)} token ids for a budget of "
+                                f"{max_new_tokens}")
         self._in_vocabulary(server, reply.output_ids, "its output")
         return reply, time.perf_counter() - started
 

@@ -41,8 +41,10 @@ def parse_metrics(text: str, names: dict[str, str], per_pos_name: str, busy_name
     values: dict[str, float] = {}
     per_pos: dict[int, float] = {}
     exact = True
+    series: dict[tuple[str, str], str] = {}  # one value per name and label set: a repeated line is one sample
     for match in SAMPLE.finditer(text):
-        name, labels, raw = match["name"], match["labels"] or "", match["value"]
+        series[match["name"], match["labels"] or ""] = match["value"]
+    for (name, labels), raw in series.items():
         try:
             value = float(raw)
         except ValueError:

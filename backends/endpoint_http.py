@@ -98,6 +98,8 @@ class Answer:
             return json.loads(self.body)
         except ValueError:
             raise RuntimeFailure(f"{where} answered with non-JSON: {self.body[:200]!r}") from None
+        except RecursionError:  # [[[[...]]]] deeper than Python's parser goes: no server's answer
+            raise RuntimeFailure(f"{where} answered JSON nested too deep to read ({len(self.body)} bytes)") from None
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,9 @@ class Endpoint:
             value = json.loads(answer.body)
         except ValueError:
             return None
+        except RecursionError:
+            raise RuntimeFailure(f"GET {self.display}{path} answered JSON nested too deep to read "
+                                 f"({len(answer.body)} bytes): not an inference server's answer") from None
         return value if isinstance(value, (dict, list)) else None
 
 

@@ -121,7 +121,7 @@ def answer_shape(where: str, error: type[Exception]) -> Iterator[None]:
     alone; RuntimeFailure for identification and tokenization, which end the run)."""
     try:
         yield
-    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as problem:
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, RecursionError) as problem:
         raise error(f"{where} answered JSON of another shape than crossrt reads ({type(problem).__name__}: "
                     f"{str(problem)[:200]})") from None
 

@@ -455,3 +455,50 @@ def test_everything_printed_goes_through_one_filter():
     stream = io.StringIO()
     SafeStream(stream).write("ok\x1b[2J\x9b31m\x07\tend\n")
     assert stream.getvalue() == "ok\\x1b[2J\\x9b31m\\x07\tend\n"
+
+
+def test_more_ids_than_the_budget_fail_the_prompt():
+    """A server answering 20,000 ids for a budget of 7 once had them all stored (issue 58)."""
+    choice = {**COMPLETION["choices"][0], "token_ids": [5] * 19999 + [2], "finish_reason": "stop"}  # "ended at EOS"
+    spec, plain, session = session_of(answering("/v1/completions", {"choices": [choice]}), n_vocab=512)
+    try:
+        with pytest.raises(PromptRefused, match=r"answered 20000 token ids for a budget of 7"):
+            session.generate([1, 2, 3], 7, speculative=True)
+    finally:
+        spec.shutdown(), plain.shutdown()
+
+
+DEEP = "[" * 100000 + "]" * 100000  # deeper than Python's JSON parser goes
+
+
+def test_json_nested_too_deep_is_one_line_when_attaching():
+    """[[[[...]]]] 100,000 deep once ended crossrt with a RecursionError traceback (issue 58)."""
+    routes = vllm_routes(True)
+    routes["/v1/models"] = lambda body: (200, DEEP)
+    server = Scripted(routes)
+    try:
+        with pytest.raises(RuntimeFailure, match=r"GET .*/v1/models answered JSON nested too deep to read"):
+            Attached.attach(server.url)
+    finally:
+        server.shutdown()
+
+
+def test_json_nested_too_deep_is_one_line_in_a_generation():
+    spec, plain, session = session_of(answering("/v1/completions", DEEP))
+    try:
+        with pytest.raises(RuntimeFailure, match=r"/v1/completions answered JSON nested too deep to read"):
+            session.generate([1, 2, 3], 7, speculative=True)
+    finally:
+        spec.shutdown(), plain.shutdown()
+
+
+def test_a_metrics_body_with_every_line_repeated_reads_as_once():
+    """Prometheus allows one sample per name and label set; a body repeating each line once made
+    every prompt's deltas double and failed them as "served other requests" (issue 58)."""
+    from crossrt.backends.endpoint_counts import parse_metrics
+
+    metrics = vllm_routes(True)["/metrics"](None)[1]
+    names = {"steps": "vllm:spec_decode_num_drafts_total", "accepted": "vllm:spec_decode_num_accepted_tokens_total"}
+    per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    once = parse_metrics(metrics, names, per_pos, ("vllm:num_requests_running",), None)
+    assert parse_metrics(metrics + metrics, names, per_pos, ("vllm:num_requests_running",), None) == once

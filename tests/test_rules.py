@@ -56,7 +56,7 @@ def test_a_parity_matrix_builds_each_cells_rules_here_and_warns_before_any_cell_
 
 def test_absurd_draft_lengths_and_ngram_sizes_are_refused_up_front_with_the_limit_named():
     """A k of 10^8 once ran for minutes building per-position counts before the first prompt."""
-    with pytest.raises(SettingsError, match=f"between 1 and {K_LIMIT}"):
+    with pytest.raises(SettingsError, match=f"k must be at most {K_LIMIT}"):
         DraftRules(10 ** 8)
     assert DraftRules(K_LIMIT).k == K_LIMIT
     with pytest.raises(SettingsError, match=f"up to {NGRAM_LIMIT}"):

@@ -124,3 +124,25 @@ def test_top_probability_is_a_softmax_over_the_ten_best_logits():
     logits[10:] = -0.5  # 502 tokens a full softmax would count, and top-10 does not
     expected = 1.0 / np.exp(np.arange(10) - 9.0).sum()
     assert schedules.top_probability(logits) == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_first_token_from_the_prompt_pass_is_one_trait_that_diagnosis_reads_for_vllm_too():
+    """llama-server and vLLM take their first token from the prompt pass (their baselines too);
+    diagnosis once read it for llama-server only, so vLLM-schedule splits at token 0 were
+    re-scored in the wrong pass shape (issue 59)."""
+    from crossrt.compare.diagnosis import _plain_shape
+    from crossrt.run.schedules import SCHEDULES, first_from_prompt
+
+    assert {name for name in SCHEDULES if first_from_prompt(name)} == {"llama-server", "vllm"}
+    assert not first_from_prompt("an imported runtime's own")
+
+    class Params:
+        schedule = "vllm"
+
+    class Record:
+        params = Params()
+
+    class Result:
+        prompt_ids = (1, 2, 3, 4)
+
+    assert _plain_shape(Record(), Result(), 0) == 4 and _plain_shape(Record(), Result(), 1) == 1

@@ -35,6 +35,7 @@ from crossrt.compare.tolerance import batch_shape_ceiling, tolerance_for
 from crossrt.records.schema import PassView, PromptResult, RunRecord
 from crossrt.compare.rescore import scoring_runtime
 from crossrt.errors import CrossrtError
+from crossrt.run.schedules import first_from_prompt
 from crossrt.run.numerics import NOISE_FACTOR, Gap, Noise, gap_shifts, judge, rescored_gap
 
 P_MIN_BAND = 0.05  # a drafter probability this close to p_min can fall on either side of it
@@ -74,7 +75,7 @@ class Replay(Protocol):
 def _plain_shape(record: RunRecord, result: PromptResult, index: int) -> int:
     """The pass that chose baseline token index: llama-server's schedule takes the first token
     from the prompt pass (its baseline too), every other token is a one-token decode."""
-    return len(result.prompt_ids) if index == 0 and record.params.schedule == "llama-server" else 1
+    return len(result.prompt_ids) if index == 0 and first_from_prompt(record.params.schedule) else 1
 
 
 class Explainer:
@@ -139,7 +140,7 @@ class Explainer:
         elif self.replay is not None:
             prefix = tuple(result.prompt_ids) + tuple(out[:index])
             spec_shape, base_shape = record.params.k + 1, _plain_shape(record, result, index)
-            if index == 0 and record.params.schedule == "llama-server":
+            if index == 0 and first_from_prompt(record.params.schedule):
                 spec_shape = base_shape  # its first token comes from the prompt pass too
             sides = (self._replayed_side(spec_label, record, prefix, out[index:], spec_shape, out[index], base[index]),
                      self._replayed_side(base_label, record, prefix, base[index:], base_shape, base[index], out[index]))
@@ -323,7 +324,7 @@ def _draft_window(schedule: str, results: Sequence[PromptResult]) -> tuple[Optio
     steps = [(r.counters.step_drafted, r.counters.step_accepted) for r in results]
     if any(drafted is None or accepted is None for drafted, accepted in steps):
         return None, " (steps not reported by a run: every drafted position checked)"
-    start = 1 if schedule == "llama-server" else 0  # its first token is unverified, from the prompt pass
+    start = 1 if first_from_prompt(schedule) else 0  # its first token is unverified, from the prompt pass
     (drafted_a, accepted_a), (drafted_b, accepted_b) = steps
     for step, lengths in enumerate(zip(drafted_a, accepted_a, drafted_b, accepted_b)):
         if lengths[:2] != lengths[2:]:

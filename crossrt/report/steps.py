@@ -25,7 +25,7 @@ from crossrt.inputs.pairs import PairError
 from crossrt.inputs.vocabulary import read_vocabulary
 from crossrt.report.page import Section, Table
 from crossrt.report.runs import ReportRun
-from crossrt.run.schedules import SERVER
+from crossrt.run.schedules import first_from_prompt
 from crossrt.records.schema import PromptResult, RunRecord
 
 # Characters XML 1.0 forbids (the page is also well-formed XML): shown as \xNN instead.
@@ -88,7 +88,7 @@ def _by_passes(result: PromptResult, schedule: str) -> Optional[list[Span]]:
     end, at, step, plain, spans = len(result.output_ids), 0, 0, 0, []
     while at < end:
         fits = step < counters.steps and passes[at] == 1 + counters.step_drafted[step]
-        if fits and not (at == 0 and schedule == SERVER):  # llama-server's first token: the prompt pass
+        if fits and not (at == 0 and first_from_prompt(schedule)):  # llama-server's, vLLM's: the prompt pass
             stop = min(at + counters.step_accepted[step] + 1, end)
             spans.append(Span(at, stop, step, counters.step_accepted[step], counters.step_drafted[step]))
             at, step = stop, step + 1
@@ -106,7 +106,7 @@ def _in_order(result: PromptResult, schedule: str) -> list[Span]:
     from the prompt pass, any other unverified tokens after the last step."""
     counters = result.counters
     end, at, spans = len(result.output_ids), 0, []
-    if schedule == SERVER and counters.unverified:
+    if first_from_prompt(schedule) and counters.unverified:
         spans.append(Span(0, 1, None, 0, 0))
         at = 1
     for step, (accepted, drafted) in enumerate(zip(counters.step_accepted, counters.step_drafted)):

@@ -25,7 +25,7 @@ from crossrt.run.resume import check_prompts, prompt_sha256, starting_record
 from crossrt.run.run_writer import RunWriter, record_lock
 from crossrt.run.runtime import (DraftRules, ModelSession, NativeSession, Runtime, RuntimeOptions,
                              RuntimeUnavailable, open_runtime)
-from crossrt.run.schedules import SERVER, VLLM
+from crossrt.run.schedules import first_from_prompt
 from crossrt.run.strategies import STRATEGY_PARTS, Strategy, format_content_k, tree_spec
 from crossrt.records.schema import ModelInfo, PairInfo, PromptFormat, PromptResult, RunParams, RunRecord, Timings
 from crossrt.records.trace import PromptTrace, TraceRecorder, read_traces, trace_path
@@ -100,7 +100,7 @@ def run_prompt(target: ModelSession, drafter: Optional[ModelSession], prompt: Pr
     prompt_ids: tuple[int, ...] = ()
     try:
         prompt_ids, own_ids = _prompt_ids(target.tokenize, prompt, shared_ids)
-        whole_prompt = schedule in (SERVER, VLLM)  # their runtimes' baselines sample the first token so
+        whole_prompt = first_from_prompt(schedule)  # their runtimes' baselines sample the first token so too
         baseline, source = _baseline(baselines, prompt_ids, max_new_tokens, whole_prompt, lambda: loop.greedy_generate(
             target, prompt_ids, max_new_tokens, whole_prompt=whole_prompt))
         speculative = loop.speculative_generate(tree_target or target, drafter, prompt_ids, rules, max_new_tokens,

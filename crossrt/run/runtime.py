@@ -74,8 +74,10 @@ class DraftRules:
     spec_type: str = "draft"
 
     def __post_init__(self):
-        if not 1 <= self.k <= K_LIMIT:
-            raise SettingsError(f"k must be between 1 and {K_LIMIT} (drafts longer than that are refused: every "
+        if self.k < 1:
+            raise SettingsError(f"k must be at least 1, got {self.k}")
+        if self.k > K_LIMIT:
+            raise SettingsError(f"k must be at most {K_LIMIT} (drafts longer than that are refused: every "
                                 f"verification batch and per-position count grows with k), got {self.k}")
         if self.n_min is None:
             object.__setattr__(self, "n_min", self.k)

@@ -201,6 +201,7 @@ class Schedule:
     empty_is_step = True  # an empty draft still counts as a step (a plain decode verified)
     crops_at_budget = False  # a step's tokens past the budget are dropped before they are counted
     accepts_eos = False  # verification accepts a matched EOS inside a draft (vLLM's rejection sampler)
+    first_from_prompt = False  # the first token comes from a pass over the whole prompt, unverified (baseline too)
 
     def overrun(self, k: int) -> int:
         """Positions past prompt + budget a step may use."""
@@ -257,6 +258,7 @@ class ServerSchedule(Schedule):
     name = SERVER
     llama = True
     empty_is_step = False
+    first_from_prompt = True
 
     def overrun(self, k: int) -> int:
         return 1  # the server stops when its cache reaches n_ctx - 1: keep a position spare
@@ -309,4 +311,11 @@ class VllmSchedule(ServerSchedule):
 
 SCHEDULE_TYPES = {kind.name: kind for kind in (Schedule, HfAssisted, SpecSimple, ServerSchedule, VllmSchedule)}
 SCHEDULES = tuple(SCHEDULE_TYPES)
-TRACED_SCHEDULES = (SCHEDULE, HF_SCHEDULE)  # the schedules that can record a trace (crossrt/records/trace.py)
+TRACED_SCHEDULES = (SCHEDULE, HF_SCHEDULE)
+
+
+def first_from_prompt(schedule: str) -> bool:
+    """The schedule takes its first token from a pass over the whole prompt (llama-server, vLLM),
+    in its baseline too; an imported record's schedule, unknown here, does not."""
+    kind = SCHEDULE_TYPES.get(schedule)
+    return kind is not None and kind.first_from_prompt  # the schedules that can record a trace (crossrt/records/trace.py)
