@@ -1,25 +1,18 @@
-"""Parity's verification-path control: does a runtime's verification batch compute what its
-one-token decodes compute, and do its runs leave their baselines no more often than that allows?
+"""Parity's verification-path control (docs/parity.md): bugs that break speculative decoding only
+where it verifies (a batch of drafts on a cache computed otherwise than one-token decodes) or
+drafts (a drafter not rolled back) leave plain greedy decoding exact, so the float control cannot
+see them. Each run's scorer, with the run's own numerics, re-scores the reference sequences as
+runs verify and draft them, and four checks follow, each against a control the bug cannot widen:
 
-The bugs users hit most break speculative decoding only where it verifies: a batch of drafts on
-a non-empty cache computed otherwise than the one-token decodes of plain greedy decoding (another
-attention scale, positions off by one, a mask that lets a draft see the next one, KV written to
-other slots). The float control scores a prompt pass and one-token decodes, never such a batch,
-so each run's scorer (its runtime or in-process sibling, with the run's own numerics) also scores
-the reference sequence as the run verified it, and three checks follow:
+- verification batches: their rows against one-token decodes and one pass, within FACTOR times
+  the batch-shape noise (one pass against one-token decodes);
+- nondeterminism: the same pass scored twice must agree (never absorbed into a noise control);
+- drafter rollback: the drafter's decodes with rejected drafts rolled back against one pass;
+- departures: a run leaving its baseline on more prompts than the measured verification-path
+  noise makes plausible (a Poisson bound over its baselines' margins).
 
-- *verification batches*: those rows against one-token decodes (the first rows of each prompt,
-  DECODED_ROWS in all) and against one pass (every row), within FACTOR times the *batch-shape noise*: one pass against
-  one-token decodes, a control a bug confined to verification cannot widen;
-- *nondeterminism*: the same pass scored twice must give the same logits; a runtime that does
-  not is reported, never absorbed into a noise control it would widen;
-- *departures*: a run that leaves its own baseline on more prompts than the measured
-  verification-path noise makes plausible (a Poisson bound over its baselines' margins) fails,
-  each split small or not: a bug the re-scoring does not reproduce (one in a server only, or in
-  state only the run had) shows there.
-
-The batch-shape noise also sets the near-tie threshold of every batch-shape split of the run
-(crossrt/compare/diagnosis.py), under the constant of tolerance.batch_shape_ceiling as a ceiling.
+The batch-shape noise also sets the near-tie threshold of the run's batch-shape splits
+(diagnosis.Explainer.batch_threshold), tolerance.batch_shape_ceiling its ceiling.
 """
 
 from __future__ import annotations
@@ -76,7 +69,7 @@ class BatchNoise:
 class PathCheck:
     """One verification-path check (module docstring) for the runs one scorer serves."""
 
-    kind: str  # VERIFICATION, NONDETERMINISM or DEPARTURES
+    kind: str  # VERIFICATION, NONDETERMINISM, DRAFTER, DEPARTURES, or dequantization.DEQUANTIZATION
     scorings: tuple[str, str]
     runs: tuple[tuple[str, ...], tuple[str, ...]]
     prompts: int
