@@ -203,6 +203,9 @@ class Endpoint:
         except socket.gaierror as error:
             raise RuntimeFailure(f"{self.display}: the host name does not resolve ({error.strerror})") from None
         except (TimeoutError, socket.timeout, OSError, http.client.HTTPException) as error:
+            if _malformed(error):
+                raise RuntimeFailure(f"{where}: the answer is not HTTP crossrt can read ({one_line(repr(error))[:120]}): "
+                                     "a broken server or a proxy, not a restart") from None
             if overall and (expired.is_set() or isinstance(error, (TimeoutError, socket.timeout))):
                 raise RuntimeFailure(self._past_deadline(where)) from None
             if expired.is_set() or isinstance(error, (TimeoutError, socket.timeout)):
@@ -279,6 +282,15 @@ REDACTED = "[redacted]"
 # A credential in any text: a header or parameter named like one, or an Authorization scheme's token.
 CREDENTIAL = re.compile(r"(?i)((?:authorization|api[_-]?key|access[_-]?token|token|password|secret)[\"']?\s*[:=]\s*"
                         r"[\"']?(?:bearer\s+|basic\s+)?|\b(?:bearer|basic)\s+)[^\s\"'&,;]+")
+
+
+def _malformed(error: Exception) -> bool:
+    """An answer that is not HTTP: a status line of another form, a header line past 64 KiB, more
+    than 100 headers; a connection closed early is none of these (RemoteDisconnected, IncompleteRead)."""
+    if isinstance(error, (http.client.RemoteDisconnected, http.client.IncompleteRead)):
+        return False
+    return isinstance(error, (http.client.BadStatusLine, http.client.LineTooLong)) or (
+        isinstance(error, http.client.HTTPException) and "headers" in str(error))
 
 
 def _too_large(where: str, what: str, budget: Budget) -> str:

@@ -502,3 +502,48 @@ def test_a_metrics_body_with_every_line_repeated_reads_as_once():
     per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
     once = parse_metrics(metrics, names, per_pos, ("vllm:num_requests_running",), None)
     assert parse_metrics(metrics + metrics, names, per_pos, ("vllm:num_requests_running",), None) == once
+
+
+class RawServer:
+    """A loopback socket answering every connection with the same raw bytes, then closing."""
+
+    def __init__(self, answer: bytes):
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen()
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.answer = answer
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            with connection:
+                connection.recv(65536)
+                try:
+                    connection.sendall(self.answer)
+                except OSError:
+                    pass
+
+    def shutdown(self):
+        self.listener.close()
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(200)) + b"\r\n{}",
+    b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n{}",
+    b"SPDY/9 twelve\r\n\r\n",
+], ids=["200-headers", "70kb-header-line", "bad-status-line"])
+def test_an_answer_that_is_not_http_is_named_so_not_a_restart(answer):
+    """200 headers, a 70 KB header line or a bad status line were reported as "the server stopped
+    or restarted" (issue 58)."""
+    server = RawServer(answer)
+    try:
+        with pytest.raises(RuntimeFailure, match=r"the answer is not HTTP crossrt can read .*not a restart") as raised:
+            Endpoint.parse(server.url).request("GET", "/props")
+        assert len(str(raised.value)) < 400
+    finally:
+        server.shutdown()

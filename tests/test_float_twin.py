@@ -4,10 +4,11 @@ rewritten when damaged, and no abandoned temporary file left behind (issue 58)."
 import os
 
 import numpy as np
+import pytest
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
 from crossrt.builders import float_twin as twin_module
-from crossrt.builders.float_twin import float_twin
+from crossrt.builders.float_twin import FloatTwinError, float_twin
 
 
 def quantized_gguf(path):
@@ -42,3 +43,12 @@ def test_a_damaged_twin_is_written_again_and_an_abandoned_one_removed(tmp_path, 
     assert twin.read_bytes() == written
     assert "does not match its digest" in capfd.readouterr().err
     assert not abandoned.exists()
+
+
+def test_a_twin_that_cannot_be_written_says_the_way_forward(tmp_path, monkeypatch):
+    source = quantized_gguf(tmp_path / "model.gguf")
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("CROSSRT_CACHE", str(blocked))
+    with pytest.raises(FloatTwinError, match=r"set CROSSRT_CACHE to a writable folder .* or pass --no-float-control"):
+        float_twin(source)

@@ -4,6 +4,7 @@ in silence), counts stay exact integers, and huge numbers cost no more work than
 The inputs are the recorded fixtures (tests/fixtures/import) with one line changed."""
 
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.cli import main
+from crossrt.imports import importer
 from crossrt.imports.logs import ReadOptions
 from crossrt.imports.importer import ImportRequest, import_record
 from crossrt.imports.imported import ImportFailure, counts_of_rate, fitting, shown
@@ -288,3 +290,23 @@ def test_import_says_the_real_fault_first(tmp_path):
     for before in (scrape, tmp_path / "." / "after.txt"):
         line = refused(scrape, "llama-server-metrics", "--before", before)
         assert f"--before {before} is the scrape itself ({scrape})" in line and "nothing was drafted" not in line
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "huge"])
+def test_what_is_not_a_bounded_regular_file_is_refused_before_it_is_read(kind, tmp_path, monkeypatch):
+    """`import` of a FIFO hung, of /dev/zero grew to 3 GB, of a 1 GB log was killed at 2.4 GB (issue 58)."""
+    if kind == "fifo":
+        path = tmp_path / "fifo"
+        os.mkfifo(path)
+        expected = "is not a regular file"
+    elif kind == "device":
+        path, expected = "/dev/zero", "is not a regular file"
+    else:
+        monkeypatch.setattr(importer, "LOG_BYTES", 1024)  # a sparse 1 GiB file would do, at 1 GiB of disk
+        path = tmp_path / "vllm.log"
+        path.write_text("x" * 2048)
+        expected = "more than the 0 MiB crossrt reads of a log"
+    started = time.monotonic()
+    result = CliRunner().invoke(main, ["import", str(path), "--from", "vllm-log", "--out", str(tmp_path / "r.json")])
+    assert time.monotonic() - started < 10
+    assert result.exit_code == 1 and expected in result.output, result.output

@@ -69,10 +69,10 @@ def float_twin(source: Path) -> Path:
             return output
         sys.stderr.write(f"crossrt: the cached float twin {output} does not match its digest (damaged, or written "
                          "before twins had one): writing it again\n")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned(output)
     temporary = output.with_name(f".{output.name}.{os.getpid()}.tmp")
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(output)
         with open(source, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data, \
                 open(temporary, "wb") as out:
             _write_twin(out, data)
@@ -81,8 +81,9 @@ def float_twin(source: Path) -> Path:
         digest_file.write_text(digest + "\n")
         _verified.add((str(output), digest))
     except OSError as error:
-        raise FloatTwinError(f"cannot write the float twin of {source} to {output}: "
-                             f"{error.strerror or error}") from None
+        raise FloatTwinError(f"cannot write the float twin of {source} to {output}: {error.strerror or error}; "
+                             "set CROSSRT_CACHE to a writable folder with room for it, or pass --no-float-control "
+                             "(a weaker check)") from None
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)

@@ -10,6 +10,7 @@ are given, so readers compare only those. docs/import.md gives each source's fie
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -70,8 +71,22 @@ class ImportRequest:
     draft_p_min: Optional[float] = None
 
 
+LOG_BYTES = 256 << 20  # the most of a log or scrape crossrt reads (its text is held whole while parsed)
+
+
 def _text(path: Path) -> str:
+    """The file's text: a regular file (a FIFO would wait for a writer for ever, a device never
+    ends) of at most LOG_BYTES, checked before anything is read."""
     try:
+        found = os.stat(path)
+        if stat.S_ISDIR(found.st_mode):
+            raise IsADirectoryError
+        if not stat.S_ISREG(found.st_mode):
+            raise ImportFailure(f"{path} is not a regular file (a pipe, FIFO or device): save what to import to a "
+                                "file first")
+        if found.st_size > LOG_BYTES:
+            raise ImportFailure(f"{path} holds {found.st_size >> 20} MiB, more than the {LOG_BYTES >> 20} MiB crossrt "
+                                "reads of a log: keep the lines it reads first (e.g. grep -i spec_decode)")
         return Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ImportFailure(f"no file {path}") from None
