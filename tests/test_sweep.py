@@ -404,3 +404,20 @@ def test_a_query_stops_at_its_memory_and_time_limits_in_one_line(local_store):
                                        "SELECT list(i) FROM range(50000000) t(i)", "--memory-limit", "64MB"])
     assert greedy.exit_code == 1 and len(greedy.output.strip().splitlines()) == 1, greedy.output
     assert "--memory-limit" in greedy.output, greedy.output
+
+
+@pytest.mark.parametrize("sql", ["SELECT range(200000000)", "SELECT repeat('x', 1500000000)"],
+                         ids=["a-huge-list", "a-huge-string"])
+def test_a_value_past_the_memory_limit_stops_in_one_line_and_this_process_stays_small(sql, local_store):
+    """Values DuckDB builds outside its own limit (and Python's copy of them) reached 6.2 GB and
+    3 GB (issue 58): the process may grow by --memory-limit only while the query runs."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    limit = resource.getrlimit(resource.RLIMIT_DATA)
+    result = CliRunner().invoke(main, ["sweep", "query", str(local_store.root), sql])
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "query failed" in result.output and "--memory-limit" in result.output, result.output
+    assert grown < 1 << 30, f"grew by {grown >> 20} MiB"
+    assert resource.getrlimit(resource.RLIMIT_DATA) == limit  # given back once the query ended

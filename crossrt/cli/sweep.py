@@ -13,7 +13,8 @@ from crossrt.cli.common import user_errors
 from crossrt.sweep.plan import STRATEGIES, SweepError, load_sweep, plan_rows, unloadable_pairs
 from crossrt.sweep.runner import Executor, run_sweep
 from crossrt.sweep.servers import Servers
-from crossrt.sweep.store import INDEX, QueryLimits, SweepStore, check_sweep_dir, table_rows
+from crossrt.sweep.limits import QueryLimits
+from crossrt.sweep.store import INDEX, SweepStore, check_sweep_dir, table_rows
 from crossrt.records.tables import format_table, summary_rows
 
 SWEEP_FILE = click.Path(path_type=Path, dir_okay=False)
@@ -175,8 +176,8 @@ def _warn_damaged(store: SweepStore) -> None:
 @click.option("--all-rows", is_flag=True, help="Print every row, streamed as DuckDB makes them (a table is "
               f"aligned per block of {QUERY_BATCH:,} rows).")
 @click.option("--memory-limit", default=QueryLimits.memory, show_default=True,
-              help="Most memory DuckDB may take for the query (its own units: 500MB, 2GB); it spills to a "
-              f"temporary folder up to {QueryLimits.spill}, then the query stops in one line.")
+              help="Most memory the query may take, in DuckDB and in this process (DuckDB's units: 500MB, "
+              f"1GB); it spills to a temporary folder up to {QueryLimits.spill}, then the query stops in one line.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=QueryLimits.seconds,
               show_default=True, help="Seconds the query may run before it is stopped.")
 def query(sweep_dir: Path, sql: str, as_csv: bool, limit: int, all_rows: bool, memory_limit: str,

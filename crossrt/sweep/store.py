@@ -37,6 +37,7 @@ from crossrt.records.record_json import load_record, record_from_json, save_reco
 from crossrt.run.run_writer import RecordBusy, lock_path, record_lock
 from crossrt.records.schema import RecordError, RunRecord
 from crossrt.sweep.cell import STRATEGY_DEFAULTS, Cell, SweepError
+from crossrt.sweep.limits import QueryLimits
 
 INDEX = "index.parquet"
 LOCK = "sweep"  # record_lock(root / LOCK) holds root/sweep.lock
@@ -336,7 +337,7 @@ class SweepStore:
                 _add_metric_function(duckdb, con)  # the view names it: it binds only where the function is
                 con.execute(cells_view())
             config = LOCKED | limits.config(Path(work) / "spill")
-            with duckdb.connect(database, read_only=True, config=config) as con:
+            with limits.process_memory(), duckdb.connect(database, read_only=True, config=config) as con:
                 _add_metric_function(duckdb, con)
                 # DuckDB has no statement timeout: a timer interrupts the connection instead.
                 timer = threading.Timer(limits.seconds, con.interrupt)
@@ -345,14 +346,14 @@ class SweepStore:
                 try:
                     try:
                         result = con.execute(select)
-                    except duckdb.Error as error:
+                    except (duckdb.Error, MemoryError) as error:
                         raise limits.error(error, timer) from None
 
                     def batches() -> Iterator[list[tuple]]:
                         while True:
                             try:
                                 rows = result.fetchmany(batch)
-                            except duckdb.Error as error:  # errors of later rows come as they are fetched
+                            except (duckdb.Error, MemoryError) as error:  # later rows' errors come as fetched
                                 raise limits.error(error, timer) from None
                             if not rows:
                                 return
@@ -363,28 +364,6 @@ class SweepStore:
                     timer.cancel()
 
 
-
-@dataclass(frozen=True)
-class QueryLimits:
-    """What one `sweep query` may take: DuckDB's memory, its spill to disk, and wall time (a
-    sort over millions of generated rows took 3.2 GB and 21 s before there were limits)."""
-
-    memory: str = "2GB"
-    spill: str = "4GB"
-    seconds: float = 60.0
-
-    def config(self, spill_folder: Path) -> dict:
-        return {"memory_limit": self.memory, "max_temp_directory_size": self.spill,
-                "temp_directory": str(spill_folder)}
-
-    def error(self, error: Exception, timer: threading.Timer) -> SweepError:
-        first = str(error).splitlines()[0]
-        if timer.finished.is_set() and "nterrupt" in first:
-            return SweepError(f"query stopped after {self.seconds:g} s, its time limit (--timeout)")
-        if "Out of Memory" in first or "max_temp_directory_size" in first:
-            return SweepError(f"query failed: {first} (limits: memory {self.memory}, spill {self.spill}: "
-                              "--memory-limit)")
-        return SweepError(f"query failed: {first}")
 
 def check_sweep_dir(path: Path) -> SweepStore:
     store = SweepStore(path)
