@@ -234,3 +234,16 @@ def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_one(tmp_path):
     for prompt_id, trace in expected.items():
         for name in ("step_drafted", "step_accepted", "target_entropy", "target_margin", "drafter_p1"):
             np.testing.assert_array_equal(getattr(traces[prompt_id], name), getattr(trace, name))
+
+
+def test_a_value_that_is_not_a_finite_number_is_never_written(header, finished, tmp_path):
+    """A NaN time once went into a record that no command could read again (issue 58): no record
+    or journal line holding one is written, and the error names the value."""
+    result = finished[0][0]
+    broken = dataclasses.replace(result, timings=dataclasses.replace(result.timings, decode_s=float("nan")))
+    record = dataclasses.replace(header, results=(broken,))
+    with pytest.raises(RecordError, match=r"record\.results\[0\]\.timings\.decode_s is nan, not a finite number"):
+        save_record(record, tmp_path / "r.json")
+    assert not (tmp_path / "r.json").exists()
+    with pytest.raises(RecordError, match=r"result .*decode_s is nan"):
+        record_json.result_entry(header, broken)

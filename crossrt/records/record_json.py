@@ -142,6 +142,19 @@ def check_counters(record: RunRecord) -> None:
                 raise RecordError(f"result {result.prompt_id}: " + "; ".join(problems))
 
 
+def check_finite(data: Any, where: str = "record") -> None:
+    """RecordError naming the first value that is not a finite number (NaN, infinity): JSON has
+    none, and a record holding one could be written but never read by every command again."""
+    if isinstance(data, float) and not math.isfinite(data):
+        raise RecordError(f"{where} is {data}, not a finite number: nothing holding it is written")
+    if isinstance(data, dict):
+        for key, value in data.items():
+            check_finite(value, f"{where}.{key}")
+    elif isinstance(data, (list, tuple)):
+        for index, value in enumerate(data):
+            check_finite(value, f"{where}[{index}]")
+
+
 def save_record(record: RunRecord, path: Path, option: str = "--out") -> bytes:
     """Validate, then write atomically, so an interrupted run never leaves half a file.
     Returns the bytes written (a journal started beside them names their digest); option: the
@@ -149,6 +162,7 @@ def save_record(record: RunRecord, path: Path, option: str = "--out") -> bytes:
     check_counters(record)
     data = record_to_json(record)
     validate_json(data)
+    check_finite(data)
     written = (json.dumps(data, indent=1) + "\n").encode()
     write_atomically(Path(path), written, option)
     return written
@@ -162,6 +176,7 @@ def result_entry(record: RunRecord, result: PromptResult) -> str:
     check_counters(alone)
     data = record_to_json(alone)
     validate_json(data)
+    check_finite(data["results"][0], f"result {result.prompt_id}")
     return json.dumps(data["results"][0], separators=(",", ":"))
 
 
