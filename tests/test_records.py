@@ -247,3 +247,11 @@ def test_a_value_that_is_not_a_finite_number_is_never_written(header, finished, 
     assert not (tmp_path / "r.json").exists()
     with pytest.raises(RecordError, match=r"result .*decode_s is nan"):
         record_json.result_entry(header, broken)
+
+
+def test_a_file_larger_than_any_record_is_not_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(record_json, "RECORD_BYTES", 1024)
+    path = tmp_path / "huge.json"
+    path.write_text("[" + "0," * 2000 + "0]")
+    with pytest.raises(RecordError, match=r"more than the 0 MiB of any record crossrt writes: not a run record"):
+        load_record(path)

@@ -14,6 +14,7 @@ import click
 
 from crossrt.errors import USER_ERRORS
 from crossrt.inputs.prompts import sources_help
+from crossrt.records.record_json import RECORD_BYTES
 from crossrt.records.schema import RecordError
 
 PROMPTS_HELP = sources_help()
@@ -100,9 +101,6 @@ def refuse_inputs_as_outputs(outputs: Mapping[str, Path], inputs: Sequence[Path]
         for other, earlier in named[:index]:
             if _same_file(Path(path), Path(earlier)):
                 raise click.ClickException(f"{option} and {other} name the same file {path}: name two files")
-
-
-RECORD_BYTES = 1 << 30  # a record larger than this is not one crossrt wrote (10,000 prompts take ~100 MB)
 
 
 def distinct_records(paths: Sequence[Path]) -> None:

@@ -201,6 +201,9 @@ def _result_from_entry(line: str, record_data: dict[str, Any], record: RunRecord
 REMAKE = "write it again with the `crossrt run` or `crossrt import` that made it, passing --overwrite"
 
 
+RECORD_BYTES = 1 << 30  # more than any record crossrt writes (10,000 prompts take ~100 MB): read no further
+
+
 def load_record(path: Path, remake: Optional[str] = REMAKE) -> RunRecord:
     """The record at path, validated whole, with the prompts its journal holds (a run in
     progress, or one killed) folded in, each validated alone; a torn last line is left out.
@@ -208,6 +211,11 @@ def load_record(path: Path, remake: Optional[str] = REMAKE) -> RunRecord:
     path = Path(path)
     if not path.is_file():
         raise RecordError(f"no run record at {path}")
+    journal = journal_path(path)
+    size = path.stat().st_size + (journal.stat().st_size if journal.is_file() else 0)
+    if size > RECORD_BYTES:
+        raise RecordError(f"{path} (with its journal) holds {size >> 20} MiB, more than the "
+                          f"{RECORD_BYTES >> 20} MiB of any record crossrt writes: not a run record")
     text, entries = read_with_journal(path)
     try:
         data = json.loads(text)
