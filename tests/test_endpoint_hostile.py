@@ -284,15 +284,20 @@ def test_a_huge_name_or_id_is_not_carried_into_messages_or_the_record():
         spec.shutdown(), plain.shutdown()
 
 
-def test_a_metrics_error_is_said_as_it_is_not_as_a_missing_endpoint():
+def attaching_fails(path, answer, message):
+    """Attaching to vLLM's routes with path answering answer (status, body) fails with message."""
     routes = vllm_routes(True)
-    routes["/metrics"] = lambda body: (500, "internal error")
+    routes[path] = lambda body: answer
     server = Scripted(routes)
     try:
-        with pytest.raises(RuntimeFailure, match=r"GET http://127.0.0.1:\d+/metrics: HTTP 500: internal error"):
+        with pytest.raises(RuntimeFailure, match=message):
             Attached.attach(server.url)
     finally:
         server.shutdown()
+
+
+def test_a_metrics_error_is_said_as_it_is_not_as_a_missing_endpoint():
+    attaching_fails("/metrics", (500, "internal error"), r"GET http://127.0.0.1:\d+/metrics: HTTP 500: internal error")
 
 
 # ---- the URL: what is sent, what is shown ------------------------------------------------------
@@ -473,14 +478,7 @@ DEEP = "[" * 100000 + "]" * 100000  # deeper than Python's JSON parser goes
 
 def test_json_nested_too_deep_is_one_line_when_attaching():
     """[[[[...]]]] 100,000 deep once ended crossrt with a RecursionError traceback (issue 58)."""
-    routes = vllm_routes(True)
-    routes["/v1/models"] = lambda body: (200, DEEP)
-    server = Scripted(routes)
-    try:
-        with pytest.raises(RuntimeFailure, match=r"GET .*/v1/models answered JSON nested too deep to read"):
-            Attached.attach(server.url)
-    finally:
-        server.shutdown()
+    attaching_fails("/v1/models", (200, DEEP), r"GET .*/v1/models answered JSON nested too deep to read")
 
 
 def test_json_nested_too_deep_is_one_line_in_a_generation():

@@ -96,45 +96,29 @@ class PathCheck:
         return f"{self.kind}: {' vs '.join(self.scorings)}: {self.summary}{power}"
 
 
-def verification_rows(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence[int],
-                      batch: int) -> np.ndarray:
-    """Rows predicting each output token as a run verifies them: the prompt but its last token
-    cached, then steps of `batch` tokens on a cache holding everything before them, each the
-    last token so far, the next batch - 2 tokens of the sequence (drafts accepted) and a token
-    that is not the next one (a draft rejected), then the cache rolled back past the rejected
-    one, as a step that accepts all but its last draft leaves it."""
+def rolled_back_rows(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence[int], step: int,
+                     batched: bool, rows: Optional[int] = None) -> np.ndarray:
+    """Rows predicting the output tokens (the first rows of them) as a speculative run computes
+    them: the prompt but its last token cached, then steps of `step` tokens of the sequence (the
+    last token so far and the drafts accepted) and one token that is not the next (a draft
+    rejected), the cache rolled back past it after each step. batched: each step one pass, as a
+    target verifies; else one token at a time, as a drafter drafts."""
     session.truncate(0)
     if len(prompt_ids) > 1:
         session.eval(list(prompt_ids[:-1]), Rows.NONE)
-    fed = [prompt_ids[-1], *output_ids[:-1]]
+    sequence = [prompt_ids[-1], *output_ids]  # each row predicts the next token of it
+    fed = sequence[:-1][:rows]
     found = []
-    for start in range(0, len(fed), batch - 1):
-        kept = fed[start:start + batch - 1]
-        following = fed[start + len(kept)] if start + len(kept) < len(fed) else output_ids[-1]
-        rejected = (following + 1) % session.n_vocab
+    for start in range(0, len(fed), step):
+        kept = fed[start:start + step]
+        rejected = (sequence[start + len(kept)] + 1) % session.n_vocab  # not the token the sequence has there
         n_past = session.n_past
-        rows = session.eval([*kept, rejected], Rows.ALL)
-        found.extend(np.asarray(rows[:len(kept)], dtype=np.float64))
+        if batched:
+            found.extend(np.asarray(session.eval([*kept, rejected], Rows.ALL)[:len(kept)], dtype=np.float64))
+        else:
+            found.extend(np.asarray(session.eval([token], Rows.LAST)[0], dtype=np.float64) for token in kept)
+            session.eval([rejected], Rows.LAST)
         session.truncate(n_past + len(kept))
-    return np.array(found)
-
-
-def drafter_rows(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence[int], k: int,
-                 rows: int) -> np.ndarray:
-    """The first rows rows predicting output tokens as a drafter computes them: one-token
-    decodes, and after every k of them a draft the target rejected, decoded and rolled back."""
-    session.truncate(0)
-    if len(prompt_ids) > 1:
-        session.eval(list(prompt_ids[:-1]), Rows.NONE)
-    fed = [prompt_ids[-1], *output_ids[:-1]][:rows]
-    found = []
-    for start in range(0, len(fed), k):
-        for token in fed[start:start + k]:
-            found.append(np.asarray(session.eval([token], Rows.LAST)[0], dtype=np.float64))
-        following = output_ids[min(start + k, len(output_ids) - 1)]
-        n_past = session.n_past
-        session.eval([(following + 1) % session.n_vocab], Rows.LAST)  # drafted, then rejected
-        session.truncate(n_past)
     return np.array(found)
 
 
@@ -164,8 +148,7 @@ class _Measured:
 
     noise: RowStatistics  # one pass against one-token decodes
     noise_shifts: np.ndarray
-    verified: RowStatistics  # verification rows against decodes, then against one pass
-    first_rows: tuple[tuple[str, np.ndarray], ...]  # (prompt, per-row max abs diff) in verified's order
+    parts: tuple[tuple[str, RowStatistics], ...]  # (prompt, verification rows against decodes, then one pass)
     decoded_pairs: tuple[tuple[np.ndarray, np.ndarray], ...]  # (decoded, verified) rows: the power's sample
     verification_shifts: np.ndarray
     scale: float
@@ -174,7 +157,7 @@ class _Measured:
 
 def _measure(session: ModelSession, prompts: dict, rows: dict[str, np.ndarray], batches: Sequence[int],
              per_prompt: int) -> _Measured:
-    noise, shifts, verified, first_rows, pairs, verification_shifts = [], [], [], [], [], []
+    noise, shifts, parts, pairs, verification_shifts = [], [], [], [], []
     repeat = None
     for prompt_id, (prompt_ids, output_ids) in prompts.items():
         full = rows[prompt_id]
@@ -182,17 +165,39 @@ def _measure(session: ModelSession, prompts: dict, rows: dict[str, np.ndarray], 
         noise.append(row_statistics(decoded, full[:len(decoded)]))
         shifts.append(gap_shifts(decoded, full[:len(decoded)])[1])
         for batch in batches:
-            rows_verified = verification_rows(session, prompt_ids, output_ids, batch)
-            for statistics in (row_statistics(decoded, rows_verified[:len(decoded)]), row_statistics(full, rows_verified)):
-                verified.append(statistics)
-                first_rows.append((prompt_id, statistics.max_abs))
+            rows_verified = rolled_back_rows(session, prompt_ids, output_ids, batch - 1, batched=True)
+            parts += [(prompt_id, row_statistics(decoded, rows_verified[:len(decoded)])),
+                      (prompt_id, row_statistics(full, rows_verified))]
             pairs.append((decoded, rows_verified[:len(decoded)]))
             verification_shifts.append(gap_shifts(decoded, rows_verified[:len(decoded)])[1])
         if repeat is None:  # the same pass again, after other passes have run
             repeat = (prompt_id, float(np.abs(score(session, prompt_ids, output_ids) - full).max()), len(full))
-    return _Measured(RowStatistics.joined(noise), np.concatenate(shifts), RowStatistics.joined(verified),
-                     tuple(first_rows), tuple(pairs), np.concatenate(verification_shifts),
+    return _Measured(RowStatistics.joined(noise), np.concatenate(shifts), tuple(parts), tuple(pairs),
+                     np.concatenate(verification_shifts),
                      max(float(np.abs(r).max()) for r in rows.values()), repeat)
+
+
+def _bounded_check(kind: str, scorings: tuple[str, str], labels: tuple[str, ...],
+                   parts: Sequence[tuple[str, RowStatistics]], noise: LogitAgreement, scale: float, what: str,
+                   cause: str = "", power_pairs: Sequence = ()) -> PathCheck:
+    """A check of rows against their reference (parts: per prompt, their RowStatistics), within
+    FACTOR times the noise control (noise_bounds); a failure says what, with the first prompt
+    and output token beyond the max-abs bound, and the cause it suggests."""
+    measured = RowStatistics.joined([part for _, part in parts]).summary()
+    bounds = noise_bounds(noise, scale)
+    problems = bounds.problems(measured)
+    findings = ()
+    if problems:
+        first = next(((p, int(np.flatnonzero(part.max_abs > bounds.max_abs_diff)[0])) for p, part in parts
+                      if (part.max_abs > bounds.max_abs_diff).any()), None)
+        where = f"; first at {first[0]}, output token {first[1]}" if first else ""
+        findings = (f"{what}: {'; '.join(problems)} (bounds {bounds.describe()}){where}{cause}",)
+    prompts = len(dict.fromkeys(p for p, _ in parts))
+    return PathCheck(kind, scorings, (labels, ()), prompts, findings,
+                     f"{prompts} prompts, {measured.positions} rows: max abs diff {measured.max_abs_diff:.3g}, "
+                     f"mean KL {measured.kl_mean:.3g}, same top-1 {measured.top1_agreement:.3f}; bounds "
+                     f"{bounds.describe()}", measured, bounds, noise,
+                     find_power(list(power_pairs), bounds) if power_pairs else None)
 
 
 def _drafts_with_model(record: RunRecord) -> bool:
@@ -200,7 +205,7 @@ def _drafts_with_model(record: RunRecord) -> bool:
 
 
 def drafter_checks(groups: dict, references: dict, threads: int) -> list[PathCheck]:
-    """Per drafter scorer: its decodes with rejected drafts rolled back (drafter_rows) against
+    """Per drafter scorer: its decodes with rejected drafts rolled back (rolled_back_rows) against
     one pass, within FACTOR times the noise of plain one-token decodes (no rollback) against it:
     a drafter whose state is not rolled back leaves every output exact, and only this sees it."""
     checks = []
@@ -214,27 +219,17 @@ def drafter_checks(groups: dict, references: dict, threads: int) -> list[PathChe
         with open_scorer(records[0], role="drafter", threads=threads) as session:
             for prompt_id, (prompt_ids, output_ids) in references.items():
                 full = score(session, prompt_ids, output_ids)
-                rows = drafter_rows(session, prompt_ids, output_ids, k, min(per_prompt, len(full)))
+                rows = rolled_back_rows(session, prompt_ids, output_ids, k, batched=False,
+                                        rows=min(per_prompt, len(full)))
                 decoded = score_stepwise(session, prompt_ids, output_ids, len(rows))  # no rollback: the control
                 noise_parts.append(row_statistics(decoded, full[:len(decoded)]))
                 rolled_parts.append((prompt_id, row_statistics(rows, full[:len(rows)]), full))
-        noise = RowStatistics.joined(noise_parts).summary()
-        measured = RowStatistics.joined([part for _, part, _ in rolled_parts]).summary()
         scale = max(float(np.abs(full).max()) for _, _, full in rolled_parts)
-        bounds = noise_bounds(noise, scale)
-        problems = bounds.problems(measured)
-        findings = ()
-        if problems:
-            first = next(((p, int(np.flatnonzero(part.max_abs > bounds.max_abs_diff)[0])) for p, part, _ in rolled_parts
-                          if (part.max_abs > bounds.max_abs_diff).any()), None)
-            where = f"; first at {first[0]}, output token {first[1]}" if first else ""
-            findings = (f"the drafter's decodes after a rejected draft compute otherwise than one pass: "
-                        f"{'; '.join(problems)} (bounds {bounds.describe()}){where}: a drafter state not rolled back "
-                        "after a rejection",)
-        checks.append(PathCheck(DRAFTER, (f"{name} decodes, rejected drafts rolled back every {k}", "one pass"),
-                                (labels, ()), len(references), findings,
-                                f"{len(references)} prompts, {measured.positions} rows: max abs diff "
-                                f"{measured.max_abs_diff:.3g}; bounds {bounds.describe()}", measured, bounds, noise))
+        checks.append(_bounded_check(DRAFTER, (f"{name} decodes, rejected drafts rolled back every {k}", "one pass"),
+                                     labels, [(p, part) for p, part, _ in rolled_parts],
+                                     RowStatistics.joined(noise_parts).summary(), scale,
+                                     "the drafter's decodes after a rejected draft compute otherwise than one pass",
+                                     ": a drafter state not rolled back after a rejection"))
     return checks
 
 
@@ -258,25 +253,13 @@ def path_checks(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str, s
         per_prompt = max(LEAST_ROWS, min(CONTROL_ROWS, DECODED_ROWS // len(prompts)))
         with open_scorer(members[0][1], threads=threads) as session:
             measured = _measure(session, prompts, {p: as_run[first_label, p] for p in prompts}, batches, per_prompt)
-        noise, agreement = measured.noise.summary(), measured.verified.summary()
+        noise = measured.noise.summary()
         noises.update(dict.fromkeys(labels, BatchNoise(name, float(measured.noise_shifts.max()), noise.max_abs_diff,
                                                        measured.scale, tuple(map(float, measured.verification_shifts)))))
-        bounds = noise_bounds(noise, measured.scale)
-        findings = []
-        problems = bounds.problems(agreement)
-        if problems:
-            first = next(((p, int(np.flatnonzero(d > bounds.max_abs_diff)[0]), float(d.max()))
-                          for p, d in measured.first_rows if (d > bounds.max_abs_diff).any()), None)
-            where = f"; first at {first[0]}, output token {first[1]}" if first else ""
-            findings.append(f"verification batches compute otherwise than one-token decodes and one pass: "
-                            f"{'; '.join(problems)} (bounds {bounds.describe()}){where}")
-        checks.append(PathCheck(VERIFICATION, (f"{name} verification batches of {', '.join(map(str, batches))}",
-                                               "one-token decodes and one pass"), (labels, ()), len(prompts),
-                                tuple(findings),
-                                f"{len(prompts)} prompts, {agreement.positions} rows: max abs diff "
-                                f"{agreement.max_abs_diff:.3g}, mean KL {agreement.kl_mean:.3g}, same top-1 "
-                                f"{agreement.top1_agreement:.3f}; bounds {bounds.describe()}",
-                                agreement, bounds, noise, find_power(list(measured.decoded_pairs), bounds)))
+        checks.append(_bounded_check(VERIFICATION, (f"{name} verification batches of {', '.join(map(str, batches))}",
+                                                    "one-token decodes and one pass"), labels, measured.parts, noise,
+                                     measured.scale, "verification batches compute otherwise than one-token decodes "
+                                     "and one pass", power_pairs=measured.decoded_pairs))
         prompt_id, repeated, rows = measured.repeat
         checks.append(PathCheck(NONDETERMINISM, (name, "itself"), (labels, ()), 1,
                                 (f"nondeterministic: {name} scored the same {rows} rows of {prompt_id} twice and they "
