@@ -9,13 +9,14 @@ is several percent of a step on small models (docs/performance.md).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from crossrt.errors import ModelError, PromptRefused
+from crossrt.errors import ModelError, PromptRefused, SettingsError
 from crossrt.run.memory import check_gguf_fits
 from crossrt.run.runtime import ModelSession, Rows, Runtime, RuntimeOptions, RuntimeUnavailable
 from crossrt.records.schema import RuntimeInfo
@@ -43,6 +44,22 @@ except (OSError, RuntimeError) as error:  # its loader's FileNotFoundError / Run
     llama_cpp = _internals = None
     _UNAVAILABLE = (f"llama-cpp-python cannot load llama.cpp ({error}): run scripts/build_llama_tools, "
                     "or set LLAMA_CPP_LIB_PATH to a directory holding libllama.so")
+
+
+@functools.lru_cache(maxsize=1)
+def _layer_input_functions() -> tuple[Callable, Callable]:
+    """llama_set_embeddings_layer_inp and llama_get_embeddings_layer_inp of the loaded libllama,
+    which exports them under their C++ names only (no extern "C" at the vendored commit)."""
+    library = llama_cpp.llama_cpp._lib
+    try:
+        enable = library["_Z30llama_set_embeddings_layer_inpP13llama_contextjb"]
+        read = library["_Z30llama_get_embeddings_layer_inpP13llama_contextj"]
+    except AttributeError:
+        raise SettingsError("this libllama has no layer-input capture (llama_set_embeddings_layer_inp): a head's "
+                            f"driven run needs llama.cpp {VENDORED_COMMIT} or later") from None
+    enable.argtypes, enable.restype = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None
+    read.argtypes, read.restype = [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)
+    return enable, read
 
 
 class LlamaCppSession(ModelSession):
@@ -87,6 +104,34 @@ class LlamaCppSession(ModelSession):
         self.eog_ids = frozenset(t for t in range(self.n_vocab)
                                  if llama_cpp.llama_vocab_is_eog(self._model.vocab, t))
         self._add_bos = self._model.add_bos_token()
+        self._path = path
+        self._tap: Optional[tuple[tuple[int, ...], Callable]] = None  # tap_layers
+
+    def tap_layers(self, layer_ids: Sequence[int], observer: Optional[Callable]) -> None:
+        """As ModelSession's, through llama.cpp's own layer-input capture (what its EAGLE3
+        drafting reads: src/llama-context.cpp), exported only under C++ names."""
+        enable, _ = _layer_input_functions()
+        for layer in self._tap[0] if self._tap else ():
+            enable(self._ctx, layer, False)
+        self._tap = None
+        if observer is not None:
+            for layer in layer_ids:
+                enable(self._ctx, layer, True)
+            self._tap = (tuple(layer_ids), observer)
+
+    def input_embeddings(self):
+        """The target's token embeddings as llama.cpp's get_rows reads them: token_embd.weight
+        dequantized by gguf-py, whose tables follow ggml's (checked by parity's dequantization
+        check)."""
+        import torch
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+
+        tensor = next((t for t in GGUFReader(self._path).tensors if t.name == "token_embd.weight"), None)
+        if tensor is None:
+            raise SettingsError(f"{self._path} has no token_embd.weight for a head to borrow")
+        rows = dequantize(tensor.data, tensor.tensor_type).reshape(self.n_vocab, -1)
+        return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
 
     def _release(self) -> None:
         llama_cpp.llama_batch_free(self._batch)
@@ -107,6 +152,13 @@ class LlamaCppSession(ModelSession):
         code = llama_cpp.llama_decode(self._ctx, batch)
         if code != 0:
             raise PromptRefused(f"llama_decode returned {code} at position {self._n_past}")
+        if self._tap is not None:
+            _, layer_input = _layer_input_functions()
+            width = llama_cpp.llama_model_n_embd(self._model.model)
+            layers, observer = self._tap
+            observer(self._n_past, tuple(tokens), np.concatenate(
+                [np.ctypeslib.as_array(layer_input(self._ctx, layer), shape=(n_tokens, width)).copy()
+                 for layer in layers], -1))
         n_rows = n_tokens - first_output
         if n_rows == 0:
             return np.empty((0, self.n_vocab), dtype=np.float32)

@@ -22,7 +22,7 @@ from crossrt.backends.llama_server_counts import MetricsCounters, speculative_co
 from crossrt.backends.llama_server_ngram import (NGRAM_DRAFTINGS, ngram_note, ngram_rules, ngram_settings,
                                                  ngram_simple_size_n)
 from crossrt.backends.llama_server_process import HOST, ServerError, ServerProcess, find_executable
-from crossrt.backends.llama_tools import Build, probe
+from crossrt.backends.llama_tools import Build, llama_spec_type, probe
 from crossrt.errors import PromptRefused, SettingsError
 from crossrt.run.memory import check_gguf_fits, plan_processes
 from crossrt.run.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeOptions,
@@ -232,18 +232,6 @@ class LlamaServerSession(NativeSession):
         for server in (self._speculative, self._baseline, self._template[1] if self._template else None):
             if server is not None:
                 server.stop()
-
-
-# crossrt's spec types as llama-server's --spec-type values (common/arg.cpp at 0c1e57098).
-LLAMA_SPEC_TYPES = {"draft": "draft-simple", "mtp": "draft-mtp", "eagle3": "draft-eagle3", "dflash": "draft-dflash",
-                    "dspark": "draft-dspark", "ngram-simple": "ngram-simple", "ngram-map-k": "ngram-map-k",
-                    "ngram-map-k4v": "ngram-map-k4v", "ngram-mod": "ngram-mod", "ngram-cache": "ngram-cache"}
-
-
-def llama_spec_type(spec_type: str) -> str:
-    if spec_type not in LLAMA_SPEC_TYPES:
-        raise SettingsError(f"llama.cpp has no spec type {spec_type!r}; it has: {', '.join(LLAMA_SPEC_TYPES)}")
-    return LLAMA_SPEC_TYPES[spec_type]
 
 
 class LlamaServerRuntime(Runtime):

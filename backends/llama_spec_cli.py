@@ -39,13 +39,13 @@ from crossrt.errors import ModelError, PromptRefused, SettingsError
 from crossrt.run.memory import check_gguf_fits
 from crossrt.run.processes import die_with_parent
 from crossrt.run.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
-                             RuntimeOptions, RuntimeUnavailable)
+                             HEAD_SPEC_TYPES, RuntimeOptions, RuntimeUnavailable)
 from crossrt.run.schedules import SPEC_SIMPLE, check_prompt
 from crossrt.records.schema import Counters, CountsDoNotAddUp, RuntimeInfo
 from crossrt.backends.llama_cpp import LlamaCppRuntime
 from crossrt.backends.llama_server_ngram import NGRAM_DRAFTINGS, ngram_note, ngram_rules, ngram_settings
 from crossrt.backends.llama_spec_cli_log import TOOL, ToolRun, Vocab, parse_log, step_tokens
-from crossrt.backends.llama_tools import BUILD_BIN, find_tool, log_tail, probe
+from crossrt.backends.llama_tools import BUILD_BIN, find_tool, llama_spec_type, log_tail, probe
 from crossrt.run.strategies import Strategy
 REPO_TOOL = BUILD_BIN / TOOL
 # The tool's logger thread is leaked at exit, so the log's tail (the statistics) is lost in a
@@ -264,7 +264,7 @@ class LlamaSpecCliRuntime(Runtime):
                    "--temp", "0",
                    "-t", threads, "-tb", threads, "-ngl", str(options.n_gpu_layers), "-lv", "5"]
         if flags.spec_type:
-            command += [flags.spec_type, "draft-simple" if drafter is not None else rules.spec_type]
+            command += [flags.spec_type, llama_spec_type(rules.spec_type) if drafter is not None else rules.spec_type]
         command += [str(part) for setting in ngram for part in setting]
         if flags.swa_full:  # the in-process runtime's cache shape (backends/llama_tools.py, Flags)
             command.append(flags.swa_full)
@@ -287,7 +287,8 @@ class LlamaSpecCliRuntime(Runtime):
             if rules.spec_type.startswith("ngram-"):
                 raise SettingsError(f"runtime llama-spec-cli runs spec type {rules.spec_type!r} as --drafting "
                                     f"llama-{rules.spec_type} --ngram-max N (its lookup length)")
-            rules.require_drafter_model("runtime llama-spec-cli")
+            if rules.spec_type not in HEAD_SPEC_TYPES:
+                rules.require_drafter_model("runtime llama-spec-cli")
         else:
             rules, ngram = self._ngram(rules, strategy)
         models = (target,) if strategy is not None else (target, drafter)
@@ -297,8 +298,11 @@ class LlamaSpecCliRuntime(Runtime):
         # The tool holds target (and drafter) while the in-process baseline holds the target.
         check_gguf_fits([*models, target], self.options, self.name, gpu="(none)" not in self._devices)
         baseline_runtime = LlamaCppRuntime(dataclasses.replace(self.options, executable=None))
+        # Draft ids: the drafter's candidate lines (draft-simple, EAGLE3 and DFlash log them alike);
+        # the n-gram types log none, so theirs come from the target's verification batches.
+        batches = strategy is not None
         how = (f"its {rules.spec_type} drafts read from the target's input batches (LLAMA_BATCH_DEBUG=1), as "
-               "the type logs no draft ids" if strategy is not None else "its debug log's steps")
+               "the type logs no draft ids" if batches else "its debug log's steps")
         notes = [
             f"speculative runs: {self.executable.name} (schedule {SPEC_SIMPLE}); counters from its "
             "n_drafted, n_accept, n_predict (= emitted + cut: its last step overshoots -n) and "
@@ -313,7 +317,7 @@ class LlamaSpecCliRuntime(Runtime):
             notes.append(f"{self.executable} does not say its commit: the baseline's commit may differ")
         session = LlamaSpecCliSession(self.command(target, None if strategy is not None else drafter, rules, ngram),
                                       baseline_runtime, Path(target), rules, Path(work_dir), tuple(notes),
-                                      batches=strategy is not None)
+                                      batches=batches)
         if strategy is not None:  # what it drafts under crossrt's names, as its driven reproduction records them
             session.fixed_params = (("spec_type", rules.spec_type), ("drafting", strategy.drafting),
                                     ("ngram_max", strategy.ngram_max))

@@ -18,6 +18,7 @@ from typing import Optional
 
 from crossrt.backends.llama_build_probe import with_build_note
 from crossrt.backends.llama_cpp import BUILD_BIN, VENDORED_COMMIT, system_info
+from crossrt.errors import SettingsError
 from crossrt.run.runtime import RuntimeUnavailable
 
 # Built by scripts/build_llama_tools from scripts/llama_system_info.c: preloaded into a tool, it
@@ -150,3 +151,15 @@ def log_tail(path: Path, lines: int) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+# crossrt's spec types as llama.cpp's tools' --spec-type values (common/arg.cpp at 0c1e57098).
+LLAMA_SPEC_TYPES = {"draft": "draft-simple", "mtp": "draft-mtp", "eagle3": "draft-eagle3", "dflash": "draft-dflash",
+                    "dspark": "draft-dspark", "ngram-simple": "ngram-simple", "ngram-map-k": "ngram-map-k",
+                    "ngram-map-k4v": "ngram-map-k4v", "ngram-mod": "ngram-mod", "ngram-cache": "ngram-cache"}
+
+
+def llama_spec_type(spec_type: str) -> str:
+    if spec_type not in LLAMA_SPEC_TYPES:
+        raise SettingsError(f"llama.cpp has no spec type {spec_type!r}; it has: {', '.join(LLAMA_SPEC_TYPES)}")
+    return LLAMA_SPEC_TYPES[spec_type]

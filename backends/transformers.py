@@ -28,7 +28,7 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -229,6 +229,13 @@ class TransformersSession(ModelSession):
         self.n_vocab = int(self._model.get_output_embeddings().weight.shape[0])
         self.n_ctx = options.n_ctx
         self._cache = self._new_cache()
+        self._tap: Optional[tuple[tuple[int, ...], Callable]] = None  # tap_layers
+
+    def tap_layers(self, layer_ids: Sequence[int], observer: Optional[Callable]) -> None:
+        self._tap = None if observer is None else (tuple(layer_ids), observer)
+
+    def input_embeddings(self) -> "torch.Tensor":
+        return self._model.get_input_embeddings().weight
 
     def _new_cache(self) -> "DynamicCache":
         cache = DynamicCache(config=self._model.config)
@@ -241,17 +248,23 @@ class TransformersSession(ModelSession):
         n_tokens = len(tokens)
         input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self._device)
         positions = torch.arange(self._n_past, self._n_past + n_tokens, device=self._device).unsqueeze(0)
+        tapped = {"output_hidden_states": True} if self._tap is not None else {}
         with torch.inference_mode():
             if rows is Rows.NONE:
                 # The base model fills the cache without the LM head: no logits are computed.
-                self._model.base_model(input_ids=input_ids, position_ids=positions, cache=self._cache, use_cache=True)
+                output = self._model.base_model(input_ids=input_ids, position_ids=positions, cache=self._cache,
+                                                use_cache=True, **tapped)
                 synchronize(self._device)  # nothing is read back to wait for it, and the loop times prefills
                 logits = np.empty((0, self.n_vocab), dtype=np.float32)
             else:
                 keep = 1 if rows is Rows.LAST else 0  # 0 keeps every row
                 output = self._model(input_ids=input_ids, position_ids=positions, cache=self._cache,
-                                     use_cache=True, logits_to_keep=keep)
+                                     use_cache=True, logits_to_keep=keep, **tapped)
                 logits = output.logits[0].float().cpu().numpy()
+            if self._tap is not None:  # hidden_states[i]: the input to layer i
+                layer_ids, observer = self._tap
+                observer(self._n_past, tuple(tokens),
+                         torch.cat([output.hidden_states[i][0] for i in layer_ids], -1).float().cpu().numpy())
         return logits
 
     def _drop(self, n_keep: int) -> None:

@@ -201,7 +201,10 @@ def _bounded_check(kind: str, scorings: tuple[str, str], labels: tuple[str, ...]
 
 
 def _drafts_with_model(record: RunRecord) -> bool:
-    return record.pair.drafter is not None and record.params.drafting in ("model", "tree")
+    """A drafter the scorer can load as a model: not a head (spec types eagle3, dflash), which
+    reads the target's hidden states and runs only inside a runtime's speculative decoding."""
+    return (record.pair.drafter is not None and record.params.drafting in ("model", "tree")
+            and record.params.spec_type == "draft")
 
 
 def drafter_checks(groups: dict, references: dict, threads: int) -> list[PathCheck]:

@@ -215,6 +215,29 @@ def model_info(path: Path, vocabulary: Vocabulary) -> ModelInfo:
 def pair_info(pair: Pair, model_format_name: str) -> PairInfo:
     """Check the pair's files for one format and describe them for the record."""
     paths = {role: pair.path(role, model_format_name) for role in ROLES}
-    vocabularies = {role: read_vocabulary(paths[role]) for role in ROLES}
-    check_compatible(vocabularies["target"], vocabularies["drafter"])
+    vocabularies = {"target": read_vocabulary(paths["target"])}
+    head = head_folder_vocab_size(paths["drafter"])
+    if head is None:
+        vocabularies["drafter"] = read_vocabulary(paths["drafter"])
+        check_compatible(vocabularies["target"], vocabularies["drafter"])
+    elif head != len(vocabularies["target"].tokens):
+        raise PairError(f"{paths['drafter']}: the head drafts for a {head}-token vocabulary, the target has "
+                        f"{len(vocabularies['target'].tokens)}: a head of another target")
+    else:  # a head folder reads the target's embeddings and ids: the target's vocabulary is its
+        vocabularies["drafter"] = vocabularies["target"]
     return PairInfo(name=pair.name, **{role: model_info(paths[role], vocabularies[role]) for role in ROLES})
+
+
+def head_folder_vocab_size(path: Path) -> Optional[int]:
+    """The target vocabulary size a drafter head folder (speculators' format: config.json with
+    speculators_model_type, no tokenizer of its own) drafts for; None for any other path."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text())
+        if "speculators_model_type" not in data:
+            return None
+        return int(data["transformer_layer_config"]["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise PairError(f"{config}: a drafter head's config crossrt cannot read ({error})") from None

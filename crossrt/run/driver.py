@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from crossrt.run import loop
 from crossrt.run.baselines import BaselineStore, RunBaselines, run_key
 from crossrt.run.drafters import Drafter
+from crossrt.run.head_drafter import load_eagle3
 from crossrt.inputs.chat_template import ChatRendering, with_template_ids
 from crossrt.errors import PromptRefused, SettingsError
 from crossrt.records.journal import storage_error
@@ -23,7 +24,7 @@ from crossrt.inputs.prompts import Prompt, refuse_non_unicode
 from crossrt.run.memory import loading
 from crossrt.run.resume import check_prompts, prompt_sha256, starting_record
 from crossrt.run.run_writer import RunWriter, record_lock
-from crossrt.run.runtime import (DraftRules, ModelSession, NativeSession, Runtime, RuntimeOptions,
+from crossrt.run.runtime import (HEAD_SPEC_TYPES, DraftRules, ModelSession, NativeSession, Runtime, RuntimeOptions,
                              RuntimeUnavailable, open_runtime)
 from crossrt.run.schedules import first_from_prompt
 from crossrt.run.strategies import STRATEGY_PARTS, Strategy, format_content_k, tree_spec
@@ -279,10 +280,16 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
     with loading(request.loading_lock):
         if models is not None:
             target = models.load(runtime, paths["target"])
-            drafter = None if lookup else models.load(runtime, paths["drafter"])
         else:
             target = stack.enter_context(runtime.load(paths["target"]))
-            drafter = None if lookup else stack.enter_context(runtime.load(paths["drafter"]))
+        if request.rules.spec_type in HEAD_SPEC_TYPES:  # a head drafting from the target's hidden states
+            # Its torch weights are the speculators folder's, whatever format the runtime loads the target in.
+            drafter = load_eagle3(request.pair.path("drafter", "hf"), target)
+        elif lookup:
+            drafter = None
+        else:
+            drafter = models.load(runtime, paths["drafter"]) if models is not None \
+                else stack.enter_context(runtime.load(paths["drafter"]))
         tree_target = _tree_session(runtime, request, paths["target"], stack) if strategy.drafting == "tree" else None
     kept = loop.run_lookup(strategy, request.rules, request.schedule, target.eog_ids)  # as one server's, in order
     return (lambda prompt, trace, baselines: run_prompt(target, drafter, prompt, request.rules,

@@ -33,10 +33,11 @@ from crossrt.errors import SettingsError
 from crossrt.records.trace import TraceRecorder, top1_probability
 from crossrt.run.acceptance import AcceptanceRule, Greedy, Proposal, Relaxed
 from crossrt.run.drafters import Drafter, ModelDrafter, TreeDrafter
+from crossrt.run.head_drafter import HEAD_SCHEDULES, Eagle3Drafter
 from crossrt.run.lookup import LOOKUPS, LookupSettings
 from crossrt.run.numerics import choose
 from crossrt.run.policies import CONTENT_WINDOW, DraftPolicy
-from crossrt.run.runtime import DraftRules, ModelSession, Rows
+from crossrt.run.runtime import HEAD_SPEC_TYPES, DraftRules, ModelSession, Rows
 from crossrt.run.schedules import (HF_SCHEDULE, SCHEDULE, SCHEDULE_TYPES, SCHEDULES, SERVER, TRACED_SCHEDULES,
                                    Generation, Schedule, Tally, ViewRecorder, check_prompt, top_probability)
 from crossrt.run.strategies import Strategy, tree_spec
@@ -97,7 +98,12 @@ def check_strategy(strategy: Strategy, schedule: str, rules: DraftRules, traced:
     drafting = "tree" if tree_given else strategy.drafting
     if schedule not in SCHEDULES:
         raise SettingsError(f"unknown schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
-    rules.require_drafter_model("crossrt's driven loop")
+    if rules.spec_type in HEAD_SPEC_TYPES:
+        if rules.spec_type != "eagle3" or schedule not in HEAD_SCHEDULES or not strategy.is_default or traced:
+            raise SettingsError(f"crossrt's loop drafts with an EAGLE3 head under the {' or '.join(HEAD_SCHEDULES)} "
+                                f"schedule at fixed k, greedy, untraced, not spec type {rules.spec_type} under {schedule}")
+    else:
+        rules.require_drafter_model("crossrt's driven loop")
     if traced and schedule not in TRACED_SCHEDULES:
         raise SettingsError(f"traces are recorded by the {' and '.join(TRACED_SCHEDULES)} schedules, not {schedule}")
     if traced and drafting != "model":
@@ -126,8 +132,10 @@ def draft_bound(strategy: Strategy, k: int) -> int:
     return DraftPolicy.of(strategy, k).largest_k
 
 
-def _drafter(strategy: Strategy, session: Optional[ModelSession], rules: DraftRules, schedule: Schedule,
-             eog: frozenset[int], trace: Optional[TraceRecorder], tree: Optional[Tree]) -> Drafter:
+def _drafter(strategy: Strategy, session, rules: DraftRules, schedule: Schedule,
+             eog: frozenset[int], trace: Optional[TraceRecorder], tree: Optional[Tree],
+             target: Optional[ModelSession] = None) -> Drafter:
+    """session: the drafter model's session, or an EAGLE3 head (spec type eagle3) reading target."""
     ends = eog if schedule.ends_at_eos else frozenset()
     if strategy.looks_up:
         return LOOKUPS[strategy.drafting].build(LookupSettings(strategy.ngram_max, strategy.ngram_min, rules.k,
@@ -141,6 +149,8 @@ def _drafter(strategy: Strategy, session: Optional[ModelSession], rules: DraftRu
         unsure = lambda row: rules.unsure(top_probability(row))  # noqa: E731
     elif strategy.min_p1 > 0:
         unsure = lambda row: top1_probability(row) < strategy.min_p1  # noqa: E731
+    if rules.spec_type in HEAD_SPEC_TYPES:
+        return Eagle3Drafter(session, target, rules.k, rules.n_min, unsure)
     return ModelDrafter(session, unsure, ends, trace)
 
 
@@ -177,7 +187,18 @@ def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], 
     check_strategy(strategy, schedule, rules, trace is not None, tree_given=tree is not None)
     plan = SCHEDULE_TYPES[schedule]()
     eog = target.eog_ids
-    drafts = lookup or _drafter(strategy, drafter, rules, plan, eog, trace, tree)
+    drafts = lookup or _drafter(strategy, drafter, rules, plan, eog, trace, tree, target)
+    try:
+        return _steps(target, drafts, prompt_ids, rules, max_new_tokens, plan, strategy, trace, tree, eog)
+    finally:
+        if isinstance(drafts, Eagle3Drafter):
+            drafts.close()  # the target's decodes are no longer the head's
+
+
+def _steps(target: ModelSession, drafts: Drafter, prompt_ids: Sequence[int], rules: DraftRules, max_new_tokens: int,
+           plan: Schedule, strategy: Strategy, trace: Optional[TraceRecorder], tree: Optional[Tree],
+           eog: frozenset[int]) -> Generation:
+    """speculative_generate's steps, from the prefill to the last verification."""
     is_tree = tree is not None
     policy = DraftPolicy.of(strategy, tree.depth if is_tree else rules.k)  # a tree is cut to its depth, not k
     accept = _acceptance(strategy, eog, plan)
@@ -199,8 +220,9 @@ def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], 
             proposal = Proposal.chain(stand_in[:n_max])
         else:
             proposal = drafts.propose(context, k if drafts.past_budget and n_max > 0 else n_max)
-        if plan.llama and not strategy.looks_up and not rules.kept(len(proposal)):
-            proposal = Proposal.chain(())  # llama.cpp throws a short draft model's draft away
+        if plan.llama and not strategy.looks_up and not isinstance(drafts, Eagle3Drafter) \
+                and not rules.kept(len(proposal)):
+            proposal = Proposal.chain(())  # llama.cpp throws a short draft model's draft away (a head's: itself)
         # What the target should hold: the context but its last token, which this step verifies.
         # Taken from the context, not from target.n_past, so a runtime whose cache keeps a stale
         # position shows as a disagreement in its outputs rather than drifting the drafter too.

@@ -26,7 +26,7 @@ from crossrt.records.schema import LoadedFile, RuntimeInfo
 from crossrt.run.session import ModelSession, NativeGeneration, NativeSession, Rows
 
 # The sessions' names are part of the contract a backend imports from here.
-__all__ = ["DTYPES", "RUNTIMES", "SPEC_TYPES", "DraftRules", "ModelSession", "NativeGeneration", "NativeSession",
+__all__ = ["DTYPES", "HEAD_SPEC_TYPES", "RUNTIMES", "SPEC_TYPES", "DraftRules", "ModelSession", "NativeGeneration", "NativeSession",
            "Rows", "Runtime", "RuntimeFailure", "RuntimeOptions", "RuntimeUnavailable", "Server", "availability",
            "open_runtime", "runtime_class", "runtime_names", "usable_runtimes", "without_user_info"]
 
@@ -55,6 +55,9 @@ class RuntimeFailure(CrossrtError):
 # exllamav3's block drafters), selected by a pair manifest's [defaults] spec_type.
 SPEC_TYPES = ("draft", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache",
               "mtp", "eagle3", "dflash", "dflash2", "dspark")
+# Spec types drafted by a head the runtime loads as its drafter file (llama.cpp's -md, vLLM's
+# speculative model) reading the target's hidden states: `crossrt drafter eagle3` makes them.
+HEAD_SPEC_TYPES = ("eagle3", "dflash")
 
 
 # The longest draft crossrt runs: block drafters draft 16, llama.cpp's --draft-max is 16 by

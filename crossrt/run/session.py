@@ -10,11 +10,11 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from crossrt.errors import PromptRefused
+from crossrt.errors import PromptRefused, SettingsError
 from crossrt.records.schema import Counters, UnfitCounts
 
 
@@ -89,6 +89,18 @@ class ModelSession(abc.ABC):
     def _drop(self, n_keep: int) -> None:
         """Remove cached positions n_keep..n_past-1 from the backend's cache (n_keep < n_past).
         Called by truncate, which then lowers n_past."""
+
+    def tap_layers(self, layer_ids: Sequence[int], observer: Optional[Callable]) -> None:
+        """From now on, after every eval of tokens at positions p0, p0 + 1, ..., call
+        observer(p0, tokens, features): features a float32 array [len(tokens), len(layer_ids) x hidden], the model's
+        inputs to those layers (a drafter head's reading of the target); observer None: stop.
+        Runtimes whose hidden states crossrt cannot read refuse."""
+        raise SettingsError(f"{type(self).__name__} cannot read its model's hidden states, which an EAGLE3 head "
+                            "drafts from: run the head's driven reproduction on the transformers runtime")
+
+    def input_embeddings(self):
+        """The model's token embedding table (a torch tensor), which a head borrows."""
+        raise SettingsError(f"{type(self).__name__} cannot share its token embeddings with a drafter head")
 
     @abc.abstractmethod
     def tokenize(self, text: str) -> list[int]:

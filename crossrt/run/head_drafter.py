@@ -1,0 +1,140 @@
+"""EAGLE3 drafting in crossrt's loop, as llama.cpp drafts with a head (common/speculative.cpp,
+common_speculative_impl_draft_eagle3; docs/drafter-heads.md has the walk-through).
+
+The head's context is a map from position P to a pair (t_{P+1}, g_P): the token after P and a
+hidden state g (fc of the target's features at P for verified positions, the head's own pre for
+positions it drafted). The target's every decode (its prefill and each verification batch) is
+tapped (ModelSession.tap_layers): rows but the last become pairs at once; the last is held back
+(pending), as its next token is not known yet. A draft seeds the pending position with the
+token just chosen and runs the head from there, one token per pass, each pass adding its own
+pair; drafts stop at n_max, or before a token whose top-10 probability is below p_min. After
+verification the pending position moves to the last accepted one, whose g the next draft seeds
+with. Speculative pairs are dropped on the next draft; verified ones are rewritten from the
+target's features. So llama-speculative-simple (the last prompt token not decoded first) seeds
+its first draft at the prompt's second-to-last position, and llama-server at its last.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from crossrt.errors import SettingsError
+from crossrt.run.acceptance import Proposal
+from crossrt.run.schedules import SERVER, SPEC_SIMPLE
+from crossrt.run.session import ModelSession
+
+# The schedules whose head drafting this reproduces: llama.cpp's two tools.
+HEAD_SCHEDULES = (SPEC_SIMPLE, SERVER)
+
+
+def load_eagle3(folder: Path, target: ModelSession):
+    """The EAGLE3 head in folder (speculators' format, as `crossrt drafter eagle3` writes it),
+    with target's token embeddings."""
+    import torch
+
+    from crossrt.builders.eagle3 import TargetShape, load_head
+    from crossrt.builders.head_files import read_speculators, settings_of
+
+    config, tensors = read_speculators(Path(folder))
+    layer = config["transformer_layer_config"]
+    shape = TargetShape(int(config["target_hidden_size"]), layer["num_attention_heads"], layer["num_key_value_heads"],
+                        layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+                        layer["intermediate_size"], float(layer["rms_norm_eps"]), float(layer.get("rope_theta", 1e4)),
+                        layer["vocab_size"], 0, layer.get("max_position_embeddings", 2048))
+    embeddings = target.input_embeddings()
+    if tuple(embeddings.shape) != (shape.vocab, shape.hidden):
+        raise SettingsError(f"{folder}: the head is for a target of {shape.vocab} tokens x {shape.hidden}, this target's "
+                            f"embeddings are {tuple(embeddings.shape)}: {json.dumps(config.get('architectures'))} "
+                            "head of another target")
+    head = load_head(tensors, shape, settings_of(config), embeddings.detach().float().cpu())
+    head.eval()
+    torch.set_grad_enabled(False)
+    return head
+
+
+class Eagle3Drafter:
+    """A Drafter (crossrt/run/drafters.py) proposing the head's greedy chain (module docstring)."""
+
+    past_budget = False
+    sessions: tuple = ()  # the head's context is its pairs, as long as the target's
+
+    def __init__(self, head, target: ModelSession, k: int, n_min: int,
+                 unsure: Optional[Callable[[np.ndarray], bool]]):
+        self.head, self.target, self.k, self.n_min, self.unsure = head, target, k, n_min, unsure
+        self.calls = 0
+        self._reset()
+        target.tap_layers(head.settings.layer_ids, self.process)
+
+    def _reset(self) -> None:
+        self.pairs: dict[int, tuple[int, object]] = {}
+        self.pending_pos, self.pending_g, self.verified_first, self.verified_g = -1, None, -1, None
+
+    def close(self) -> None:
+        self.target.tap_layers((), None)
+
+    def process(self, start: int, tokens: Sequence[int], features: np.ndarray) -> None:
+        """The target decoded tokens at positions start, start + 1, ... with these features
+        ([tokens, 3 x hidden], float32)."""
+        import torch
+
+        if start == 0:
+            self._reset()
+        g = self.head.encode(torch.from_numpy(features))
+        if (self.pending_pos >= 0 and self.pending_pos + 1 == start
+                and self.pending_pos > max(self.pairs, default=-1)):  # a prefill split in two batches
+            self.pairs[self.pending_pos] = (tokens[0], self.pending_g)
+        for k in range(len(tokens) - 1):
+            self.pairs[start + k] = (int(tokens[k + 1]), g[k])
+        self.verified_first, self.verified_g = start, g
+        self.pending_pos, self.pending_g = start + len(tokens) - 1, g[-1]
+
+    def prefill(self, ids: Sequence[int]) -> None:
+        """Nothing: the target's prefill, tapped, gave the head its pairs."""
+
+    def mirror(self, n_keep: int, batch: Sequence[int]) -> None:
+        """Nothing: the target's verification batch, tapped, gives the head its pairs."""
+
+    def keep(self, n_keep: int) -> None:
+        """The target kept n_keep tokens: the next draft seeds at the last accepted position."""
+        if self.verified_g is None:
+            return
+        index = max(0, min(n_keep - 1 - self.verified_first, len(self.verified_g) - 1))
+        self.pending_pos, self.pending_g = self.verified_first + index, self.verified_g[index]
+
+    def propose(self, context: Sequence[int], n_max: int) -> Proposal:
+        """Unlike draft-simple, llama.cpp's EAGLE3 drafts up to k whatever the step's limit,
+        drops a draft shorter than n_min, and only then cuts it to the limit (n_max)."""
+        if self.pending_pos < 0 or n_max <= 0:
+            return Proposal.chain(())
+        seed = self.pending_pos
+        for position in [p for p in self.pairs if p >= seed]:
+            del self.pairs[position]
+        self.pairs[seed] = (int(context[-1]), self.pending_g)
+        draft: list[int] = []
+        pre, row = self._pass(seed)
+        while self.unsure is None or not self.unsure(row):
+            token = int(row.argmax())
+            draft.append(token)
+            if len(draft) >= self.k:
+                break
+            self.pairs[seed + len(draft)] = (token, pre)
+            pre, row = self._pass(seed + len(draft))
+        return Proposal.chain(draft[:n_max] if len(draft) >= self.n_min else ())
+
+    def _pass(self, position: int):
+        """The head's pre and full-vocabulary logits (-inf outside its draft vocabulary) at
+        position, attending to every pair up to it."""
+        import torch
+
+        self.calls += 1
+        positions = sorted(p for p in self.pairs if p <= position)
+        tokens = torch.tensor([[self.pairs[p][0] for p in positions]])
+        g = torch.stack([self.pairs[p][1] for p in positions])[None]
+        pre, logits = self.head(tokens, g, torch.tensor(positions))
+        row = np.full(self.head.shape.vocab, -np.inf, dtype=np.float32)
+        row[self.head.draft_ids.numpy()] = logits[0, -1].numpy()
+        return pre[0, -1], row
