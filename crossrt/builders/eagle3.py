@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as functional
@@ -96,9 +97,11 @@ class Eagle3Head(torch.nn.Module):
         """g from the target's features [..., 3 x hidden]."""
         return features @ self.fc.T
 
-    def forward(self, tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor,
+                kv_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """pre and draft-vocabulary logits of pairs (tokens [B, L], g [B, L, hidden]) at positions
-        [L], each attending causally to the pairs before it."""
+        [L], each attending causally to the pairs before it; kv_dtype: keys and values rounded to
+        it, as a runtime's KV cache stores them (llama.cpp's draft cache: float16 by default)."""
         s, eps = self.shape, self.shape.eps
         batch, length = tokens.shape
         xe = rms(self.embeddings[tokens], self.input_layernorm, eps)
@@ -107,6 +110,8 @@ class Eagle3Head(torch.nn.Module):
         q = rope((x @ self.q_proj.T).view(batch, length, s.heads, s.head_dim), positions, s.rope_theta)
         k = rope((x @ self.k_proj.T).view(batch, length, s.kv_heads, s.head_dim), positions, s.rope_theta)
         v = (x @ self.v_proj.T).view(batch, length, s.kv_heads, s.head_dim)
+        if kv_dtype is not None:
+            k, v = k.to(kv_dtype).float(), v.to(kv_dtype).float()
         group = s.heads // s.kv_heads
         attended = functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.repeat_interleave(group, 2).transpose(1, 2),

@@ -35,6 +35,7 @@ from crossrt.compare.tolerance import batch_shape_ceiling, tolerance_for
 from crossrt.records.schema import PassView, PromptResult, RunRecord
 from crossrt.compare.rescore import scoring_runtime
 from crossrt.errors import CrossrtError
+from crossrt.run.runtime import HEAD_SPEC_TYPES
 from crossrt.run.schedules import first_from_prompt
 from crossrt.run.numerics import NOISE_FACTOR, Gap, Noise, gap_shifts, judge, rescored_gap
 
@@ -70,6 +71,9 @@ class Replay(Protocol):
     def drafter_rows(self, record: RunRecord, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> np.ndarray: ...
 
     def scorer_name(self, record: RunRecord) -> str: ...
+
+    def head_counts(self, record: RunRecord, prompt_ids: Sequence[int], max_new_tokens: int,
+                    f32_kv: bool) -> Optional[tuple[int, int, int]]: ...
 
 
 def _plain_shape(record: RunRecord, result: PromptResult, index: int) -> int:
@@ -209,6 +213,31 @@ class Explainer:
                  self.lossless(labels[1], records[1], results[1])]
         return [link for link in links if link is not None]
 
+    def _head_counters(self, prompt_id: str, labels: tuple[str, str], records: tuple[RunRecord, RunRecord],
+                       results: tuple[PromptResult, PromptResult], where: str) -> Split:
+        """Counts of a head's drafting (EAGLE3) that differ with identical outputs. A head's drafts
+        are no model's rows to re-score, so each run's drafting is replayed on its scorer instead,
+        twice: the head's keys and values in float16 (llama.cpp's draft cache) and in float32,
+        two arithmetics runtimes use. Counts that move between the two are near-ties in the head's
+        own arithmetic; counts both replays keep, against a run that counted otherwise, are not."""
+        replays = []
+        for label, record, result in zip(labels, records, results):
+            budget = record.params.max_new_tokens or len(result.output_ids)
+            variants = [self.replay.head_counts(record, result.prompt_ids, budget, f32)
+                        for f32 in (False, True)]
+            if None in variants:
+                return Split(prompt_id, COUNTERS_UNEXPLAINED, None, (), f"counts differ with identical "
+                             f"outputs{where}; {label}'s head file has no speculators folder beside it to replay")
+            if variants[0] != variants[1]:
+                return Split(prompt_id, DRAFTER_NUMERICS, None, (), f"counts differ with identical outputs{where}: "
+                             f"{label}'s head drafting, replayed on {self.replay.scorer_name(record)}, counts "
+                             f"{_counts(variants[0])} with float16 keys and values and {_counts(variants[1])} with "
+                             "float32: near-ties in the head's own arithmetic, which runtimes break either way")
+            replays.append(f"{label} {_counts(variants[0])}")
+        return Split(prompt_id, COUNTERS_UNEXPLAINED, None, (), f"counts differ with identical outputs{where}, and "
+                     f"each run's head drafting, replayed with float16 and with float32 keys and values, counts the "
+                     f"same both ways ({'; '.join(replays)}): not the head's arithmetic")
+
     def counters(self, labels: tuple[str, str], records: tuple[RunRecord, RunRecord],
                  results: tuple[PromptResult, PromptResult]) -> Split:
         """Identical outputs, different counts (same schedule and rules): the first draft where
@@ -218,6 +247,8 @@ class Explainer:
         if self.replay is None:
             return Split(prompt_id, UNEXPLAINED, window[0] if window else None, (),
                          f"counts differ with identical outputs{where}; re-scoring was off (--no-rescore)")
+        if records[0].params.spec_type in HEAD_SPEC_TYPES:
+            return self._head_counters(prompt_id, labels, records, results, where)
         if any(record.pair.drafter is None for record in records):
             return Split(prompt_id, COUNTERS_UNEXPLAINED, None, (), f"counts differ with identical outputs{where}, "
                          "and the pair has no drafter model to re-score (n-gram drafting is exact)")
@@ -346,3 +377,7 @@ def explain_record(label: str, record: RunRecord, explainer: Explainer) -> list[
                 splits.append(split)
     return splits
 
+
+def _counts(counts: tuple[int, int, int]) -> str:
+    steps, drafted, accepted = counts
+    return f"{steps} steps, {drafted} drafted, {accepted} accepted"

@@ -23,6 +23,7 @@ from crossrt.compare.parity import PromptParity, compare_against, compare_all
 from crossrt.compare.parity_report import LogitCheck, NotRun, logit_checks
 from crossrt.compare.control import ControlCheck, float_controls, judged_by_control, reference_sequences
 from crossrt.compare.dequantization import dequantization_checks
+from crossrt.compare.head_check import head_checks
 from crossrt.compare.diagnosis import Explainer, twins_of
 from crossrt.compare.replay import Replayer
 from crossrt.compare.tolerance import tolerance_for
@@ -209,7 +210,9 @@ def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecor
             controls = float_controls(scored, as_run) + dequantization_checks(scored)
             comparisons = judged_by_control(comparisons, controls)
         comparisons = judged_by_paths(comparisons, paths)
-    return Verdicts(tuple(comparisons), tuple(checks), tuple(controls) + tuple(paths), passes, explain_s,
+    # Runs that drafted with a head: the same head, setting by setting, whatever file each read.
+    heads = head_checks(scored)
+    return Verdicts(tuple(comparisons), tuple(checks), tuple(controls) + tuple(paths) + heads, passes, explain_s,
                     time.perf_counter() - began)
 
 

@@ -17,7 +17,7 @@ Models load once per (runtime, file, numerics) and stay loaded until the Replaye
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -35,6 +35,7 @@ class Replayer:
         self._sessions: dict[tuple, ModelSession] = {}
         self._gaps: dict[tuple, Gap] = {}  # a split is asked for by its lossless check and its cross-run links
         self.passes = 0  # re-scored passes run, for the report of what explaining cost
+        self._heads: dict[tuple, object] = {}
 
     def __enter__(self) -> "Replayer":
         return self
@@ -80,6 +81,37 @@ class Replayer:
         how far the drafter's own batch shapes move its logits."""
         self.passes += rows
         return score_stepwise(self.session(record, "drafter"), prompt_ids, output_ids, rows)
+
+
+    def head_counts(self, record: RunRecord, prompt_ids: Sequence[int], max_new_tokens: int,
+                    f32_kv: bool) -> Optional[tuple[int, int, int]]:
+        """(steps, drafted, accepted) of the record's head drafting one prompt, replayed by
+        crossrt's loop on its target's scorer under the record's schedule and rules, the head's
+        keys and values in float32 or float16; None where the record names no head folder."""
+        from crossrt.run import loop
+        from crossrt.run.head_drafter import head_folder, load_eagle3
+        from crossrt.run.runtime import DraftRules
+
+        folder = head_folder(record.pair.drafter.path) if record.pair.drafter else None
+        if folder is None:
+            return None
+        target = self.session(record, "target")
+        key = (self._key(record, "target"), str(folder))
+        if key not in self._heads:
+            self._heads[key] = load_eagle3(folder, target)
+        head = self._heads[key]
+        head.kv_dtype = None if f32_kv else torch_float16()
+        params = record.params
+        rules = DraftRules(params.k, params.draft_n_min, params.draft_p_min or 0.0, params.spec_type)
+        generation = loop.speculative_generate(target, head, prompt_ids, rules, max_new_tokens, params.schedule)
+        self.passes += len(generation.step_drafted) + 1
+        return (len(generation.step_drafted), sum(generation.step_drafted), sum(generation.step_accepted))
+
+
+def torch_float16():
+    import torch
+
+    return torch.float16
 
 
 def _shape(shape: int, prefix: int) -> str:

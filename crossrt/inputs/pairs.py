@@ -212,9 +212,11 @@ def model_info(path: Path, vocabulary: Vocabulary) -> ModelInfo:
                      n_vocab=len(vocabulary.tokens))
 
 
-def pair_info(pair: Pair, model_format_name: str) -> PairInfo:
-    """Check the pair's files for one format and describe them for the record."""
-    paths = {role: pair.path(role, model_format_name) for role in ROLES}
+def pair_info(pair: Pair, model_format_name, drafter_format=None) -> PairInfo:
+    """Check the pair's files for one format and describe them for the record; drafter_format:
+    the drafter's, where it differs (a head's torch weights are its speculators folder)."""
+    paths = {"target": pair.path("target", model_format_name),
+             "drafter": pair.path("drafter", drafter_format or model_format_name)}
     vocabularies = {"target": read_vocabulary(paths["target"])}
     head = head_folder_vocab_size(paths["drafter"])
     if head is None:

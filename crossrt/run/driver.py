@@ -284,7 +284,7 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
             target = stack.enter_context(runtime.load(paths["target"]))
         if request.rules.spec_type in HEAD_SPEC_TYPES:  # a head drafting from the target's hidden states
             # Its torch weights are the speculators folder's, whatever format the runtime loads the target in.
-            drafter = load_eagle3(request.pair.path("drafter", "hf"), target)
+            drafter = load_eagle3(request.pair.path("drafter", "hf"), target, request.options.f32_kv_cache)
         elif lookup:
             drafter = None
         else:
@@ -321,7 +321,9 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
     with contextlib.ExitStack() as stack:
         stack.enter_context(record_lock(request.out))  # first: a second writer is refused before any loading
         runtime = open_runtime(request.runtime, request.options)
-        info = pair_info(request.pair, runtime.model_format)
+        # A driven head run reads the head's speculators folder, whatever the target's format.
+        head_driven = request.mode == "driven" and request.rules.spec_type in HEAD_SPEC_TYPES
+        info = pair_info(request.pair, runtime.model_format, "hf" if head_driven else None)
         run_one, native, prompt_session, before_prompts = _prompt_runner(runtime, request, stack, models)
         info = _with_loaded(info, runtime, drafter_read=not request.strategy.looks_up)
         driven = native is None

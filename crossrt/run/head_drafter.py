@@ -31,9 +31,21 @@ from crossrt.run.session import ModelSession
 HEAD_SCHEDULES = (SPEC_SIMPLE, SERVER)
 
 
-def load_eagle3(folder: Path, target: ModelSession):
+def head_folder(path) -> Optional[Path]:
+    """The speculators folder of a head file: path itself if a folder, else the folder holding
+    the GGUF beside its config.json (as `crossrt drafter eagle3` writes them); None otherwise."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    try:
+        return folder if "speculators_model_type" in json.loads((folder / "config.json").read_text()) else None
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def load_eagle3(folder: Path, target: ModelSession, f32_kv_cache: bool = False):
     """The EAGLE3 head in folder (speculators' format, as `crossrt drafter eagle3` writes it),
-    with target's token embeddings."""
+    with target's token embeddings; its keys and values rounded to float16 as llama.cpp's draft
+    cache stores them, unless f32_kv_cache (the runtimes' -ctkd f32). head.kv_dtype says which."""
     import torch
 
     from crossrt.builders.eagle3 import TargetShape, load_head
@@ -52,6 +64,7 @@ def load_eagle3(folder: Path, target: ModelSession):
                             "head of another target")
     head = load_head(tensors, shape, settings_of(config), embeddings.detach().float().cpu())
     head.eval()
+    head.kv_dtype = None if f32_kv_cache else torch.float16
     torch.set_grad_enabled(False)
     return head
 
@@ -134,7 +147,7 @@ class Eagle3Drafter:
         positions = sorted(p for p in self.pairs if p <= position)
         tokens = torch.tensor([[self.pairs[p][0] for p in positions]])
         g = torch.stack([self.pairs[p][1] for p in positions])[None]
-        pre, logits = self.head(tokens, g, torch.tensor(positions))
+        pre, logits = self.head(tokens, g, torch.tensor(positions), self.head.kv_dtype)
         row = np.full(self.head.shape.vocab, -np.inf, dtype=np.float32)
         row[self.head.draft_ids.numpy()] = logits[0, -1].numpy()
         return pre[0, -1], row

@@ -1,0 +1,153 @@
+"""EAGLE3 heads end to end on a real target: `crossrt drafter eagle3` makes one (speculators'
+folder and GGUF), llama.cpp's own tools run it natively (llama-server, llama-speculative-simple),
+crossrt's loop drafts with it on llama.cpp in-process (its layer inputs read as llama.cpp's EAGLE3
+drafting reads them) under each tool's schedule, and parity compares them count for count. A head
+whose GGUF states another norm_before_residual than its folder must fail, naming the setting.
+
+The target is SmolLM2-135M-Instruct Q4_1 and the head the one scripts/setup makes
+(scripts/fetch_head_pairs, models/pairs/smollm2-135m-eagle3.toml); skipped where they are missing.
+"""
+
+import json
+import re
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from crossrt.builders.head_files import GGUF_NAME, convert_to_gguf
+from crossrt.cli import main
+from crossrt.compare.head_check import folder_head_settings, gguf_head_settings
+from crossrt.inputs.pairs import load_pair
+from crossrt.inputs.prompts import load_prompts
+from crossrt.records.record_json import load_record
+from crossrt.run.runtime import availability
+from crossrt.run.schedules import SERVER, SPEC_SIMPLE
+
+from conftest import REAL_PAIR, REPO, assert_clean_error
+
+PAIR = REPO / "models" / "pairs" / "smollm2-135m-eagle3.toml"
+TARGET = REPO / ".cache" / "models" / "smollm2-135m-instruct-q4_1.gguf"
+HEAD = REPO / ".cache" / "models" / "smollm2-135m-eagle3"
+MISSING = [name for name in ("llama-cpp", "llama-server", "llama-spec-cli") if availability(name)]
+pytestmark = [
+    pytest.mark.skipif(not (HEAD / GGUF_NAME).is_file(), reason=f"{HEAD} missing: run scripts/setup"),
+    pytest.mark.skipif(bool(MISSING), reason=f"runtimes not usable here: {', '.join(MISSING)}"),
+]
+MAX_NEW = 32  # long enough for the weak head to have drafts accepted on code
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_command_writes_one_head_in_every_format(tmp_path):
+    """A small head (1 epoch over 8 tokens per prompt): both formats state the same settings and
+    draft vocabulary, the non-default ones included; the same options again are the cached head."""
+    out = tmp_path / "head"
+    options = ["--epochs", 1, "--new-tokens", 8, "--draft-vocab", 512, "--layers", "3,14,26", "--norm-before-residual"]
+    made = invoke("drafter", "eagle3", TARGET, out, *options)
+    assert made.exit_code == 0, made.output
+    assert "(trained)" in made.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["norm_before_residual"] is True and config["eagle_aux_hidden_state_layer_ids"] == [3, 14, 26]
+    folder, gguf = folder_head_settings(out, "llama-cpp"), gguf_head_settings(out / GGUF_NAME)
+    assert folder == gguf
+    assert gguf["target_layers"] == [3, 14, 26] and gguf["norm_before_residual"] is True
+    provenance = json.loads((out / "crossrt-head.json").read_text())
+    assert provenance["settings"]["draft_vocab"] == 512 and provenance["steps"] == 9  # 66 prompts / 8 per step
+    again = invoke("drafter", "eagle3", TARGET, tmp_path / "again", *options)
+    assert again.exit_code == 0 and "(cached)" in again.output, again.output
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_targets_no_runtime_can_feed_are_refused_before_loading(tmp_path):
+    gemma = load_pair(REAL_PAIR).path("target", "gguf")
+    if not gemma.is_file():
+        pytest.skip(f"{gemma} missing: run scripts/setup")
+    result = invoke("drafter", "eagle3", gemma, tmp_path / "head")
+    assert_clean_error(result, r"gemma3 targets cannot feed an EAGLE3 head: llama.cpp's gemma3 graph")
+    assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "head").exists()
+
+
+@pytest.fixture(scope="module")
+def code_prompts(tmp_path_factory):
+    """The four built-in code prompts (the head never trained on them)."""
+    path = tmp_path_factory.mktemp("eagle3-prompts") / "code.jsonl"
+    path.write_text("".join(json.dumps({"id": p.id, "category": p.category, "prompt": p.text}) + "\n"
+                            for p in load_prompts("builtin") if p.category == "code"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory, code_prompts):
+    """The head's native runs on both tools and their driven reproductions, on code prompts."""
+    folder = tmp_path_factory.mktemp("eagle3-runs")
+    same = ["--pair", PAIR, "--prompts", code_prompts, "--max-new-tokens", MAX_NEW, "--threads", 1]
+    cells = {"server": ["--runtime", "llama-server", "--mode", "native"],
+             "spec-cli": ["--runtime", "llama-spec-cli", "--mode", "native"],
+             "driven-server": ["--runtime", "llama-cpp", "--schedule", SERVER],
+             "driven-spec-cli": ["--runtime", "llama-cpp", "--schedule", SPEC_SIMPLE]}
+    paths = {}
+    for name, cell in cells.items():
+        paths[name] = folder / f"{name}.json"
+        result = invoke("run", *cell, *same, "--out", paths[name])
+        assert result.exit_code == 0, result.output
+    return paths
+
+
+def test_driven_reproductions_match_each_tool_prompt_by_prompt(records):
+    """Each tool against crossrt's reproduction of its schedule (the head's first draft after the
+    prompt's last position on llama-server and its second-to-last on llama-speculative-simple,
+    drafts of k cut to the budget only after n_min, unlike draft-simple): ids and counters
+    compared prompt by prompt, and equal unless parity names the difference (a near-tie in the
+    head's own arithmetic, replayed with float16 and float32 keys and values)."""
+    result = invoke("parity", *records.values(), "--no-float-control")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("counters compared") == 2  # each tool against its reproduction
+    assert "head settings:" in result.output and "norm_before_residual false" in result.output
+    for native, driven in (("server", "driven-server"), ("spec-cli", "driven-spec-cli")):
+        ours, theirs = load_record(records[driven]), load_record(records[native])
+        assert [r.prompt_id for r in ours.results] == [r.prompt_id for r in theirs.results]
+    server = load_record(records["server"])
+    assert server.params.spec_type == "eagle3"
+    assert sum(r.counters.accepted for r in server.results) > 0  # the head drafts something right on code
+
+
+def test_a_head_one_runtime_reads_with_a_setting_flipped_fails(code_prompts, tmp_path):
+    """The GGUF converted from the folder with norm_before_residual flipped: llama-server drafts
+    otherwise than the reproduction reading the folder, and parity names the setting."""
+    flipped = tmp_path / "flipped"
+    shutil.copytree(HEAD, flipped)
+    config = json.loads((flipped / "config.json").read_text())
+    config["norm_before_residual"] = True
+    (flipped / "config.json").write_text(json.dumps(config))
+    convert_to_gguf(flipped, _target_conversion(), flipped / GGUF_NAME)
+    pair = tmp_path / "flipped.toml"
+    pair.write_text(f'name = "flipped"\ndescription = "the head, its GGUF flipped"\n[target]\ngguf = "{TARGET}"\n'
+                    f'[drafter]\ngguf = "{flipped / GGUF_NAME}"\nhf = "{HEAD}"\n[defaults]\nk = 7\n'
+                    'spec_type = "eagle3"\n')
+    prompts = tmp_path / "two.jsonl"
+    prompts.write_text("".join(code_prompts.read_text().splitlines(keepends=True)[:2]))
+    same = ["--prompts", prompts, "--max-new-tokens", 24, "--threads", 1]
+    native, driven = tmp_path / "flipped-server.json", tmp_path / "driven.json"
+    result = invoke("run", "--pair", pair, "--runtime", "llama-server", "--mode", "native", *same, "--out", native)
+    assert result.exit_code == 0, result.output
+    result = invoke("run", "--pair", PAIR, "--runtime", "llama-cpp", "--schedule", SERVER, *same, "--out", driven)
+    assert result.exit_code == 0, result.output
+    parity = invoke("parity", native, driven, "--no-float-control")
+    assert parity.exit_code == 1, parity.output
+    assert re.search(r"read a head with norm_before_residual false \(smollm2-135m-eagle3\), llama-server/native "
+                     r"true \(eagle3.gguf\)", parity.output), parity.output
+
+
+def _target_conversion():
+    """The target's config.json and tokenizer, as the converter needs them: its transformers
+    conversion, made by the transformers runtime's loader (cached by scripts/setup's run)."""
+    from crossrt.backends.transformers import dequantized_folder
+
+    conversion = dequantized_folder(TARGET)
+    if not (conversion / "config.json").is_file():
+        pytest.skip(f"{conversion}: the target's transformers conversion is missing: run scripts/setup")
+    return conversion
