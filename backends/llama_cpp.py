@@ -111,6 +111,12 @@ class LlamaCppSession(ModelSession):
         """As ModelSession's, through llama.cpp's own layer-input capture (what its EAGLE3
         drafting reads: src/llama-context.cpp), exported only under C++ names."""
         enable, _ = _layer_input_functions()
+        if observer is not None:  # a graph that does not expose them aborts the process on its first decode
+            from crossrt.inputs.gguf_file import gguf_metadata
+            from crossrt.inputs.head_targets import refuse_unfeedable
+
+            architecture = str(gguf_metadata(self._path).get("general.architecture", ""))
+            refuse_unfeedable(architecture, "llama.cpp", "EAGLE3", f"runtime llama-cpp, {self._path.name}")
         for layer in self._tap[0] if self._tap else ():
             enable(self._ctx, layer, False)
         self._tap = None
@@ -131,6 +137,9 @@ class LlamaCppSession(ModelSession):
         if tensor is None:
             raise SettingsError(f"{self._path} has no token_embd.weight for a head to borrow")
         rows = dequantize(tensor.data, tensor.tensor_type).reshape(self.n_vocab, -1)
+        # A head that borrows this table as its LM head (a tied target) multiplies through ggml's
+        # quantized matmul where it is quantized (crossrt/builders/dflash.py, q8_0).
+        self.embeddings_quantized = tensor.tensor_type.name not in ("F32", "F16", "BF16")
         return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
 
     def _release(self) -> None:

@@ -22,7 +22,7 @@ from crossrt.backends.llama_server_counts import MetricsCounters, speculative_co
 from crossrt.backends.llama_server_ngram import (NGRAM_DRAFTINGS, ngram_note, ngram_rules, ngram_settings,
                                                  ngram_simple_size_n)
 from crossrt.backends.llama_server_process import HOST, ServerError, ServerProcess, find_executable
-from crossrt.backends.llama_tools import Build, llama_spec_type, probe
+from crossrt.backends.llama_tools import Build, llama_spec_type, probe, refuse_unfed_head
 from crossrt.errors import PromptRefused, SettingsError
 from crossrt.run.memory import check_gguf_fits, plan_processes
 from crossrt.run.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeOptions,
@@ -311,6 +311,7 @@ class LlamaServerRuntime(Runtime):
     def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path,
                     strategy=None) -> LlamaServerSession:
         """strategy: --drafting llama-ngram-*, run as that n-gram type at its ngram_max, no drafter loaded."""
+        refuse_unfed_head(target, rules.spec_type, f"runtime {self.name}")
         size_n = ngram_simple_size_n(rules.k)
         if strategy is not None:
             rules = ngram_rules(rules, strategy.drafting, strategy.ngram_max, "llama-server")

@@ -45,7 +45,7 @@ from crossrt.records.schema import Counters, CountsDoNotAddUp, RuntimeInfo
 from crossrt.backends.llama_cpp import LlamaCppRuntime
 from crossrt.backends.llama_server_ngram import NGRAM_DRAFTINGS, ngram_note, ngram_rules, ngram_settings
 from crossrt.backends.llama_spec_cli_log import TOOL, ToolRun, Vocab, parse_log, step_tokens
-from crossrt.backends.llama_tools import BUILD_BIN, find_tool, llama_spec_type, log_tail, probe
+from crossrt.backends.llama_tools import BUILD_BIN, find_tool, llama_spec_type, log_tail, probe, refuse_unfed_head
 from crossrt.run.strategies import Strategy
 REPO_TOOL = BUILD_BIN / TOOL
 # The tool's logger thread is leaked at exit, so the log's tail (the statistics) is lost in a
@@ -281,6 +281,7 @@ class LlamaSpecCliRuntime(Runtime):
     def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path,
                     strategy: Optional[Strategy] = None) -> LlamaSpecCliSession:
         """strategy: --drafting llama-ngram-*, run as that n-gram type at its ngram_max, no drafter loaded."""
+        refuse_unfed_head(target, rules.spec_type, f"runtime {self.name}")
         ngram: tuple[tuple[str, int], ...] = ()
         if strategy is None:
             # Draft token ids are read from draft-simple's debug lines; an n-gram type needs --drafting.

@@ -163,3 +163,15 @@ def llama_spec_type(spec_type: str) -> str:
     if spec_type not in LLAMA_SPEC_TYPES:
         raise SettingsError(f"llama.cpp has no spec type {spec_type!r}; it has: {', '.join(LLAMA_SPEC_TYPES)}")
     return LLAMA_SPEC_TYPES[spec_type]
+
+
+def refuse_unfed_head(target: Path, spec_type: str, where: str) -> None:
+    """A head spec type on a target whose llama.cpp graph cannot feed it, refused before the
+    tool loads it (the graph would abort on a GGML_ASSERT)."""
+    from crossrt.inputs.gguf_file import gguf_metadata
+    from crossrt.inputs.head_targets import refuse_unfeedable
+    from crossrt.run.runtime import HEAD_SPEC_TYPES
+
+    if spec_type in HEAD_SPEC_TYPES and str(target).endswith(".gguf"):
+        architecture = str(gguf_metadata(Path(target)).get("general.architecture", ""))
+        refuse_unfeedable(architecture, "llama.cpp", spec_type, where)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from crossrt.errors import ModelError, SettingsError
+from crossrt.inputs.head_targets import refuse_unfeedable
 from crossrt.inputs.pairs import cache_dir
 from crossrt.run.runtime import (DTYPES, DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                              RuntimeOptions, RuntimeUnavailable)
@@ -347,7 +348,9 @@ class VllmRuntime(Runtime):
                     strategy=None) -> VllmSession:
         """strategy: --drafting vllm-ngram, run as vLLM's ngram method at its ngram_min/max: the
         drafter is neither loaded nor read (nor converted)."""
-        rules.require_drafter_model("runtime vllm")
+        head = rules.spec_type == "eagle3"  # an EAGLE3 head's speculators folder, vLLM's method "eagle3"
+        if not head:
+            rules.require_drafter_model("runtime vllm")
         if not rules.fixed:
             raise SettingsError(f"vLLM drafts up to k={rules.k} tokens a step: it has no n_min or p_min rules "
                                      f"(got n_min={rules.n_min}, p_min={rules.p_min})")
@@ -365,13 +368,27 @@ class VllmRuntime(Runtime):
             needs = halved = None
         for engine in range(len(ENGINES) if needs else 0):
             check_engines(needs, [engine], self.options, halved)
-        folders = {role: vllm_folder(hf_folder(path)) for role, path in models.items()}  # conversions, one at a time
+        if head:
+            target_config = _config(hf_folder(target))
+            refuse_unfeedable(target_config.get("model_type", ""), "vLLM", "EAGLE3", "runtime vllm")
+            if not (Path(drafter) / "config.json").is_file():
+                raise SettingsError(f"runtime vllm reads an EAGLE3 head as a speculators folder (the pair's drafter "
+                                    f"hf = ...), not {drafter}")
+        # Conversions, one at a time; a head's speculators folder is read as it is.
+        folders = {role: Path(path) if head and role == "drafter" else vllm_folder(hf_folder(path))
+                   for role, path in models.items()}
         for role, folder in folders.items():
+            if head and role == "drafter":
+                continue
             size = head_size(_config(folder))
             if size not in HEAD_SIZES:
                 raise RuntimeUnavailable(f"vLLM's CPU attention cannot run the {role}'s head size {size} "
                                          f"(it runs {', '.join(map(str, HEAD_SIZES))}): {folder}")
-        if strategy is None:
+        if head:
+            speculative = {"model": str(folders["drafter"]), "num_speculative_tokens": rules.k, "method": "eagle3"}
+            notes = (NOTES[0].replace("draft_model speculative decoding", "EAGLE3 speculative decoding (method "
+                                      "eagle3, the head's speculators folder)"),) + NOTES[1:]
+        elif strategy is None:
             speculative = {"model": str(folders["drafter"]), "num_speculative_tokens": rules.k, "method": "draft_model"}
             notes = NOTES
         else:

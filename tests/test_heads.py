@@ -15,13 +15,15 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
+from crossrt.backends.llama_tools import refuse_unfed_head
 from crossrt.builders.head_files import GGUF_NAME, convert_to_gguf
 from crossrt.cli import main
 from crossrt.compare.head_check import folder_head_settings, gguf_head_settings
 from crossrt.inputs.pairs import load_pair
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
-from crossrt.run.runtime import availability
+from crossrt.errors import SettingsError
+from crossrt.run.runtime import RuntimeOptions, availability, open_runtime
 from crossrt.run.schedules import SERVER, SPEC_SIMPLE
 
 from conftest import REAL_PAIR, REPO, assert_clean_error
@@ -29,6 +31,8 @@ from conftest import REAL_PAIR, REPO, assert_clean_error
 PAIR = REPO / "models" / "pairs" / "smollm2-135m-eagle3.toml"
 TARGET = REPO / ".cache" / "models" / "smollm2-135m-instruct-q4_1.gguf"
 HEAD = REPO / ".cache" / "models" / "smollm2-135m-eagle3"
+DFLASH_PAIR = REPO / "models" / "pairs" / "smollm2-135m-dflash.toml"
+DFLASH = REPO / ".cache" / "models" / "smollm2-135m-dflash"
 MISSING = [name for name in ("llama-cpp", "llama-server", "llama-spec-cli") if availability(name)]
 pytestmark = [
     pytest.mark.skipif(not (HEAD / GGUF_NAME).is_file(), reason=f"{HEAD} missing: run scripts/setup"),
@@ -61,14 +65,43 @@ def test_command_writes_one_head_in_every_format(tmp_path):
     assert (tmp_path / "again" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
+def test_dflash_command_writes_one_drafter_in_both_formats(tmp_path):
+    """z-lab's folder names layer outputs, the GGUF inputs of the next layer: the same layers."""
+    out = tmp_path / "dflash"
+    made = invoke("drafter", "dflash", TARGET, out, "--epochs", 1, "--new-tokens", 8, "--layers", "3,20",
+                  "--block-size", 5, "--depth", 1)
+    assert made.exit_code == 0, made.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["dflash_config"] == {"mask_token_id": 16, "target_layer_ids": [3, 20], "block_size": 5}
+    folder, gguf = folder_head_settings(out, "llama-cpp"), gguf_head_settings(out / "dflash.gguf")
+    assert folder == gguf == {"mask_token_id": 16, "target_layers": [4, 21], "block_size": 5}
+    refused = invoke("drafter", "dflash", TARGET, tmp_path / "last", "--layers", "1,29")
+    assert_clean_error(refused, r"--layers 1,29: a DFlash drafter reads outputs of layers 0 to 28")
+
+
 def test_targets_no_runtime_can_feed_are_refused_before_loading(tmp_path):
     gemma = load_pair(REAL_PAIR).path("target", "gguf")
     if not gemma.is_file():
         pytest.skip(f"{gemma} missing: run scripts/setup")
     result = invoke("drafter", "eagle3", gemma, tmp_path / "head")
-    assert_clean_error(result, r"gemma3 targets cannot feed an EAGLE3 head: llama.cpp's gemma3 graph")
+    assert_clean_error(result, r"gemma3 targets cannot feed a drafter head: llama.cpp's gemma3 graph")
     assert len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "head").exists()
+
+
+def test_runtimes_refuse_a_head_on_a_target_they_cannot_feed():
+    """Before a tool loads it (its graph would abort on a GGML_ASSERT), and before llama.cpp
+    in-process decodes with the layer inputs asked for."""
+    gemma = load_pair(REAL_PAIR).path("target", "gguf")
+    if not gemma.is_file():
+        pytest.skip(f"{gemma} missing: run scripts/setup")
+    with pytest.raises(SettingsError, match=r"a gemma3 target cannot feed an eagle3 head on llama.cpp: .*t_layer_inp"):
+        refuse_unfed_head(gemma, "eagle3", "runtime llama-server")
+    refuse_unfed_head(gemma, "draft", "runtime llama-server")  # a drafter model needs nothing of the kind
+    refuse_unfed_head(TARGET, "eagle3", "runtime llama-server")
+    with open_runtime("llama-cpp", RuntimeOptions(threads=1, n_ctx=256)).load(gemma) as session:
+        with pytest.raises(SettingsError, match="a gemma3 target cannot feed an EAGLE3 head on llama.cpp"):
+            session.tap_layers((2, 9, 15), lambda *_: None)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +146,28 @@ def test_driven_reproductions_match_each_tool_prompt_by_prompt(records):
     server = load_record(records["server"])
     assert server.params.spec_type == "eagle3"
     assert sum(r.counters.accepted for r in server.results) > 0  # the head drafts something right on code
+
+
+def test_dflash_drafting_on_both_tools_is_reproduced(code_prompts, tmp_path):
+    """The DFlash drafter setup makes, natively on llama-speculative-simple and llama-server and
+    in crossrt's loop under each one's schedule: counters compared, every difference explained."""
+    if not (DFLASH / "dflash.gguf").is_file():
+        pytest.skip(f"{DFLASH} missing: run scripts/setup")
+    same = ["--pair", DFLASH_PAIR, "--prompts", code_prompts, "--max-new-tokens", 24, "--threads", 1]
+    cells = {"server": ["--runtime", "llama-server", "--mode", "native"],
+             "spec-cli": ["--runtime", "llama-spec-cli", "--mode", "native"],
+             "driven-server": ["--runtime", "llama-cpp", "--schedule", SERVER],
+             "driven-spec-cli": ["--runtime", "llama-cpp", "--schedule", SPEC_SIMPLE]}
+    for name, cell in cells.items():
+        result = invoke("run", *cell, *same, "--out", tmp_path / f"{name}.json")
+        assert result.exit_code == 0, result.output
+    parity = invoke("parity", *(tmp_path / f"{name}.json" for name in cells), "--no-float-control")
+    assert parity.exit_code == 0, parity.output
+    assert parity.output.count("counters compared") == 2
+    assert "head settings:" in parity.output and "block_size 8" in parity.output
+    record = load_record(tmp_path / "server.json")
+    assert record.params.spec_type == "dflash"
+    assert all(r.counters.drafted <= 7 * r.counters.steps for r in record.results)  # a block of 8 drafts 7
 
 
 def test_a_head_one_runtime_reads_with_a_setting_flipped_fails(code_prompts, tmp_path):

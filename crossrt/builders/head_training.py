@@ -1,7 +1,7 @@
 """Training a drafter head on a CPU by self-distillation (the head is crossrt/builders/eagle3.py).
 
 The labels are the target's own argmax at every position of its greedy corpus
-(crossrt/builders/head_corpus.py): under greedy verification a draft token is accepted exactly
+(crossrt/run/head_corpus.py): under greedy verification a draft token is accepted exactly
 when it is that argmax, so the head learns what acceptance rewards. The target runs once over the
 corpus (transformers, float32: its hidden states at the head's layers and its argmax are kept),
 then only the head trains, so an epoch costs the head alone.
@@ -26,10 +26,18 @@ import torch
 import torch.nn.functional as functional
 
 from crossrt.builders.eagle3 import Eagle3Head
-from crossrt.builders.head_corpus import CorpusSequence
 from crossrt.builders.head_settings import TrainingSettings
 
 IGNORED = -100  # a position whose label is outside the draft vocabulary, or padding
+
+
+@dataclass(frozen=True)
+class CorpusSequence:
+    """One sequence of a head's corpus (crossrt/run/head_corpus.py writes them)."""
+
+    category: str
+    ids: tuple[int, ...]  # the prompt's tokens, then the target's greedy continuation
+    n_prompt: int
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ class Replay(Protocol):
     def scorer_name(self, record: RunRecord) -> str: ...
 
     def head_counts(self, record: RunRecord, prompt_ids: Sequence[int], max_new_tokens: int,
-                    f32_kv: bool) -> Optional[tuple[int, int, int]]: ...
+                    variant: str) -> Optional[tuple[int, int, int]]: ...
 
 
 def _plain_shape(record: RunRecord, result: PromptResult, index: int) -> int:
@@ -215,28 +215,31 @@ class Explainer:
 
     def _head_counters(self, prompt_id: str, labels: tuple[str, str], records: tuple[RunRecord, RunRecord],
                        results: tuple[PromptResult, PromptResult], where: str) -> Split:
-        """Counts of a head's drafting (EAGLE3) that differ with identical outputs. A head's drafts
-        are no model's rows to re-score, so each run's drafting is replayed on its scorer instead,
-        twice: the head's keys and values in float16 (llama.cpp's draft cache) and in float32,
-        two arithmetics runtimes use. Counts that move between the two are near-ties in the head's
-        own arithmetic; counts both replays keep, against a run that counted otherwise, are not."""
+        """Counts of a head's drafting (EAGLE3, DFlash) that differ with identical outputs. A
+        head's drafts are no model's rows to re-score, so each run's drafting is replayed on its
+        scorer instead, in the arithmetics runtimes use (replay.HEAD_VARIANTS: llama.cpp's float16
+        keys and values and 8-bit activations into a quantized borrowed LM head, float32 keys and
+        values, a float head). Counts that move between them are near-ties in the head's own
+        arithmetic; counts every replay keeps, against a run that counted otherwise, are not."""
+        from crossrt.compare.replay import HEAD_VARIANTS
+
         replays = []
         for label, record, result in zip(labels, records, results):
             budget = record.params.max_new_tokens or len(result.output_ids)
-            variants = [self.replay.head_counts(record, result.prompt_ids, budget, f32)
-                        for f32 in (False, True)]
-            if None in variants:
+            variants = {variant: self.replay.head_counts(record, result.prompt_ids, budget, variant)
+                        for variant in HEAD_VARIANTS}
+            if None in variants.values():
                 return Split(prompt_id, COUNTERS_UNEXPLAINED, None, (), f"counts differ with identical "
-                             f"outputs{where}; {label}'s head file has no speculators folder beside it to replay")
-            if variants[0] != variants[1]:
+                             f"outputs{where}; {label}'s head file has no torch folder beside it to replay")
+            if len(set(variants.values())) > 1:
+                shown = "; ".join(f"{_counts(counts)} {variant}" for variant, counts in variants.items())
                 return Split(prompt_id, DRAFTER_NUMERICS, None, (), f"counts differ with identical outputs{where}: "
-                             f"{label}'s head drafting, replayed on {self.replay.scorer_name(record)}, counts "
-                             f"{_counts(variants[0])} with float16 keys and values and {_counts(variants[1])} with "
-                             "float32: near-ties in the head's own arithmetic, which runtimes break either way")
-            replays.append(f"{label} {_counts(variants[0])}")
+                             f"{label}'s head drafting, replayed on {self.replay.scorer_name(record)}, counts {shown}: "
+                             "near-ties in the head's own arithmetic, which runtimes break either way")
+            replays.append(f"{label} {_counts(variants[HEAD_VARIANTS[0]])}")
         return Split(prompt_id, COUNTERS_UNEXPLAINED, None, (), f"counts differ with identical outputs{where}, and "
-                     f"each run's head drafting, replayed with float16 and with float32 keys and values, counts the "
-                     f"same both ways ({'; '.join(replays)}): not the head's arithmetic")
+                     f"each run's head drafting, replayed in {len(HEAD_VARIANTS)} arithmetics, counts the same every "
+                     f"way ({'; '.join(replays)}): not the head's arithmetic")
 
     def counters(self, labels: tuple[str, str], records: tuple[RunRecord, RunRecord],
                  results: tuple[PromptResult, PromptResult]) -> Split:

@@ -1,9 +1,10 @@
 """Whether the runs that drafted with a head (spec types eagle3, dflash) read the same head.
 
-One head is several files: llama.cpp reads its GGUF, vLLM and crossrt's loop its speculators
-folder. Each states the settings runtimes default differently (docs/drafter-heads.md): the target
-layers it reads, norm_before_residual, norm_before_fc, and its draft vocabulary (d2t: offsets in
-the folder, absolute ids in the GGUF). A setting that differs between what two runs read makes
+One head is several files: llama.cpp reads its GGUF, vLLM and crossrt's loop its torch folder.
+Each states the settings runtimes default differently (docs/drafter-heads.md): for EAGLE3 the
+target layers it reads, norm_before_residual, norm_before_fc and its draft vocabulary (d2t:
+offsets in the folder, absolute ids in the GGUF); for DFlash the target layers (z-lab's ids + 1
+in the GGUF), the block size and the mask token. A setting that differs between what two runs read makes
 their drafts differ for a reason no numerics explain, so it fails here, named, before any counts
 are compared. Settings a file leaves unstated are read with the defaults of the runtime that read
 it, since that is what it ran.
@@ -38,7 +39,10 @@ def gguf_head_settings(path: Path) -> dict[str, object]:
     reader = GGUFReader(path)
     architecture = str(reader.fields["general.architecture"].contents())
     settings: dict[str, object] = {}
-    for key in ("target_layers", "norm_before_residual", "norm_before_fc", "target_hidden_size"):
+    if architecture == "dflash":
+        mask = reader.fields.get("tokenizer.ggml.mask_token_id")
+        settings["mask_token_id"] = mask.contents() if mask is not None else None
+    for key in ("target_layers", "norm_before_residual", "norm_before_fc", "target_hidden_size", "block_size"):
         field = reader.fields.get(f"{architecture}.{key}")
         if field is not None:
             value = field.contents()
@@ -53,6 +57,11 @@ def folder_head_settings(folder: Path, runtime: str) -> dict[str, object]:
     from safetensors.numpy import load_file
 
     config = json.loads((folder / "config.json").read_text())
+    if "dflash_config" in config:  # z-lab's ids name layer outputs: the GGUF's, inputs of the next layer
+        dflash = config["dflash_config"]
+        return {"mask_token_id": dflash.get("mask_token_id"),
+                "target_layers": [i + 1 for i in dflash.get("target_layer_ids", [])],
+                "block_size": dflash.get("block_size", config.get("block_size", 16))}
     layers = config.get("transformer_layer_config", {})
     settings: dict[str, object] = {
         "target_layers": config.get("eagle_aux_hidden_state_layer_ids"),

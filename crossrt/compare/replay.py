@@ -84,12 +84,12 @@ class Replayer:
 
 
     def head_counts(self, record: RunRecord, prompt_ids: Sequence[int], max_new_tokens: int,
-                    f32_kv: bool) -> Optional[tuple[int, int, int]]:
+                    variant: str) -> Optional[tuple[int, int, int]]:
         """(steps, drafted, accepted) of the record's head drafting one prompt, replayed by
-        crossrt's loop on its target's scorer under the record's schedule and rules, the head's
-        keys and values in float32 or float16; None where the record names no head folder."""
+        crossrt's loop on its target's scorer under the record's schedule and rules, in one of
+        HEAD_VARIANTS' arithmetics; None where the record names no head folder."""
         from crossrt.run import loop
-        from crossrt.run.head_drafter import head_folder, load_eagle3
+        from crossrt.run.head_drafter import head_folder, load_head
         from crossrt.run.runtime import DraftRules
 
         folder = head_folder(record.pair.drafter.path) if record.pair.drafter else None
@@ -98,9 +98,14 @@ class Replayer:
         target = self.session(record, "target")
         key = (self._key(record, "target"), str(folder))
         if key not in self._heads:
-            self._heads[key] = load_eagle3(folder, target)
-        head = self._heads[key]
-        head.kv_dtype = None if f32_kv else torch_float16()
+            self._heads[key] = (load_head(record.params.spec_type, folder, target), )
+        head = self._heads[key][0]
+        if not hasattr(head, "as_loaded"):
+            head.as_loaded = (head.kv_dtype, getattr(head, "quantized_head", False))
+        kv_dtype, quantized = head.as_loaded
+        head.kv_dtype = None if variant == F32_KV else kv_dtype
+        if hasattr(head, "quantized_head"):
+            head.quantized_head = quantized and variant != FLOAT_HEAD
         params = record.params
         rules = DraftRules(params.k, params.draft_n_min, params.draft_p_min or 0.0, params.spec_type)
         generation = loop.speculative_generate(target, head, prompt_ids, rules, max_new_tokens, params.schedule)
@@ -108,10 +113,11 @@ class Replayer:
         return (len(generation.step_drafted), sum(generation.step_drafted), sum(generation.step_accepted))
 
 
-def torch_float16():
-    import torch
-
-    return torch.float16
+# A head's drafting replayed in arithmetics runtimes use (crossrt/compare/diagnosis.py): as
+# loaded (llama.cpp's: float16 keys and values, 8-bit activations into a quantized borrowed LM
+# head), with float32 keys and values, and with the LM head in float arithmetic.
+AS_LOADED, F32_KV, FLOAT_HEAD = "as llama.cpp computes it", "float32 keys and values", "a float LM head"
+HEAD_VARIANTS = (AS_LOADED, F32_KV, FLOAT_HEAD)
 
 
 def _shape(shape: int, prefix: int) -> str:

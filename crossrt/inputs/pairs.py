@@ -232,12 +232,15 @@ def pair_info(pair: Pair, model_format_name, drafter_format=None) -> PairInfo:
 
 def head_folder_vocab_size(path: Path) -> Optional[int]:
     """The target vocabulary size a drafter head folder (speculators' format: config.json with
-    speculators_model_type, no tokenizer of its own) drafts for; None for any other path."""
+    speculators_model_type; z-lab's DFlash: dflash_config; no tokenizer of its own) drafts for;
+    None for any other path."""
     config = Path(path) / "config.json"
     if not config.is_file():
         return None
     try:
         data = json.loads(config.read_text())
+        if "dflash_config" in data:
+            return int(data["vocab_size"])
         if "speculators_model_type" not in data:
             return None
         return int(data["transformer_layer_config"]["vocab_size"])

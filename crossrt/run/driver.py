@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from crossrt.run import loop
 from crossrt.run.baselines import BaselineStore, RunBaselines, run_key
 from crossrt.run.drafters import Drafter
-from crossrt.run.head_drafter import load_eagle3
+from crossrt.run.head_drafter import load_head
 from crossrt.inputs.chat_template import ChatRendering, with_template_ids
 from crossrt.errors import PromptRefused, SettingsError
 from crossrt.records.journal import storage_error
@@ -284,7 +284,8 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
             target = stack.enter_context(runtime.load(paths["target"]))
         if request.rules.spec_type in HEAD_SPEC_TYPES:  # a head drafting from the target's hidden states
             # Its torch weights are the speculators folder's, whatever format the runtime loads the target in.
-            drafter = load_eagle3(request.pair.path("drafter", "hf"), target, request.options.f32_kv_cache)
+            drafter = load_head(request.rules.spec_type, request.pair.path("drafter", "hf"), target,
+                                request.options.f32_kv_cache)
         elif lookup:
             drafter = None
         else:

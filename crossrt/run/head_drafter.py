@@ -32,14 +32,17 @@ HEAD_SCHEDULES = (SPEC_SIMPLE, SERVER)
 
 
 def head_folder(path) -> Optional[Path]:
-    """The speculators folder of a head file: path itself if a folder, else the folder holding
-    the GGUF beside its config.json (as `crossrt drafter eagle3` writes them); None otherwise."""
+    """The torch-format folder of a head file (speculators' or z-lab's DFlash): path itself if a
+    folder, else the folder holding the GGUF beside its config.json (as `crossrt drafter` writes
+    them); None otherwise."""
     path = Path(path)
     folder = path if path.is_dir() else path.parent
     try:
-        return folder if "speculators_model_type" in json.loads((folder / "config.json").read_text()) else None
+        config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError, TypeError):
         return None
+    return folder if isinstance(config, dict) and ("speculators_model_type" in config or "dflash_config" in config) \
+        else None
 
 
 def load_eagle3(folder: Path, target: ModelSession, f32_kv_cache: bool = False):
@@ -151,3 +154,111 @@ class Eagle3Drafter:
         row = np.full(self.head.shape.vocab, -np.inf, dtype=np.float32)
         row[self.head.draft_ids.numpy()] = logits[0, -1].numpy()
         return pre[0, -1], row
+
+
+def load_dflash(folder: Path, target: ModelSession, f32_kv_cache: bool = False):
+    """The DFlash drafter in folder (z-lab's DFlashDraftModel format, as `crossrt drafter dflash`
+    writes it), with target's token embeddings as its embeddings and LM head (a tied target's)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from crossrt.builders.dflash import DFlashDrafter
+    from crossrt.builders.eagle3 import TargetShape
+    from crossrt.builders.head_settings import DFlashSettings
+
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+        tensors = load_file(str(Path(folder) / "model.safetensors"))
+        dflash = config["dflash_config"]
+        settings = DFlashSettings(tuple(dflash["target_layer_ids"]), int(dflash.get("block_size", config.get(
+            "block_size", 16))), int(dflash["mask_token_id"]), int(config["num_hidden_layers"]))
+        shape = TargetShape(config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
+                            config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                            config["intermediate_size"], float(config["rms_norm_eps"]),
+                            float(config.get("rope_theta", 1e4)), config["vocab_size"], 0,
+                            config.get("max_position_embeddings", 2048))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SettingsError(f"{folder}: not a readable DFlash drafter folder: {error}") from None
+    embeddings = target.input_embeddings().detach().float().cpu()
+    if tuple(embeddings.shape) != (shape.vocab, shape.hidden):
+        raise SettingsError(f"{folder}: the drafter is for a target of {shape.vocab} tokens x {shape.hidden}, this "
+                            f"target's embeddings are {tuple(embeddings.shape)}")
+    # A tied target (SmolLM2) heads with its embeddings; llama.cpp borrows the same table.
+    drafter = DFlashDrafter(shape, settings, embeddings, embeddings)
+    drafter.quantized_head = bool(getattr(target, "embeddings_quantized", False))
+    drafter.load_zlab(tensors)
+    drafter.eval()
+    drafter.kv_dtype = None if f32_kv_cache else torch.float16
+    torch.set_grad_enabled(False)
+    return drafter
+
+
+class DFlashBlockDrafter:
+    """A Drafter proposing a DFlash block, as llama.cpp drafts one (common/speculative.cpp, the
+    dflash implementation): the target's every decode (tapped) gives the drafter the features of
+    its positions; positions the target drops (rejected drafts) are dropped too. A draft is one
+    pass over [the newest token, mask x (B - 1)] at its position onward, attending to the features
+    of every position before it and to the whole block; its rows are taken in order while each
+    top-10 probability is at least p_min, up to min(k, B - 1); a draft shorter than n_min is
+    dropped, and only then cut to the step's limit."""
+
+    past_budget = False
+    sessions: tuple = ()
+
+    def __init__(self, drafter, target: ModelSession, k: int, n_min: int,
+                 unsure: Optional[Callable[[np.ndarray], bool]]):
+        self.drafter, self.target, self.unsure = drafter, target, unsure
+        self.k = min(k, drafter.settings.block_size - 1)
+        self.n_min = min(n_min, self.k)
+        self.calls = 0
+        self.features: list = []  # one float32 row per position the target holds
+        target.tap_layers(tuple(i + 1 for i in drafter.settings.layer_ids), self.process)
+
+    def close(self) -> None:
+        self.target.tap_layers((), None)
+
+    def process(self, start: int, tokens: Sequence[int], features: np.ndarray) -> None:
+        del self.features[start:]
+        self.features.extend(features)
+
+    def prefill(self, ids: Sequence[int]) -> None:
+        """Nothing: the target's prefill, tapped, gave the drafter its features."""
+
+    def mirror(self, n_keep: int, batch: Sequence[int]) -> None:
+        """Nothing: the target's verification batch, tapped, gives the drafter its features."""
+
+    def keep(self, n_keep: int) -> None:
+        del self.features[n_keep:]
+
+    def propose(self, context: Sequence[int], n_max: int) -> Proposal:
+        import torch
+
+        anchor = len(context) - 1  # the newest token, which the target has not decoded yet
+        if n_max <= 0 or len(self.features) < anchor:
+            return Proposal.chain(())
+        self.calls += 1
+        features = torch.from_numpy(np.stack(self.features[:anchor])) if anchor else \
+            torch.zeros(0, len(self.drafter.settings.layer_ids) * self.drafter.shape.hidden)
+        logits = self.drafter(features, torch.tensor([anchor]), torch.tensor([int(context[-1])]),
+                              kv_dtype=self.drafter.kv_dtype)[0].numpy()
+        draft: list[int] = []
+        for row in logits[:self.k]:
+            if self.unsure is not None and self.unsure(row):
+                break
+            draft.append(int(row.argmax()))
+        return Proposal.chain(draft[:n_max] if len(draft) >= self.n_min else ())
+
+
+def load_head(spec_type: str, folder: Path, target: ModelSession, f32_kv_cache: bool = False):
+    """The head of spec_type (eagle3, dflash) in folder, for crossrt's loop."""
+    return (load_eagle3 if spec_type == "eagle3" else load_dflash)(folder, target, f32_kv_cache)
+
+
+def head_drafter(spec_type: str, head, target: ModelSession, k: int, n_min: int,
+                 unsure: Optional[Callable[[np.ndarray], bool]]):
+    """The Drafter that proposes with head under llama.cpp's rules for spec_type."""
+    drafter_class = Eagle3Drafter if spec_type == "eagle3" else DFlashBlockDrafter
+    return drafter_class(head, target, k, n_min, unsure)
+
+
+HEAD_DRAFTERS = (Eagle3Drafter, DFlashBlockDrafter)  # they draft to k and apply n_min themselves

@@ -33,7 +33,7 @@ from crossrt.errors import SettingsError
 from crossrt.records.trace import TraceRecorder, top1_probability
 from crossrt.run.acceptance import AcceptanceRule, Greedy, Proposal, Relaxed
 from crossrt.run.drafters import Drafter, ModelDrafter, TreeDrafter
-from crossrt.run.head_drafter import HEAD_SCHEDULES, Eagle3Drafter
+from crossrt.run.head_drafter import HEAD_DRAFTERS, HEAD_SCHEDULES, head_drafter
 from crossrt.run.lookup import LOOKUPS, LookupSettings
 from crossrt.run.numerics import choose
 from crossrt.run.policies import CONTENT_WINDOW, DraftPolicy
@@ -99,9 +99,9 @@ def check_strategy(strategy: Strategy, schedule: str, rules: DraftRules, traced:
     if schedule not in SCHEDULES:
         raise SettingsError(f"unknown schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
     if rules.spec_type in HEAD_SPEC_TYPES:
-        if rules.spec_type != "eagle3" or schedule not in HEAD_SCHEDULES or not strategy.is_default or traced:
-            raise SettingsError(f"crossrt's loop drafts with an EAGLE3 head under the {' or '.join(HEAD_SCHEDULES)} "
-                                f"schedule at fixed k, greedy, untraced, not spec type {rules.spec_type} under {schedule}")
+        if schedule not in HEAD_SCHEDULES or not strategy.is_default or traced:
+            raise SettingsError(f"crossrt's loop drafts with a head ({', '.join(HEAD_SPEC_TYPES)}) under the "
+                                f"{' or '.join(HEAD_SCHEDULES)} schedule at fixed k, greedy, untraced, not under {schedule}")
     else:
         rules.require_drafter_model("crossrt's driven loop")
     if traced and schedule not in TRACED_SCHEDULES:
@@ -150,7 +150,7 @@ def _drafter(strategy: Strategy, session, rules: DraftRules, schedule: Schedule,
     elif strategy.min_p1 > 0:
         unsure = lambda row: top1_probability(row) < strategy.min_p1  # noqa: E731
     if rules.spec_type in HEAD_SPEC_TYPES:
-        return Eagle3Drafter(session, target, rules.k, rules.n_min, unsure)
+        return head_drafter(rules.spec_type, session, target, rules.k, rules.n_min, unsure)
     return ModelDrafter(session, unsure, ends, trace)
 
 
@@ -191,7 +191,7 @@ def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], 
     try:
         return _steps(target, drafts, prompt_ids, rules, max_new_tokens, plan, strategy, trace, tree, eog)
     finally:
-        if isinstance(drafts, Eagle3Drafter):
+        if isinstance(drafts, HEAD_DRAFTERS):
             drafts.close()  # the target's decodes are no longer the head's
 
 
@@ -220,7 +220,7 @@ def _steps(target: ModelSession, drafts: Drafter, prompt_ids: Sequence[int], rul
             proposal = Proposal.chain(stand_in[:n_max])
         else:
             proposal = drafts.propose(context, k if drafts.past_budget and n_max > 0 else n_max)
-        if plan.llama and not strategy.looks_up and not isinstance(drafts, Eagle3Drafter) \
+        if plan.llama and not strategy.looks_up and not isinstance(drafts, HEAD_DRAFTERS) \
                 and not rules.kept(len(proposal)):
             proposal = Proposal.chain(())  # llama.cpp throws a short draft model's draft away (a head's: itself)
         # What the target should hold: the context but its last token, which this step verifies.

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from crossrt.builders.head_training import CorpusSequence
 from crossrt.errors import CrossrtError
 from crossrt.inputs.pairs import cache_dir, sha256_of
 from crossrt.inputs.prompts import load_prompts
@@ -28,13 +28,6 @@ CORPUS_VERSION = 1  # bump when what a corpus holds changes: cached corpora are 
 
 class HeadCorpusError(CrossrtError, ValueError):
     """The target cannot write the corpus, said for the user."""
-
-
-@dataclass(frozen=True)
-class CorpusSequence:
-    category: str
-    ids: tuple[int, ...]  # the prompt's tokens, then the target's greedy continuation
-    n_prompt: int
 
 
 def corpus_key(target: Path, new_tokens: int) -> str:
