@@ -35,7 +35,7 @@ class Replayer:
         self._sessions: dict[tuple, ModelSession] = {}
         self._gaps: dict[tuple, Gap] = {}  # a split is asked for by its lossless check and its cross-run links
         self.passes = 0  # re-scored passes run, for the report of what explaining cost
-        self._heads: dict[tuple, object] = {}
+        self._heads: dict[tuple, tuple] = {}  # (head, its KV dtype and LM-head arithmetic as loaded)
 
     def __enter__(self) -> "Replayer":
         return self
@@ -82,7 +82,6 @@ class Replayer:
         self.passes += rows
         return score_stepwise(self.session(record, "drafter"), prompt_ids, output_ids, rows)
 
-
     def head_counts(self, record: RunRecord, prompt_ids: Sequence[int], max_new_tokens: int,
                     variant: str) -> Optional[tuple[int, int, int]]:
         """(steps, drafted, accepted) of the record's head drafting one prompt, replayed by
@@ -97,12 +96,10 @@ class Replayer:
             return None
         target = self.session(record, "target")
         key = (self._key(record, "target"), str(folder))
-        if key not in self._heads:
-            self._heads[key] = (load_head(record.params.spec_type, folder, target), )
-        head = self._heads[key][0]
-        if not hasattr(head, "as_loaded"):
-            head.as_loaded = (head.kv_dtype, getattr(head, "quantized_head", False))
-        kv_dtype, quantized = head.as_loaded
+        if key not in self._heads:  # with the arithmetic it was loaded in: the run's KV type, its target's head
+            head = load_head(record.params.spec_type, folder, target, record.runtime.kv_cache == "f32")
+            self._heads[key] = (head, head.kv_dtype, getattr(head, "quantized_head", False))
+        head, kv_dtype, quantized = self._heads[key]
         head.kv_dtype = None if variant == F32_KV else kv_dtype
         if hasattr(head, "quantized_head"):
             head.quantized_head = quantized and variant != FLOAT_HEAD
@@ -113,10 +110,11 @@ class Replayer:
         return (len(generation.step_drafted), sum(generation.step_drafted), sum(generation.step_accepted))
 
 
-# A head's drafting replayed in arithmetics runtimes use (crossrt/compare/diagnosis.py): as
-# loaded (llama.cpp's: float16 keys and values, 8-bit activations into a quantized borrowed LM
-# head), with float32 keys and values, and with the LM head in float arithmetic.
-AS_LOADED, F32_KV, FLOAT_HEAD = "as llama.cpp computes it", "float32 keys and values", "a float LM head"
+# A head's drafting replayed in arithmetics runtimes use (crossrt/compare/diagnosis.py): as the
+# run computes it (llama.cpp's: float16 keys and values unless the run asked for float32, 8-bit
+# activations into a quantized borrowed LM head), with float32 keys and values, and with the LM
+# head in float arithmetic.
+AS_LOADED, F32_KV, FLOAT_HEAD = "as the run computes it", "float32 keys and values", "a float LM head"
 HEAD_VARIANTS = (AS_LOADED, F32_KV, FLOAT_HEAD)
 
 
