@@ -82,14 +82,33 @@ class _StageBar:
             self.bar = None
 
 
+def _training_options(epochs: int):
+    """TARGET, OUTPUT and the corpus and training options both head commands take."""
+    def decorate(command):
+        for option in reversed((
+                click.argument("target", type=click.Path(path_type=Path, dir_okay=False, exists=True)),
+                click.argument("output", type=click.Path(path_type=Path, file_okay=False)),
+                click.option("--epochs", type=click.IntRange(min=1), default=epochs, show_default=True,
+                             help="Passes over the corpus (66 prompts x --new-tokens)."),
+                click.option("--new-tokens", type=click.IntRange(min=8, max=512), default=64, show_default=True,
+                             help="The target's greedy tokens per corpus prompt."),
+                click.option("--seed", type=int, default=0, show_default=True,
+                             help="Initialization and shuffling seed."))):
+            command = option(command)
+        return command
+    return decorate
+
+
+def _machine_options(command):
+    """--threads and --overwrite, as both head commands take them."""
+    command = click.option("--overwrite", is_flag=True,
+                           help="Replace OUTPUT if it holds something other than this head.")(command)
+    return click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+                        help="CPU threads (the head is reproducible for a given thread count).")(command)
+
+
 @drafter.command("eagle3", short_help="Train an EAGLE3 head for a GGUF target on this CPU, in every runtime's format.")
-@click.argument("target", type=click.Path(path_type=Path, dir_okay=False, exists=True))
-@click.argument("output", type=click.Path(path_type=Path, file_okay=False))
-@click.option("--epochs", type=click.IntRange(min=1), default=TrainingSettings.epochs, show_default=True,
-              help="Passes over the corpus (66 prompts x --new-tokens).")
-@click.option("--new-tokens", type=click.IntRange(min=8, max=512), default=64, show_default=True,
-              help="The target's greedy tokens per corpus prompt.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Initialization and shuffling seed.")
+@_training_options(epochs=TrainingSettings.epochs)
 @click.option("--layers", "layers", metavar="A,B,C", default=None,
               help="The three target layers the head reads (HF hidden_states[i], the layer's input). "
                    "Default: llama.cpp's and vLLM's [2, N//2, N-3].")
@@ -98,9 +117,7 @@ class _StageBar:
                    "written explicitly either way).")
 @click.option("--draft-vocab", type=click.IntRange(min=16), default=4096, show_default=True,
               help="The head's output vocabulary: the target's most predicted tokens on the corpus.")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="CPU threads (the head is reproducible for a given thread count).")
-@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it holds something other than this head.")
+@_machine_options
 def eagle3_command(target: Path, output: Path, epochs: int, new_tokens: int, seed: int, layers: Optional[str],
                    norm_before_residual: bool, draft_vocab: int, threads: int, overwrite: bool) -> None:
     """Write OUTPUT, a folder holding an EAGLE3 head for the GGUF model TARGET: speculators'
@@ -143,13 +160,7 @@ def _make(kind: str, target: Path, output: Path, choose, training: TrainingSetti
 
 
 @drafter.command("dflash", short_help="Train a DFlash block drafter for a GGUF target on this CPU, in every runtime's format.")
-@click.argument("target", type=click.Path(path_type=Path, dir_okay=False, exists=True))
-@click.argument("output", type=click.Path(path_type=Path, file_okay=False))
-@click.option("--epochs", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Passes over the corpus (66 prompts x --new-tokens).")
-@click.option("--new-tokens", type=click.IntRange(min=8, max=512), default=64, show_default=True,
-              help="The target's greedy tokens per corpus prompt.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Initialization and shuffling seed.")
+@_training_options(epochs=8)
 @click.option("--layers", "layers", metavar="A,B,...", default=None,
               help="The target layers whose outputs it reads (z-lab's ids, HF hidden_states[i + 1]); at most N - 2. "
                    "Default: z-lab's spacing of 4 from 1 to N - 3.")
@@ -160,9 +171,7 @@ def _make(kind: str, target: Path, output: Path, choose, training: TrainingSetti
 @click.option("--depth", type=click.IntRange(min=1, max=8), default=2, show_default=True, help="Decoder layers.")
 @click.option("--draft-vocab", type=click.IntRange(min=16), default=4096, show_default=True,
               help="Tokens training's softmax runs over: the target's most predicted on the corpus (drafting: all).")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="CPU threads (the drafter is reproducible for a given thread count).")
-@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it holds something other than this drafter.")
+@_machine_options
 def dflash_command(target: Path, output: Path, epochs: int, new_tokens: int, seed: int, layers: Optional[str],
                    block_size: int, mask_token: int, depth: int, draft_vocab: int, threads: int,
                    overwrite: bool) -> None:
