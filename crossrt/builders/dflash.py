@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as functional
 
-from crossrt.builders.eagle3 import TargetShape, rms, rope
+from crossrt.builders.eagle3 import TargetShape, linear, rms, rope
 from crossrt.builders.head_settings import DFlashSettings
 
 LAYER_TENSORS = ("input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm",
@@ -40,10 +40,6 @@ class DFlashDrafter(torch.nn.Module):
         self.shape, self.settings = shape, settings
         h, hd, ff = shape.hidden, shape.head_dim, shape.intermediate
         q, kv = shape.heads * hd, shape.kv_heads * hd
-
-        def linear(rows: int, columns: int, scale: float = 1.0) -> torch.nn.Parameter:
-            return torch.nn.Parameter(torch.randn(rows, columns) * (scale / math.sqrt(columns)))
-
         self.fc = linear(h, len(settings.layer_ids) * h)
         self.hidden_norm = torch.nn.Parameter(torch.ones(h))
         self.norm = torch.nn.Parameter(torch.ones(h))

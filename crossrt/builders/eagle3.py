@@ -67,6 +67,11 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
+def linear(rows: int, columns: int, scale: float = 1.0) -> torch.nn.Parameter:
+    """A projection's weight drawn at random, its outputs of about scale's size for unit inputs."""
+    return torch.nn.Parameter(torch.randn(rows, columns) * (scale / math.sqrt(columns)))
+
+
 class Eagle3Head(torch.nn.Module):
     """The head's weights under speculators' names (HEAD_TENSORS) and its forward."""
 
@@ -75,10 +80,6 @@ class Eagle3Head(torch.nn.Module):
         super().__init__()
         self.shape, self.settings = shape, settings
         h, q, kv, ff = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
-
-        def linear(rows: int, columns: int, scale: float = 1.0) -> torch.nn.Parameter:
-            return torch.nn.Parameter(torch.randn(rows, columns) * (scale / math.sqrt(columns)))
-
         self.fc = linear(h, 3 * h)
         self.input_layernorm = torch.nn.Parameter(torch.ones(h))
         self.hidden_norm = torch.nn.Parameter(torch.ones(h))
