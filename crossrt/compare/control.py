@@ -37,12 +37,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from crossrt.compare.rescore import (LogitAgreement, RowStatistics, argmax_flips, log_softmax, row_statistics, score,
-                                     score_stepwise)
+from crossrt.compare.rescore import (DecodedRows, LogitAgreement, RowStatistics, ScoredRows, argmax_flips,
+                                     log_softmax, logits_of, row_statistics, score, score_stepwise, scorer_key)
 from crossrt.compare.tolerance import QUANTIZED_ONE_RUNTIME, Tolerance
 from crossrt.compare.weights import WeightsMatch, compare_weights
 from crossrt.records.schema import RunRecord
-from crossrt.run.runtime import ModelSession, RuntimeOptions, open_runtime, runtime_class
+from crossrt.run.runtime import ModelSession, RuntimeOptions, RuntimeUnavailable, open_runtime, runtime_class
 
 FACTOR = 10.0  # how many times the noise control's logit differences a float comparison may reach
 CONTROL_ROWS = 24  # output rows per prompt decoded one token at a time for the noise control
@@ -85,9 +85,33 @@ def float_scoring(record: RunRecord) -> FloatScoring:
     return FloatScoring(runtime, source, record.pair.target.sha256, twin)
 
 
+def _float_options(n_ctx: int, threads: int = 1) -> RuntimeOptions:
+    return RuntimeOptions(n_ctx=n_ctx, threads=threads, f32_kv_cache=True, flash_attn=False, dtype="float32")
+
+
 def open_float(scoring: FloatScoring, n_ctx: int, threads: int = 1) -> ModelSession:
-    options = RuntimeOptions(n_ctx=n_ctx, threads=threads, f32_kv_cache=True, flash_attn=False, dtype="float32")
-    return open_runtime(scoring.runtime, options).load(Path(scoring.model))
+    return open_runtime(scoring.runtime, _float_options(n_ctx, threads)).load(Path(scoring.model))
+
+
+def float_key(scoring: FloatScoring) -> Optional[tuple]:
+    """The scoring's scorer key (rescore.scorer_key) with the numerics its runtime reports in F32,
+    None for a float twin (no run loads it): a run whose key is this one was scored as the float
+    control scores, and its rows serve (shared_keys)."""
+    if scoring.twin:
+        return None
+    try:
+        info = open_runtime(scoring.runtime, _float_options(1)).info()
+    except RuntimeUnavailable:  # its float control fails as it opens, saying why
+        return None
+    return (scoring.runtime, scoring.source, info.kv_cache, info.flash_attn, info.dtype)
+
+
+def shared_keys(runs: Sequence[tuple[str, RunRecord]]) -> frozenset:
+    """The scorer keys both of a run as run and of the float control (transformers in float32; a
+    float GGUF run with an F32 cache and no flash attention): their decodes are kept for it."""
+    ran = {scorer_key(record) for _, record in runs if not record.imported}
+    return frozenset(key for key in {float_key(float_scoring(record)) for _, record in runs if not record.imported}
+                     if key in ran)
 
 
 @dataclass(frozen=True)
@@ -177,20 +201,20 @@ def find_power(pairs: Sequence[tuple[np.ndarray, np.ndarray]], bounds: Tolerance
         return None
     pick = np.linspace(0, starts[-1] - 1, min(starts[-1], POWER_ROWS)).round().astype(int)
     which = np.searchsorted(starts, pick, side="right") - 1  # the pair each picked row is in
-    a, b = (np.stack([pairs[i][side][row - starts[i]] for i, row in zip(which, pick)]) for side in (0, 1))
+    a, b = (np.stack([logits_of(pairs[i][side])[row - starts[i]] for i, row in zip(which, pick)]) for side in (0, 1))
     trial = _Trial(a, b, np.random.default_rng(seed).standard_normal(b.shape))
-    if bounds.problems(trial.at(0.0)):
+    if trial.fails(0.0, bounds):
         return None
     # A first guess from the max-abs bound (the largest of n Gaussians is ~sqrt(2 ln n) sigma).
     guess = (bounds.max_abs_diff or 1e-3) / np.sqrt(2 * np.log(trial.noise.size))
     low, high = 0.0, guess
-    while not bounds.problems(trial.at(high)):
+    while not trial.fails(high, bounds):
         low, high = high, high * 4
         if high > 1e3:
             return None
     while high - low > 0.1 * high:
         middle = (low + high) / 2
-        low, high = (low, middle) if bounds.problems(trial.at(middle)) else (middle, high)
+        low, high = (low, middle) if trial.fails(middle, bounds) else (middle, high)
     return Power(high, trial.at(high).kl_mean)
 
 
@@ -203,12 +227,20 @@ class _Trial:
         self.p_a = np.exp(self.log_a)
         self.top_a = a.argmax(axis=1)
 
+    def fails(self, sigma: float, bounds: Tolerance) -> bool:
+        """Whether the rows perturbed by sigma fail the bounds: the max-abs bound first, which needs
+        no probabilities (most trials of a search fail on it, and the same trials fail either way)."""
+        if bounds.max_abs_diff is not None and np.abs(self.a - (self.b + sigma * self.noise)).max() > bounds.max_abs_diff:
+            return True
+        return bool(bounds.problems(self.at(sigma)))
+
     def at(self, sigma: float) -> LogitAgreement:
         b = self.b + sigma * self.noise
         kl = np.maximum((self.p_a * (self.log_a - log_softmax(b))).sum(axis=1), 0.0)
         top_b = b.argmax(axis=1)
         flips = argmax_flips(self.a, b, self.top_a, top_b)
-        return LogitAgreement(len(b), float(np.abs(self.a - b).max()), float(np.abs(self.a - b).mean()),
+        difference = np.abs(self.a - b)
+        return LogitAgreement(len(b), float(difference.max()), float(difference.mean()),
                               float(np.mean(top_b == self.top_a)), 1.0, float(kl.mean()), float(np.median(kl)),
                               float(np.percentile(kl, 99)), float(kl.max()), 0.0, flips)
 
@@ -226,11 +258,27 @@ def reference_sequences(runs: Sequence[tuple[str, RunRecord]]) -> dict[str, tupl
     return found
 
 
+def _reused(runs, as_run: dict, decodes: DecodedRows, scoring: FloatScoring, references: dict) -> Optional[dict]:
+    """prompt id -> (one pass, one-token decodes) of a scoring whose rows a run's own scoring and the
+    verification-path check already computed (shared_keys), or None where any is missing."""
+    key = float_key(scoring)
+    label = next((label for label, record in runs if not record.imported and scorer_key(record) == key), None)
+    found = {}
+    for prompt_id in references:
+        full = as_run.get((label, prompt_id))
+        step = decodes.get(key, prompt_id, min(CONTROL_ROWS, len(full))) if full is not None else None
+        if step is None:
+            return None
+        found[prompt_id] = (ScoredRows(full), step)
+    return found
+
+
 def float_controls(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str, str], np.ndarray],
-                   threads: int = 1) -> tuple[ControlCheck, ...]:
+                   threads: int = 1, decodes: Optional[DecodedRows] = None) -> tuple[ControlCheck, ...]:
     """The float control over runs (module docstring): each pair of distinct float scorings, and
     each quantized scoring against its float twin. as_run: the rows each run's own scoring gave
-    along the reference sequences, by (run label, prompt id)."""
+    along the reference sequences, by (run label, prompt id); decodes: the one-token decodes the
+    verification-path check kept, which serve a scoring that is a run's own (shared_keys)."""
     references = reference_sequences(runs)
     groups: dict[FloatScoring, list[tuple[str, RunRecord]]] = {}
     for label, record in runs:
@@ -257,17 +305,22 @@ def float_controls(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str
     for scoring in scorings:  # one model loaded at a time, only those a check reads
         if scoring not in scored:
             continue
+        reused = _reused(runs, as_run, decodes, scoring, references) if decodes else None
+        if reused is not None:
+            for prompt_id, (full, step) in reused.items():
+                rows[scoring, prompt_id], noise[scoring, prompt_id] = full, (full.prefix(len(step)), step)
+            continue
         with open_float(scoring, n_ctx, threads) as session:
             for prompt_id, (prompt_ids, output_ids) in references.items():
-                full = score(session, prompt_ids, output_ids)
+                full = ScoredRows(score(session, prompt_ids, output_ids))  # log-probabilities computed once
                 rows[scoring, prompt_id] = full
                 step = score_stepwise(session, prompt_ids, output_ids, min(CONTROL_ROWS, len(full)))
-                noise[scoring, prompt_id] = (full[:len(step)], step)
+                noise[scoring, prompt_id] = (full.prefix(len(step)), step)
     for first, second in controlled:
         pairs = [(rows[first, p], rows[second, p]) for p in references]
         control = _worst(pooled([noise[first, p] for p in references]),
                          pooled([noise[second, p] for p in references]))
-        bounds = noise_bounds(control, max(float(np.abs(a).max()) for a, _ in pairs))
+        bounds = noise_bounds(control, max(float(np.abs(logits_of(a)).max()) for a, _ in pairs))
         checks.append(ControlCheck(FLOAT_CONTROL, (first.label, second.label), _runs_of(groups, first, second),
                                    len(references), pooled(pairs), bounds, control, find_power(pairs, bounds)))
     for scoring in scorings:

@@ -21,16 +21,16 @@ from crossrt.run.isolation import RESCORING, IsolatedRun, call_safely
 from crossrt.inputs.pairs import Pair
 from crossrt.compare.parity import PromptParity, compare_against, compare_all
 from crossrt.compare.parity_report import LogitCheck, NotRun, logit_checks
-from crossrt.compare.control import ControlCheck, float_controls, judged_by_control, reference_sequences
+from crossrt.compare.control import ControlCheck, float_controls, judged_by_control, reference_sequences, shared_keys
 from crossrt.compare.dequantization import dequantization_checks
 from crossrt.compare.head_check import head_checks
 from crossrt.compare.diagnosis import Explainer, twins_of
 from crossrt.compare.replay import Replayer
 from crossrt.compare.tolerance import tolerance_for
 from crossrt.inputs.prompts import Prompt
-from crossrt.compare.rescore import open_scorer, score
+from crossrt.compare.rescore import DecodedRows, open_scorer, score, scorer_key
 from crossrt.compare.tau_gap import ORACLE_RUNTIME, gap_pairs, parity_gaps
-from crossrt.compare.verification import PathCheck, departure_checks, judged_by_paths, path_checks, scorer_key
+from crossrt.compare.verification import PathCheck, departure_checks, judged_by_paths, path_checks
 from crossrt.run.loop import SCHEDULE
 from crossrt.run.rules import run_rules
 from crossrt.run.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, runtime_class
@@ -189,9 +189,11 @@ def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecor
     began = time.perf_counter()
     scored = [run for run in runs if not run[1].imported]  # imported: no outputs to re-score
     as_run, paths, noises = {}, (), {}
+    # The float control's scorings that are a run's own: the path check's decodes serve both.
+    decodes = DecodedRows(shared_keys(scored) if logits and control else ())
     if logits:
         as_run = score_records(scored)
-        paths, noises = path_checks(scored, as_run)
+        paths, noises = path_checks(scored, as_run, decodes=decodes)
     with Replayer() as replay:
         started = time.perf_counter()
         comparisons = compare_all(runs, counter_tolerance, logit_tolerance, strict, replay=replay if rescore else None,
@@ -207,7 +209,7 @@ def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecor
         checks = logit_checks(comparisons, as_run,
                               lambda a, b: tolerance_for(by_label[a], by_label[b], logit_tolerance))
         if control:
-            controls = float_controls(scored, as_run) + dequantization_checks(scored)
+            controls = float_controls(scored, as_run, decodes=decodes) + dequantization_checks(scored)
             comparisons = judged_by_control(comparisons, controls)
         comparisons = judged_by_paths(comparisons, paths)
     # Runs that drafted with a head: the same head, setting by setting, whatever file each read.

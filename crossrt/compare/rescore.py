@@ -32,6 +32,40 @@ def scoring_runtime(runtime: RuntimeInfo) -> str:
     return scorer
 
 
+def scorer_key(record: RunRecord, role: str = "target") -> tuple:
+    """What a scorer's computation depends on: its runtime, the file it loads and the numerics
+    that runtime reports (n_ctx only sizes the cache). Two scorings with one key compute the same
+    rows, so one serves both (DecodedRows)."""
+    return (scoring_runtime(record.runtime), getattr(record.pair, role).path, record.runtime.kv_cache,
+            record.runtime.flash_attn, record.runtime.dtype)
+
+
+class DecodedRows:
+    """One-token-decode rows (score_stepwise) of the scorers another check will score on again:
+    the float control's scoring of a float32 model is the very scoring its runs ran (transformers
+    in float32), so the verification-path check's decodes serve it and no model loads twice.
+    Only the keys asked for are kept (a real model's row is a vocabulary of float64s)."""
+
+    def __init__(self, wanted=frozenset()):
+        self.wanted = frozenset(wanted)
+        self._rows: dict[tuple, np.ndarray] = {}
+
+    def decode(self, key: tuple, session: ModelSession, prompt_id: str, prompt_ids: Sequence[int],
+               output_ids: Sequence[int], rows: int, least: int = 0) -> np.ndarray:
+        """score_stepwise's first rows rows; where key is wanted, at least least rows are
+        decoded and kept for get()."""
+        if key not in self.wanted:
+            return score_stepwise(session, prompt_ids, output_ids, rows)
+        decoded = score_stepwise(session, prompt_ids, output_ids, max(rows, min(least, len(output_ids))))
+        self._rows[key, prompt_id] = decoded
+        return decoded[:rows]
+
+    def get(self, key: tuple, prompt_id: str, rows: int) -> Optional[np.ndarray]:
+        """The first rows kept rows of a prompt, or None where fewer were decoded."""
+        found = self._rows.get((key, prompt_id))
+        return found[:rows] if found is not None and len(found) >= rows else None
+
+
 def open_scorer(record: RunRecord, role: str = "target", threads: int = 1) -> ModelSession:
     """The record's target (or drafter) loaded on its scoring runtime, with the record's KV
     cache type and flash attention."""
@@ -131,7 +165,8 @@ def top_k(rows: np.ndarray, k: int) -> np.ndarray:
 
 def log_softmax(rows: np.ndarray) -> np.ndarray:
     shifted = rows - rows.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    shifted -= np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # in place: a real model's rows are large
+    return shifted
 
 
 class ScoredRows:
@@ -154,6 +189,16 @@ class ScoredRows:
     def log_probs(self) -> np.ndarray:
         return log_softmax(self.logits)
 
+    def prefix(self, rows: int) -> "ScoredRows":
+        """The first rows rows, sharing what was computed of them (computing it here if not yet)."""
+        part = ScoredRows(self.logits[:rows])
+        part.__dict__.update(top5=self.top5[:rows], log_probs=self.log_probs[:rows])
+        return part
+
+
+def logits_of(rows) -> np.ndarray:
+    """The logits rows of an array or of ScoredRows."""
+    return rows.logits if isinstance(rows, ScoredRows) else np.asarray(rows)
 
 
 @dataclass(frozen=True)

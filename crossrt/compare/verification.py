@@ -26,8 +26,8 @@ import numpy as np
 from crossrt.compare.control import (CONTROL_ROWS, FACTOR, FLOAT32_EPS, demoted, find_power, noise_bounds,
                                      reference_sequences)
 from crossrt.compare.parity import OWN_BASELINE
-from crossrt.compare.rescore import (LogitAgreement, RowStatistics, open_scorer, row_statistics, score, score_stepwise,
-                                     scoring_runtime)
+from crossrt.compare.rescore import (DecodedRows, LogitAgreement, RowStatistics, ScoredRows, open_scorer,
+                                     row_statistics, score, score_stepwise, scorer_key)
 from crossrt.compare.splits import first_divergence
 from crossrt.compare.tolerance import Tolerance
 from crossrt.records.schema import PassView, RunRecord
@@ -128,12 +128,6 @@ def _batches(records: Sequence[RunRecord]) -> tuple[int, ...]:
     return tuple(sorted({max(2, (record.params.k_max or record.params.k) + 1) for record in records}))
 
 
-def scorer_key(record: RunRecord, role: str = "target") -> tuple:
-    """What a scorer's computation depends on (score_records' key: n_ctx only sizes the cache)."""
-    return (scoring_runtime(record.runtime), getattr(record.pair, role).path, record.runtime.kv_cache,
-            record.runtime.flash_attn, record.runtime.dtype)
-
-
 def scorer_label(key: tuple) -> str:
     runtime, path, kv_cache, flash_attn, dtype = key
     numerics = [f"{kv_cache} KV" if kv_cache else "", "flash attention" if flash_attn else "",
@@ -155,23 +149,25 @@ class _Measured:
     repeat: tuple[str, float, int]  # (prompt, max abs diff of the same pass scored twice, rows)
 
 
-def _measure(session: ModelSession, prompts: dict, rows: dict[str, np.ndarray], batches: Sequence[int],
-             per_prompt: int) -> _Measured:
+def _measure(session: ModelSession, key: tuple, prompts: dict, rows: dict[str, np.ndarray], batches: Sequence[int],
+             per_prompt: int, decodes: DecodedRows) -> _Measured:
     noise, shifts, parts, pairs, verification_shifts = [], [], [], [], []
     repeat = None
     for prompt_id, (prompt_ids, output_ids) in prompts.items():
-        full = rows[prompt_id]
-        decoded = score_stepwise(session, prompt_ids, output_ids, min(per_prompt, len(full)))
-        noise.append(row_statistics(decoded, full[:len(decoded)]))
-        shifts.append(gap_shifts(decoded, full[:len(decoded)])[1])
+        full = ScoredRows(rows[prompt_id])  # each row's log-probabilities and top 5 computed once
+        decoded = ScoredRows(decodes.decode(key, session, prompt_id, prompt_ids, output_ids,
+                                            min(per_prompt, len(full)), least=CONTROL_ROWS))
+        n = len(decoded)
+        noise.append(row_statistics(decoded, full, length=n))
+        shifts.append(gap_shifts(decoded.logits, full.logits[:n])[1])
         for batch in batches:
-            rows_verified = rolled_back_rows(session, prompt_ids, output_ids, batch - 1, batched=True)
-            parts += [(prompt_id, row_statistics(decoded, rows_verified[:len(decoded)])),
-                      (prompt_id, row_statistics(full, rows_verified))]
-            pairs.append((decoded, rows_verified[:len(decoded)]))
-            verification_shifts.append(gap_shifts(decoded, rows_verified[:len(decoded)])[1])
+            verified = ScoredRows(rolled_back_rows(session, prompt_ids, output_ids, batch - 1, batched=True))
+            parts += [(prompt_id, row_statistics(decoded, verified, length=n)),
+                      (prompt_id, row_statistics(full, verified))]
+            pairs.append((decoded.logits, verified.logits[:n]))
+            verification_shifts.append(gap_shifts(decoded.logits, verified.logits[:n])[1])
         if repeat is None:  # the same pass again, after other passes have run
-            repeat = (prompt_id, float(np.abs(score(session, prompt_ids, output_ids) - full).max()), len(full))
+            repeat = (prompt_id, float(np.abs(score(session, prompt_ids, output_ids) - full.logits).max()), len(full))
     return _Measured(RowStatistics.joined(noise), np.concatenate(shifts), tuple(parts), tuple(pairs),
                      np.concatenate(verification_shifts),
                      max(float(np.abs(r).max()) for r in rows.values()), repeat)
@@ -221,13 +217,14 @@ def drafter_checks(groups: dict, references: dict, threads: int) -> list[PathChe
         noise_parts, rolled_parts = [], []
         with open_scorer(records[0], role="drafter", threads=threads) as session:
             for prompt_id, (prompt_ids, output_ids) in references.items():
-                full = score(session, prompt_ids, output_ids)
+                full = ScoredRows(score(session, prompt_ids, output_ids))
                 rows = rolled_back_rows(session, prompt_ids, output_ids, k, batched=False,
                                         rows=min(per_prompt, len(full)))
                 decoded = score_stepwise(session, prompt_ids, output_ids, len(rows))  # no rollback: the control
-                noise_parts.append(row_statistics(decoded, full[:len(decoded)]))
-                rolled_parts.append((prompt_id, row_statistics(rows, full[:len(rows)]), full))
-        scale = max(float(np.abs(full).max()) for _, _, full in rolled_parts)
+                noise_parts.append(row_statistics(decoded, full, length=len(decoded)))
+                rolled_parts.append((prompt_id, row_statistics(rows, full, length=len(rows)),
+                                     float(np.abs(full.logits).max())))
+        scale = max(largest for _, _, largest in rolled_parts)
         checks.append(_bounded_check(DRAFTER, (f"{name} decodes, rejected drafts rolled back every {k}", "one pass"),
                                      labels, [(p, part) for p, part, _ in rolled_parts],
                                      RowStatistics.joined(noise_parts).summary(), scale,
@@ -237,9 +234,12 @@ def drafter_checks(groups: dict, references: dict, threads: int) -> list[PathChe
 
 
 def path_checks(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str, str], np.ndarray],
-                threads: int = 1) -> tuple[tuple[PathCheck, ...], dict[str, BatchNoise]]:
+                threads: int = 1, decodes: Optional[DecodedRows] = None,
+                ) -> tuple[tuple[PathCheck, ...], dict[str, BatchNoise]]:
     """The verification-batch and nondeterminism checks per scorer of runs (module docstring), and
-    each run's measured batch-shape noise by label. as_run: score_records' one-pass rows."""
+    each run's measured batch-shape noise by label. as_run: score_records' one-pass rows;
+    decodes: where the one-token decodes of the scorers the float control reads again are kept."""
+    decodes = decodes or DecodedRows()
     references = reference_sequences(runs)
     groups: dict[tuple, list[tuple[str, RunRecord]]] = {}
     for label, record in runs:
@@ -255,7 +255,8 @@ def path_checks(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str, s
         batches = _batches([record for _, record in members])
         per_prompt = max(LEAST_ROWS, min(CONTROL_ROWS, DECODED_ROWS // len(prompts)))
         with open_scorer(members[0][1], threads=threads) as session:
-            measured = _measure(session, prompts, {p: as_run[first_label, p] for p in prompts}, batches, per_prompt)
+            measured = _measure(session, key, prompts, {p: as_run[first_label, p] for p in prompts}, batches,
+                                per_prompt, decodes)
         noise = measured.noise.summary()
         noises.update(dict.fromkeys(labels, BatchNoise(name, float(measured.noise_shifts.max()), noise.max_abs_diff,
                                                        measured.scale, tuple(map(float, measured.verification_shifts)))))
