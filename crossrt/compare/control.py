@@ -205,17 +205,33 @@ def find_power(pairs: Sequence[tuple[np.ndarray, np.ndarray]], bounds: Tolerance
     trial = _Trial(a, b, np.random.default_rng(seed).standard_normal(b.shape))
     if trial.fails(0.0, bounds):
         return None
-    # A first guess from the max-abs bound (the largest of n Gaussians is ~sqrt(2 ln n) sigma).
-    guess = (bounds.max_abs_diff or 1e-3) / np.sqrt(2 * np.log(trial.noise.size))
-    low, high = 0.0, guess
-    while not trial.fails(high, bounds):
-        low, high = high, high * 4
-        if high > 1e3:
-            return None
+    low, high = _bracket(trial, bounds)
+    if high is None:
+        return None
     while high - low > 0.1 * high:
         middle = (low + high) / 2
         low, high = (low, middle) if trial.fails(middle, bounds) else (middle, high)
     return Power(high, trial.at(high).kl_mean)
+
+
+def _bracket(trial: "_Trial", bounds: Tolerance) -> tuple[float, Optional[float]]:
+    """(low, high) sigmas, low passing (or 0) and high failing, at most 2x apart where a guess
+    allows: the largest of n Gaussians is ~sqrt(2 ln n) sigma (the max-abs bound), and small
+    noise of sigma moves KL by ~sigma^2 / 2 (the KL bounds). (0, None) if none fails below 1e3."""
+    guesses = [(bounds.max_abs_diff or 1e-3) / np.sqrt(2 * np.log(trial.noise.size))]
+    guesses += [np.sqrt(2 * bound) for bound in (bounds.kl_mean, bounds.kl_p99) if bound]
+    high = min(guesses)
+    if trial.fails(high, bounds):
+        low = high / 2
+        while low > 1e-12 and trial.fails(low, bounds):
+            low, high = low / 2, low
+        return (low if low > 1e-12 else 0.0), high
+    low, high = high, high * 2
+    while not trial.fails(high, bounds):
+        low, high = high, high * 2
+        if high > 1e3:
+            return 0.0, None
+    return low, high
 
 
 class _Trial:
@@ -229,13 +245,16 @@ class _Trial:
 
     def fails(self, sigma: float, bounds: Tolerance) -> bool:
         """Whether the rows perturbed by sigma fail the bounds: the max-abs bound first, which needs
-        no probabilities (most trials of a search fail on it, and the same trials fail either way)."""
-        if bounds.max_abs_diff is not None and np.abs(self.a - (self.b + sigma * self.noise)).max() > bounds.max_abs_diff:
+        no probabilities (the same trials fail either way)."""
+        b = self.b + sigma * self.noise
+        if bounds.max_abs_diff is not None and np.abs(self.a - b).max() > bounds.max_abs_diff:
             return True
-        return bool(bounds.problems(self.at(sigma)))
+        return bool(bounds.problems(self._agreement(b)))
 
     def at(self, sigma: float) -> LogitAgreement:
-        b = self.b + sigma * self.noise
+        return self._agreement(self.b + sigma * self.noise)
+
+    def _agreement(self, b: np.ndarray) -> LogitAgreement:
         kl = np.maximum((self.p_a * (self.log_a - log_softmax(b))).sum(axis=1), 0.0)
         top_b = b.argmax(axis=1)
         flips = argmax_flips(self.a, b, self.top_a, top_b)
