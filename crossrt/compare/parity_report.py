@@ -291,13 +291,13 @@ def logit_checks(comparisons: Sequence[PromptParity], scored: dict[tuple[str, st
     (run label, prompt id) -> logits rows along that run's output; tolerance(run_a, run_b)
     gives the bounds for that pair of runs (crossrt/compare/tolerance.py)."""
     checks = []
-    analysed: dict[int, ScoredRows] = {}  # runs one scoring serves share their rows (score_records): analysed once
+    analysed: dict[int, ScoredRows] = {}  # runs one scoring serves share their rows (verification.scored_with_path_checks): analysed once
     rows = {key: analysed.setdefault(id(logits), ScoredRows(logits)) for key, logits in scored.items()}
     for comparison in comparisons:
         a, b = rows.get((comparison.run_a, comparison.prompt_id)), rows.get((comparison.run_b, comparison.prompt_id))
         if a is None or b is None:
             continue
-        # Both rows along the prompt's one reference sequence (crossrt/compare/parity_run.score_records).
+        # Both rows along the prompt's one reference sequence (crossrt/compare/verification.scored_with_path_checks).
         checks.append(LogitCheck(comparison.prompt_id, comparison.run_a, comparison.run_b,
                                  agreement(a, b), tolerance(comparison.run_a, comparison.run_b)))
     return tuple(checks)

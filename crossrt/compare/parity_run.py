@@ -4,14 +4,11 @@ crossrt.compare.parity and crossrt.compare.parity_report."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Callable, Optional, Sequence
-
-import numpy as np
 
 from crossrt.run.baselines import BaselineStore
 from crossrt.inputs.chat_template import ChatRendering
@@ -21,16 +18,16 @@ from crossrt.run.isolation import RESCORING, IsolatedRun, call_safely
 from crossrt.inputs.pairs import Pair
 from crossrt.compare.parity import PromptParity, compare_against, compare_all
 from crossrt.compare.parity_report import LogitCheck, NotRun, logit_checks
-from crossrt.compare.control import ControlCheck, float_controls, judged_by_control, reference_sequences, shared_keys
+from crossrt.compare.control import ControlCheck, float_controls, judged_by_control, shared_keys
 from crossrt.compare.dequantization import dequantization_checks
 from crossrt.compare.head_check import head_checks
 from crossrt.compare.diagnosis import Explainer, twins_of
 from crossrt.compare.replay import Replayer
 from crossrt.compare.tolerance import tolerance_for
 from crossrt.inputs.prompts import Prompt
-from crossrt.compare.rescore import DecodedRows, open_scorer, score, scorer_key
+from crossrt.compare.rescore import DecodedRows
 from crossrt.compare.tau_gap import ORACLE_RUNTIME, gap_pairs, parity_gaps
-from crossrt.compare.verification import PathCheck, departure_checks, judged_by_paths, path_checks
+from crossrt.compare.verification import PathCheck, departure_checks, judged_by_paths, scored_with_path_checks
 from crossrt.run.loop import SCHEDULE
 from crossrt.run.rules import run_rules
 from crossrt.run.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, runtime_class
@@ -132,33 +129,6 @@ def run_matrix(matrix: Matrix, prompts: Sequence[Prompt], on_run: Optional[Calla
     return records, [o for o in outcomes if isinstance(o, NotRun)], skipped
 
 
-def score_records(runs: Sequence[tuple[str, RunRecord]]) -> dict[tuple[str, str], np.ndarray]:
-    """(run label, prompt id) -> the logits rows of the record's runtime (or its in-process
-    sibling), with the record's numerics, along the prompt's reference sequence (one token
-    sequence every run scores: crossrt/compare/control.reference_sequences), so two runs are
-    compared on every row, not only where their outputs agree. One model load per runtime and
-    file; a run whose prompt ids are not the reference's is not scored for that prompt (its ids
-    already fail). Runs that one scoring serves (llama-server's and llama.cpp in-process records
-    of one GGUF, say) share its rows, computed once: a row is a vocabulary of float64s (2 MB on
-    Gemma's 262k), so ten runs of 10 prompts x 64 tokens each holding their own would take 13 GB."""
-    references = reference_sequences(runs)
-    scorers = {}
-    rows = {}  # (scoring, prompt id) -> rows, shared by the runs that scoring serves
-    scored = {}
-    with contextlib.ExitStack() as stack:
-        for label, record in runs:
-            key = scorer_key(record)
-            if key not in scorers:
-                scorers[key] = stack.enter_context(open_scorer(record))
-            for result in record.results:
-                reference = references.get(result.prompt_id)
-                if result.ok and reference and tuple(result.prompt_ids) == reference[0]:
-                    if (key, result.prompt_id) not in rows:
-                        rows[key, result.prompt_id] = score(scorers[key], *reference)
-                    scored[(label, result.prompt_id)] = rows[key, result.prompt_id]
-    return scored
-
-
 @dataclass(frozen=True)
 class Verdicts:
     comparisons: tuple[PromptParity, ...]
@@ -192,8 +162,7 @@ def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecor
     # The float control's scorings that are a run's own: the path check's decodes serve both.
     decodes = DecodedRows(shared_keys(scored) if logits and control else ())
     if logits:
-        as_run = score_records(scored)
-        paths, noises = path_checks(scored, as_run, decodes=decodes)
+        as_run, paths, noises = scored_with_path_checks(scored, decodes=decodes)
     with Replayer() as replay:
         started = time.perf_counter()
         comparisons = compare_all(runs, counter_tolerance, logit_tolerance, strict, replay=replay if rescore else None,

@@ -233,11 +233,29 @@ def drafter_checks(groups: dict, references: dict, threads: int) -> list[PathChe
     return checks
 
 
-def path_checks(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str, str], np.ndarray],
-                threads: int = 1, decodes: Optional[DecodedRows] = None,
-                ) -> tuple[tuple[PathCheck, ...], dict[str, BatchNoise]]:
-    """The verification-batch and nondeterminism checks per scorer of runs (module docstring), and
-    each run's measured batch-shape noise by label. as_run: score_records' one-pass rows;
+def _one_pass_rows(session: ModelSession, members: Sequence[tuple[str, RunRecord]], references: dict,
+                   as_run: dict[tuple[str, str], np.ndarray]) -> None:
+    """Each member run's rows along its prompts' reference sequences, into as_run by (label,
+    prompt id): computed once per prompt and shared by the members (a row is a vocabulary of
+    float64s: 2 MB on Gemma's 262k, so ten runs of 10 prompts x 64 tokens each holding their own
+    would take 13 GB). A run whose prompt ids are not the reference's gets none (its ids fail)."""
+    rows = {}
+    for label, record in members:
+        for result in record.results:
+            reference = references.get(result.prompt_id)
+            if result.ok and reference and tuple(result.prompt_ids) == reference[0]:
+                if result.prompt_id not in rows:
+                    rows[result.prompt_id] = score(session, *reference)
+                as_run[label, result.prompt_id] = rows[result.prompt_id]
+
+
+def scored_with_path_checks(runs: Sequence[tuple[str, RunRecord]], threads: int = 1,
+                            decodes: Optional[DecodedRows] = None,
+                            ) -> tuple[dict[tuple[str, str], np.ndarray], tuple[PathCheck, ...], dict[str, BatchNoise]]:
+    """Every run re-scored on its scorer with its numerics, one load per scorer: the one-pass rows
+    along the reference sequences (as_run, by run label and prompt id: every logit check reads
+    them), then that scorer's verification-batch and nondeterminism checks (module docstring),
+    with each run's measured batch-shape noise by label; then each drafter's rollback check.
     decodes: where the one-token decodes of the scorers the float control reads again are kept."""
     decodes = decodes or DecodedRows()
     references = reference_sequences(runs)
@@ -245,16 +263,17 @@ def path_checks(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str, s
     for label, record in runs:
         if not record.imported:
             groups.setdefault(scorer_key(record), []).append((label, record))
-    checks, noises = [], {}
+    as_run, checks, noises = {}, [], {}
     for key, members in groups.items():
         first_label = members[0][0]
-        prompts = {p: ref for p, ref in references.items() if (first_label, p) in as_run}
-        if not prompts:
-            continue
         labels, name = tuple(label for label, _ in members), scorer_label(key)
         batches = _batches([record for _, record in members])
-        per_prompt = max(LEAST_ROWS, min(CONTROL_ROWS, DECODED_ROWS // len(prompts)))
         with open_scorer(members[0][1], threads=threads) as session:
+            _one_pass_rows(session, members, references, as_run)
+            prompts = {p: ref for p, ref in references.items() if (first_label, p) in as_run}
+            if not prompts:
+                continue
+            per_prompt = max(LEAST_ROWS, min(CONTROL_ROWS, DECODED_ROWS // len(prompts)))
             measured = _measure(session, key, prompts, {p: as_run[first_label, p] for p in prompts}, batches,
                                 per_prompt, decodes)
         noise = measured.noise.summary()
@@ -276,7 +295,7 @@ def path_checks(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str, s
             drafters.setdefault(scorer_key(record, "drafter"), []).append((label, record))
     if references:
         checks += drafter_checks(drafters, references, threads)
-    return tuple(checks), noises
+    return as_run, tuple(checks), noises
 
 
 def _departure_chance(margins: Sequence[float], shifts: np.ndarray) -> float:
