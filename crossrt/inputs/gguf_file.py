@@ -179,8 +179,24 @@ def _value(data, offset: int, value_type: int, order: str) -> tuple[object, int]
         if offset + count * dtype.itemsize > len(data):
             raise ValueError(f"an array at byte {offset} runs past the end of the file")
         return np.frombuffer(data, dtype, count, offset).tolist(), offset + count * dtype.itemsize
+    if item_type == STRING:
+        return _strings(data, offset, count, order)
     items = []
     for _ in range(count):
         item, offset = _value(data, offset, item_type, order)
         items.append(item)
+    return items, offset
+
+
+def _strings(data, offset: int, count: int, order: str) -> tuple[list[str], int]:
+    """An array of count strings, read in one loop: a vocabulary is 262,144 of them on Gemma 3,
+    and a call per string made reading its layout half a second."""
+    length_at = struct.Struct(order + "Q").unpack_from
+    size, items = len(data), []
+    for _ in range(count):
+        start = offset + 8
+        offset = start + length_at(data, offset)[0]
+        if offset > size:
+            raise ValueError(f"a string at byte {start - 8} runs past the end of the file")
+        items.append(data[start:offset].decode("utf-8"))
     return items, offset
