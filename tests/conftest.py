@@ -22,7 +22,7 @@ TINY_PAIR = REPO / "models" / "pairs" / "tiny.toml"
 REAL_PAIR = REPO / "models" / "pairs" / "gemma3-270m.toml"
 # Conversions for a runtime, keyed by their source's digest and written under a temporary name:
 # the session's cache reads the user's (scripts/setup converted the real model there).
-SHARED_CACHE = ("hf-from-gguf", "vllm-folders", "float-twins")
+SHARED_CACHE = ("hf-from-gguf", "vllm-folders", "float-twins", "head-corpora")
 THREAD_POOLS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 

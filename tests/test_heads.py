@@ -23,7 +23,8 @@ from crossrt.inputs.pairs import load_pair
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
 from crossrt.errors import SettingsError
-from crossrt.run.runtime import RuntimeOptions, availability, open_runtime
+from crossrt.run.head_corpus import corpus_path, head_corpus
+from crossrt.run.runtime import Rows, RuntimeOptions, availability, open_runtime
 from crossrt.run.schedules import SERVER, SPEC_SIMPLE
 
 from conftest import REAL_PAIR, REPO, assert_clean_error
@@ -63,6 +64,24 @@ def test_command_writes_one_head_in_every_format(tmp_path):
     again = invoke("drafter", "eagle3", TARGET, tmp_path / "again", *options)
     assert again.exit_code == 0 and "(cached)" in again.output, again.output
     assert (tmp_path / "again" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_a_shorter_corpus_is_cut_from_a_longer_one():
+    """Greedy one-token decoding is prefix-consistent, so one corpus per target serves every
+    length (setup's, of 64 new tokens, serves the tests' 8): the corpus of 8 decoded afresh on
+    its first prompts equals the cached one cut at 8, and the corpus of 2 is that one cut at 2."""
+    corpus = head_corpus(TARGET, 8)  # cut from a longer cached corpus, or written (then cached)
+    assert json.loads(corpus_path(TARGET).read_text())["new_tokens"] >= 8
+    with open_runtime("llama-cpp", RuntimeOptions(threads=1, n_ctx=512)).load(TARGET) as session:
+        for sequence in corpus[:3]:  # as the corpus is decoded: a prompt pass, then one token at a time
+            ids = list(sequence.ids[:sequence.n_prompt])
+            session.truncate(0)
+            row = session.eval(ids, Rows.LAST)[0]
+            while len(ids) < sequence.n_prompt + 8 and (len(ids) == sequence.n_prompt or ids[-1] not in session.eog_ids):
+                ids.append(int(row.argmax()))
+                row = session.eval(ids[-1:], Rows.LAST)[0]
+            assert tuple(ids) == sequence.ids
+    assert head_corpus(TARGET, 2) == [type(s)(s.category, s.ids[:s.n_prompt + 2], s.n_prompt) for s in corpus]
 
 
 def test_dflash_command_writes_one_drafter_in_both_formats(tmp_path):

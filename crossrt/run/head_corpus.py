@@ -6,7 +6,8 @@ structured: crossrt/data/prompts/{code,prose,structured}.jsonl, 22 prompts each)
 the prompts runs default to (builtin.jsonl), so acceptance measured on those is held out. The
 continuations come from llama.cpp on the target's GGUF (in-process, one thread: ~50 tokens/s for
 a 135M model), the runtime whose drafting the head serves; greedy, so reproducible. Cached by the
-target's digest and the settings in crossrt's cache folder: every head of one target shares it.
+target's digest in crossrt's cache folder: every head of one target shares it, a shorter corpus
+cut from a longer one.
 """
 
 from __future__ import annotations
@@ -23,35 +24,37 @@ from crossrt.inputs.prompts import load_prompts
 from crossrt.records.journal import write_atomically
 
 CONTENT_TYPES = ("code", "prose", "structured")
-CORPUS_VERSION = 1  # bump when what a corpus holds changes: cached corpora are then remade
+CORPUS_VERSION = 2  # bump when what a corpus holds changes: cached corpora are then remade
 
 
 class HeadCorpusError(CrossrtError, ValueError):
     """The target cannot write the corpus, said for the user."""
 
 
-def corpus_key(target: Path, new_tokens: int) -> str:
-    text = json.dumps({"version": CORPUS_VERSION, "target": sha256_of(target), "new_tokens": new_tokens,
-                       "types": CONTENT_TYPES}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def corpus_path(target: Path, new_tokens: int) -> Path:
-    return cache_dir() / "heads" / "corpus" / f"{corpus_key(target, new_tokens)}.json"
+def corpus_path(target: Path) -> Path:
+    """One corpus per target, the longest asked for: greedy decoding one token at a time is
+    prefix-consistent, so a corpus of n new tokens is every longer one's continuations cut at n."""
+    text = json.dumps({"version": CORPUS_VERSION, "target": sha256_of(target), "types": CONTENT_TYPES},
+                      sort_keys=True)
+    return cache_dir() / "head-corpora" / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
 
 
 def head_corpus(target: Path, new_tokens: int,
                 progress: Optional[Callable[[int, int], None]] = None) -> list[CorpusSequence]:
-    """The corpus for target's heads: cached, else written (progress(done, total) per prompt)."""
-    path = corpus_path(target, new_tokens)
+    """The corpus for target's heads: cut from the cached one where it is as long, else written
+    (progress(done, total) per prompt) and cached in its place."""
+    path = corpus_path(target)
     if path.is_file():
         try:
-            return [CorpusSequence(item["category"], tuple(item["ids"]), item["n_prompt"])
-                    for item in json.loads(path.read_text())]
+            cached = json.loads(path.read_text())
+            if cached["new_tokens"] >= new_tokens:
+                return [CorpusSequence(item["category"], tuple(item["ids"][:item["n_prompt"] + new_tokens]),
+                                       item["n_prompt"]) for item in cached["sequences"]]
         except (ValueError, KeyError, TypeError):
             pass  # damaged: written again below
     sequences = _greedy_continuations(target, new_tokens, progress)
-    data = [{"category": s.category, "ids": list(s.ids), "n_prompt": s.n_prompt} for s in sequences]
+    data = {"new_tokens": new_tokens,
+            "sequences": [{"category": s.category, "ids": list(s.ids), "n_prompt": s.n_prompt} for s in sequences]}
     write_atomically(path, json.dumps(data).encode(), "$CROSSRT_CACHE")
     return sequences
 
