@@ -60,3 +60,21 @@ def test_a_second_clone_copies_the_machines_build_and_a_built_clone_seeds_it(tmp
     assert (shared / "complete").is_file() and (shared / "bin" / "libllama.so").exists()
     done = _build(second, cache)
     assert done.returncode == 0 and "copied from this machine's build" in done.stderr, done.stderr
+
+
+def test_what_the_probe_turned_off_on_this_cpu_is_carried_to_the_next_clone(tmp_path):
+    """A clone's fallback flags (setup's probe writes them where kernels fault) are kept for the
+    machine and copied into a clone that has none, where the build and the probe read them. Its
+    first line names other flags than these runs', so no build here uses them."""
+    cache = tmp_path / "cache"
+    first, second = _clone(tmp_path / "first"), _clone(tmp_path / "second")
+    fallback = "-DOTHER=1 | another cpu\n{}\n-DGGML_AVX512=OFF\n"
+    (first / ".cache" / "llama-tools" / "fallback-flags").write_text(fallback)
+    key = subprocess.run([str(first / "scripts" / "build_llama_tools"), "--cache-key"], cwd=first,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    shutil.copytree(BIN, cache / "llama-builds" / key / "bin", symlinks=True)
+    (cache / "llama-builds" / key / "complete").touch()
+    for clone in (first, second):
+        done = _build(clone, cache)
+        assert done.returncode == 0 and "copied from this machine's build" in done.stderr, done.stderr
+    assert (second / ".cache" / "llama-tools" / "fallback-flags").read_text() == fallback
