@@ -6,7 +6,7 @@ non-empty cache, the shape of a speculative step and never of plain greedy decod
 pass runs on an empty cache, a decode is one token). Plain greedy output stays exact; only
 speculative output can leave it, as with the bugs users report (llama.cpp#27306, vllm#54506).
 
-A plant is switched on by CROSSRT_PLANT_VERIFY=<kind>[:<size>] in the environment, so every process of
+A plant is switched on by CROSSRT_PLANT_VERIFY=<kind>[:<size>][,...] in the environment, so every process of
 a command (each run's, the re-scoring's) carries it; the transformers runtime installs it before
 a model loads (TransformersRuntime.load). scripts/planted_bugs.py --verification prints
 which kinds parity catches; tests/test_planted_path.py asserts each fails.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -43,26 +42,33 @@ PATH_PLANTS = (
 # Not a verification-path bug: fresh random noise on every call's logits, whatever its shape (a
 # nondeterministic runtime, whose noise control would otherwise widen with it).
 CALL_NOISE = PathPlant("call-noise", "fresh Gaussian noise of sigma 0.01 on every call's logits")
+# The kinds that change the target's verification-shaped calls (the drafter's rollback is apart).
+VERIFICATION_KINDS = tuple(plant.name for plant in PATH_PLANTS if plant.name != "drafter-rollback")
 SCALE = 1.13
 NOISE_SIGMA = 0.01
 
 
-def planted() -> Optional[str]:
-    """The kind named in the environment, or None; an unknown name is an error, not ignored."""
+def plants() -> dict[str, str]:
+    """The kinds named in the environment (kind[:size], comma-separated: a plant in the target's
+    verification path and one in the drafter's rollback are independent), each with its size as
+    given ("" for none); an unknown name is an error, not ignored."""
     value = os.environ.get(PLANT_ENV)
     if not value:
-        return None
-    name = value.split(":")[0]
+        return {}
     kinds = [plant.name for plant in (*PATH_PLANTS, CALL_NOISE)]
-    if name not in kinds:
-        raise SettingsError(f"{PLANT_ENV}={value!r}: kinds are {', '.join(kinds)} (attention-scale:SCALE, "
-                            "call-noise:SIGMA and drafter-rollback:LAYERS take a size)")
-    return name
+    found = {}
+    for part in value.split(","):
+        name, _, given = part.strip().partition(":")
+        if name not in kinds:
+            raise SettingsError(f"{PLANT_ENV}={value!r}: kinds are {', '.join(kinds)} (attention-scale:SCALE, "
+                                "call-noise:SIGMA and drafter-rollback:LAYERS take a size), comma-separated")
+        found[name] = given
+    return found
 
 
-def size(default: float) -> float:
-    """The plant's size where the environment gives one (kind:size), else default."""
-    _, _, given = os.environ.get(PLANT_ENV, "").partition(":")
+def size(name: str, default: float) -> float:
+    """The size the environment gives plant name (kind:size), else default."""
+    given = plants().get(name, "")
     try:
         return float(given) if given else default
     except ValueError:
@@ -72,17 +78,18 @@ def size(default: float) -> float:
 def install(session: type) -> None:
     """Wrap the transformers runtime's session class so that each call follows the plant the
     environment names at that moment (none: the clean call). Once per process."""
-    if planted() is None or getattr(session, "_plants_installed", False):
+    if not plants() or getattr(session, "_plants_installed", False):
         return
     clean_forward, clean_drop, clean_init = session._forward, session._drop, session.__init__
     session._plants_installed = True
 
     def forward(self, tokens, rows):
-        name = planted()
-        if name == "call-noise":
+        names = plants()
+        if "call-noise" in names:
             logits = clean_forward(self, tokens, rows)
-            return logits + _rng.normal(0.0, size(NOISE_SIGMA), logits.shape).astype(logits.dtype)
-        if name in (None, "drafter-rollback") or len(tokens) < 2 or self._n_past == 0:
+            return logits + _rng.normal(0.0, size("call-noise", NOISE_SIGMA), logits.shape).astype(logits.dtype)
+        name = next((name for name in names if name in VERIFICATION_KINDS), None)
+        if name is None or len(tokens) < 2 or self._n_past == 0:
             return clean_forward(self, tokens, rows)
         if name == "attention-scale":
             with _scaled_queries(self._model):
@@ -98,10 +105,10 @@ def install(session: type) -> None:
         layers = self._model.config.get_text_config().num_hidden_layers
         _layers_seen.append(layers)
         # The drafter: a model of fewer layers than drafter-rollback:N says, else than the largest loaded.
-        self._plant_skips_crop = layers < size(max(_layers_seen))
+        self._plant_skips_crop = layers < size("drafter-rollback", max(_layers_seen))
 
     def drop(self, n_keep):
-        if planted() == "drafter-rollback" and n_keep > 0 and self._plant_skips_crop:
+        if "drafter-rollback" in plants() and n_keep > 0 and self._plant_skips_crop:
             return None  # the rejected drafts stay in the cache, read by every later draft
         return clean_drop(self, n_keep)
 
@@ -115,7 +122,7 @@ _rng = np.random.default_rng()  # unseeded: every call's noise is new
 @contextlib.contextmanager
 def _scaled_queries(model):
     """Every attention layer's query (after its norm, where it has one) scaled by SCALE."""
-    scale = size(SCALE)
+    scale = size("attention-scale", SCALE)
     hooks = []
     for module in model.modules():
         target = getattr(module, "q_norm", None) or getattr(module, "q_proj", None)
