@@ -153,6 +153,7 @@ def test_simulate_tree_and_analyze_ceiling_commands(tmp_path):
     data = json.loads(out.read_text())
     assert [(run["lossless"], run["as_simulated"]) for run in data["tree_runs"]] == \
         [(run["prompts"], run["prompts"]) for run in data["tree_runs"]]
+    assert all(run["not_lossless"] == run["not_as_simulated"] == [] for run in data["tree_runs"])
     assert data["chain_mismatch"] == []
     record = tmp_path / "run.json"
     ran = CliRunner().invoke(cli, ["run", "--pair", "tiny", "--k", "4", "--max-new-tokens", "24", "--n-ctx", "256",

@@ -105,6 +105,16 @@ def test_against_a_saved_import_compares_nothing_and_fails(runs):
                                         "llama-server/native")
 
 
+def test_against_a_saved_run_of_another_k_names_it_and_counts_no_prompt(runs):
+    """With no saved run of the same runtime, mode and k, the headline used to say `1 prompts`."""
+    result = invoke("parity", runs["k4"], "--against", runs["k2"], "--no-logits")
+    assert result.exit_code == 1, result.output
+    assert ("llama-cpp/driven vs saved baseline: no prompt compared: no saved run of the same runtime, mode and k "
+            "(k4; saved: llama-cpp/driven k2)") in result.output
+    assert "llama-cpp/driven (saved) vs new runs: no prompt compared: not run this time" in result.output
+    assert "1 prompts" not in result.output
+
+
 def test_a_run_whose_every_prompt_failed_is_not_lossless_by_default(tmp_path):
     """Each prompt's lossless check used to count a failed prompt `identical`: a run of nothing passed."""
     record = run_tiny(tmp_path / "short.json", "--n-ctx", 16)

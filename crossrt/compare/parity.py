@@ -53,9 +53,12 @@ class CounterGap:
     b: int
 
 
+WHOLE_RUN = "*"  # the prompt id of a comparison that is about a whole run
+
+
 @dataclass(frozen=True)
 class PromptParity:
-    """One prompt, two runs."""
+    """One prompt, two runs (prompt_id WHOLE_RUN: a problem of the whole run, no prompt compared)."""
 
     prompt_id: str
     run_a: str
@@ -302,16 +305,17 @@ def compare_against(runs: Sequence[tuple[str, RunRecord]], baselines: Sequence[R
         return record.runtime.name, record.params.mode, record.params.k
 
     saved = {key(record): record for record in baselines}
+    kinds = ", ".join(f"{run_label(record)} k{record.params.k}" for record in baselines)
     comparisons = []
     for label, record in runs:
         baseline = saved.pop(key(record), None)
         if baseline is None:
-            comparisons.append(PromptParity("*", label, "saved baseline", ("no saved baseline for this run",),
-                                            None, (), False))
+            why = f"no saved run of the same runtime, mode and k (k{record.params.k}; saved: {kinds})"
+            comparisons.append(PromptParity(WHOLE_RUN, label, "saved baseline", (why,), None, (), False))
             continue
         labels = (f"{run_label(baseline)} (saved)", label)
         explainer = Explainer(twins_of([(labels[0], baseline), (label, record)]), replay)
         comparisons.extend(compare_records(baseline, record, counter_tolerance, labels, explainer))
-    comparisons.extend(PromptParity("*", f"{run_label(record)} (saved)", "new runs", ("not run this time",),
+    comparisons.extend(PromptParity(WHOLE_RUN, f"{run_label(record)} (saved)", "new runs", ("not run this time",),
                                     None, (), False) for record in saved.values())
     return comparisons

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from crossrt.compare.control import FLOAT_CONTROL, WEIGHTS, ControlCheck
-from crossrt.compare.parity import COUNTERS, IDS, OWN_BASELINE, PromptParity
+from crossrt.compare.parity import COUNTERS, IDS, OWN_BASELINE, WHOLE_RUN, PromptParity
 from crossrt.compare.rescore import LogitAgreement, ScoredRows, agreement
 from crossrt.compare.tolerance import Tolerance
 from crossrt.compare.verification import VERIFICATION
@@ -176,9 +176,13 @@ class Headline:
     failed: int
     not_comparable: int = 0
     why_not: str = ""  # why those were not comparable
+    whole_run: str = ""  # the problem of two runs no prompt of which was compared (no saved run, not run)
 
     @classmethod
     def of(cls, group: Sequence[PromptParity], counters_only: bool = False) -> "Headline":
+        whole = [c for c in group if c.prompt_id == WHOLE_RUN]
+        if whole:
+            return cls(0, 0, (), 0, len(whole), whole_run="; ".join(dict.fromkeys(p for c in whole for p in c.problems)))
         passed = [c for c in group if c.ok]
         explained = [c for c in passed if comparable(c, counters_only) and not c.identical]
         incomparable = [c for c in passed if not comparable(c, counters_only)]
@@ -195,6 +199,8 @@ class Headline:
         return ", ".join(f"{cause} {n}" for cause, n in self.explained)
 
     def describe(self) -> str:
+        if self.whole_run:
+            return f"no prompt compared: {self.whole_run}"
         return (f"{self.prompts} prompts: {self.identical} identical, {self.explained_prompts} explained"
                 + (f" ({self.by_cause()})" if self.explained else "") + f", {self.failed} failed, "
                 + f"{self.not_comparable} not comparable" + (f" ({self.why_not})" if self.not_comparable else ""))
@@ -210,7 +216,7 @@ def headlines(report: ParityReport) -> list[tuple[str, str, Headline, str]]:
 
 
 def render_text(report: ParityReport) -> str:
-    lines = [f"{run_a} vs {run_b}: {headline.describe()}; {counting}"
+    lines = [f"{run_a} vs {run_b}: {headline.describe()}" + ("" if headline.whole_run else f"; {counting}")
              for run_a, run_b, headline, counting in headlines(report)]
     checks = report.logit_checks
     if checks:

@@ -33,6 +33,8 @@ class TreeRun:
     steps: int
     decode_s: float
     greedy_decode_s: float  # plain greedy decoding of the same tokens, same session settings
+    not_lossless: tuple[str, ...] = ()  # prompt ids whose output left the greedy output
+    not_as_simulated: tuple[str, ...] = ()  # lossless prompt ids whose steps differ from the simulator's
 
     @property
     def totals(self) -> Totals:
@@ -91,18 +93,21 @@ def run_trees(section: TreeSection, runtime: Runtime, target_path: Path, target:
     runs = []
     with runtime.load_tree(target_path, widest) as tree_target:
         for tree in section.trees:
-            lossless = as_simulated = emitted = steps = 0
+            emitted = steps = 0
             spent = 0.0
+            not_lossless, not_as_simulated = [], []
             for rank in section.ranks:
                 real = loop.speculative_generate(tree_target, drafter, rank.prompt_ids, DraftRules(tree.depth),
                                                  rank.max_new_tokens, tree=tree)
                 sim = simulate_tree(rank, tree)
-                if real.output_ids == rank.output:
-                    lossless += 1
-                    as_simulated += (real.step_drafted, real.step_accepted) == (sim.step_drafted, sim.step_accepted)
+                if real.output_ids != rank.output:
+                    not_lossless.append(rank.prompt_id)
+                elif (real.step_drafted, real.step_accepted) != (sim.step_drafted, sim.step_accepted):
+                    not_as_simulated.append(rank.prompt_id)
                 emitted += len(real.output_ids)
                 steps += len(real.step_accepted)
                 spent += real.decode_s
-            runs.append(TreeRun(tree.label, len(section.ranks), lossless, as_simulated, emitted, steps, spent,
-                                sum(greedy.values())))
+            lossless = len(section.ranks) - len(not_lossless)
+            runs.append(TreeRun(tree.label, len(section.ranks), lossless, lossless - len(not_as_simulated), emitted,
+                                steps, spent, sum(greedy.values()), tuple(not_lossless), tuple(not_as_simulated)))
     return dataclasses.replace(section, runs=tuple(runs))
