@@ -469,4 +469,16 @@ def test_an_interrupted_parity_says_what_each_record_kept(tmp_path):
     assert process.returncode == 130 and "Traceback" not in stderr and "Aborted!" not in stderr, stderr
     assert f"interrupted: the runs' records in {out_dir}:" in stderr, stderr
     assert re.search(rf"[1-9]\d* of 10 prompts finished, kept in {re.escape(str(first))}", stderr), stderr
-    assert f"crossrt parity {out_dir}/*.json" in stderr
+    # The command printed continues the matrix: the finished prompts kept, the rest run.
+    command = shlex.split(stderr.split("continue with:\n  ")[1].splitlines()[0])
+    assert command[0] == "crossrt" and command[-1] == "--resume", command
+    kept_before = load_record(first).results
+    resumed = subprocess.run([CROSSRT, *command[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    after = load_record(first).results
+    assert len(after) == 10 and after[:len(kept_before)] == kept_before
+    assert len(load_record(out_dir / "tiny-transformers-driven-k4.json").results) == 10
+    changed = crossrt("parity", "--pair", "tiny", "--runtimes", "llama-cpp", "--modes", "driven", "--max-new-tokens",
+                      "32", "--out-dir", out_dir, "--resume", cwd=tmp_path)
+    assert changed.returncode == 1 and "cannot resume" in changed.stderr and "max_new_tokens" in changed.stderr, \
+        changed.stderr

@@ -7,6 +7,8 @@ import functools
 import hashlib
 import json
 import os
+import shlex
+import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -16,6 +18,7 @@ from crossrt.errors import USER_ERRORS
 from crossrt.inputs.prompts import sources_help
 from crossrt.records.record_json import RECORD_BYTES
 from crossrt.records.schema import RecordError
+from crossrt.run.runtime import without_user_info
 
 PROMPTS_HELP = sources_help()
 
@@ -122,3 +125,21 @@ def distinct_records(paths: Sequence[Path]) -> None:
             same = "" if Path(path).resolve() == Path(seen[key]).resolve() else f" (the same record as {seen[key]})"
             raise RecordError(f"{path} is given twice{same}")
         seen[key] = path
+
+
+def resume_command(out: Path | None = None) -> str:
+    """This command line, made to continue what it wrote (with --out out where it named none).
+    A URL's user info and query (a password, an API key) are left out, with a word saying so: a
+    message never carries them."""
+    args = [_shown(arg) for arg in sys.argv[1:] if arg not in ("--resume", "--overwrite")]
+    if out is not None and not any(arg == "--out" or arg.startswith("--out=") for arg in args):
+        args += ["--out", str(out)]
+    command = shlex.join(["crossrt", *args, "--resume"])
+    hidden = [arg for arg in sys.argv[1:] if _shown(arg) != arg]
+    return command + ("  (a URL's user info and query are left out here: give them again)" if hidden else "")
+
+
+def _shown(arg: str) -> str:
+    """arg with any URL in it shown without user info or query (--url=URL, or URL alone)."""
+    option, equals, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    return option + equals + without_user_info(value) if "://" in value else arg

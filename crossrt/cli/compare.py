@@ -8,7 +8,8 @@ from typing import Sequence
 
 import click
 
-from crossrt.cli.common import PROMPTS_HELP, CommaChoice, distinct_records, refuse_inputs_as_outputs, user_errors
+from crossrt.cli.common import (PROMPTS_HELP, CommaChoice, distinct_records, refuse_inputs_as_outputs, resume_command,
+                                user_errors)
 from crossrt.cli.options import runtime_options
 from crossrt.cli.prompt_options import chat_options, fed_prompts, first_answers
 from crossrt.compare.diff import diff_records, record_splits, render_diff, render_record_splits
@@ -41,6 +42,8 @@ from crossrt.run.runtime import runtime_names, usable_runtimes
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("runs/parity"),
               show_default=True, help="Where the matrix's run records go.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted matrix: each cell's record in --out-dir "
+              "keeps its finished prompts (the same settings only; other settings are refused, naming them).")
 @click.option("--against", "baselines", multiple=True, type=click.Path(path_type=Path, dir_okay=False),
               help="Saved record(s) to compare the new runs with (same runtime, mode and k); repeatable.")
 @click.option("--counter-tolerance", type=click.FloatRange(min=0), default=0.0, show_default=True,
@@ -73,7 +76,7 @@ from crossrt.run.runtime import runtime_names, usable_runtimes
               help="Write crossrt report's page of the runs with every split explained (docs/report.md).")
 @chat_options
 @runtime_options
-def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max_new_tokens, out_dir,
+def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max_new_tokens, out_dir, resume,
            baselines, counter_tolerance, logit_tolerance, strict, no_logits, no_float_control, counters_only, no_rescore,
            jobs, junit, markdown, html, chat, chat_template, template_vars, turn, first_answers_file, options) -> None:
     """Check that runs agree: same token ids over the full length, counters equal between runs
@@ -93,6 +96,8 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
                if path}
     refuse_inputs_as_outputs(written, [*records, *baselines])  # before anything runs
     not_run, skipped = [], []
+    if records and resume:
+        raise click.UsageError("--resume continues a matrix's runs (--pair ...); records given are compared as they are")
     if records:
         distinct_records([*records, *baselines])
         runs = labelled([load_record(path) for path in records], [str(path) for path in records])
@@ -105,13 +110,13 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
             usable = usable_runtimes()
             runtimes = tuple(dict.fromkeys(n for name in runtimes for n in (usable if name == "usable" else (name,))))
         matrix = Matrix(resolved, runtimes, modes, options, run_k(resolved, k), max_new_tokens, out_dir,
-                        chat=rendering, prompt_format=prompt_format)
+                        chat=rendering, prompt_format=prompt_format, resume=resume)
         try:
             records_run, not_run, skipped = run_matrix(
                 matrix, prompts, jobs=jobs, on_run=lambda label: click.echo(f"running {label}", err=True),
                 on_warning=lambda line: click.echo(f"warning: {line}", err=True))
         except KeyboardInterrupt:
-            _interrupted(out_dir, len(prompts))
+            _interrupted(matrix, len(prompts))
         runs = labelled(records_run, [""] * len(records_run))
     # Explaining splits and re-scoring logits load runtimes: in a process of their own, where a crash
     # is a FAIL and the runs are still compared from what they recorded.
@@ -141,13 +146,14 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
     sys.exit(0 if report.ok else 1)
 
 
-def _interrupted(out_dir: Path, prompts: int) -> None:
-    """A parity matrix interrupted while its runs ran: what each record holds, and how to go on."""
-    said = [kept(path, prompts) for path in sorted(out_dir.glob("*.json"))]
+def _interrupted(matrix: Matrix, prompts: int) -> None:
+    """A parity matrix interrupted while its runs ran: what each of its records holds, and how to go on."""
+    paths = [path for name in matrix.runtimes for mode in matrix.modes if (path := matrix.record_path(name, mode)).exists()]
+    said = [kept(path, prompts) for path in paths]
     lines = [f"  {line}" for line in said if line != "no prompt finished"]
     kept_lines = "\n".join(lines) if lines else "  no record was written yet"
-    click.echo(f"\ninterrupted: the runs' records in {out_dir}:\n{kept_lines}\ncompare what finished with: crossrt parity "
-               f"{out_dir}/*.json (or continue one with crossrt run ... --out RECORD --resume)", err=True)
+    click.echo(f"\ninterrupted: the runs' records in {matrix.out_dir}:\n{kept_lines}\ncontinue with:\n  "
+               f"{resume_command()}", err=True)
     sys.exit(130)
 
 

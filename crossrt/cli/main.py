@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 from typing import Sequence
 
 import click
 
-from crossrt.cli.common import PROMPTS_HELP, distinct_records, user_errors
+from crossrt.cli.common import PROMPTS_HELP, distinct_records, resume_command, user_errors
 from crossrt.cli.analysis import analyze, simulate_command
 from crossrt.cli.cache import cache
 from crossrt.cli.compare import diff, parity
@@ -30,8 +29,7 @@ from crossrt.inputs.pairs import run_k, run_spec_type
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.record_name import default_record_path
 from crossrt.run.rules import run_rules
-from crossrt.run.runtime import (SPEC_TYPES, availability, runtime_class, runtime_names, usable_runtimes,
-                                 without_user_info)
+from crossrt.run.runtime import SPEC_TYPES, availability, runtime_class, runtime_names, usable_runtimes
 from crossrt.records.journal import journal_path
 from crossrt.records.record_json import load_record
 from crossrt.records.tables import format_table, record_notes, stored_baselines_note, summary_rows
@@ -158,24 +156,6 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
     click.echo(f"record: {out}")
     if record.results and len(failed) == len(record.results):
         raise click.ClickException(f"all {len(failed)} prompts failed (first: {failed[0].error})")
-
-
-def resume_command(out: Path) -> str:
-    """The command line of this run, made to continue the record at out. A URL's user info and
-    query (a password, an API key) are left out, with a word saying so: a message never carries
-    them."""
-    args = [_shown(arg) for arg in sys.argv[1:] if arg not in ("--resume", "--overwrite")]
-    if not any(arg == "--out" or arg.startswith("--out=") for arg in args):
-        args += ["--out", str(out)]
-    command = shlex.join(["crossrt", *args, "--resume"])
-    hidden = [arg for arg in sys.argv[1:] if _shown(arg) != arg]
-    return command + ("  (a URL's user info and query are left out here: give them again)" if hidden else "")
-
-
-def _shown(arg: str) -> str:
-    """arg with any URL in it shown without user info or query (--url=URL, or URL alone)."""
-    option, equals, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
-    return option + equals + without_user_info(value) if "://" in value else arg
 
 
 @main.command()

@@ -45,6 +45,10 @@ class Matrix:
     out_dir: Path
     chat: Optional[ChatRendering] = None  # the chat template prompts were rendered with, for template parity
     prompt_format: Optional[PromptFormat] = None
+    resume: bool = False  # continue each cell's record (the same settings only), else replace it
+
+    def record_path(self, name: str, mode: str) -> Path:
+        return self.out_dir / f"{self.pair.name}-{name}-{mode}-k{self.k}.json"
 
 
 def cell_rules(matrix: Matrix, name: str, mode: str) -> tuple[DraftRules, tuple[str, ...]]:
@@ -54,9 +58,9 @@ def cell_rules(matrix: Matrix, name: str, mode: str) -> tuple[DraftRules, tuple[
 
 
 def _request(matrix: Matrix, name: str, mode: str, shared_ids: Optional[dict]) -> RunRequest:
-    out = matrix.out_dir / f"{matrix.pair.name}-{name}-{mode}-k{matrix.k}.json"
     return RunRequest(pair=matrix.pair, runtime=name, options=matrix.options, rules=cell_rules(matrix, name, mode)[0],
-                      max_new_tokens=matrix.max_new_tokens, out=out, mode=mode, overwrite=True,
+                      max_new_tokens=matrix.max_new_tokens, out=matrix.record_path(name, mode), mode=mode,
+                      resume=matrix.resume, overwrite=not matrix.resume,
                       shared_prompt_ids=shared_ids, chat=matrix.chat, prompt_format=matrix.prompt_format,
                       baselines=BaselineStore.default(),
                       # --jobs runs start at once: each checks memory and loads in turn
