@@ -17,6 +17,7 @@ from typing import Optional, Union
 
 from crossrt.records import metrics
 from crossrt.errors import CrossrtError
+from crossrt.inputs.builtin import named
 from crossrt.run.loop import SCHEDULES
 from crossrt.run.runtime import SPEC_TYPES
 from crossrt.records.schema import RunRecord
@@ -236,7 +237,8 @@ def parse_claim(entry: object, index: int, origin: Path) -> Claim:
 
 
 def load_claims(path: Path) -> list[Claim]:
-    path = Path(path)
+    """The claims of a file: a path, or a built-in claims file's name (community)."""
+    path = named("claims", path)
     if not path.is_file():
         raise ClaimError(f"claims file not found: {path}")
     try:

@@ -4,6 +4,8 @@
 
 - "tiny": the committed test pair (models/tiny): {target,drafter}.{f32,f16}.gguf, HF folders
   {target,drafter}-hf/ with the same F32 weights, and a README.md.
+  `python -m crossrt.builders.tinypair` builds it where the built-in manifests look (an installed
+  crossrt ships no model files: crossrt/inputs/builtin.py).
 - "tiny-hd64": the same design with head size 64 (vLLM's CPU attention refuses 16), built
   where needed (tests/test_vllm.py), not committed: F32 GGUFs and HF folders.
 - "bench": a ~60M-parameter target and ~10M-parameter drafter, F32 GGUF only, for timings.
@@ -37,6 +39,7 @@ from tokenizers import Tokenizer
 
 from crossrt.builders.model_files import (BOS, BOS_ID, CONTEXT_LENGTH, EOS, EOS_ID, RMS_EPS, ROPE_THETA,
                                  LlamaShape, train_tokenizer, write_gguf, write_hf)
+from crossrt.inputs.builtin import model_home
 
 EOS_SOURCE = "."  # followed by EOS when the token before it has bit 0, so some outputs end
 NORM_JITTER = 0.1  # norm weights are 1 + jitter, so a converter that drops one shows up
@@ -321,3 +324,8 @@ def build_pair(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> list
     files.append(out / "README.md")
     write_readme(files[-1], preset, seed, pair, counts, eos_example(tok, both[0]))
     return files
+
+
+if __name__ == "__main__":  # python -m crossrt.builders.tinypair: the tiny pair where its manifests look
+    for written in build_pair(model_home() / "tiny"):
+        print(written)

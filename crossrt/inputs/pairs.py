@@ -2,7 +2,8 @@
 
 A manifest (models/pairs/*.toml) gives, for each role, one path per model format:
 `gguf` (llama.cpp), `hf` (a transformers folder), `exl3` (an exllamav3 folder). Relative
-paths are relative to the manifest. An empty string marks a path left for the user to fill.
+paths are relative to the manifest (an installed crossrt's built-in ones: crossrt.inputs.builtin).
+An empty string marks a path left for the user to fill.
 
 Before any run, the vocabularies of the two files a runtime will load must be compatible
 (crossrt.inputs.vocabulary): pair_info checks them and describes the files for the record.
@@ -12,13 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from crossrt.errors import PairError
+from crossrt.inputs.builtin import cache_dir, missing_model_hint, model_path, named
 from crossrt.inputs.gguf_file import gguf_metadata
 from crossrt.inputs.vocabulary import Vocabulary, check_compatible, read_vocabulary
 from crossrt.records.schema import LoadedFile, ModelInfo, PairInfo
@@ -54,22 +55,18 @@ class Pair:
         value = named[model_format]
         path = Path(value).expanduser()
         if not path.is_absolute() and self.source is not None:
-            path = self.source.parent / path
+            path = model_path(self.source, path)
         if not path.exists():
-            raise PairError(f"{where}: {role} {model_format} file not found: {path}")
+            raise PairError(f"{where}: {role} {model_format} file not found: {path}{missing_model_hint(path)}")
         return path
 
 
-REPO_PAIRS = Path(__file__).resolve().parents[2] / "models" / "pairs"
 DEFAULT_K = 4  # draft tokens per step of a run that names no k and whose pair states none
 
 
 def manifest_path(name: str) -> Path:
-    """The manifest a --pair names: a path, else a name under models/pairs (tiny)."""
-    path = Path(name)
-    if not path.exists() and (REPO_PAIRS / f"{name}.toml").is_file():
-        return REPO_PAIRS / f"{name}.toml"
-    return path
+    """The manifest a --pair names: a path, else a built-in pair's name (tiny)."""
+    return named("pairs", name)
 
 
 def load_pair(manifest: Path) -> Pair:
@@ -137,14 +134,6 @@ def model_format(path: Path) -> str:
 
 
 # ---- fingerprints -------------------------------------------------------------------------
-
-def cache_dir() -> Path:
-    """crossrt's cache folder (file digests, models converted for a runtime): $CROSSRT_CACHE,
-    else crossrt/ in the user's cache folder."""
-    if os.environ.get("CROSSRT_CACHE"):
-        return Path(os.environ["CROSSRT_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "crossrt"
-
 
 def _file_sha256(path: Path, cache: dict[str, str]) -> str:
     stat = path.stat()

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from crossrt.inputs.builtin import named
 from crossrt.inputs.pairs import DEFAULT_K, PairError, load_pair, manifest_path, run_k, run_spec_type
 from crossrt.run.runtime import runtime_names
 from crossrt.sweep.cell import DEFAULTS, Cell, SweepError, make_cell, skip_reason
@@ -323,7 +324,8 @@ def parse_sweep(data: Mapping[str, Any], source: Path, servers: Servers = Server
 
 
 def load_sweep(path: Path, servers: Servers = Servers()) -> Sweep:
-    path = Path(path)
+    """The sweep a file plans: a path, or a built-in sweep's name (tiny)."""
+    path = named("sweeps", path)
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
