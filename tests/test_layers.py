@@ -12,7 +12,8 @@ BACKENDS = PACKAGE.parent / "backends"  # installed as crossrt.backends
 # from inputs' formats; simulate replays runs exactly on oracles the run stage's sessions compute.
 LAYERS = ("errors", "records", "inputs", "builders", "run", "simulate", "imports", "compare", "analyze", "report",
           "sweep", "cli")
-STAGE = {"backends": "run"}
+# progress (the bars long work shows) is read at every stage, as errors is: the first layer.
+STAGE = {"backends": "run", "progress": "errors"}
 
 
 def _module(path: Path) -> str:
@@ -31,7 +32,9 @@ def _layer(module: str):
 def _imports(path: Path):
     """Every module path imports, at the top or inside a function (a lazy import is an arrow too)."""
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        if isinstance(node, ast.ImportFrom) and node.module == "crossrt":  # from crossrt import progress
+            yield from (f"crossrt.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             yield node.module
         elif isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
 
+from crossrt import progress
 from crossrt.analyze.claims import Claim, Outcome, check_record
 from crossrt.errors import USER_ERRORS
 from crossrt.inputs.chat_template import ChatTemplateError, apply_template
@@ -179,7 +180,8 @@ def reproduce_claim(claim: Claim, settings: Settings, say: Callable[[str], None]
     for warning in plan.warnings:
         say(f"warning: {warning}")
     try:
-        record = run_pair_safely(request, plan.prompts)
+        with progress.bar(claim.id, len(plan.prompts)) as shown:
+            record = run_pair_safely(request, plan.prompts, on_prompt=lambda prompt, result: shown.update(1))
     except USER_ERRORS as error:
         return Outcome(claim, error=str(error), record=request.out)
     return Outcome(claim, check_record(claim, record, settings.hardware), record=request.out)

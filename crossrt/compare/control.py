@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from crossrt import progress
 from crossrt.compare.rescore import (DecodedRows, LogitAgreement, RowStatistics, ScoredRows, argmax_flips,
                                      log_softmax, logits_of, row_statistics, score, score_stepwise, scorer_key)
 from crossrt.compare.tolerance import QUANTIZED_ONE_RUNTIME, Tolerance
@@ -330,7 +331,8 @@ def float_controls(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str
                 rows[scoring, prompt_id], noise[scoring, prompt_id] = full, (full.prefix(len(step)), step)
             continue
         with open_float(scoring, n_ctx, threads) as session:
-            for prompt_id, (prompt_ids, output_ids) in references.items():
+            for prompt_id, (prompt_ids, output_ids) in progress.each(references.items(), "float control",
+                                                                     total=len(references)):
                 full = ScoredRows(score(session, prompt_ids, output_ids))  # log-probabilities computed once
                 rows[scoring, prompt_id] = full
                 step = score_stepwise(session, prompt_ids, output_ids, min(CONTROL_ROWS, len(full)))

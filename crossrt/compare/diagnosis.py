@@ -27,6 +27,7 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
+from crossrt import progress
 from crossrt.compare.splits import (BATCH_SHAPE, COUNTERS_UNEXPLAINED, CROSS_NUMERICS, DISAGREEMENT, DRAFT_RULE,
                                     DRAFTER_NUMERICS, INSIDE_DISAGREEMENT, NOT_REPRODUCED, STOP, UNEXPLAINED,
                                     Detokenize, Side, Split, first_divergence, no_text, own_tokenization,
@@ -372,7 +373,7 @@ def _draft_window(schedule: str, results: Sequence[PromptResult]) -> tuple[Optio
 def explain_record(label: str, record: RunRecord, explainer: Explainer) -> list[Split]:
     """Every tokenization split and lossless failure of one record, each with its cause."""
     splits = []
-    for result in record.results:
+    for result in progress.each(record.results, f"explaining {label}"):
         for split in (own_tokenization(label, result, explainer.detokenize),
                       template_split(label, result, explainer.detokenize),
                       explainer.lossless(label, record, result)):

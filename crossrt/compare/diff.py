@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from crossrt import progress
 from crossrt.compare.diagnosis import Explainer, explain_record, twins_of
 from crossrt.compare.splits import (DISAGREEMENT, Split, first_divergence, own_tokenization, template_split,
                                     tokenization_split)
@@ -178,7 +179,7 @@ def _diff(labels: tuple[str, str], records: tuple[RunRecord, RunRecord], scorers
     both = [(r, results_b[r.prompt_id]) for r in a.results if r.ok and r.prompt_id in results_b
             and results_b[r.prompt_id].ok]
     divergences, agreeing, measured = [], [], []
-    for result_a, result_b in both:
+    for result_a, result_b in progress.each(both, "diff"):
         tokenization = tokenization_split(result_a.prompt_id, (label_a, label_b),
                                           (result_a.prompt_ids, result_b.prompt_ids), scorers[0].detokenize) \
             or own_tokenization(label_a, result_a, scorers[0].detokenize) \

@@ -10,6 +10,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from crossrt import progress
 from crossrt.run.baselines import BaselineStore
 from crossrt.inputs.chat_template import ChatRendering
 from crossrt.run.driver import RunRequest
@@ -83,20 +84,26 @@ def _run_cells(matrix: Matrix, cells: Sequence[tuple[str, str]], prompts: Sequen
     outcomes: list[Optional[RunRecord | NotRun]] = [None] * len(cells)
     waiting = list(enumerate(cells))
     running: dict[int, IsolatedRun] = {}
+    bars = {}  # a bar per running cell, a step per prompt finished (the child's events)
     try:
         while waiting or running:
             while waiting and len(running) < jobs:
                 index, (name, mode) = waiting.pop(0)
                 announce(f"{name}/{mode}")
-                running[index] = IsolatedRun(_request(matrix, name, mode, shared_ids), prompts)
+                bars[index] = progress.bar(f"{name}/{mode}", len(prompts))
+                running[index] = IsolatedRun(_request(matrix, name, mode, shared_ids), prompts, events=True)
             ready = wait([run.connection for run in running.values()])
             for index, run in list(running.items()):
-                if run.connection in ready and run.step():
+                if run.connection in ready and run.step(lambda _, shown=bars[index]: shown.update(1)):
+                    bars.pop(index).close()
                     outcomes[index] = _outcome(running.pop(index), "/".join(cells[index]))
     except KeyboardInterrupt:
         for run in running.values():
             run.interrupt()
         raise
+    finally:
+        for shown in bars.values():
+            shown.close()
     return outcomes
 
 

@@ -31,6 +31,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
+from crossrt import progress
 from crossrt.errors import ComparisonError, CrossrtError, SettingsError
 from crossrt.run.runtime import ModelSession, RuntimeOptions, open_runtime
 from crossrt.simulate.drafting import MODEL, Drafting, check_drafting, per_run, record_drafting, simulate_sequence
@@ -262,7 +263,7 @@ def build_oracles(target: ModelSession, drafter: Optional[ModelSession],
     max_k = max(record.params.k for record in records)
     oracles: dict[tuple[int, ...], Oracle] = {}
     for record in records:
-        for result in record.results:
+        for result in progress.each(record.results, "tau gap oracles"):
             ids = tuple(result.prompt_ids)
             if result.ok and ids not in oracles:
                 oracles[ids] = build_oracle(target, drafter, result.prompt_id, result.category, ids, budget, max_k)

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from crossrt import progress
 from crossrt.compare.control import (CONTROL_ROWS, FACTOR, FLOAT32_EPS, demoted, find_power, noise_bounds,
                                      reference_sequences)
 from crossrt.compare.parity import OWN_BASELINE
@@ -153,7 +154,8 @@ def _measure(session: ModelSession, key: tuple, prompts: dict, rows: dict[str, n
              per_prompt: int, decodes: DecodedRows) -> _Measured:
     noise, shifts, parts, pairs, verification_shifts = [], [], [], [], []
     repeat = None
-    for prompt_id, (prompt_ids, output_ids) in prompts.items():
+    for prompt_id, (prompt_ids, output_ids) in progress.each(prompts.items(), f"{scorer_label(key)}: verification",
+                                                             total=len(prompts)):
         full = ScoredRows(rows[prompt_id])  # each row's log-probabilities and top 5 computed once
         decoded = ScoredRows(decodes.decode(key, session, prompt_id, prompt_ids, output_ids,
                                             min(per_prompt, len(full)), least=CONTROL_ROWS))
@@ -216,7 +218,8 @@ def drafter_checks(groups: dict, references: dict, threads: int) -> list[PathChe
         per_prompt = max(2 * k + 2, min(CONTROL_ROWS, DECODED_ROWS // max(1, len(references))))
         noise_parts, rolled_parts = [], []
         with open_scorer(records[0], role="drafter", threads=threads) as session:
-            for prompt_id, (prompt_ids, output_ids) in references.items():
+            for prompt_id, (prompt_ids, output_ids) in progress.each(references.items(), "drafter rollback",
+                                                                     total=len(references)):
                 full = ScoredRows(score(session, prompt_ids, output_ids))
                 rows = rolled_back_rows(session, prompt_ids, output_ids, k, batched=False,
                                         rows=min(per_prompt, len(full)))
@@ -240,7 +243,7 @@ def _one_pass_rows(session: ModelSession, members: Sequence[tuple[str, RunRecord
     float64s: 2 MB on Gemma's 262k, so ten runs of 10 prompts x 64 tokens each holding their own
     would take 13 GB). A run whose prompt ids are not the reference's gets none (its ids fail)."""
     rows = {}
-    for label, record in members:
+    for label, record in progress.each(members, "re-scoring", unit="run"):
         for result in record.results:
             reference = references.get(result.prompt_id)
             if result.ok and reference and tuple(result.prompt_ids) == reference[0]:

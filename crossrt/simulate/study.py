@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from crossrt import progress
 from crossrt.errors import PromptRefused, SettingsError
 from crossrt.inputs.pairs import ROLES, Pair, PairInfo, pair_info, run_k
 from crossrt.inputs.prompts import Prompt
@@ -114,7 +115,7 @@ def _study(request: StudyRequest, say: Callable[[str], None]) -> Study:
         info = pair_info(pair, runtime.model_format)
         target, drafter = (stack.enter_context(runtime.load(pair.path(role, runtime.model_format))) for role in ROLES)
         oracles = []
-        for prompt in request.prompts:
+        for prompt in progress.each(request.prompts, "oracles"):
             try:
                 oracles.append(build_oracle(target, drafter, prompt.id, prompt.category, target.tokenize(prompt.text),
                                             request.max_new_tokens, max_k))

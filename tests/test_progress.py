@@ -1,0 +1,71 @@
+"""Progress bars (crossrt/progress.py): on stderr when it is a terminal, never on stdout, none
+with --quiet or when stderr is a pipe; a parity matrix shows one per cell and its verdict's
+stages. Real tiny-pair runs, in processes of their own as a user starts them."""
+
+import fcntl
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+from conftest import TINY_PAIR
+
+CROSSRT = str(Path(sys.executable).with_name("crossrt"))
+RUN = ["run", "--pair", str(TINY_PAIR), "--max-new-tokens", "4", "--threads", "1", "--n-ctx", "128", "--overwrite"]
+
+
+def crossrt(*args, progress=None, cwd) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key != "CROSSRT_PROGRESS"}
+    if progress is not None:
+        env["CROSSRT_PROGRESS"] = progress
+    return subprocess.run([CROSSRT, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def on_a_terminal(*args, cwd) -> str:
+    """What crossrt writes to a terminal 100 columns wide (stdout and stderr both)."""
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    env = {key: value for key, value in os.environ.items() if key != "CROSSRT_PROGRESS"}
+    process = subprocess.Popen([CROSSRT, *map(str, args)], cwd=cwd, env=env, stdin=child, stdout=child, stderr=child)
+    os.close(child)
+    written = b""
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        written += chunk
+    assert process.wait(timeout=600) == 0, written.decode(errors="replace")
+    os.close(main)
+    return written.decode(errors="replace")
+
+
+def test_a_run_shows_its_bar_on_a_terminal_and_none_when_quiet_or_piped(tmp_path):
+    shown = on_a_terminal(*RUN, "--out", tmp_path / "a.json", cwd=tmp_path)
+    assert "llama-cpp k=4:" in shown and "/10 [" in shown and "prompt/s" in shown, shown
+    quiet = on_a_terminal("--quiet", *RUN, "--out", tmp_path / "a.json", cwd=tmp_path)
+    assert "llama-cpp k=4:" not in quiet and "record:" in quiet, quiet
+    piped = crossrt(*RUN, "--out", tmp_path / "a.json", cwd=tmp_path)
+    assert piped.returncode == 0 and "k=4:" not in piped.stderr, piped.stderr
+    forced = crossrt(*RUN, "--out", tmp_path / "a.json", progress="1", cwd=tmp_path)
+    assert "llama-cpp k=4:" in forced.stderr and "/10 [" in forced.stderr, forced.stderr
+    assert "%|" not in forced.stdout and forced.stdout.splitlines()[-1] == piped.stdout.splitlines()[-1]
+    assert "%|" not in crossrt("--quiet", *RUN, "--out", tmp_path / "a.json", progress="1", cwd=tmp_path).stderr
+
+
+def test_a_parity_matrix_shows_each_cell_and_its_verdicts_stages(tmp_path):
+    args = ["parity", "--pair", TINY_PAIR, "--runtimes", "llama-cpp,transformers", "--modes", "driven",
+            "--max-new-tokens", "8", "--out-dir", tmp_path / "m"]
+    shown = crossrt(*args, progress="1", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    for stage in ("llama-cpp/driven:", "transformers/driven:", "re-scoring:", "verification:", "float control:",
+                  "drafter rollback:"):
+        assert stage in shown.stderr, (stage, shown.stderr)
+    assert "%|" not in shown.stdout
+    quiet = crossrt(*args, cwd=tmp_path)
+    assert quiet.returncode == 0 and "%|" not in quiet.stderr, quiet.stderr
