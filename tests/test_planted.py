@@ -60,6 +60,9 @@ def test_the_clean_tiny_pair_passes_with_its_power_stated(tmp_path):
     verdict = result.output.strip().splitlines()[-1]
     assert verdict.startswith("parity: OK") and "logits against a float control in 1 pair" in verdict
     assert "would catch logit noise of sigma" in verdict
+    # ... and said in plain words (crossrt/compare/plain.py), once.
+    said = [line for line in result.output.splitlines() if line.startswith("in plain words: would catch logit noise")]
+    assert len(said) == 1 and "the logit checks would notice a run whose every logit was off by random noise" in said[0]
     # The cheaper mode says it is weaker.
     cheaper = parity(pair, tmp_path, 12, "--no-float-control")
     assert cheaper.exit_code == 0, cheaper.output

@@ -6,6 +6,7 @@ step-coloured texts that take up space on the screen, their colours, and the con
 scripts/setup installs Chromium where apt-get can; elsewhere these tests are skipped, saying so.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -22,10 +23,12 @@ from crossrt.cli.report import report
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.inputs.pairs import pair_from_paths
 from crossrt.inputs.prompts import load_prompts
+from crossrt.records.record_json import load_record, save_record
 from crossrt.report.steps import load_vocab, token_texts
 from crossrt.run.runtime import DraftRules, RuntimeOptions
 
 from conftest import REPO
+import test_report_folder
 import test_report_sweep
 
 CHROMIUM = shutil.which("chromium")
@@ -35,7 +38,7 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--window-size=1366,768", "--remote-debugging-pipe")
 SCREEN = (1366, 768)  # the first screen the page must answer in: a common laptop's
-NARROW = 480  # a phone, or a window beside another: the page must not scroll sideways
+NARROW = 400  # a phone, or a window beside another: the page must not scroll sideways
 TIMEOUT_S = 60
 NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")  # shown as \xNN on the page
 
@@ -70,6 +73,7 @@ READ_PAGE = """(() => {
         b => ({text: b.firstChild.textContent, status: b.className, place: place(b)})),
       firstTable: place(s.querySelector(":scope > table")),
       firstChart: place(s.querySelector(":scope > figure > svg.chart")),
+      notes: [...s.querySelectorAll(":scope > ul > li")].map(li => li.innerText),
       bars: [...s.querySelectorAll("svg.chart rect.bar")].filter(shown).map(r => r.querySelector("title").textContent),
       background: getComputedStyle(s).backgroundColor,
       charts: count(s, "svg.chart"),
@@ -394,3 +398,26 @@ def test_a_sweep_opens_with_its_verdict_and_tau_against_k(sweep, tmp_path):
         <= min(SCREEN[1], by_id["sweep"]["place"][0], by_id["parity"]["place"][0])
     assert summary["marks"] == 5 + 2  # five cells' points and a line per schedule
     assert seen["narrow"]["width"] <= NARROW
+
+
+folder = test_report_folder.folder  # the fixture: real runs of other prompts, a lossy one and a comparable pair
+# A native run's note names engine metrics in one unbroken word, wider than a phone's screen.
+METRIC_NOTE = ("steps and accepted_per_pos: /metrics deltas of vllm:spec_decode_num_accepted_tokens_per_pos_total"
+               '{position="0",model_name="tiny"}')
+
+
+def test_a_folder_of_runs_reads_at_400_px_without_scrolling_sideways(folder, tmp_path):
+    record = load_record(folder["k4"])
+    noted = tmp_path / "noted.json"
+    save_record(dataclasses.replace(record, notes=record.notes + (METRIC_NOTE,)), noted)
+    out = tmp_path / "folder.html"
+    paths = [noted, *(path for name, path in folder.items() if name != "k4")]
+    assert CliRunner().invoke(report, [*map(str, paths), "-o", str(out)]).exit_code == 0
+    seen, errors = read_page(out, tmp_path)
+    assert errors == []
+    (banner,) = next(s for s in seen["sections"] if s["id"] == "summary")["banner"]
+    assert banner["status"] == "banner ok"  # runs of other prompts and a lossy run are not compared, not failed
+    narrow = seen["narrow"]
+    runs = next(s for s in narrow["sections"] if s["id"] == "runs")
+    assert any(note.endswith(METRIC_NOTE) for note in runs["notes"])  # the note whole, wrapped where it must be
+    assert narrow["screen"][0] == NARROW and narrow["width"] <= NARROW

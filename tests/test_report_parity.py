@@ -10,13 +10,16 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.cli import main
-from crossrt.compare.splits import NUMERICS
+from crossrt.compare.parity_report import Headline, ParityReport
+from crossrt.compare.plain import cause_plainly
+from crossrt.compare.splits import BATCH_SHAPE, CROSS_NUMERICS, DISAGREEMENT, DRAFTER_NUMERICS, NUMERICS
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.inputs.pairs import pair_from_paths
-from crossrt.compare.parity import compare_all
+from crossrt.compare.parity import IDS, PromptParity, compare_all
 from crossrt.inputs.prompts import load_prompts
 from crossrt.compare.replay import Replayer
-from crossrt.report.parity import compare_by_vocabulary, parity_section, report_parity, shown_splits, visible
+from crossrt.report.groups import group_runs, grouped_comparisons
+from crossrt.report.parity import parity_section, report_parity, shown_splits, visible
 from crossrt.report.runs import load_runs
 from crossrt.report.steps import load_vocab, token_texts
 from crossrt.run.runtime import DraftRules, RuntimeOptions
@@ -63,12 +66,13 @@ def identical_pairs(parity):
 def test_sections_show_every_split_once_with_its_verdict_and_tokens(paths):
     runs = load_runs(paths)
     labelled = [(run.label, run.record) for run in runs]
+    grouping = group_runs(labelled)
     with Replayer() as replay:
-        report, notes = compare_by_vocabulary(labelled, replay)
+        report = ParityReport(tuple(grouped_comparisons(labelled, grouping, replay)))
         direct = compare_all(labelled, replay=replay)
-    assert report.comparisons == tuple(direct) and notes == []  # one vocabulary: compare_all as it is
-    overview = parity_section(labelled, report, rescored=True)
-    assert overview.id == "parity"
+    assert grouping.whole and report.comparisons == tuple(direct)  # one group of comparable runs: compare_all
+    overview = parity_section(labelled, report, rescored=True, grouping=grouping)
+    assert overview.id == "parity" and len(overview.tables) == 1  # no table of groups: every run compared
 
     # The verdict table: one row per pair of runs not identical on every prompt, its failed count as
     # parity counts it; the identical pairs in one line.
@@ -82,6 +86,11 @@ def test_sections_show_every_split_once_with_its_verdict_and_tokens(paths):
     said = [note for note in overview.notes if note.startswith("identical on every prompt: ")]
     assert said == ([f"identical on every prompt: {'; '.join(f'{a} vs {b}' for a, b in sorted(identical))}"]
                     if identical else [])
+    # Each cause found said in plain words, once.
+    found = dict.fromkeys(cause for c in direct for cause in c.causes)
+    assert DISAGREEMENT in found  # another model
+    assert [note for note in overview.notes if note.startswith("in plain words: ")] == [
+        f"in plain words: {cause}: {cause_plainly(cause)}" for cause in found]
 
     # Every split of every comparison shown once, under its cause, naming each comparison that holds it.
     shown_all = shown_splits(report, labelled)
@@ -96,7 +105,9 @@ def test_sections_show_every_split_once_with_its_verdict_and_tokens(paths):
         status, kinds = ("FAIL" if members[0].failed else "NOTE"), {m.split.kind for m in members}
         assert cause.fold and len(kinds) == 1 and {m.failed for m in members} == {status == "FAIL"}
         prompts = ", ".join(dict.fromkeys(m.split.prompt_id for m in members))
-        assert cause.title == f"{status} {kinds.pop()}: {len(members)} split{'s' * (len(members) > 1)} ({prompts})"
+        kind = kinds.pop()
+        assert cause.title == f"{status} {kind}: {len(members)} split{'s' * (len(members) > 1)} ({prompts})"
+        assert cause.intro == f"In plain words: {cause_plainly(kind)}."
 
     vocab, _ = load_vocab(runs[0].record)
     with_candidates = 0
@@ -138,6 +149,7 @@ def test_report_and_parity_html_show_the_same_splits_and_failures(paths, tmp_pat
     assert cli("report", *paths, "-o", tmp_path / "r.html", "--markdown", tmp_path / "r.md").exit_code == 0
     parity = cli("parity", *paths, "--no-logits", "--html", tmp_path / "p.html")
     assert parity.exit_code == 1
+    assert f"in plain words: {DISAGREEMENT}: {cause_plainly(DISAGREEMENT)}" in parity.output.splitlines()
     titles = {}
     for name in ("r", "p"):
         root = ET.parse(tmp_path / f"{name}.html").getroot()
@@ -167,9 +179,24 @@ def test_runs_of_another_vocabulary_are_left_out_and_named(paths):
     record = runs[1].record
     target = dataclasses.replace(record.pair.target, vocab_fingerprint="another vocabulary")
     foreign = dataclasses.replace(record, pair=dataclasses.replace(record.pair, target=target))
-    report, notes = compare_by_vocabulary([(runs[0].label, runs[0].record), (runs[1].label, foreign)], None)
-    assert len(notes) == 1 and "different vocabularies" in notes[0] and runs[1].label in notes[0]
-    assert {c.run_b for c in report.comparisons} == {"its baseline"}  # each run's own lossless check only
+    labelled = [(runs[0].label, runs[0].record), (runs[1].label, foreign)]
+    grouping = group_runs(labelled)
+    assert grouping.groups == () and [label for label, _ in grouping.alone] == [run.label for run in runs]
+    assert all(why.endswith(f"{other}: another vocabulary") for (_, why), other in
+               zip(grouping.alone, reversed([run.label for run in runs])))
+    comparisons = grouped_comparisons(labelled, grouping)
+    assert {c.run_b for c in comparisons} == {"its baseline"}  # each run's own lossless check only
+
+
+def test_explained_prompts_count_once_so_their_causes_add_up():
+    """A prompt explained by two causes counts once, under both joined: the parts sum to the whole."""
+    two = PromptParity("p1", "a", "b", (), 3, (), False, ("near-ties",), (CROSS_NUMERICS, BATCH_SHAPE),
+                       compared=(IDS,))
+    one = PromptParity("p2", "a", "b", (), 5, (), False, ("a near-tie",), (DRAFTER_NUMERICS,), compared=(IDS,))
+    headline = Headline.of([two, one])
+    assert headline.explained_prompts == 2 == sum(n for _, n in headline.explained)
+    assert headline.by_cause() == f"{CROSS_NUMERICS} + {BATCH_SHAPE} 1, {DRAFTER_NUMERICS} 1"
+    assert headline.describe().startswith(f"2 prompts: 0 identical, 2 explained ({headline.by_cause()}), 0 failed")
 
 
 def test_a_parity_matrix_writes_its_page_without_record_paths(tmp_path):

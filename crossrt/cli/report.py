@@ -18,7 +18,7 @@ from crossrt.report.gaps import run_gaps
 from crossrt.report.layout import report_sections
 from crossrt.report.page import page, to_html, to_markdown
 from crossrt.report.parity import report_parity
-from crossrt.report.runs import load_runs
+from crossrt.report.runs import load_runs, report_title
 from crossrt.report.sweeps import SweptCell
 from crossrt.simulate.ceiling import load_ceilings
 from crossrt.sweep.cell import SweepError
@@ -97,7 +97,8 @@ def _writer(path: Path):
               help="Report to write: .html (charts and tables, one self-contained file) or .md (tables).")
 @click.option("--markdown", "markdown_out", type=click.Path(path_type=Path, dir_okay=False),
               help="Also write the Markdown tables here (with -o report.html, say).")
-@click.option("--title", default="crossrt report", show_default=True)
+@click.option("--title", help="The page's title. Default: the setting of the runs (pair and its files, k, "
+              "prompts, max new tokens, device).")
 @click.option("--entropy-buckets", type=Increasing(), default=",".join(f"{e:g}" for e in analysis.ENTROPY_BUCKETS),
               show_default=True, help="Edges of the target-entropy buckets, in nats.")
 @click.option("--by", "grouping", type=click.Choice(analysis.GROUPINGS), default="category", show_default=True,
@@ -111,7 +112,7 @@ def _writer(path: Path):
               "(its oracle runs the pair once in llama.cpp, as `crossrt parity` does).")
 @click.option("--sweep", "sweep_file", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               help="The sweep file a sweep directory given ran: places its failed cells on the charts.")
-def report(records: Sequence[Path], out: Optional[Path], markdown_out: Optional[Path], title: str,
+def report(records: Sequence[Path], out: Optional[Path], markdown_out: Optional[Path], title: Optional[str],
            entropy_buckets, grouping, ceiling_path, no_rescore: bool, no_tau_gap: bool,
            sweep_file: Optional[Path]) -> None:
     """One report over any number of run records (runtimes, modes, schedules, k, pairs): first
@@ -146,7 +147,8 @@ def report(records: Sequence[Path], out: Optional[Path], markdown_out: Optional[
     by_path = {Path(run.path): run for run in runs}
     cells = [SweptCell(settings, by_path[path] if path else None, failure)
              for settings, path, failure in inputs.cells]
-    built = page(title, report_sections(runs, parity, gaps, entropy_buckets, cells, inputs.unplaced))
+    built = page(title or report_title(loaded),
+                 report_sections(runs, parity, gaps, entropy_buckets, cells, inputs.unplaced))
     if ceiling_path:
         built = dataclasses.replace(built, sections=built.sections + (
             ceiling_section(load_ceilings(ceiling_path), str(ceiling_path)),))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from crossrt.compare.diagnosis import Explainer, twins_of
-from crossrt.compare.splits import Split, first_divergence, template_split
+from crossrt.compare.splits import COUNTS_UNFIT, OWN_TOKENIZATION, Split, first_divergence, template_split
 from crossrt.errors import ComparisonError
 from crossrt.imports.importer import UNKNOWN
 from crossrt.records.schema import PromptResult, RunRecord
@@ -27,6 +27,7 @@ COUNTING = ("k", "schedule", "draft_n_min", "draft_p_min", "max_new_tokens")  # 
 DRAFTING = ("drafting", "tree", "ngram_max", "ngram_min", "k_policy", "content_k", "k_max", "min_p1", "acceptance",
             "top_m", "delta")
 IDS, COUNTERS = "token ids", "counters"  # what a comparison may have compared (PromptParity.compared)
+GREEDY_ONLY = "parity compares greedy runs only"  # why a lossy run is refused
 
 
 def run_label(record: RunRecord) -> str:
@@ -171,12 +172,17 @@ def compare_prompt(a: RunRecord, b: RunRecord, result_a: PromptResult, result_b:
                         no_counters=differs)
 
 
+def lossy_rule(record: RunRecord) -> str:
+    """A lossy run's acceptance rule in words ("" for a greedy run)."""
+    params = record.params
+    return (f"a lossy acceptance rule ({params.acceptance}, top-m {params.top_m}, delta {params.delta:g})"
+            if params.lossy else "")
+
+
 def refuse_lossy(label: str, record: RunRecord) -> None:
     """Parity compares greedy runs: a lossy run's output may leave greedy decoding by its rule."""
     if record.params.lossy:
-        raise ComparisonError(f"{label} ran a lossy acceptance rule ({record.params.acceptance}, top-m "
-                              f"{record.params.top_m}, delta {record.params.delta:g}): parity compares greedy "
-                              "runs only")
+        raise ComparisonError(f"{label} ran {lossy_rule(record)}: {GREEDY_ONLY}")
 
 
 def compare_records(a: RunRecord, b: RunRecord, counter_tolerance: float = 0.0,
@@ -262,11 +268,11 @@ def lossless_checks(label: str, record: RunRecord, explainer: Explainer, strict:
             (explained if split.numerics and not strict else problems).append(line)
         if result.unfit_counts is not None:
             explained.append(result.unfit_counts.describe())
-            causes.append("counts did not fit")
+            causes.append(COUNTS_UNFIT)
         if result.own_prompt_ids is not None:
             at = first_divergence(result.own_prompt_ids, result.prompt_ids)
             problems.append(f"tokenizes the prompt text differently from the shared ids, from position {at}")
-            causes.append("tokenization")
+            causes.append(OWN_TOKENIZATION)
         template = template_split(label, result, explainer.detokenize)
         if template is not None:
             problems.append(f"{template.kind} split: {template.detail}")

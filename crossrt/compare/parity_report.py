@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from crossrt.compare.control import FLOAT_CONTROL, WEIGHTS, ControlCheck
+from crossrt.compare.control import FLOAT_CONTROL, WEIGHTS, ControlCheck, Power
 from crossrt.compare.parity import COUNTERS, IDS, OWN_BASELINE, WHOLE_RUN, PromptParity
+from crossrt.compare.plain import cause_plainly, power_plainly
 from crossrt.compare.rescore import LogitAgreement, ScoredRows, agreement
 from crossrt.compare.tolerance import Tolerance
 from crossrt.compare.verification import VERIFICATION
@@ -121,13 +122,21 @@ class ParityReport:
             found += f" (against the constant ceilings only, no float control ({why}): a weaker check)"
         return found
 
+    def weakest_power(self) -> Optional[Power]:
+        """What the float control would catch, at its weakest: None when it did not run."""
+        powered = [c.power for c in self.controls if c.kind == FLOAT_CONTROL and c.power]
+        return max(powered, key=lambda power: power.sigma) if powered else None
+
     def power(self) -> str:
-        """What the float control would catch, at its weakest: "" when it did not run."""
-        powered = [c for c in self.controls if c.kind == FLOAT_CONTROL and c.power]
-        if not powered:
-            return ""
-        weakest = max(powered, key=lambda c: c.power.sigma)
-        return weakest.power.describe()
+        weakest = self.weakest_power()
+        return weakest.describe() if weakest else ""
+
+    def plainly(self) -> list[str]:
+        """The verdict's terms in plain words: each cause of a split found, then the power."""
+        causes = dict.fromkeys(cause for c in self.comparisons for cause in c.causes)
+        lines = [f"{cause}: {cause_plainly(cause)}" for cause in causes if cause_plainly(cause)]
+        weakest = self.weakest_power()
+        return lines + ([f"{weakest.describe()}: {power_plainly(weakest)}"] if weakest else [])
 
     def verdict(self) -> str:
         """The closing line: OK or FAILED, and what was compared (a pair of runs that compared
@@ -171,7 +180,9 @@ class Headline:
 
     prompts: int
     identical: int
-    explained: tuple[tuple[str, int], ...]  # (cause, prompts explained by it), by cause; a prompt may count twice
+    # (causes, prompts explained by them): each prompt once, under its causes joined by " + ", so the
+    # counts sum to explained_prompts
+    explained: tuple[tuple[str, int], ...]
     explained_prompts: int
     failed: int
     not_comparable: int = 0
@@ -188,8 +199,8 @@ class Headline:
         incomparable = [c for c in passed if not comparable(c, counters_only)]
         causes: dict[str, int] = {}
         for comparison in explained:
-            for cause in dict.fromkeys(comparison.causes or ("noted",)):
-                causes[cause] = causes.get(cause, 0) + 1
+            joined = " + ".join(dict.fromkeys(comparison.causes or ("noted",)))
+            causes[joined] = causes.get(joined, 0) + 1
         return cls(len(group), sum(c.identical and comparable(c, counters_only) for c in group),
                    tuple(sorted(causes.items())),
                    len(explained), sum(not c.ok for c in group), len(incomparable),
@@ -233,6 +244,7 @@ def render_text(report: ParityReport) -> str:
     lines += [("  " if c.ok else "  FAILED ") + c.describe() for c in report.controls]
     lines += [f"NOTE {line}" for line in explained(report)]
     lines += [f"FAIL {line}" for line in report.failures()]
+    lines += [f"in plain words: {line}" for line in report.plainly()]
     lines.append(report.verdict())
     return "\n".join(lines)
 

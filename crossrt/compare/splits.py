@@ -24,6 +24,9 @@ DRAFT_RULE = "draft rule at its threshold"
 COUNTERS_UNEXPLAINED = "counters unexplained"
 STOP = "stop"
 UNEXPLAINED = "unexplained"
+# Causes of a run's own check that are no split of token ids (crossrt/compare/parity.py: lossless_checks).
+COUNTS_UNFIT = "counts did not fit"  # a native runtime's own statistics did not fit its schedule: noted
+OWN_TOKENIZATION = "tokenization"  # the runtime's own tokenization of the prompt text differs from the shared ids
 NUMERICS = frozenset({BATCH_SHAPE, CROSS_NUMERICS, DRAFTER_NUMERICS, DRAFT_RULE})  # explained, not failed
 
 Detokenize = Callable[[Sequence[int]], str]

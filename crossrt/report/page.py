@@ -26,9 +26,10 @@ class Table:
 
 @dataclass(frozen=True)
 class Banner:
-    """The page's answer in one line (parity's verdict), drawn large, green or red."""
+    """The page's answer in one line (parity's verdict), drawn large: green, red, or grey where
+    nothing was judged."""
 
-    ok: bool
+    ok: Optional[bool]  # None: nothing judged
     text: str
     detail: str = ""  # what the line does not say: where it comes from, what it left out
 
@@ -77,9 +78,11 @@ def page(title: str, sections: Sequence[Section]) -> Report:
 
 
 STYLE = """
-body { font-family: sans-serif; max-width: 1100px; margin: 0.5em auto; padding: 0 1em; color: #222; }
+body { font-family: sans-serif; max-width: 1100px; margin: 0.5em auto; padding: 0 1em; color: #222;
+       overflow-wrap: anywhere; }
 h1 { font-size: 1.5em; margin: 0.3em 0; }
-table { border-collapse: collapse; margin: 1em 0; font-size: 14px; display: block; overflow-x: auto; max-width: 100%; }
+table { border-collapse: collapse; margin: 1em 0; font-size: 14px; display: block; overflow-x: auto; max-width: 100%;
+        overflow-wrap: normal; }
 th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
 th { background: #f3f3f3; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
@@ -99,6 +102,7 @@ details > summary { cursor: pointer; font-weight: bold; padding: 0.2em 0; }
 p.banner { font-size: 1.3em; font-weight: bold; padding: 0.4em 0.8em; margin: 0.3em 0; border-radius: 3px; }
 p.banner.ok { background: #e8f5e9; border-left: 8px solid #2e7d32; color: #1b5e20; }
 p.banner.failed { background: #fdecea; border-left: 8px solid #c62828; color: #b71c1c; }
+p.banner.none { background: #f3f3f3; border-left: 8px solid #757575; color: #333; }
 p.banner span { display: block; font-size: 0.65em; font-weight: normal; color: #444; }
 section#summary { margin-bottom: 1.5em; }
 section#summary table { margin: 0.5em 0; }
@@ -128,7 +132,7 @@ def _html_section(section: Section, depth: int) -> list[str]:
         parts = [f'<section id="{section.id}"{mark}><h{depth}>{title}</h{depth}>']
     if section.banner:
         detail = f"<span>{escape(section.banner.detail)}</span>" if section.banner.detail else ""
-        status = "ok" if section.banner.ok else "failed"
+        status = {True: "ok", False: "failed", None: "none"}[section.banner.ok]
         parts.append(f'<p class="banner {status}">{escape(section.banner.text)}{detail}</p>')
     if section.intro:
         parts.append(f"<p>{escape(section.intro)}</p>")

@@ -18,23 +18,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 from crossrt.compare.splits import Side, Split, first_divergence, pass_shape
 from crossrt.run.numerics import CLOSE_MAX, CLOSE_WINDOW
-from crossrt.compare.parity import OWN_BASELINE, PromptParity, compare_all
+from crossrt.compare.parity import GREEDY_ONLY, OWN_BASELINE, PromptParity
 from crossrt.compare.parity_report import ParityReport, headlines
+from crossrt.compare.plain import cause_plainly, power_plainly
 from crossrt.compare.replay import Replayer
 from crossrt.report.gaps import run_gaps
+from crossrt.report.groups import Grouping, group_runs, grouped_comparisons
 from crossrt.report.layout import report_sections
 from crossrt.report.page import Banner, Section, Table, page, to_html
 from crossrt.report.runs import ReportRun, report_run
 from crossrt.report.steps import Vocab, load_vocab, token_texts
 from crossrt.run.isolation import RESCORING, call_safely
 from crossrt.records.schema import PassView, PromptResult, RunRecord
-
-if TYPE_CHECKING:
-    from crossrt.compare.diagnosis import Replay
 
 CONTEXT_TOKENS = 12  # tokens of text shown before a split
 CONTINUATION_TOKENS = 16  # tokens of each side shown from a split on
@@ -64,28 +63,6 @@ def visible(text: str) -> str:
     """Token text on one line: line breaks, tabs and control characters as escapes."""
     return "".join(_ESCAPES.get(c, f"\\x{ord(c):02x}" if ord(c) < 32 or c in "\x7f\ufffe\uffff" else c)
                    for c in text)
-
-
-def compare_by_vocabulary(runs: Sequence[tuple[str, RunRecord]],
-                          replay: Optional["Replay"]) -> tuple[ParityReport, list[str]]:
-    """compare_all over the runs whose token ids can be compared (one vocabulary), and notes on
-    the runs left out. Runs naming no model files (imports) join the first vocabulary."""
-    groups: dict[Optional[str], list[tuple[str, RunRecord]]] = {}
-    for label, record in runs:
-        target = record.pair.target
-        groups.setdefault(target.vocab_fingerprint if target else None, []).append((label, record))
-    unnamed = groups.pop(None, [])
-    if groups:
-        next(iter(groups.values())).extend(unnamed)
-    else:
-        groups[None] = unnamed
-    comparisons, notes = [], []
-    for group in groups.values():
-        comparisons += compare_all(group, replay=replay)
-    if len(groups) > 1:
-        notes.append("runs of different vocabularies are not compared (their token ids mean different text): "
-                     + "; ".join(", ".join(label for label, _ in group) for group in groups.values()))
-    return ParityReport(tuple(comparisons)), notes
 
 
 def _results(runs: dict[str, RunRecord], label: str, prompt_id: str) -> Optional[PromptResult]:
@@ -263,16 +240,27 @@ def split_section(number: int, shown: ShownSplit) -> Section:
                    mark="fail" if shown.failed else "note")
 
 
-def verdict_banner(report: ParityReport) -> Banner:
-    """parity's closing line, as `crossrt parity` prints it, and its prompt comparisons counted."""
+def verdict_banner(report: ParityReport, grouping: Optional[Grouping] = None) -> Banner:
+    """parity's closing line, as `crossrt parity` prints it, and its prompt comparisons counted;
+    grouping: which runs a report compared, where it left some out. With no greedy run there is
+    no verdict: the banner says nothing was judged, neither OK nor FAILED."""
+    said = [grouping.describe()] if grouping and not grouping.whole else []
+    if not report.comparisons:
+        lossy = grouping and not grouping.groups and len(grouping.lossy) == len(grouping.alone)
+        return Banner(None, "parity: nothing judged" + (f": every run is lossy ({GREEDY_ONLY})" if lossy else ""),
+                      "; ".join(said))
     counted = [headline for _, _, headline, _ in headlines(report)]
-    detail = (f"{len(counted)} comparisons of runs (each run's own lossless check among them), "
-              f"{sum(h.prompts for h in counted)} prompts compared: {sum(h.identical for h in counted)} identical, "
-              f"{sum(h.explained_prompts for h in counted)} explained, {sum(h.failed for h in counted)} failed, "
-              f"{sum(h.not_comparable for h in counted)} not comparable")
+    said.append(f"{len(counted)} comparison{'s' * (len(counted) != 1)} of runs (each run's own lossless check "
+                f"among them), {sum(h.prompts for h in counted)} prompts compared: "
+                f"{sum(h.identical for h in counted)} identical, {sum(h.explained_prompts for h in counted)} "
+                f"explained, {sum(h.failed for h in counted)} failed, {sum(h.not_comparable for h in counted)} "
+                "not comparable")
     if not report.logit_checks:  # the report re-scores no outputs: say so rather than let OK stand for it
-        detail += "; logits not compared here (`crossrt parity` re-scores the outputs to compare them)"
-    return Banner(report.ok, report.verdict(), detail)
+        said.append("logits not compared here (`crossrt parity` re-scores the outputs to compare them)")
+    power = report.weakest_power()
+    if power:
+        said.append(f"in plain words, {power_plainly(power)}")
+    return Banner(report.ok, report.verdict(), "; ".join(said))
 
 
 def _cause_groups(shown: Sequence[ShownSplit]) -> list[Section]:
@@ -286,16 +274,18 @@ def _cause_groups(shown: Sequence[ShownSplit]) -> list[Section]:
     for n, ((failed, kind), members) in enumerate(ordered, start=1):
         prompts = ", ".join(dict.fromkeys(s.split.prompt_id for _, s in members))
         status = "FAIL" if failed else "NOTE"
+        plainly = cause_plainly(kind)
         sections.append(Section(f"cause-{n}", f"{status} {kind}: {len(members)} split{'s' * (len(members) != 1)} "
-                                f"({prompts})", "", None, (), (),
+                                f"({prompts})", f"In plain words: {plainly}." if plainly else "", None, (), (),
                                 mark="fail" if failed else "note", fold=True,
                                 parts=tuple(split_section(number, s) for number, s in members)))
     return sections
 
 
 def parity_section(runs: Sequence[tuple[str, RunRecord]], report: ParityReport, rescored: bool,
-                   notes: Sequence[str] = (), strict: bool = False) -> Section:
-    """The verdict per pair of runs (pairs identical on every prompt in one line), then every
+                   grouping: Optional[Grouping] = None, strict: bool = False) -> Section:
+    """The verdict per pair of runs (pairs identical on every prompt in one line), which runs were
+    compared where a report left some out (grouping), the causes found in plain words, then every
     split once, grouped by cause, and the failures no split shows."""
     shown = shown_splits(report, runs, strict)
     counted = headlines(report)
@@ -306,23 +296,26 @@ def parity_section(runs: Sequence[tuple[str, RunRecord]], report: ParityReport, 
                      for run_a, run_b, h, counting in counted if h.identical != h.prompts)
     tables = (Table(("run A", "run B", "counters", "prompts", "identical", "explained (by cause)", "failed",
                      "not comparable"),
-                    verdicts, 3, "verdicts per pair of runs (run B `its baseline`: the run's own lossless check)"),
+                    verdicts, 3, "verdicts per pair of runs (run B `its baseline`: the run's own lossless check; "
+                    "a prompt with several causes counts once, under them joined by +)"),
               ) if verdicts else ()
+    tables += (grouping.table(),) if grouping and not grouping.whole else ()
     split_failures = {(c.run_a, c.run_b, c.prompt_id) for c in report.comparisons if c.splits}
     unshown = [f"FAIL {c.run_a} vs {c.run_b}, {c.prompt_id}: {'; '.join(c.problems)}"
                for c in report.comparisons if not c.ok and (c.run_a, c.run_b, c.prompt_id) not in split_failures]
     unshown += [f"FAIL {line}" for line in report.failures()[sum(not c.ok for c in report.comparisons):]]
     said = [f"identical on every prompt: {'; '.join(identical)}"] if identical else []
+    said += [f"in plain words: {line}" for line in report.plainly()]
     how = ("Native runs' splits without a driven twin were re-scored in-process in their schedule's pass shapes "
            "(crossrt/compare/replay.py)." if rescored else
            "Re-scoring was off (--no-rescore): a native run's split without a driven twin stays unexplained.")
     return Section("parity", "Parity: where the runs part, and why",
-                   "Each run against its own plain greedy baseline, then every pair of runs, prompt by prompt, "
-                   "as `crossrt parity` compares them (docs/parity.md). A split is numerics (NOTE) when the two "
-                   "emitted tokens lie within the near-tie threshold of what is compared in both sides' passes; "
+                   "Each greedy run against its own plain greedy baseline, then every pair of comparable runs, "
+                   "prompt by prompt, as `crossrt parity` compares them (docs/parity.md). A split is numerics (NOTE) "
+                   "when the two emitted tokens lie within the near-tie threshold of what is compared in both sides' passes; "
                    f"anything else is a finding (FAIL). {how} Below, one line per cause; open it for each split's "
                    "evidence.", None, tables,
-                   (*said, *notes, *unshown, *(() if shown else ("no split: the runs agree token for token",))),
+                   (*said, *unshown, *(() if shown else ("no split: the runs agree token for token",))),
                    parts=tuple(_cause_groups(shown)))
 
 
@@ -333,13 +326,16 @@ def report_parity(runs: Sequence[ReportRun], rescore: bool = True) -> Optional[t
     if len(runs) < 2:
         return None
     labelled = [(run.label, run.record) for run in runs]
-    report, notes = call_safely(RESCORING, _rescored, labelled) if rescore else compare_by_vocabulary(labelled, None)
-    return verdict_banner(report), parity_section(labelled, report, rescore, notes)
+    grouping = group_runs(labelled)
+    comparisons = (call_safely(RESCORING, _rescored, labelled, grouping) if rescore
+                   else grouped_comparisons(labelled, grouping))
+    report = ParityReport(tuple(comparisons))
+    return verdict_banner(report, grouping), parity_section(labelled, report, rescore, grouping)
 
 
-def _rescored(labelled: Sequence[tuple[str, RunRecord]]) -> tuple[ParityReport, list[str]]:
+def _rescored(labelled: Sequence[tuple[str, RunRecord]], grouping: Grouping) -> list[PromptParity]:
     with Replayer() as replay:
-        return compare_by_vocabulary(labelled, replay)
+        return grouped_comparisons(labelled, grouping, replay)
 
 
 def parity_html(runs: Sequence[tuple[str, RunRecord]], report: ParityReport, paths: Sequence[Optional[Path]],

@@ -29,11 +29,12 @@ class ReportRun:
 
 
 def run_labels(records: Sequence[RunRecord], paths: Sequence[str]) -> list[str]:
-    """runtime/mode schedule k=K, with the pair where the records hold several, and the
-    record path where two runs would still share a label."""
+    """runtime/mode schedule k=K, with the pair where the records hold several, `lossy` for a
+    run under a lossy acceptance rule, and the record path where two runs would still share a label."""
     several_pairs = len({record.pair.name for record in records}) > 1
     bases = [f"{run_label(record)} {record.params.schedule} k={record.params.k}"
-             + (f" {record.pair.name}" if several_pairs else "") for record in records]
+             + (f" {record.pair.name}" if several_pairs else "") + (" lossy" if record.params.lossy else "")
+             for record in records]
     return [base if bases.count(base) == 1 else f"{base} ({path})" for base, path in zip(bases, paths, strict=True)]
 
 
@@ -82,5 +83,35 @@ def by_category_bars(runs: Sequence[ReportRun], field: str) -> list[Bars]:
 
 def lossless_cell(run: ReportRun, summary: Summary) -> str:
     """Finished prompts whose output equals the plain greedy baseline, of the finished prompts;
-    `-` for an imported record, which holds no token ids to compare."""
+    `-` for an imported record, which holds no token ids to compare; `lossy` for a run under a
+    lossy acceptance rule, which makes no lossless claim."""
+    if run.record.params.lossy:
+        return "lossy"
     return "-" if run.record.imported else f"{summary.lossless}/{summary.prompts - summary.failed}"
+
+
+def _listed(values: Sequence[str], most: int = 3) -> str:
+    """Distinct values in order, the first `most` of them named."""
+    distinct = list(dict.fromkeys(values))
+    return ", ".join(distinct[:most]) + (f" and {len(distinct) - most} more" if len(distinct) > most else "")
+
+
+def _pair(record: RunRecord) -> str:
+    files = [Path(model.path).name for model in (record.pair.target, record.pair.drafter) if model]
+    return f"{record.pair.name} ({' / '.join(files)})" if files else record.pair.name
+
+
+def report_title(runs: Sequence[ReportRun]) -> str:
+    """The setting the runs share or span: pair (target / drafter), k, prompts, max new tokens
+    and where they ran, each value once."""
+    records = [run.record for run in runs]
+    sizes = {frozenset(r.prompt_id for r in record.results): len(record.results) for record in records}
+    prompts = (f"{next(iter(sizes.values()))} prompts" if len(sizes) == 1
+               else f"{len(sizes)} prompt sets ({', '.join(str(n) for n in sizes.values())} prompts)")
+    budgets = [str(record.params.max_new_tokens) for record in records if record.params.max_new_tokens is not None]
+    places = [record.runtime.device + (f", {record.runtime.threads} thread{'s' * (record.runtime.threads != 1)}"
+                                       if record.runtime.threads else "") for record in records]
+    parts = [_listed([_pair(record) for record in records]),
+             "k " + ", ".join(str(k) for k in sorted({record.params.k for record in records})), prompts,
+             *([f"{_listed(budgets)} new tokens"] if budgets else []), f"on {_listed(places)}"]
+    return "crossrt report: " + "; ".join(parts)
