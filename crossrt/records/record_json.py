@@ -52,6 +52,8 @@ def record_to_json(record: RunRecord) -> dict[str, Any]:
         del data["imported"]  # optional: a record crossrt ran reads as before imports existed
     if record.prompt_format is None:
         del data["prompt_format"]  # optional: raw prompts read as before chat templates existed
+    if record.params.repeat == 1:
+        del data["params"]["repeat"]  # optional: absent reads as one run of each prompt
     if record.runtime.dtype is None:
         del data["runtime"]["dtype"]  # optional: a llama.cpp record reads as before dtypes existed
     for result_data in data["results"]:  # optional too: absent reads as None
@@ -61,6 +63,8 @@ def record_to_json(record: RunRecord) -> dict[str, Any]:
                 del result_data[name]
         if not result_data["lossy"]:
             del result_data["lossy"]  # optional: a greedy run's result reads as before strategies existed
+        if not result_data["repeats"]:
+            del result_data["repeats"]  # optional: a run without --repeat reads as before repeats existed
         for view in (result_data.get("output_view"), result_data.get("baseline_view")):
             for name in ("close_ids", "close_gaps"):  # optional: absent in records before them
                 if view is not None and view[name] is None:

@@ -105,6 +105,7 @@ class RunParams:
     top_m: Optional[int] = None  # acceptance "relaxed"
     delta: Optional[float] = None
     lossy: bool = False  # the acceptance rule may leave greedy decoding: never counted as lossless
+    repeat: int = 1  # times each prompt ran, baseline then speculative, interleaved (run --repeat)
 
 
 @dataclass(frozen=True)
@@ -281,6 +282,8 @@ class PromptResult:
     template_ids: Optional[tuple[int, ...]] = None
     baseline_source: Optional[BaselineSource] = None  # None in records written before the store
     lossy: bool = False  # run under a lossy acceptance rule (RunParams.lossy): it makes no lossless claim
+    # With run --repeat N: every repetition's timings, the first being `timings` (outputs identical).
+    repeats: tuple[Timings, ...] = ()
 
     @property
     def ok(self) -> bool:

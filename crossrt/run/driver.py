@@ -16,6 +16,7 @@ from crossrt.run import loop
 from crossrt.run.baselines import BaselineStore, RunBaselines, run_key
 from crossrt.run.drafters import Drafter
 from crossrt.run.head_drafter import load_head
+from crossrt.run.lookup import LOOKUPS
 from crossrt.inputs.chat_template import ChatRendering, with_template_ids
 from crossrt.errors import PromptRefused, SettingsError
 from crossrt.records.journal import storage_error
@@ -67,6 +68,9 @@ class RunRequest:
     # Runs started at once (parity --jobs) share this lock file, held from each one's memory check
     # until its models are loaded (crossrt.run.memory.loading); None: no lock.
     loading_lock: Optional[Path] = None
+    # Times each prompt runs, baseline then speculative, interleaved; the first run is the one
+    # recorded, the others add their timings (PromptResult.repeats) and must emit the same ids.
+    repeat: int = 1
 
 
 def _baseline(baselines: Optional[RunBaselines], prompt_ids: tuple[int, ...], max_new_tokens: int,
@@ -273,6 +277,7 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
                 firsts.update((p.id, native_baseline(session, p, request.max_new_tokens, shared(p), baselines))
                               for p in todo)
 
+        _refuse_repeats(request, session.one_at_a_time)
         return run_native, session, session, baselines_first
     strategy = request.strategy
     loop.check_strategy(strategy, request.schedule, request.rules, request.trace)  # before any loading
@@ -293,9 +298,31 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
                 else stack.enter_context(runtime.load(paths["drafter"]))
         tree_target = _tree_session(runtime, request, paths["target"], stack) if strategy.drafting == "tree" else None
     kept = loop.run_lookup(strategy, request.rules, request.schedule, target.eog_ids)  # as one server's, in order
+    _refuse_repeats(request, kept is None)
     return (lambda prompt, trace, baselines: run_prompt(target, drafter, prompt, request.rules,
                                                         request.max_new_tokens, request.schedule, shared(prompt),
                                                         trace, baselines, strategy, tree_target, kept)), None, target, None
+
+
+def _refuse_repeats(request: RunRequest, fresh_per_prompt: bool) -> None:
+    """A repeated prompt drafts as its first run did only where no drafter state outlives a prompt."""
+    lookup = LOOKUPS.get(request.strategy.drafting)
+    if request.repeat > 1 and lookup is not None and lookup.per_run and not fresh_per_prompt:
+        raise SettingsError(f"--repeat {request.repeat} runs each prompt again, and {lookup.name}'s state lasts "
+                            f"across prompts on {request.runtime}: a repetition would draft from what the first "
+                            "left; time it without --repeat")
+
+
+def repeated(result: PromptResult, again: Sequence[PromptResult]) -> PromptResult:
+    """result with every repetition's timings (PromptResult.repeats), or failed where a repetition
+    emitted other tokens or failed: its timings are not of the same work."""
+    if not again or not result.ok:
+        return result
+    for number, other in enumerate(again, start=2):
+        if not other.ok or other.output_ids != result.output_ids or other.counters != result.counters:
+            why = other.error if not other.ok else "other tokens or counts than the first (a nondeterministic runtime)"
+            return dataclasses.replace(result, status="failed", error=f"--repeat: run {number} of this prompt: {why}")
+    return dataclasses.replace(result, repeats=(result.timings, *(other.timings for other in again)))
 
 
 def _with_loaded(info: PairInfo, runtime: Runtime, drafter_read: bool) -> PairInfo:
@@ -333,15 +360,16 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
                            greedy=True, max_new_tokens=request.max_new_tokens,
                            mode=request.mode, spec_type=request.rules.spec_type,
                            schedule=request.schedule if driven else native.schedule, n_ctx=request.options.n_ctx,
-                           draft_n_min=request.rules.n_min, draft_p_min=request.rules.p_min,
+                           draft_n_min=request.rules.n_min, draft_p_min=request.rules.p_min, repeat=request.repeat,
                            **(strategy_params(request.strategy) if driven or not request.strategy.is_default
                               else {}))
         if native is not None:  # what the runtime fixes itself (an attached server's settings)
             params = dataclasses.replace(params, **dict(native.fixed_params))
         runtime_info = runtime.info()
         fresh = RunRecord(runtime_info, info, params, notes=native.notes if native else ())
-        baselines = RunBaselines(request.baselines, run_key(runtime_info, request.options, info.target.sha256,
-                                                            request.mode))
+        # Repeated prompts time their baselines beside them, never from the store (timed at another moment).
+        store = request.baselines if request.repeat == 1 else None
+        baselines = RunBaselines(store, run_key(runtime_info, request.options, info.target.sha256, request.mode))
         record = check_prompts(request.out, starting_record(request.out, fresh, request.resume, request.overwrite),
                                prompts, prompt_session.tokenize)
         # How this run feeds its prompts; a resumed one whose rendering changed was refused by digest.
@@ -359,8 +387,9 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
                 result = None
                 if prompt.id not in done:
                     recorder = TraceRecorder() if request.trace else None
-                    result = dataclasses.replace(run_one(prompt, recorder, baselines),
-                                                 prompt_sha256=prompt_sha256(prompt))
+                    first = run_one(prompt, recorder, baselines)
+                    again = [run_one(prompt, None, baselines) for _ in range(request.repeat - 1)] if first.ok else []
+                    result = dataclasses.replace(repeated(first, again), prompt_sha256=prompt_sha256(prompt))
                     result = with_template_ids(result, prompt_session, prompt, request.chat)
                     writer.add(result, recorder.finish() if recorder is not None and result.ok else None)
                 if on_prompt is not None:
