@@ -476,7 +476,12 @@ def test_fuzzed_queries_read_the_store_alone_and_write_nothing(folder, one_cell_
     assert len(kinds) == 16
 
 
-FORMATS = {"exllamav3-draft-stats-constructed.json": ("exllamav3-stats",),
+IMPORTS = Path(__file__).resolve().parent / "fixtures" / "import"
+FORMATS = {"aiperf-records-mock.jsonl": ("aiperf",),
+           # its requests matched to a prompts file through inputs.json (test_import_aiperf_prompts.py)
+           "aiperf-vllm-real-records.jsonl": ("aiperf", "--prompts", str(IMPORTS / "aiperf-prompts-constructed.jsonl"),
+                                              "--inputs", str(IMPORTS / "aiperf-vllm-real-inputs-constructed.json")),
+           "exllamav3-draft-stats-constructed.json": ("exllamav3-stats",),
            "exllamav3-job-constructed.json": ("exllamav3-stats",),
            "llama-server-log-pr24536.log": ("llama-server-log",),
            "llama-server-log-tiny.log": ("llama-server-log", "--k", "4"),
@@ -526,12 +531,11 @@ def damaged_import(rng: random.Random, data: bytes) -> tuple[str, bytes]:
 
 
 def test_fuzzed_imports_of_every_format_are_a_record_or_one_line(folder):
-    fixtures = Path(__file__).resolve().parent / "fixtures" / "import"
     rng, runner, kinds, outcomes = random.Random(SEED + 5), CliRunner(), set(), {"record": 0, "refused": 0}
     names = sorted(FORMATS)
     for case in range(IMPORT_CASES):
         name = names[case % len(names)]
-        kind, data = damaged_import(rng, (fixtures / name).read_bytes())
+        kind, data = damaged_import(rng, (IMPORTS / name).read_bytes())
         kinds.add(kind)
         path, out = folder / f"import{case}-{name}", folder / f"import{case}.json"
         path.write_bytes(data)

@@ -1,8 +1,9 @@
-"""`crossrt import --from aiperf`: NVIDIA AIPerf's per-request export and its aggregate, read from
-fixtures holding the numbers AIPerf's own test asserts for a real profile of its mock server
-(each fixture's header cites it; no real engine's export was found published), and the traps
-of its fields: a histogram without the bonus token, a rate that is a fraction in the record and a
-percent in the metrics, warm-up and failed requests, another engine's counting."""
+"""`crossrt import --from aiperf`: NVIDIA AIPerf's per-request export (one prompt per request)
+and its aggregate, read from fixtures holding the numbers AIPerf's own test asserts for a real
+profile of its mock server (each fixture's header cites it) and a real run against vLLM, and the
+traps of its fields: a histogram without the bonus token, a rate that is a fraction in the record
+and a percent in the metrics, warm-up and failed requests, another engine's counting. Requests
+matched to prompts files and compared with endpoint records: test_import_aiperf_prompts.py."""
 
 import json
 from pathlib import Path
@@ -12,7 +13,7 @@ from click.testing import CliRunner
 
 from crossrt.cli.imports import import_command
 from crossrt.records.record_json import load_record
-from crossrt.records.schema import accepted_per_position
+from crossrt.records.schema import Counters, accepted_per_position
 
 from conftest import assert_clean_error
 
@@ -38,10 +39,19 @@ def written(tmp_path, lines, name="records.jsonl"):
     return path
 
 
-def test_per_request_records_sum_into_the_schema(tmp_path):
+def summed(record) -> Counters:
+    """A record's counters summed over its finished prompts (an aggregate import's one result)."""
+    done = [r.counters for r in record.results if r.ok]
+    return Counters(*(sum(getattr(c, name) for c in done) for name in ("steps", "drafted", "accepted", "emitted")),
+                    tuple(map(sum, zip(*(c.accepted_per_pos for c in done)))) if done[0].accepted_per_pos else None,
+                    None, None, sum(c.unverified for c in done), sum(c.cut for c in done))
+
+
+def test_per_request_records_are_one_prompt_each_and_sum_into_the_schema(tmp_path):
     record = imported(tmp_path, RECORDS)
-    (result,) = record.results
-    counters, lines = result.counters, request_lines()
+    counters, lines = summed(record), request_lines()
+    assert [r.prompt_id for r in record.results] == ["request-0", "request-1"]
+    assert [(r.counters.steps, r.counters.accepted) for r in record.results] == [(8, 18), (8, 18)]
     assert (record.runtime.name, record.params.schedule, record.params.k) == ("aiperf", "vllm", 4)
     assert (counters.steps, counters.drafted, counters.accepted) == (16, 64, 36)
     # The histogram (steps accepting exactly j, bonus out) gives what the per-step lists give.
@@ -52,11 +62,12 @@ def test_per_request_records_sum_into_the_schema(tmp_path):
     assert counters.alpha * 100 == lines[0]["metrics"]["spec_decode_draft_acceptance_rate"]["value"]
     # completion_tokens is null in the export: emitted follows the identity, and says so.
     assert "emitted" not in record.imported.given and counters.emitted == 16 + 36
-    assert any("2 request(s) summed" in note for note in record.notes)
+    assert any("2 request(s), one prompt each" in note for note in record.notes)
+    assert any("no output token ids" in note for note in record.notes)
 
 
 def test_the_aggregate_export_imports_to_the_same_counters(tmp_path):
-    per_request = imported(tmp_path, RECORDS).results[0].counters
+    per_request = summed(imported(tmp_path, RECORDS))
     record = imported(tmp_path, AGGREGATE, "--k", "4", "--overwrite")
     counters = record.results[0].counters
     assert (counters.steps, counters.drafted, counters.accepted, counters.accepted_per_pos) == \
@@ -77,13 +88,15 @@ def test_completion_tokens_give_emitted_and_each_requests_prefill_token_is_unver
     lines = request_lines()
     lines[0]["spec_decode_acceptance"]["completion_tokens"] = 1 + 8 + 18
     lines[1]["spec_decode_acceptance"]["completion_tokens"] = 1 + 8 + 18 - 3
-    counters = imported(tmp_path, written(tmp_path, lines)).results[0].counters
+    record = imported(tmp_path, written(tmp_path, lines))
+    counters = summed(record)
     assert (counters.emitted, counters.unverified, counters.cut) == (51, 2, 3)
+    assert [(r.counters.unverified, r.counters.cut) for r in record.results] == [(1, 0), (1, 3)]
     # AIPerf 0.13 also writes the response's usage among a request's metrics: read there too.
     for line in lines:
         completion = line["spec_decode_acceptance"].pop("completion_tokens")
         line["metrics"]["usage_completion_tokens"] = {"value": completion, "unit": "tokens"}
-    again = imported(tmp_path, written(tmp_path, lines, "usage.jsonl"), "--overwrite").results[0].counters
+    again = summed(imported(tmp_path, written(tmp_path, lines, "usage.jsonl"), "--overwrite"))
     assert (again.emitted, again.unverified, again.cut) == (51, 2, 3)
 
 
@@ -113,7 +126,7 @@ def test_a_real_aiperf_run_imports_to_one_set_of_counters_from_each_export(tmp_p
     prefill's) and cut = 1 + steps + accepted - emitted; the earlier reading gave unverified 1."""
     records = {name: imported(tmp_path / name.split(".")[0], path, *(["--k", "7"] if name == "aggregate.json" else []))
                for name, path in REAL.items()}
-    counters = {name: record.results[0].counters for name, record in records.items()}
+    counters = {name: summed(record) for name, record in records.items()}
     assert len(set(counters.values())) == 1, counters
     one = counters["records.jsonl"]
     assert (one.steps, one.drafted, one.accepted, one.emitted, one.unverified, one.cut) == (59, 413, 278, 320, 10, 27)
@@ -144,10 +157,16 @@ def test_metrics_alone_give_counts_and_left_out_requests_are_named(tmp_path):
     failed = {**lines[1], "error": {"code": 500, "type": "Internal Server Error", "message": "x"}}
     off = {"metadata": {"benchmark_phase": "profiling"}, "metrics": {"request_latency": {"value": 1.0, "unit": "ms"}}}
     record = imported(tmp_path, written(tmp_path, [bare, warmup, failed, off]), "--k", "4")
-    counters = record.results[0].counters
+    counters = summed(record)
     assert (counters.steps, counters.drafted, counters.accepted) == (8, 32, 18)
     assert counters.accepted_per_pos is None and "accepted_per_pos" not in record.imported.given
-    assert any("1 warm-up, 1 failed, 1 without speculative statistics" in note for note in record.notes)
+    assert any("2 kept as failed (failed in AIPerf, or without statistics); left out: 1 warm-up" in note
+               for note in record.notes)
+    # The failed request and the one without statistics stay prompts, failed with why: parity names them.
+    assert [(r.prompt_id, r.status) for r in record.results] == \
+        [("request-0", "ok"), ("request-1", "failed"), ("request-2", "failed")]
+    assert record.results[1].error == "the request failed in AIPerf (Internal Server Error: x)"
+    assert record.results[2].error.startswith("no speculative decoding statistics in AIPerf's export")
 
 
 @pytest.mark.parametrize("change, message", [

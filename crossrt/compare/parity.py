@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 from crossrt.compare.diagnosis import Explainer, twins_of
 from crossrt.compare.splits import COUNTS_UNFIT, OWN_TOKENIZATION, Split, first_divergence, template_split
 from crossrt.errors import ComparisonError
-from crossrt.imports.importer import UNKNOWN
+from crossrt.imports.importer import AGGREGATE, UNKNOWN
 from crossrt.records.schema import PromptResult, RunRecord
 
 OWN_BASELINE = "its baseline"  # run_b of a run's lossless check against its own greedy baseline
@@ -196,7 +196,9 @@ def compare_records(a: RunRecord, b: RunRecord, counter_tolerance: float = 0.0,
         refuse_lossy(label, record)
     explainer = explainer or Explainer()
     if a.imported or b.imported:
-        return [compare_aggregates(a, b, counter_tolerance, labels)]
+        shared = {r.prompt_id for r in a.results} & {r.prompt_id for r in b.results} - {AGGREGATE}
+        return (compare_imported_prompts(a, b, counter_tolerance, labels) if shared
+                else [compare_aggregates(a, b, counter_tolerance, labels)])
     if a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
         raise ComparisonError(f"{labels[0]} and {labels[1]} ran pairs with different vocabularies: "
                          "their token ids cannot be compared")
@@ -219,32 +221,70 @@ def _gives(record: RunRecord, counter: str) -> bool:
     return record.imported is None or counter in record.imported.given
 
 
-def compare_aggregates(a: RunRecord, b: RunRecord, counter_tolerance: float, labels: tuple[str, str]) -> PromptParity:
-    """Runs of which one or both are imported (crossrt import): no token ids to compare, so
-    the counters both give, summed over each run's finished prompts, when both count the same
-    way (k, schedule, draft rules, budget: an import that does not state them is not compared)."""
+def _imported_terms(a: RunRecord, b: RunRecord, labels: tuple[str, str]) -> tuple[list[str], str, str]:
+    """What two runs, one or both imported, can compare: the counters both give, why they are not
+    compared ("" when both count the same way: k, schedule, draft rules, budget; an import that does
+    not state them is not compared), and why no token ids are."""
     if a.pair.target and b.pair.target and a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
         raise ComparisonError(f"{labels[0]} and {labels[1]} ran pairs with different vocabularies")
+    names = [name for name in COMPARED_COUNTERS if _gives(a, name) and _gives(b, name)]
+    differs = counting_difference(a, b) or ("" if names else "the two give no counter in common")
+    no_ids = "no token ids: imported from " + ", ".join(dict.fromkeys(record.imported.format for record in (a, b)
+                                                                     if record.imported))
+    return names, differs, no_ids
+
+
+def _gaps(names: Sequence[str], a: dict, b: dict, tolerance: float) -> tuple[CounterGap, ...]:
+    return tuple(CounterGap(name, a[name], b[name]) for name in names
+                 if abs(a[name] - b[name]) > tolerance * max(a[name], b[name]))
+
+
+def compare_aggregates(a: RunRecord, b: RunRecord, counter_tolerance: float, labels: tuple[str, str]) -> PromptParity:
+    """Runs of which one or both are imported (crossrt import) with no prompt in common: no token
+    ids to compare, so the counters both give, summed over each run's finished prompts."""
+    names, differs, no_ids = _imported_terms(a, b, labels)
     notes = [f"{label}: imported from {record.imported.format}: no token ids, outputs not compared"
              for label, record in zip(labels, (a, b)) if record.imported]
-    names = [name for name in COMPARED_COUNTERS if _gives(a, name) and _gives(b, name)]
     sums = [{name: sum(getattr(r.counters, name) for r in record.results if r.ok) for name in names}
             for record in (a, b)]
-    differs = counting_difference(a, b) or ("" if names else "the two give no counter in common")
     compared = not differs
-    gaps = tuple(CounterGap(name, sums[0][name], sums[1][name]) for name in names if compared
-                 and abs(sums[0][name] - sums[1][name]) > counter_tolerance * max(sums[0][name], sums[1][name]))
+    gaps = _gaps(names, *sums, counter_tolerance) if compared else ()
     if not compared:
         notes.append(f"counters not compared: {differs}")
     else:
         notes.append(f"counters compared on sums over all prompts: {', '.join(names)}"
                      + ("" if a.pair.target and b.pair.target else "; an imported run names no pair files"))
     prompt_id = next(record.results[0].prompt_id for record in (a, b) if record.imported)
-    no_ids = "no token ids: imported from " + ", ".join(dict.fromkeys(record.imported.format for record in (a, b)
-                                                                     if record.imported))
     return PromptParity(prompt_id, *labels, tuple(f"{gap.name}: {gap.a} vs {gap.b}" for gap in gaps), None, gaps,
                         compared, tuple(notes), compared=(COUNTERS,) if compared else (), no_ids=no_ids,
                         no_counters=differs, imported=True)
+
+
+def compare_imported_prompts(a: RunRecord, b: RunRecord, counter_tolerance: float,
+                             labels: tuple[str, str]) -> list[PromptParity]:
+    """An import that keeps its requests as prompts (AIPerf's per-request export, --prompts) and a
+    run of the same prompts: prompt by prompt, the counters both give; token ids not compared."""
+    names, differs, no_ids = _imported_terms(a, b, labels)
+    compared = not differs
+    results_b = {r.prompt_id: r for r in b.results}
+    comparisons = []
+    for result_a in a.results:
+        result_b = results_b.pop(result_a.prompt_id, None)
+        if result_b is None:
+            problems, gaps = (f"missing from {labels[1]}",), ()
+        else:
+            problems = tuple(f"{label} failed: {result.error}"
+                             for label, result in zip(labels, (result_a, result_b)) if not result.ok)
+            counts = [{name: getattr(result.counters, name) for name in names} for result in (result_a, result_b)]
+            gaps = _gaps(names, *counts, counter_tolerance) if compared and not problems else ()
+            problems += tuple(f"{gap.name}: {gap.a} vs {gap.b}" for gap in gaps)
+        counted = compared and result_b is not None and result_a.ok and result_b.ok
+        comparisons.append(PromptParity(result_a.prompt_id, *labels, problems, None, gaps, counted,
+                                        compared=(COUNTERS,) if counted else (), no_ids=no_ids,
+                                        no_counters=differs, imported=True))
+    comparisons.extend(PromptParity(prompt_id, *labels, (f"missing from {labels[0]}",), None, (), False,
+                                    no_ids=no_ids, imported=True) for prompt_id in results_b)
+    return comparisons
 
 
 def lossless_checks(label: str, record: RunRecord, explainer: Explainer, strict: bool = False) -> list[PromptParity]:
@@ -252,11 +292,11 @@ def lossless_checks(label: str, record: RunRecord, explainer: Explainer, strict:
     Explainer finds to be numerics (a batch-shape near-tie, from the run's pass views, a driven
     twin's or passes re-scored) is explained, not failed, unless strict."""
     refuse_lossy(label, record)
-    if record.imported:
-        return [PromptParity(r.prompt_id, label, OWN_BASELINE, (), None, (), False,
-                             (f"imported from {record.imported.format}: no token ids, no lossless check",),
+    if record.imported:  # said once for the record, not for each of its prompts
+        note = f"imported from {record.imported.format}: no token ids, no lossless check"
+        return [PromptParity(r.prompt_id, label, OWN_BASELINE, (), None, (), False, () if at else (note,),
                              no_ids=f"no token ids: imported from {record.imported.format}", imported=True)
-                for r in record.results]
+                for at, r in enumerate(record.results)]
     checks = []
     for result in record.results:
         problems, explained, causes = [], [], []

@@ -17,14 +17,15 @@ crossrt reads any of its three exports:
 - `profile_export.jsonl`, one `MetricRecordInfo` per request: `metrics` {tag: {"value", "unit"}}
   with `spec_decode_steps`, `spec_decode_draft_tokens`, `spec_decode_accepted_draft_tokens`,
   `spec_decode_acceptance_length`, `spec_decode_draft_acceptance_rate` (percent), and, at
-  `--export-level records`, the whole record under `spec_decode_acceptance`;
+  `--export-level records`, the whole record under `spec_decode_acceptance`: one prompt per
+  request, in the order AIPerf issued them or matched to --prompts (aiperf_prompts.py); warm-up
+  requests are left out, failed ones and those without statistics kept as failed prompts;
 - `profile_export_aiperf.json`, the run's aggregate: `total_spec_decode_steps`,
   `total_draft_tokens`, `total_accepted_draft_tokens` (each {"avg": sum, ...}) and
   `pooled_spec_decode_acceptance_histogram`;
 - `server_metrics_export.json`, the server's Prometheus counters over the benchmark: vLLM's
   `vllm:spec_decode_*` counters' increase (`stats.total` of each series), summed over series.
-Warm-up requests (metadata.benchmark_phase "warmup"), failed ones and those without statistics
-are left out, as AIPerf's own profiling metrics leave them out. docs/import.md maps every field.
+docs/import.md maps every field.
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from crossrt.imports.aiperf_prompts import PromptMismatch, Sent, prompts_of, sent_by
+from crossrt.imports.imported import (DIGITS, MAX_K, ImportFailure, PromptCounts, SourceCounts, draft_length,
+                                      json_count, summed)
 from crossrt.imports.logs import ReadOptions
 from crossrt.inputs.prompts import json_lines
 from crossrt.records.metrics import Totals
-from crossrt.imports.imported import DIGITS, MAX_K, ImportFailure, SourceCounts, draft_length, json_count
+from crossrt.records.printable import one_line
 
 ENGINES = ("vllm",)  # engines whose counting crossrt maps (AIPerf's adapters)
 TOTALS = ("total_spec_decode_steps", "total_draft_tokens", "total_accepted_draft_tokens")
@@ -113,14 +117,17 @@ def _value(metrics: Mapping, tag: str):
 
 @dataclass(frozen=True)
 class Request:
-    """One request's counts, from its spec_decode_acceptance record or else its metrics."""
+    """One profiled request: what it sent, and its counts from its spec_decode_acceptance record
+    or else its metrics; error says why it has none (it failed, or has no statistics)."""
 
-    steps: int
-    drafted: int
-    accepted: int
-    histogram: Optional[dict[int, int]]  # None: metrics only
-    k: Optional[int]
-    completion: Optional[int]
+    sent: Sent
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    histogram: Optional[dict[int, int]] = None  # None: metrics only
+    k: Optional[int] = None
+    completion: Optional[int] = None
+    error: Optional[str] = None
 
 
 def _per_step(record: dict, name: str, steps: int, total: int, where: str) -> None:
@@ -135,7 +142,8 @@ def _per_step(record: dict, name: str, steps: int, total: int, where: str) -> No
                             f"summing to {total}")
 
 
-def _request(line: dict, where: str) -> Request:
+def _request(line: dict, sent: Sent) -> Request:
+    where = sent.where
     metrics = _object(line.get("metrics"), f"{where}: metrics")
     record = line.get("spec_decode_acceptance")
     if record is not None:
@@ -165,7 +173,7 @@ def _request(line: dict, where: str) -> Request:
     percent = _value(metrics, "spec_decode_draft_acceptance_rate")
     _checked(where, *counts, None, _value(metrics, "spec_decode_acceptance_length"),
              percent / 100 if isinstance(percent, (int, float)) else None)
-    return Request(*counts, histogram, k, completion)
+    return Request(sent, *counts, histogram, k, completion)
 
 
 def _completion(metrics: Mapping, where: str) -> Optional[int]:
@@ -180,28 +188,65 @@ def _has_stats(line: dict) -> bool:
         (isinstance(metrics, dict) and _value(metrics, "spec_decode_steps") is not None)
 
 
-def _requests(text: str) -> tuple[list[Request], list[str]]:
-    requests, skipped = [], {"warm-up": 0, "failed": 0, "without speculative statistics": 0}
+def _failure(line: dict) -> str:
+    error = line["error"]
+    said = f"{error.get('type')}: {error.get('message')}" if isinstance(error, dict) else str(error)
+    return f"the request failed in AIPerf ({one_line(said[:200])})"
+
+
+def _requests(text: str) -> tuple[list[Request], int]:
+    """The profiled requests in the order AIPerf issued them (session_num, then turn_index, where
+    every request has them; else the lines' order), and how many warm-up requests were left out."""
+    requests, order, warmup = [], [], 0
     for line, where in json_lines(text, "export", ImportFailure):
         if "metrics" not in line:
             raise ImportFailure(f"{where} is not an AIPerf record (no 'metrics')")
         metadata = line.get("metadata")
         if isinstance(metadata, dict) and metadata.get("benchmark_phase") == "warmup":
-            skipped["warm-up"] += 1
-        elif line.get("error"):
-            skipped["failed"] += 1
+            warmup += 1
+            continue
+        sent, session = sent_by(line, where)
+        order.append(None if session is None else (session, sent.turn))
+        if line.get("error"):
+            requests.append(Request(sent, error=_failure(line)))
         elif not _has_stats(line):
-            skipped["without speculative statistics"] += 1
+            requests.append(Request(sent, error="no speculative decoding statistics in AIPerf's export (no verify "
+                                          "step, or the server did not report them)"))
         else:
-            requests.append(_request(line, where))
-    return requests, [f"{n} {what}" for what, n in skipped.items() if n]
+            requests.append(_request(line, sent))
+    if requests and None not in order:
+        issued = sorted(range(len(requests)), key=lambda i: order[i])
+        twice = next(((i, j) for i, j in zip(issued, issued[1:]) if order[i] == order[j]), None)
+        if twice is not None:
+            first, second = sorted(twice)
+            raise ImportFailure(f"{requests[first].sent.where} and {requests[second].sent.where.split(' ', 1)[1]} are "
+                                f"both session_num {order[first][0]}, turn {order[first][1]}: not one benchmark's "
+                                "export")
+        requests = [requests[i] for i in issued]
+    return requests, warmup
+
+
+def _prompt_ids(requests: list[Request], options: ReadOptions) -> tuple[list[tuple[str, Optional[str]]], list[str],
+                                                                       tuple[str, ...]]:
+    """Each request's (prompt id, category: None for --category), notes, and prompts without a request."""
+    if options.prompts is None:
+        if options.inputs is not None:
+            raise PromptMismatch("inputs.json matches requests to --prompts: give --prompts too")
+        return [(f"request-{i}", None) for i in range(len(requests))], \
+            ["aiperf: prompt ids request-0, request-1, ... in the order AIPerf issued the requests (session_num, "
+             "else the lines' order); give --prompts to name them as a prompts file does"], ()
+    prompts, how, missing = prompts_of([r.sent for r in requests], options.prompts, options.inputs)
+    return [(p.id, p.category) for p in prompts], [f"aiperf: {how}"], missing
 
 
 def _from_records(text: str, options: ReadOptions) -> SourceCounts:
-    requests, skipped = _requests(text)
+    every, warmup = _requests(text)
+    requests = [r for r in every if r.error is None]
     if not requests:
+        kept = [f"{warmup} warm-up"] if warmup else []
+        kept += [f"{len(every)} without statistics or failed"] if every else []
         raise ImportFailure("no request with speculative decoding statistics" +
-                            (f" ({', '.join(skipped)} left out)" if skipped else ""))
+                            (f" ({', '.join(kept)})" if kept else ""))
     steps, drafted, accepted = (sum(getattr(r, name) for r in requests) for name in ("steps", "drafted", "accepted"))
     ks = {r.k for r in requests if r.k is not None}
     if len(ks) > 1:
@@ -211,27 +256,42 @@ def _from_records(text: str, options: ReadOptions) -> SourceCounts:
         over = [r for r in requests if r.completion and 1 + r.steps + r.accepted - r.completion > k]
         if over:
             r = over[0]
-            raise ImportFailure(f"a request of {r.steps} steps and {r.accepted} accepted tokens emitted {r.completion}: "
-                                f"{1 + r.steps + r.accepted - r.completion} tokens cut, more than k = {k} (vLLM cuts "
-                                "only its last step's accepted tokens)")
-    notes = [f"aiperf: {len(requests)} request(s) summed: steps = num_spec_steps, drafted = num_draft_tokens, "
-             "accepted = num_accepted_draft_tokens (bonus excluded)" +
-             (f"; left out: {', '.join(skipped)}" if skipped else "")]
-    per_pos = emitted = unverified = None
-    if k is not None and all(r.histogram is not None for r in requests):
+            raise ImportFailure(f"{r.sent.where}: a request of {r.steps} steps and {r.accepted} accepted tokens "
+                                f"emitted {r.completion}: {1 + r.steps + r.accepted - r.completion} tokens cut, more "
+                                f"than k = {k} (vLLM cuts only its last step's accepted tokens)")
+    ids, notes, missing = _prompt_ids(every, options)
+    failed = len(every) - len(requests)
+    notes += [f"aiperf: {len(every)} request(s), one prompt each: steps = num_spec_steps, drafted = num_draft_tokens, "
+              "accepted = num_accepted_draft_tokens (bonus excluded)" +
+              (f"; {failed} kept as failed (failed in AIPerf, or without statistics)" if failed else "") +
+              (f"; left out: {warmup} warm-up" if warmup else ""),
+              "aiperf: no output token ids: profile_export.jsonl's records (metadata, metrics, error, "
+              "spec_decode_acceptance) carry none, so parity compares counters request by request, not outputs"]
+    histograms = k is not None and all(r.histogram is not None for r in requests)
+    if histograms:
         if any(j > k for r in requests for j in r.histogram):
             raise ImportFailure(f"a step accepted more than k = {k} draft tokens")
-        per_pos = tuple(map(sum, zip(*(per_position(r.histogram, k) for r in requests))))
         notes.append("aiperf: accepted_per_pos[i] = steps whose histogram bucket j (exactly j accepted) is above i")
-    if all(r.completion is not None for r in requests):
+    completions = all(r.completion is not None for r in requests)
+    if completions:
         # vLLM's counting, as crossrt's vllm runtime reads it: each request's first token comes
         # from the prefill (unverified 1), and the importer's identity leaves cut = 1 + steps +
         # accepted - emitted per request (the accepted tokens past a stop or the budget).
-        emitted = sum(r.completion for r in requests)
-        unverified = sum(1 for r in requests if r.completion)
         notes.append("aiperf: emitted = usage completion_tokens; per request one unverified token (vLLM's first token "
                      "comes from the prefill), so cut = 1 + steps + accepted - emitted (tokens accepted past a stop)")
-    return SourceCounts(steps, drafted, accepted, per_pos, emitted, unverified, k, notes=tuple(notes))
+
+    def counts(r: Request) -> SourceCounts:
+        return SourceCounts(r.steps, r.drafted, r.accepted, per_position(r.histogram, k) if histograms else None,
+                            r.completion if completions else None, (1 if r.completion else 0) if completions else None,
+                            k)
+
+    prompts = tuple(PromptCounts(prompt_id, category, None if r.error else counts(r), r.error)
+                    for r, (prompt_id, category) in zip(every, ids))
+    per_pos = summed([part.counts.accepted_per_pos for part in prompts if part.counts]) if histograms else None
+    emitted = sum(r.completion for r in requests) if completions else None
+    unverified = sum(1 for r in requests if r.completion) if completions else None
+    return SourceCounts(steps, drafted, accepted, per_pos, emitted, unverified, k, notes=tuple(notes), prompts=prompts,
+                        missing=missing)
 
 
 def _from_aggregate(data: dict, options: ReadOptions) -> SourceCounts:
@@ -322,9 +382,14 @@ def read_aiperf(text: str, options: ReadOptions) -> SourceCounts:
         data = json.loads(text)
     except json.JSONDecodeError:
         data = None  # JSON Lines: one record per line
-    if isinstance(data, dict) and "metrics" not in data:
-        return _from_aggregate(data, options)
     metrics = data.get("metrics") if isinstance(data, dict) else None
-    if isinstance(metrics, dict) and any(isinstance(v, dict) and "series" in v for v in metrics.values()):
+    aggregate = isinstance(data, dict) and "metrics" not in data
+    server = isinstance(metrics, dict) and any(isinstance(v, dict) and "series" in v for v in metrics.values())
+    if (aggregate or server) and (options.prompts is not None or options.inputs is not None):
+        raise PromptMismatch("--prompts and --inputs match the requests of profile_export.jsonl; this is "
+                             f"{'server_metrics_export.json' if server else 'an aggregate'}, which keeps none apart")
+    if aggregate:
+        return _from_aggregate(data, options)
+    if server:
         return _from_server_metrics(metrics, options)
     return _from_records(text, options)

@@ -83,6 +83,10 @@ class SourceCounts:
     version: Optional[str] = None
     build: Optional[str] = None
     notes: tuple[str, ...] = ()
+    # One per request where the source keeps its requests apart (AIPerf's per-request export),
+    # each counted as these are (their sums); empty: the counts are one aggregate.
+    prompts: tuple["PromptCounts", ...] = ()
+    missing: tuple[str, ...] = ()  # what the source lacks beyond the usual (counters, ids, timings), in words
 
     def minus(self, before: "SourceCounts") -> "SourceCounts":
         """The counts between two scrapes of a counter endpoint (this one the later)."""
@@ -105,6 +109,18 @@ class SourceCounts:
             delta(self.emitted, before.emitted, "emitted tokens"),
             delta(self.unverified, before.unverified, "decodes outside steps"),
             self.k, self.version, self.build, self.notes)
+
+
+@dataclass(frozen=True)
+class PromptCounts:
+    """One request of a source that keeps them apart: the prompt it ran (category None: the
+    import's --category) and its counts, or None and why (a request that failed, or that has no
+    speculative statistics)."""
+
+    prompt_id: str
+    category: Optional[str]
+    counts: Optional[SourceCounts]
+    error: Optional[str] = None
 
 
 def padded(counts: Sequence[int], width: int) -> tuple[int, ...]:

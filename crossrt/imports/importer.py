@@ -1,7 +1,8 @@
 """`crossrt import`: another runtime's own statistics as a run record, beside crossrt's runs.
 
 A source format (FORMATS) is read into counts (crossrt/imports/logs.py, import_metrics.py), and
-the counts become a record marked `imported` (schema.ImportInfo) with one aggregate result:
+the counts become a record marked `imported` (schema.ImportInfo) with one aggregate result, or
+one result per request where the source keeps them apart (AIPerf's per-request export):
 counters only, no token ids, no timings. Counters the source does not give follow crossrt's
 identities (emitted = steps + accepted, nothing unverified or cut), and the record says which
 are given, so readers compare only those. docs/import.md gives each source's fields.
@@ -9,6 +10,7 @@ are given, so readers compare only those. docs/import.md gives each source's fie
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from dataclasses import dataclass
@@ -16,15 +18,18 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from crossrt.imports.aiperf import read_aiperf
+from crossrt.imports.aiperf_prompts import PromptMismatch
 from crossrt.imports.exllamav3 import read_exllamav3_stats
 from crossrt.imports.logs import ReadOptions, read_llama_server_log, read_sglang_log, read_vllm_log
 from crossrt.imports.engine_metrics import read_llama_server_metrics, read_vllm_metrics
 from crossrt.imports.sglang import read_sglang_metrics
-from crossrt.imports.imported import ImportFailure, SourceCounts, padded
+from crossrt.imports.imported import ImportFailure, PromptCounts, SourceCounts, padded
 from crossrt.inputs.pairs import Pair, pair_info
+from crossrt.inputs.prompts import Prompt
 from crossrt.records.schema import Counters, ImportInfo, PairInfo, PromptResult, RunParams, RunRecord, RuntimeInfo
 
 AGGREGATE = "aggregate"  # the prompt id of an imported record's one result
+AIPERF_INPUTS = "inputs.json"  # AIPerf's payload of each request, written beside its exports
 UNKNOWN = "unknown"  # a text field the source does not say (numbers and flags it does not say are null)
 
 
@@ -35,6 +40,7 @@ class Format:
     schedule: str  # whose counting the counters follow (docs/schema.md, schedules)
     model_format: str  # the model files a --pair manifest names for this runtime
     counters: bool  # a counter endpoint: a --before scrape can be subtracted
+    per_request: bool = False  # it can keep its requests as prompts: --prompts names them
 
 
 FORMATS = {
@@ -46,7 +52,7 @@ FORMATS = {
     "llama-server-log": Format(read_llama_server_log, "llama-server", "llama-server", "gguf", counters=False),
     "exllamav3-stats": Format(read_exllamav3_stats, "exllamav3", "exllamav3", "exl3", counters=False),
     # AIPerf is the client that wrote the file; the counts are its one adapter's engine's, vLLM's.
-    "aiperf": Format(read_aiperf, "aiperf", "vllm", "hf", counters=False),
+    "aiperf": Format(read_aiperf, "aiperf", "vllm", "hf", counters=False, per_request=True),
 }
 
 
@@ -69,6 +75,8 @@ class ImportRequest:
     n_ctx: Optional[int] = None
     draft_n_min: Optional[int] = None
     draft_p_min: Optional[float] = None
+    prompts: Optional[tuple[Prompt, ...]] = None  # the prompts the requests ran (per_request formats)
+    inputs: Optional[Path] = None  # AIPerf's inputs.json (default: beside path, where --prompts is given)
 
 
 LOG_BYTES = 256 << 20  # the most of a log or scrape crossrt reads (its text is held whole while parsed)
@@ -110,19 +118,30 @@ def read_counts(request: ImportRequest) -> SourceCounts:
         counting = ", ".join(name for name, entry in FORMATS.items() if entry.counters)
         raise ImportFailure(f"--before is for counter endpoints ({counting}): {request.format} text covers what "
                             "it holds")
+    if (request.prompts is not None or request.inputs is not None) and not source.per_request:
+        per_request = ", ".join(name for name, entry in FORMATS.items() if entry.per_request)
+        raise ImportFailure(f"--prompts and --inputs name the prompts of a per-request export ({per_request}): "
+                            f"{request.format} text is one aggregate")
 
-    def read(path: Path) -> SourceCounts:
-        text = _text(path)  # a missing or unreadable file is that, not a text of another format
+    def read(path: Path, text: str, options: ReadOptions) -> SourceCounts:
         try:
-            return source.read(text, request.options)
+            return source.read(text, options)
+        except PromptMismatch as error:
+            raise ImportFailure(f"{path}: {error}") from None
         except ImportFailure as error:
             raise ImportFailure(f"{path} is not {request.format} output crossrt can read: {error}") from None
 
     if request.before is not None and _same_file(request.path, request.before):
         raise ImportFailure(f"--before {request.before} is the scrape itself ({request.path}): give the scrape made "
                             "before the benchmark (FILE minus itself counts nothing)")
-    counts = read(request.path)
-    return counts.minus(read(request.before)) if request.before is not None else counts
+    text = _text(request.path)  # a missing or unreadable file is that, not a text of another format
+    inputs = request.inputs
+    if inputs is None and request.prompts is not None and (request.path.parent / AIPERF_INPUTS).is_file():
+        inputs = request.path.parent / AIPERF_INPUTS  # AIPerf writes it beside its exports
+    options = dataclasses.replace(request.options, prompts=request.prompts,
+                                  inputs=None if inputs is None else _text(inputs))
+    counts = read(request.path, text, options)
+    return counts.minus(read(request.before, _text(request.before), options)) if request.before is not None else counts
 
 
 def _counters(counts: SourceCounts, k: int) -> tuple[Counters, tuple[str, ...], tuple[str, ...]]:
@@ -153,10 +172,10 @@ def _counters(counts: SourceCounts, k: int) -> tuple[Counters, tuple[str, ...], 
     return counters, tuple(given), tuple(notes)
 
 
-def _missing(given: tuple[str, ...], request: ImportRequest) -> tuple[str, ...]:
+def _missing(given: tuple[str, ...], request: ImportRequest, counts: SourceCounts) -> tuple[str, ...]:
     missing = ["token ids: no lossless check, no output or logit parity",
-               "per-prompt split: one aggregate result over everything the text covers",
-               "timings: no tokens/s or speedup"]
+               *([] if counts.prompts else ["per-prompt split: one aggregate result over everything the text covers"]),
+               "timings: no tokens/s or speedup", *counts.missing]
     if "emitted" not in given:
         missing.append("tokens outside verification steps: emitted is steps + accepted")
     if "accepted_per_pos" not in given:
@@ -200,10 +219,22 @@ def _record(request: ImportRequest, counts: SourceCounts) -> RunRecord:
     params = RunParams(k=k, greedy=request.greedy, max_new_tokens=request.max_new_tokens, mode="native",
                        spec_type=request.spec_type or UNKNOWN, schedule=source.schedule, n_ctx=request.n_ctx,
                        draft_n_min=n_min, draft_p_min=p_min)
-    result = PromptResult(AGGREGATE, request.category, "ok", None, (), (), (), None, counters, None)
+    results = tuple(_result(part, request.category, k) for part in counts.prompts) or \
+        (PromptResult(AGGREGATE, request.category, "ok", None, (), (), (), None, counters, None),)
     described = f"{request.before} -> {request.path}" if request.before is not None else str(request.path)
-    info = ImportInfo(request.format, described, given, _missing(given, request))
-    return RunRecord(runtime, pair, params, (result,), notes=counts.notes + notes, imported=info)
+    info = ImportInfo(request.format, described, given, _missing(given, request, counts))
+    return RunRecord(runtime, pair, params, results, notes=counts.notes + notes, imported=info)
+
+
+def _result(part: PromptCounts, category: str, k: int) -> PromptResult:
+    """One request's result: its counters as the aggregate's are read, or failed with why."""
+    if part.counts is None:
+        return PromptResult.failed(part.prompt_id, part.category or category, part.error)
+    try:
+        counters = _counters(part.counts, k)[0]
+    except ImportFailure as error:
+        raise ImportFailure(f"prompt {part.prompt_id}: {error}") from None
+    return PromptResult(part.prompt_id, part.category or category, "ok", None, (), (), (), None, counters, None)
 
 
 def import_summary(record: RunRecord) -> str:

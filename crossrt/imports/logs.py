@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from crossrt.inputs.prompts import Prompt
 from crossrt.imports.imported import (MAX_K, ImportFailure, SourceCounts, count, draft_length, drafts_behind, fitting, shown,
                               summed)
 
@@ -24,6 +25,8 @@ from crossrt.imports.imported import (MAX_K, ImportFailure, SourceCounts, count,
 class ReadOptions:
     k: Optional[int] = None  # draft tokens per step, where the text does not say it
     decode_log_interval: int = 40  # SGLang's --decode-log-interval (its default: 40)
+    prompts: Optional[tuple[Prompt, ...]] = None  # aiperf: the prompts its requests ran (--prompts)
+    inputs: Optional[str] = None  # aiperf: the text of its inputs.json, each request's payload
 
 
 # A number ends at a separator or the line's end: "2.0x" or "0.5abc" is garbage, not 2.0 or 0.5

@@ -327,8 +327,9 @@ class Summary(Totals):
 
 @dataclass(frozen=True)
 class ImportInfo:
-    """Marks a record crossrt did not run: one aggregate result whose counters come from another
-    runtime's own log or /metrics text (`crossrt import`, docs/import.md)."""
+    """Marks a record crossrt did not run: one aggregate result (or one per request, from AIPerf's
+    per-request export) whose counters come from another runtime's own statistics (`crossrt
+    import`, docs/import.md)."""
 
     format: str  # the source format, e.g. "vllm-log"
     source: str  # what was read: the file, or "BEFORE -> AFTER" for the delta of two scrapes
