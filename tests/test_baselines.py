@@ -184,8 +184,11 @@ def test_cache_ls_clear_and_fresh_baseline(tmp_path, cache):
     assert "baseline: 2 of 2 prompts from the baseline store" in result.stderr
     _, results = run("--fresh-baseline")
     assert {r["baseline_source"]["origin"] for r in results} == {"decoded"}
-    listed = runner.invoke(main, ["cache", "ls"])
-    assert listed.exit_code == 0 and "2 baseline(s)" in listed.output and listed.output.count("llama-cpp") == 2
+    listed = runner.invoke(main, ["cache", "ls", "--format", "json"])
+    assert listed.exit_code == 0 and "2 baseline(s)" in listed.stderr
+    assert [(e["runtime"], e["mode"], e["schedule"], e["drafting"], e["acceptance"], e["lossy"])
+            for e in json.loads(listed.stdout)] == [("llama-cpp", "driven", "crossrt,hf-assisted,llama-spec-simple",
+                                                     "none", "greedy", False)] * 2
     cache.path("0" * 64).write_text("{")
     assert "damaged" in runner.invoke(main, ["cache", "ls"]).output
     cleared = runner.invoke(main, ["cache", "clear"])

@@ -41,8 +41,11 @@ def test_run_writes_a_record_and_show_summarizes_it(tmp_path):
     assert record.params.k == 3 and record.runtime.name == "llama-cpp" and record.runtime.threads == 1
     shown = invoke("show", tmp_path / "run.json")
     assert shown.exit_code == 0
-    lines = shown.output.splitlines()
-    assert [line.split()[4] for line in lines[2:]] == ["code", "prose", "ALL"]
+    lines = shown.output.splitlines()  # the run's identity above the table, then a row per category and ALL
+    identity = "; ".join(line.strip() for line in lines[:-5])  # wrapped between its items
+    assert f"file: {tmp_path / 'run.json'}; pair: tiny; runtime: llama-cpp; mode: driven; schedule: crossrt; " \
+        "drafting: model; k: 3; acceptance: greedy; lossy: no" == identity
+    assert [line.split()[0] for line in lines[-3:]] == ["code", "prose", "ALL"]
     assert "2/2" in lines[-1]
 
 

@@ -141,11 +141,11 @@ def test_cli_imports_both_and_show_reads_them(tmp_path):
         assert result.exit_code == 0, result.output
         assert load_record(tmp_path / f"{name}.out").imported.format == source
     shown = invoke("show", tmp_path / "sglang-meta-info-pr33518.json.out",
-                   tmp_path / "exllamav3-draft-stats-constructed.json.out")
+                   tmp_path / "exllamav3-draft-stats-constructed.json.out", "--format", "json")
     assert shown.exit_code == 0, shown.output
-    rows = [line.split() for line in shown.output.splitlines() if line.split()[:1] in (["sglang"], ["exllamav3"])]
-    assert ["43", "2.47", "0.293"] in [row[8:11] for row in rows] and ["7", "3.00", "0.500"] in [
-        row[8:11] for row in rows]
+    rows = [(row["runtime"], row["steps"], round(row["tau"], 2), round(row["alpha"], 3))
+            for row in json.loads(shown.stdout)]
+    assert ("sglang", 43, 2.47, 0.293) in rows and ("exllamav3", 7, 3.0, 0.5) in rows
     refused = invoke("import", FIXTURES / "exllamav3-job-constructed.json", "--from", "exllamav3-stats",
                      "--before", FIXTURES / "exllamav3-job-constructed.json", "--out", tmp_path / "b.json")
     assert refused.exit_code == 1 and "sglang-metrics" in refused.output

@@ -144,14 +144,19 @@ def side_by_side(tmp_path_factory):
 
 def test_show_puts_an_imported_vllm_log_beside_a_crossrt_run(side_by_side):
     vllm, crossrt = side_by_side
-    result = invoke("show", vllm, crossrt)
+    result = invoke("show", vllm, crossrt, "--format", "md")
     assert result.exit_code == 0, result.output
-    rows = {(line.split()[0], line.split()[4]): line.split() for line in result.output.splitlines()[2:]
-            if line.split() and line.split()[0] in ("vllm", "llama-cpp")}
+    header, _, *lines = result.stdout.splitlines()
+
+    def cells(line):
+        return [cell.strip() for cell in line.strip("|").split("|")]
+    rows = {(row["runtime"], row["category"]): row for row in (dict(zip(cells(header), cells(line))) for line in lines)}
     theirs, ours = rows[("vllm", "ALL")], rows[("llama-cpp", "ALL")]
-    assert theirs[7:11] == ["-", "527", "2.79", "0.299"] and theirs[11:] == ["-", "-", "-"]
+    shown = ("lossless", "steps", "tau", "alpha", "tok/s", "base tok/s", "speedup")
+    assert [theirs[name] for name in shown] == ["-", "527", "2.79", "0.299", "-", "-", "-"]
     summary = load_record(crossrt).summary()
-    assert ours[9:11] == [f"{summary.tau:.2f}", f"{summary.alpha:.3f}"] and ours[7] == "3/3"
+    assert [ours[name] for name in ("tau", "alpha", "lossless")] == \
+        [f"{summary.tau:.2f}", f"{summary.alpha:.3f}", "3/3"]
     assert f"{vllm}: imported from vllm-log" in result.output and "no lossless check" in result.output
 
 

@@ -15,7 +15,7 @@ from crossrt.cli import main
 from crossrt.records import metrics, schema
 from crossrt.records.record_json import SUMMARY_COUNTS, load_record, record_from_json, record_to_json, save_record
 from crossrt.records.schema import RecordError
-from crossrt.records.tables import summary_rows
+from crossrt.records.tables import summary_table
 from crossrt.sweep.plan import Cell, SweepError
 from crossrt.sweep.store import TOTALS, SweepStore
 
@@ -106,8 +106,8 @@ def test_an_added_metric_reaches_every_reader(record, extra_metric, tmp_path):
     save_record(record, path)
     assert load_record(path) == record
 
-    header, *rows = summary_rows([record])
-    assert header[-1] == "draft/step" and rows[-1][-1] == f"{expected:.2f}"
+    table = summary_table([(path, record)])
+    assert table.columns[-1].heading == "draft/step" and table.rows[-1][-1].text == f"{expected:.2f}"
     shown = CliRunner().invoke(main, ["show", str(path)])
     assert shown.exit_code == 0 and "draft/step" in shown.output and f"{expected:.2f}" in shown.output
 

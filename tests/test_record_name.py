@@ -1,5 +1,6 @@
 """Default record names (crossrt/run/record_name.py): runs of other settings never share a file."""
 
+import re
 from pathlib import Path
 
 from crossrt.run.record_name import default_record_path
@@ -28,3 +29,13 @@ def test_every_distinct_setting_gives_a_distinct_name():
                 name(rules=DraftRules(4, n_min=2)), name(rules=DraftRules(4, p_min=0.5))]
     assert len(set(variants)) == len(variants), variants
     assert "relaxed" in name(strategy=Strategy(acceptance="relaxed")).name  # lossy runs say so
+
+
+def test_a_content_policy_is_named_by_its_ks_and_not_by_an_unread_k():
+    """code=7,prose=3 gives every content type its k: the run's k sizes no step (it is not named,
+    and it stays in the digest); with a type left out, that type drafts k, which is named."""
+    both = Strategy(k_policy="content", content_k=(("code", 7), ("prose", 3)))
+    path = name(strategy=both)
+    assert path.parent == Path("runs") and path.name.startswith("tiny-llama-cpp-model-content-code-7-prose-3-greedy-")
+    assert not re.search(r"-k\d+", path.name) and name(strategy=both, k=5) != path
+    assert name(strategy=Strategy(k_policy="content", content_k=(("code", 7),))).name.endswith("-k4.json")

@@ -219,7 +219,7 @@ def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_one(tmp_path):
     assert set(load_trace(killed, kept)) == {r.prompt_id for r in kept.results}
     runner = CliRunner()
     shown = runner.invoke(main, ["show", str(killed)], catch_exceptions=False).output.splitlines()
-    assert shown[-1].split()[4:6] == ["ALL", str(len(kept.results))]
+    assert shown[-1].split()[:2] == ["ALL", str(len(kept.results))]
 
     resumed = runner.invoke(main, [str(a) for a in cli_args(killed, "--resume")], catch_exceptions=False)
     assert resumed.exit_code == 0, resumed.output

@@ -343,12 +343,12 @@ def test_the_page_opens_with_the_verdict_and_the_numbers_people_quote(runs, tmp_
                           for category in [*record.categories(), None]}
     assert bars == expected_bars
     # ... and `crossrt show` prints them so, run by run (its ALL rows, in the records' order).
-    shown = CliRunner().invoke(main, ["show", str(runs[0][0]), str(runs[1][0])]).output.splitlines()
-    spans = [match.span() for match in re.finditer(r"-+", shown[1])]  # the columns, by the rule under the header
+    header, _, *shown = CliRunner().invoke(main, ["show", str(runs[0][0]), str(runs[1][0]), "--format", "md"]
+                                           ).stdout.splitlines()
 
     def cells(line):
-        return [line[start:end + 1].strip() for start, end in spans]
-    printed = [dict(zip(cells(shown[0]), cells(line))) for line in shown[2:] if cells(line)[4] == "ALL"]
+        return [cell.strip() for cell in line.strip("|").split("|")]
+    printed = [row for row in (dict(zip(cells(header), cells(line))) for line in shown) if row["category"] == "ALL"]
     assert [[row[name] for name in ("tau", "alpha", "lossless", "tok/s", "speedup")] for row in printed] == \
         [[rows[label][name] for name in ("tau", "alpha", "lossless", "tok/s", "speedup")] for _, _, label in runs]
     # The Markdown opens the same way.

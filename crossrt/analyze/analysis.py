@@ -18,6 +18,8 @@ denominator is 0, and `category=None` means every finished prompt of the record)
         (1 - a^(k+1)) / (1 - a): tokens per step with i.i.d. acceptance a and k-token drafts
     load_trace(record_path, record=None) -> dict[str, PromptTrace]
         a record's traces by prompt id ({} when it has none); `trace` arguments take this
+    acceptance_table(runs, positions=True) -> Table
+        `crossrt analyze`'s table of (path, record) runs, each row named by its run's identity
 
 A draft position is *reached* in a step when every draft token before it was accepted: the
 target then judged the draft token there on the target's own context. Reached positions are
@@ -29,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
@@ -36,11 +39,13 @@ import numpy as np
 from crossrt.inputs.prompts import content_type
 from crossrt.records.metrics import ratio
 from crossrt.records.schema import PromptResult, RunRecord, accepted_per_position
+from crossrt.records.tables import IDENTITY, Column, Table, cell, identity, number
 from crossrt.records.trace import PromptTrace, load_trace
 
 __all__ = ["CategoryStats", "PositionAcceptance", "EntropyBucket", "ConfidenceBucket", "IidFit",
            "ENTROPY_BUCKETS", "CONFIDENCE_BUCKETS", "category_stats", "position_acceptance",
-           "entropy_acceptance", "confidence_acceptance", "iid_fit", "expected_tokens", "load_trace"]
+           "entropy_acceptance", "confidence_acceptance", "iid_fit", "expected_tokens", "load_trace",
+           "acceptance_table"]
 
 # Bucket edges, lower edge included. Entropy in nats: exp(H) is the effective number of
 # choices, so 0.001 nats is a near-certain target and 2 nats about 7 equally likely tokens.
@@ -182,6 +187,34 @@ def _fit(record: RunRecord, stats: CategoryStats) -> IidFit:
 
 def iid_fit(record: RunRecord) -> list[IidFit]:
     return [_fit(record, stats) for stats in category_stats(record)]
+
+
+ACCEPTANCE_COLUMNS = (Column("category", "category"), Column("prompts", "prompts"), Column("steps", "steps"),
+                      Column("tau", "tau"), Column("alpha", "alpha"), Column("accept_rate", "P(acc|reached)"),
+                      Column("iid_tau", "iid tau a=alpha"), Column("iid_error", "error"),
+                      Column("iid_tau_reached", "iid tau a=P, own lengths"), Column("iid_error_reached", "error"))
+
+
+def acceptance_table(runs: Sequence[tuple[Path, RunRecord]], positions: bool = True) -> Table:
+    """Per run (its path and record) and category, then overall (ALL): acceptance and the i.i.d.
+    fit; with positions, P(accept i | reached i) and the steps reaching i at every draft position
+    up to the largest k of the runs (none past a run's own)."""
+    depth = max(record.params.k for _, record in runs) if positions and runs else 0
+    columns = (*IDENTITY, *ACCEPTANCE_COLUMNS, *(column for i in range(1, depth + 1) for column in (
+        Column(f"pos_{i}", f"pos {i}"), Column(f"pos_{i}_reached", f"pos {i} reached"))))
+    rows = []
+    for path, record in runs:
+        fits = {fit.category: fit for fit in iid_fit(record)}
+        for stats in category_stats(record):
+            fit = fits[stats.category]
+            reached = position_acceptance(record, stats.category) if positions else []
+            by_position = [c for p in reached for c in (number(p.rate), cell(p.reached))]
+            rows.append((*identity(path, record), cell(stats.category or "ALL"), cell(stats.prompts),
+                         cell(stats.steps), number(stats.tau), number(stats.alpha, ".3f"),
+                         number(stats.accept_rate, ".3f"), number(fit.predicted_tau), number(fit.error, "+.2f"),
+                         number(fit.predicted_tau_reached), number(fit.error_reached, "+.2f"), *by_position,
+                         *[cell(None)] * (2 * depth - len(by_position))))
+    return Table(columns, tuple(rows))
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,14 @@ from typing import Mapping, Optional, Sequence
 import click
 
 from crossrt.analyze import analysis
-from crossrt.cli.common import PROMPTS_HELP, Increasing, distinct_records, refuse_inputs_as_outputs, user_errors
+from crossrt.cli.common import (PROMPTS_HELP, Increasing, distinct_records, echo_table, format_option,
+                                refuse_inputs_as_outputs, user_errors)
 from crossrt.cli.options import pair_options, runtime_options, strategy_options
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.journal import write_atomically
 from crossrt.records.record_json import load_record
 from crossrt.records.schema import RunRecord
-from crossrt.records.tables import format_table
+from crossrt.records.tables import format_table, render
 from crossrt.run.runtime import runtime_names
 from crossrt.simulate.ceiling import Ceiling, load_ceilings
 from crossrt.simulate.oracle import PolicyResult, Simulation
@@ -36,10 +37,6 @@ def _number(value: Optional[float], digits: int = 2) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
 
-def _signed(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:+.2f}"
-
-
 def _name(category: Optional[str]) -> str:
     return ALL if category is None else category
 
@@ -47,17 +44,8 @@ def _name(category: Optional[str]) -> str:
 def render_record(path: Path, record: RunRecord, trace: dict, entropy_edges: Sequence[float]) -> str:
     params = record.params
     traced = f"trace {record.trace} ({len(trace)} prompts)" if trace else "no trace (run with --trace)"
-    blocks = [f"{path}: {record.pair.name} on {record.runtime.name}, {params.mode} {params.schedule}, "
-              f"k={params.k}, {params.max_new_tokens or 'unknown'} new tokens; {traced}"]  # unknown: imported
-    fits = {fit.category: fit for fit in analysis.iid_fit(record)}
-    rows = [["category", "prompts", "steps", "tau", "alpha", "P(acc|reached)", "iid tau a=alpha", "error",
-             "iid tau a=P, own lengths", "error"]]
-    for stats in analysis.category_stats(record):
-        fit = fits[stats.category]
-        rows.append([_name(stats.category), str(stats.prompts), str(stats.steps), _number(stats.tau),
-                     _number(stats.alpha, 3), _number(stats.accept_rate, 3), _number(fit.predicted_tau),
-                     _signed(fit.error), _number(fit.predicted_tau_reached), _signed(fit.error_reached)])
-    blocks.append(format_table(rows))
+    blocks = [render(analysis.acceptance_table([(path, record)], positions=False), "table") + "\n"
+              f"{params.max_new_tokens or 'unknown'} new tokens; {traced}"]  # unknown: imported
     rows = [["category"] + [f"pos {i + 1}" for i in range(params.k)]]
     for category in [*record.categories(), None]:
         rows.append([_name(category)] + [f"{_number(p.rate)} ({p.reached})"
@@ -91,13 +79,20 @@ def render_record(path: Path, record: RunRecord, trace: dict, entropy_edges: Seq
 @click.option("--by", "grouping", type=click.Choice(analysis.GROUPINGS), default="category", show_default=True,
               help="Group prompts by their own category (a benchmark's, e.g. Spec-Bench's coding) or by "
               "crossrt's content type of it (code, prose, structured, math, chat; docs/prompts.md).")
-def analyze(records: Sequence[Path], entropy_buckets, ceiling_path, grouping) -> None:
+@format_option
+def analyze(records: Sequence[Path], entropy_buckets, ceiling_path, grouping, output_format) -> None:
     """Acceptance in run records: per category tau, alpha and per-token acceptance where the
     target judged a draft token; acceptance per draft position; how well the i.i.d. model
     E = (1 - a^(k+1)) / (1 - a) predicts tau; and, for records run with --trace, acceptance
-    by the target's entropy and by the drafter's confidence (docs/analysis.md)."""
+    by the target's entropy and by the drafter's confidence (docs/analysis.md). --format csv,
+    json or md gives the first of these, draft positions as columns, one row per record and category."""
     distinct_records(records)  # one record twice would print, and count, the same run twice
+    if ceiling_path and output_format != "table":
+        raise click.UsageError("--ceiling prints its own table beside each record's: --format table only")
     loaded = [(path, analysis.grouped(load_record(path), grouping)) for path in records]
+    if output_format != "table":
+        echo_table(analysis.acceptance_table(loaded), output_format)
+        return
     blocks = [render_record(path, record, analysis.load_trace(path, record), entropy_buckets)
               for path, record in loaded]
     if ceiling_path:

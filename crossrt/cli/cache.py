@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from crossrt.run.baselines import BaselineStore
-from crossrt.records.tables import format_table
+from crossrt.cli.common import echo_note, echo_table, format_option
+from crossrt.run.baselines import BaselineStore, entries_table
 
 
 @click.group()
@@ -16,15 +16,15 @@ def cache() -> None:
 
 
 @cache.command("ls")
-def list_entries() -> None:
-    """One line per stored baseline: its key digest, runtime, mode, tokens, when and where timed."""
+@format_option
+def list_entries(output_format: str) -> None:
+    """One line per stored baseline: its file (the key's digest), target file, runtime, mode, the
+    schedules it serves (plain greedy: no drafting, no k, greedy, not lossy), tokens and budget,
+    when and where it was timed, and why it is damaged where it is."""
     store = BaselineStore.default()
     entries = store.entries()
-    rows = [[e.path.stem[:16], e.runtime or "-", e.mode or "-", "-" if e.tokens is None else str(e.tokens),
-             e.timed_at or "-", e.host or "-", f"damaged: {e.error}" if e.error else ""] for e in entries]
-    click.echo(f"{len(entries)} baseline(s) in {store.root}")
-    if rows:
-        click.echo(format_table([["key", "runtime", "mode", "tokens", "timed at", "host", ""]] + rows))
+    echo_note(f"{len(entries)} baseline(s) in {store.root}", output_format)
+    echo_table(entries_table(entries), output_format)
 
 
 @cache.command("clear")

@@ -18,6 +18,7 @@ from crossrt.errors import USER_ERRORS
 from crossrt.inputs.prompts import sources_help
 from crossrt.records.record_json import RECORD_BYTES
 from crossrt.records.schema import RecordError
+from crossrt.records.tables import FORMATS, Table, render
 from crossrt.run.runtime import without_user_info
 
 PROMPTS_HELP = sources_help()
@@ -33,6 +34,27 @@ def user_errors(command):
         except USER_ERRORS as error:
             raise click.ClickException(str(error)) from None
     return wrapper
+
+
+def format_option(command):
+    """--format, given to the command as output_format=: how it prints its table (crossrt/records/tables.py)."""
+    return click.option("--format", "output_format", type=click.Choice(FORMATS), default="table", show_default=True,
+                        help="table: aligned columns under the identity every row shares (file, pair, runtime, "
+                        "mode, schedule, drafting, k, acceptance, lossy); csv, json (a list of row objects, numbers "
+                        "as numbers) or md (a GitHub Markdown table): every column on every row, notes on "
+                        "stderr.")(command)
+
+
+def echo_table(table: Table, output_format: str) -> None:
+    """Print table in output_format (an aligned table of no rows prints nothing)."""
+    text = render(table, output_format)
+    if text:
+        click.echo(text)
+
+
+def echo_note(line: str, output_format: str) -> None:
+    """A line about a table: under an aligned one, on stderr beside the others (their stdout is the table alone)."""
+    click.echo(line, err=output_format != "table")
 
 
 class GpuSplit(click.ParamType):

@@ -15,7 +15,7 @@ from crossrt.imports.imported import MAX_K
 from crossrt.imports.importer import AGGREGATE, FORMATS, ImportRequest, import_record, import_summary
 from crossrt.run.runtime import SPEC_TYPES
 from crossrt.records.record_json import save_record
-from crossrt.records.tables import format_table, summary_rows
+from crossrt.records.tables import render, summary_table
 
 
 @click.command("import")
@@ -97,6 +97,6 @@ def import_command(file: Path, source: str, before: Optional[Path], out: Optiona
     if out.exists() and not overwrite:
         raise click.UsageError(f"{out} exists: pass --overwrite to replace it, or --out")
     save_record(record, out)
-    click.echo(format_table(summary_rows([record])))
+    click.echo(render(summary_table([(out, record)]), "table"))
     click.echo(import_summary(record))
     click.echo(f"record: {out}")

@@ -8,7 +8,8 @@ from typing import Sequence
 
 import click
 
-from crossrt.cli.common import PROMPTS_HELP, distinct_records, resume_command, user_errors
+from crossrt.cli.common import (PROMPTS_HELP, distinct_records, echo_note, echo_table, format_option, resume_command,
+                                user_errors)
 from crossrt.cli.analysis import analyze, simulate_command
 from crossrt.cli.cache import cache
 from crossrt.cli.compare import diff, parity
@@ -32,7 +33,7 @@ from crossrt.run.rules import run_rules
 from crossrt.run.runtime import SPEC_TYPES, availability, runtime_class, runtime_names, usable_runtimes
 from crossrt.records.journal import journal_path
 from crossrt.records.record_json import load_record
-from crossrt.records.tables import format_table, record_notes, stored_baselines_note, summary_rows
+from crossrt.records.tables import format_table, record_notes, stored_baselines_note, summary_table
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="crossrt")
@@ -123,7 +124,8 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
                              baselines=BaselineStore.default(refresh=fresh_baseline), strategy=strategy)
         for warning in warnings:
             click.echo(f"warning: {warning}", err=True)
-        with click.progressbar(length=len(prompts), label=f"{runtime_name} k={k}", file=sys.stderr,
+        with click.progressbar(length=len(prompts), label=f"{runtime_name} k: {strategy.k_setting(k)}",
+                               file=sys.stderr,
                                item_show_func=lambda text: text) as bar:
             def advance(prompt, result):
                 status = "skipped (done)" if result is None else result.status
@@ -141,7 +143,7 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
             click.echo(f"\ninterrupted before any prompt finished: nothing is kept in {out} yet; continue with:\n"
                        f"  {resume_command(out)}", err=True)
         sys.exit(130)  # the shell's code for a run ended by SIGINT
-    click.echo(format_table(summary_rows([record])))
+    echo_table(summary_table([(out, record)]), "table")
     note = stored_baselines_note(record)
     if note:
         click.echo(note, err=True)
@@ -161,18 +163,21 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
 @main.command()
 @user_errors
 @click.argument("records", nargs=-1, required=True, type=click.Path(path_type=Path))
-def show(records: Sequence[Path]) -> None:
-    """Summary table of run records: per category and overall, tau (tokens per step, bonus
-    included), alpha (accepted/drafted), steps, lossless prompts, tokens/s and speedup.
-    Imported records (`crossrt import`) follow the table with what their source lacks."""
+@format_option
+def show(records: Sequence[Path], output_format: str) -> None:
+    """Summary table of run records: which run each row is of (file, pair, runtime, mode,
+    schedule, drafting, k or the k policy, acceptance, lossy), then per category and overall the
+    prompts, lossless prompts, steps, k used (drafted per step), tau (tokens per step, bonus
+    included), alpha (accepted/drafted), tokens/s and speedup. Imported records (`crossrt import`)
+    follow the table with what their source lacks."""
     distinct_records(records)
     loaded = [load_record(path) for path in records]
-    click.echo(format_table(summary_rows(loaded)))
+    echo_table(summary_table(list(zip(records, loaded))), output_format)
     for path, record in zip(records, loaded):
         if record.imported:
-            click.echo(f"{path}: {import_summary(record)}")
+            echo_note(f"{path}: {import_summary(record)}", output_format)
     for line in record_notes(loaded):
-        click.echo(line)
+        echo_note(line, output_format)
 
 
 @main.command()

@@ -9,13 +9,13 @@ from typing import Optional
 
 import click
 
-from crossrt.cli.common import user_errors
+from crossrt.cli.common import echo_table, format_option, user_errors
 from crossrt.sweep.plan import STRATEGIES, SweepError, load_sweep, plan_rows, unloadable_pairs
 from crossrt.sweep.runner import Executor, run_sweep
 from crossrt.sweep.servers import Servers
 from crossrt.sweep.limits import QueryLimits
 from crossrt.sweep.store import INDEX, SweepStore, check_sweep_dir, table_rows
-from crossrt.records.tables import format_table, summary_rows
+from crossrt.records.tables import format_table, summary_table
 
 SWEEP_FILE = click.Path(path_type=Path, dir_okay=False)
 SWEEP_DIR = click.Path(path_type=Path, file_okay=False)
@@ -217,7 +217,8 @@ def query(sweep_dir: Path, sql: str, as_csv: bool, limit: int, all_rows: bool, m
 @click.argument("sweep_dir", type=SWEEP_DIR)
 @click.option("--paths", is_flag=True, help="Print the cells' record paths only, e.g. for "
               "`crossrt report $(crossrt sweep show DIR --paths) -o report.html`.")
-def show(sweep_dir: Path, paths: bool) -> None:
+@format_option
+def show(sweep_dir: Path, paths: bool, output_format: str) -> None:
     """The summary table of every finished cell (as `crossrt show` prints records), or their paths."""
     store = check_sweep_dir(sweep_dir)
     stored = store.stored()
@@ -226,9 +227,7 @@ def show(sweep_dir: Path, paths: bool) -> None:
         for cell in stored:
             click.echo(cell.record_path)
         return
-    records = [cell.record() for cell in stored]
-    if records:
-        click.echo(format_table(summary_rows(records)))
+    echo_table(summary_table([(cell.record_path, cell.record()) for cell in stored]), output_format)
     failures = store.failures()
     for cell_id, reason in failures.items():
         click.echo(f"failed: {cell_id}: {reason}", err=True)

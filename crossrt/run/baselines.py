@@ -35,6 +35,8 @@ import click
 from crossrt.records.journal import write_atomically
 from crossrt.inputs.pairs import cache_dir
 from crossrt.records.schema import BaselineSource, PassView
+from crossrt.records.tables import Cell, Column, Table, cell
+from crossrt.run.schedules import SCHEDULE_TYPES
 
 STORE_VERSION = 1
 ORIGINS = ("decoded", "store")
@@ -163,6 +165,36 @@ class EntryInfo:
     timed_at: Optional[str]
     host: Optional[str]
     error: Optional[str] = None
+    target_sha256: Optional[str] = None
+    whole_prompt: Optional[bool] = None  # its first token from a pass over the whole prompt
+    max_new_tokens: Optional[int] = None
+
+
+# A baseline's identity, in the columns a run's has (plain greedy decoding drafts nothing), then the rest.
+ENTRY_COLUMNS = (*(Column(key, key, identity=True) for key in ("file", "target", "runtime", "mode", "schedule",
+                                                                "drafting", "k", "acceptance", "lossy")),
+                 *(Column(key, key.replace("_", " ")) for key in ("tokens", "max_new_tokens", "timed_at", "host",
+                                                                  "damaged")))
+
+
+def _schedules(entry: EntryInfo) -> Optional[str]:
+    """The driven schedules whose runs an entry serves: those taking the first token from the
+    prompt's pass, or the others."""
+    if entry.mode != "driven" or entry.whole_prompt is None:
+        return None
+    return ",".join(name for name, kind in SCHEDULE_TYPES.items() if kind.first_from_prompt == entry.whole_prompt)
+
+
+def entries_table(entries: Sequence[EntryInfo]) -> Table:
+    """`crossrt cache ls`'s table: each entry's identity (its file shown by the key's first 16
+    digits, its target file by 12), then its tokens and budget, when and where it was timed, and
+    why it is damaged where it is."""
+    rows = tuple((Cell(str(e.path), e.path.stem[:16]),
+                  Cell(e.target_sha256, str(e.target_sha256)[:12]) if e.target_sha256 else cell(None), cell(e.runtime),
+                  cell(e.mode), cell(_schedules(e)), cell("none"), cell(None), cell("greedy"), cell(False),
+                  cell(e.tokens), cell(e.max_new_tokens), cell(e.timed_at), cell(e.host), cell(e.error))
+                 for e in entries)
+    return Table(ENTRY_COLUMNS, rows)
 
 
 class BaselineStore:
@@ -224,7 +256,8 @@ class BaselineStore:
             try:
                 key, baseline, source = _entry(json.loads(path.read_bytes()))
                 found.append(EntryInfo(path, key.get("runtime", {}).get("name"), key.get("mode"),
-                                       len(baseline.output_ids), source.timed_at, source.host))
+                                       len(baseline.output_ids), source.timed_at, source.host, None,
+                                       key.get("target_sha256"), key.get("whole_prompt"), key.get("max_new_tokens")))
             except (OSError, ValueError, RecursionError, AttributeError) as error:
                 found.append(EntryInfo(path, None, None, None, None, None, str(error) or type(error).__name__))
         return found

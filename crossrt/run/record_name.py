@@ -4,6 +4,8 @@ runs/<pair>-<runtime>-k<k>.json for the plain run (a draft model at fixed k, gre
 schedule, the runtime's first mode), then one part per setting that differs from that, and a
 short digest of the strategy's parameters where they differ: two runs of other settings never
 share a file (`run --schedule llama-server` beside the plain run, a lossy run beside a greedy one).
+A k the strategy never reads (a content policy with a k for every content type) is left out of
+the name, which names the policy's own (`-content-code-7-prose-3-`), and kept in the digest.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ def default_record_path(pair: str, runtime: str, mode: str, default_mode: str, k
         parts.append(schedule)
     if not strategy.is_default or strategy != Strategy():
         label = strategy.label()
-        digest = hashlib.sha256(repr(strategy).encode()).hexdigest()[:6]
+        digested = strategy if strategy.reads_k else (strategy, k)  # k unread: in the digest, not the name
+        digest = hashlib.sha256(repr(digested).encode()).hexdigest()[:6]
         parts.append(f"{_slug(label)[:48]}-{digest}")
-    parts.append(f"k{k}")
+    if strategy.reads_k:
+        parts.append(f"k{k}")
     if rules.n_min != rules.k:
         parts.append(f"nmin{rules.n_min}")
     if rules.p_min:

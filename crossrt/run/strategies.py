@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from crossrt.errors import SettingsError
+from crossrt.records.tables import k_setting
 from crossrt.run.lookup import LOOKUPS as LOOKUP_DRAFTINGS
 from crossrt.run.runtime import K_LIMIT
 from crossrt.run.tree import Tree
@@ -116,6 +117,15 @@ class Strategy:
     def is_default(self) -> bool:
         """A draft model's chain at fixed k, greedy: the crossrt schedule's plain run."""
         return self.drafting == "model" and self.k_policy == "fixed" and self.acceptance == "greedy"
+
+    @property
+    def reads_k(self) -> bool:
+        """The run's k sizes some step: not under a content policy that gives every content type its own."""
+        return self.k_policy != "content" or {kind for kind, _ in self.content_k} != set(CONTENT_TYPES)
+
+    def k_setting(self, k: int) -> Union[int, str]:
+        """The run's k as its record's tables state it (crossrt/records/tables.py): k, or the k policy."""
+        return k_setting(k, self.k_policy, format_content_k(self.content_k or ()), self.k_max, self.min_p1)
 
     def label(self) -> str:
         """drafting/k policy/acceptance, each with its parameters where it has any."""
