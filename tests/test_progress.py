@@ -47,13 +47,13 @@ def on_a_terminal(*args, cwd) -> str:
 
 def test_a_run_shows_its_bar_on_a_terminal_and_none_when_quiet_or_piped(tmp_path):
     shown = on_a_terminal(*RUN, "--out", tmp_path / "a.json", cwd=tmp_path)
-    assert "llama-cpp k=4:" in shown and "/10 [" in shown and "prompt/s" in shown, shown
+    assert "llama-cpp, k 4:" in shown and "/10 [" in shown and "prompt/s" in shown, shown
     quiet = on_a_terminal("--quiet", *RUN, "--out", tmp_path / "a.json", cwd=tmp_path)
-    assert "llama-cpp k=4:" not in quiet and "record:" in quiet, quiet
+    assert "llama-cpp, k 4:" not in quiet and "record:" in quiet, quiet
     piped = crossrt(*RUN, "--out", tmp_path / "a.json", cwd=tmp_path)
-    assert piped.returncode == 0 and "k=4:" not in piped.stderr, piped.stderr
+    assert piped.returncode == 0 and ", k 4:" not in piped.stderr, piped.stderr
     forced = crossrt(*RUN, "--out", tmp_path / "a.json", progress="1", cwd=tmp_path)
-    assert "llama-cpp k=4:" in forced.stderr and "/10 [" in forced.stderr, forced.stderr
+    assert "llama-cpp, k 4:" in forced.stderr and "/10 [" in forced.stderr, forced.stderr
     assert "%|" not in forced.stdout and forced.stdout.splitlines()[-1] == piped.stdout.splitlines()[-1]
     assert "%|" not in crossrt("--quiet", *RUN, "--out", tmp_path / "a.json", progress="1", cwd=tmp_path).stderr
 

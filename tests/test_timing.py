@@ -79,3 +79,16 @@ def test_a_drafter_whose_state_outlives_a_prompt_is_not_repeated(tmp_path):
                     "--repeat", 2, "--out", tmp_path / "map.json")
     assert result.exit_code != 0
     assert "llama-ngram-map-k's state lasts across prompts on llama-cpp" in result.output, result.output
+
+
+def test_show_gives_the_timings_table_in_every_format(record_path):
+    shown = invoke("show", record_path)
+    assert shown.exit_code == 0 and "timings over repetitions" in shown.output and "TTFT p50 ms" in shown.output
+    rows = json.loads(invoke("show", record_path, "--timings", "--format", "json").output)
+    results = load_record(record_path).results
+    every = next(row for row in rows if row["category"] == "ALL")
+    assert every["repetitions"] == 3 and every["runtime"] == "llama-cpp" and every["drafting"] == "model"
+    assert every["tokens_per_s"] == pytest.approx(timing.tokens_per_s(results).mean)
+    assert every["tpot_p90_ms"] == pytest.approx(timing.tpot_ms(results).p90)
+    csv_text = invoke("show", record_path, "--format", "csv")
+    assert "TTFT" not in csv_text.stdout and "crossrt show --timings" in csv_text.stderr

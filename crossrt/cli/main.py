@@ -20,7 +20,8 @@ from crossrt.cli.prompt_options import chat_options, fed_prompts, first_answers
 from crossrt.cli.report import report
 from crossrt.cli.reproduce import reproduce
 from crossrt.cli.sweep import sweep
-from crossrt.records.printable import SafeStream
+from crossrt import progress
+from crossrt.records.printable import SafeStream, one_line
 from crossrt.run.baselines import BaselineStore
 from crossrt.run.driver import RunRequest
 from crossrt.run.isolation import RuntimeCrashed, kept, run_pair_safely
@@ -33,11 +34,13 @@ from crossrt.run.rules import run_rules
 from crossrt.run.runtime import SPEC_TYPES, availability, runtime_class, runtime_names, usable_runtimes
 from crossrt.records.journal import journal_path
 from crossrt.records.record_json import load_record
+from crossrt.records.timing import timing_table
 from crossrt.records.tables import format_table, record_notes, stored_baselines_note, summary_table
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="crossrt")
-def main() -> None:
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars (shown on stderr when it is a terminal).")
+def main(quiet: bool) -> None:
     """Run one drafter/target pair through several runtimes, normalize their speculative
     decoding statistics into one schema, and compare them.
 
@@ -47,6 +50,7 @@ def main() -> None:
       crossrt run --pair tiny --k 4             # tiny pair, built-in prompts -> runs/*.json
       crossrt show runs/tiny-llama-cpp-k4.json  # tau, alpha, lossless, speed per category
     """
+    progress.decide(quiet)
     # Everything a command prints, whatever string from outside it holds, goes through one filter.
     if not isinstance(sys.stdout, SafeStream):
         sys.stdout, sys.stderr = SafeStream(sys.stdout), SafeStream(sys.stderr)
@@ -93,9 +97,13 @@ def main() -> None:
 @executable_option
 @click.option("--fresh-baseline", is_flag=True, help="Decode every plain baseline here and now (and replace its "
               "baseline store entry) instead of taking it from the store (crossrt cache ls).")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Run each prompt N times, plain baseline then speculative, interleaved, every baseline timed "
+              "here (never from the store): tok/s and speedup as mean ± std over the N, TTFT and TPOT "
+              "percentiles (crossrt show). The repetitions must emit the first's tokens.")
 def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_min, prompt_source,
         max_new_tokens, out, trace, resume, overwrite, chat, chat_template, template_vars, turn, first_answers_file,
-        options, executable, fresh_baseline, strategy) -> None:
+        options, executable, fresh_baseline, repeat, strategy) -> None:
     """Run a pair over prompts: plain greedy baseline and speculative decoding, per prompt.
 
     Writes a run record (JSON, schema in docs/schema.md) after every prompt, so an
@@ -121,15 +129,15 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
         request = RunRequest(pair=pair, runtime=runtime_name, options=options, rules=rules,
                              max_new_tokens=max_new_tokens, out=out, mode=mode, schedule=schedule, resume=resume,
                              overwrite=overwrite, trace=trace, chat=rendering, prompt_format=prompt_format,
-                             baselines=BaselineStore.default(refresh=fresh_baseline), strategy=strategy)
+                             baselines=BaselineStore.default(refresh=fresh_baseline), strategy=strategy,
+                             repeat=repeat)
         for warning in warnings:
             click.echo(f"warning: {warning}", err=True)
-        with click.progressbar(length=len(prompts), label=f"{runtime_name} k: {strategy.k_setting(k)}",
-                               file=sys.stderr,
-                               item_show_func=lambda text: text) as bar:
+        with progress.bar(f"{runtime_name}, k {strategy.k_setting(k)}", len(prompts)) as bar:
             def advance(prompt, result):
-                status = "skipped (done)" if result is None else result.status
-                bar.update(1, f"{prompt.id}: {status}")
+                bar.set_postfix_str(one_line(f"{prompt.id}: {'skipped (done)' if result is None else result.status}"),
+                                    refresh=False)
+                bar.update(1)
             record = run_pair_safely(request, prompts, on_prompt=advance)
     except RuntimeCrashed as crash:
         raise click.ClickException(f"{crash}; continue with: {resume_command(out)}") from None
@@ -144,6 +152,9 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
                        f"  {resume_command(out)}", err=True)
         sys.exit(130)  # the shell's code for a run ended by SIGINT
     echo_table(summary_table([(out, record)]), "table")
+    if repeat > 1:
+        click.echo(f"\ntimings over {repeat} repetitions: mean and std, TTFT and TPOT percentiles")
+        echo_table(timing_table([(out, record)]), "table")
     note = stored_baselines_note(record)
     if note:
         click.echo(note, err=True)
@@ -164,15 +175,28 @@ def run(pair, runtime_name, mode, schedule, k, spec_type, draft_n_min, draft_p_m
 @user_errors
 @click.argument("records", nargs=-1, required=True, type=click.Path(path_type=Path))
 @format_option
-def show(records: Sequence[Path], output_format: str) -> None:
+@click.option("--timings", is_flag=True, help="Only the timings table: per category, repetitions (run --repeat), "
+              "tok/s and speedup mean and std over them, TTFT and TPOT p50 and p90 in ms.")
+def show(records: Sequence[Path], output_format: str, timings: bool) -> None:
     """Summary table of run records: which run each row is of (file, pair, runtime, mode,
     schedule, drafting, k or the k policy, acceptance, lossy), then per category and overall the
     prompts, lossless prompts, steps, k used (drafted per step), tau (tokens per step, bonus
     included), alpha (accepted/drafted), tokens/s and speedup. Imported records (`crossrt import`)
-    follow the table with what their source lacks."""
+    follow the table with what their source lacks. Runs made with `run --repeat N` are followed
+    by their timings table (--timings: that table alone, in any format)."""
     distinct_records(records)
     loaded = [load_record(path) for path in records]
-    echo_table(summary_table(list(zip(records, loaded))), output_format)
+    runs = list(zip(records, loaded))
+    if timings:
+        echo_table(timing_table(runs), output_format)
+        return
+    echo_table(summary_table(runs), output_format)
+    if any(record.params.repeat > 1 for record in loaded):
+        if output_format == "table":
+            click.echo("\ntimings over repetitions (run --repeat): mean and std, TTFT and TPOT percentiles")
+            echo_table(timing_table(runs), output_format)
+        else:
+            echo_note("timings over repetitions: crossrt show --timings", output_format)
     for path, record in zip(records, loaded):
         if record.imported:
             echo_note(f"{path}: {import_summary(record)}", output_format)

@@ -14,11 +14,13 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
-from crossrt.records.schema import PromptResult, Timings
+from crossrt.records.schema import PromptResult, RunRecord, Timings
+from crossrt.records.tables import IDENTITY, Column, Table, cell, identity, number
 
 
 @dataclass(frozen=True)
@@ -36,9 +38,6 @@ class Spread:
             return None
         return cls(statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else 0.0, len(finite))
 
-    def format(self, digits: int) -> str:
-        return f"{self.mean:.{digits}f} ± {self.std:.{digits}f}"
-
 
 @dataclass(frozen=True)
 class Percentiles:
@@ -51,9 +50,6 @@ class Percentiles:
             return None
         p50, p90 = np.percentile(np.asarray(values, dtype=float), [50, 90])
         return cls(float(p50), float(p90))
-
-    def format(self) -> str:
-        return f"{self.p50:.1f} / {self.p90:.1f}"
 
 
 def _timed(results: Sequence[PromptResult]) -> list[PromptResult]:
@@ -101,3 +97,26 @@ def ttft_ms(results: Sequence[PromptResult]) -> Optional[Percentiles]:
 def tpot_ms(results: Sequence[PromptResult]) -> Optional[Percentiles]:
     return Percentiles.of([1000 * t.decode_s / (len(r.output_ids) - 1)
                            for r in _timed(results) if len(r.output_ids) > 1 for t in repetitions(r)])
+
+
+TIMING_COLUMNS = (Column("category", "category"), Column("repetitions", "runs"),
+                  Column("tokens_per_s", "tok/s"), Column("tokens_per_s_std", "± tok/s"),
+                  Column("speedup", "speedup"), Column("speedup_std", "± speedup"),
+                  Column("ttft_p50_ms", "TTFT p50 ms"), Column("ttft_p90_ms", "TTFT p90 ms"),
+                  Column("tpot_p50_ms", "TPOT p50 ms"), Column("tpot_p90_ms", "TPOT p90 ms"))
+
+
+def timing_table(runs: Sequence[tuple[Path, RunRecord]]) -> Table:
+    """Per record and category (and ALL): repetitions, tok/s and speedup mean and std over them,
+    TTFT and TPOT p50 and p90 over prompts and repetitions."""
+    rows = []
+    for path, record in runs:
+        for category in (*record.categories(), None):
+            results = [r for r in record.results if category is None or r.category == category]
+            rate, gain, ttft, tpot = tokens_per_s(results), speedup(results), ttft_ms(results), tpot_ms(results)
+            rows.append((*identity(path, record), cell(category or "ALL"), cell(repeated(results)),
+                         number(rate and rate.mean, ".1f"), number(rate and rate.std, ".1f"),
+                         number(gain and gain.mean), number(gain and gain.std),
+                         number(ttft and ttft.p50, ".1f"), number(ttft and ttft.p90, ".1f"),
+                         number(tpot and tpot.p50, ".1f"), number(tpot and tpot.p90, ".1f")))
+    return Table((*IDENTITY, *TIMING_COLUMNS), tuple(rows))
