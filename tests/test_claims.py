@@ -133,7 +133,23 @@ def test_claims_that_cannot_run_list_every_reason(tmp_path):
     path = claims_file(tmp_path / "mtp.toml", "[claim.expect.code]\ntau = 2.0\n", spec_type="mtp")
     result = invoke(path, "--out-dir", tmp_path / "runs", "--strict")
     assert result.exit_code == 1
-    assert "not run here: spec_type 'mtp': crossrt's driven loop drafts with a drafter model only" in result.output
+    assert "not run here: spec_type 'mtp': crossrt's driven loop drafts with a drafter model or a head" \
+        in result.output
+
+
+def test_a_claim_naming_no_spec_type_drafts_as_its_pair_does(tmp_path):
+    """An EAGLE3 pair's claim ran its head as a plain draft model (llama.cpp accepted nothing)."""
+    from crossrt.analyze.reproduce import Settings, plan_claim
+    from crossrt.run.runtime import RuntimeOptions
+
+    (claim,) = [c for c in load_claims(REPO / "models" / "claims" / "measured.toml") if "eagle3" in c.id]
+    assert claim.spec_type is None  # the pair's: SmolLM2's manifest says eagle3
+    settings = Settings(RuntimeOptions(threads=1), 64, "builtin", tmp_path, None, False)
+    plan, reasons = plan_claim(claim, settings)
+    if plan is None and any("not found" in reason or "unusable" in reason for reason in reasons):
+        pytest.skip(f"the SmolLM2 pair is not set up here: {reasons}")
+    assert plan is not None, reasons
+    assert plan.request.rules.spec_type == "eagle3" and plan.request.mode == "native"
 
 
 def test_a_run_that_breaks_fails_the_command(tmp_path):

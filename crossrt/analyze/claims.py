@@ -92,7 +92,7 @@ class Claim:
     pair: Optional[str]  # manifest path (relative to the claims file) or name; None: none available
     k: int
     sampling: str
-    spec_type: str
+    spec_type: Optional[str]  # None: the pair's [defaults] spec_type, as crossrt run takes it
     hardware: str
     max_new_tokens: Optional[int]
     # One suite for every category (filtered to the claimed ones), or (category, suite) pairs.
@@ -214,8 +214,8 @@ def parse_claim(entry: object, index: int, origin: Path) -> Claim:
     schedule = _text(entry, "schedule", where, required=False)
     if schedule is not None and schedule not in SCHEDULES:
         raise ClaimError(f"{where}: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    spec_type = _text(entry, "spec_type", where, required=False) or "draft"
-    if spec_type not in SPEC_TYPES:
+    spec_type = _text(entry, "spec_type", where, required=False)
+    if spec_type is not None and spec_type not in SPEC_TYPES:
         raise ClaimError(f"{where}: spec_type must be one of {', '.join(SPEC_TYPES)}, got {spec_type!r}")
     template = _text(entry, "template", where, required=False) or "auto"
     if template not in TEMPLATE_USES:

@@ -16,7 +16,7 @@ from crossrt import progress
 from crossrt.analyze.claims import Claim, Outcome, check_record
 from crossrt.errors import USER_ERRORS
 from crossrt.inputs.chat_template import ChatTemplateError, apply_template
-from crossrt.inputs.pairs import ROLES, Pair, PairError, resolve_pair
+from crossrt.inputs.pairs import ROLES, Pair, PairError, resolve_pair, run_spec_type
 from crossrt.inputs.prompts import Prompt, PromptError, load_prompts, relabel, source_relative_to
 from crossrt.run.attach import attach
 from crossrt.run.baselines import BaselineStore
@@ -24,7 +24,7 @@ from crossrt.run.driver import RunRequest
 from crossrt.run.isolation import run_pair_safely
 from crossrt.run.loop import SCHEDULE
 from crossrt.run.rules import run_rules
-from crossrt.run.runtime import RuntimeOptions, RuntimeUnavailable, Server, availability, runtime_class
+from crossrt.run.runtime import HEAD_SPEC_TYPES, RuntimeOptions, RuntimeUnavailable, Server, availability, runtime_class
 
 
 @dataclass(frozen=True)
@@ -136,11 +136,6 @@ def plan_claim(claim: Claim, settings: Settings) -> tuple[Optional[Plan], list[s
     mode = claim.mode or ("native" if runtime is not None and "native" in runtime.modes else "driven")
     if runtime is not None and mode not in runtime.modes:
         reasons.append(f"runtime {runtime.name!r} has no {mode} mode (it has: {', '.join(runtime.modes)})")
-    # Block drafters, MTP heads and n-gram drafting are a runtime's own: whether a native runtime
-    # has the claim's method is known only when it starts, and a refusal then is a failed run.
-    if mode == "driven" and claim.spec_type != "draft":
-        reasons.append(f"spec_type {claim.spec_type!r}: crossrt's driven loop drafts with a drafter model only; "
-                       "it needs a runtime's native mode")
     reasons += _pair_reasons(claim, runtime.model_format if runtime is not None else None)
     prompts: list[Prompt] = []
     try:
@@ -154,13 +149,19 @@ def plan_claim(claim: Claim, settings: Settings) -> tuple[Optional[Plan], list[s
     if reasons:
         return None, reasons
     pair = claim_pair(claim)
+    spec_type = run_spec_type(pair, claim.spec_type)
+    # MTP heads and n-gram drafting are a runtime's own: whether a native runtime has the claim's
+    # method is known only when it starts, and a refusal then is a failed run.
+    if mode == "driven" and spec_type not in ("draft", *HEAD_SPEC_TYPES):
+        return None, [f"spec_type {spec_type!r}: crossrt's driven loop drafts with a drafter model or a head; "
+                      "it needs a runtime's native mode"]
     try:  # the claim's template use, exactly: "chat" on a pair without a template cannot run
         prompts, rendering, prompt_format = apply_template(prompts, pair, claim.template)
     except ChatTemplateError as error:
         return None, [str(error)]
     max_new_tokens = claim.max_new_tokens or settings.max_new_tokens
     rules, warnings = run_rules(claim.crossrt_runtime, mode, claim.schedule or SCHEDULE, max_new_tokens, claim.k,
-                                spec_type=claim.spec_type)
+                                spec_type=spec_type)
     request = RunRequest(pair=pair, runtime=claim.crossrt_runtime, options=settings.options, rules=rules,
                          max_new_tokens=max_new_tokens, out=settings.out_dir / f"{claim.id}.json", mode=mode,
                          schedule=claim.schedule or SCHEDULE, resume=settings.resume, overwrite=not settings.resume,

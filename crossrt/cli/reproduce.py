@@ -62,7 +62,7 @@ def reproduce(claims_files: Sequence[Path], only, prompt_source, max_new_tokens,
     format: docs/claims.md) and print claimed against measured, with tolerances.
 
     \b
-    crossrt reproduce models/claims/community.toml
+    crossrt reproduce community          # built-in claims files by name: community, measured
     crossrt reproduce my-claims.toml --claim tiny-llama-cpp-k4 --hardware '2x NVIDIA T4'
     crossrt reproduce my-claims.toml --runtime endpoint --url http://gpu:8080 --baseline-url http://gpu:8081
 
@@ -88,4 +88,7 @@ def reproduce(claims_files: Sequence[Path], only, prompt_source, max_new_tokens,
                         record=given[claim.id], measured=True) if claim.id in given
                 else reproduce_claim(claim, settings, say) for claim in claims if not only or claim.id in only]
     click.echo(render(outcomes))
+    if outcomes and all(outcome.skipped for outcome in outcomes):
+        click.echo("none of these claims can run here; `crossrt reproduce measured` checks crossrt's own claims on "
+                   "the real models scripts/setup fetches", err=True)
     sys.exit(exit_code(outcomes, strict))
