@@ -1,0 +1,78 @@
+"""The README's CLI tour as a newcomer runs it (issue 57): every command of its first block, in
+order, each exit 0, in a folder of its own that sees the repository's models/, .cache/ and
+tests/fixtures/ where the commands name them. Sizes are cut where a command takes the option (a
+2-prompt file, 4 new tokens, 1 thread, one short training epoch): what is walked is that each
+command runs as written and reads what the earlier ones wrote, not how long it takes."""
+
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+CROSSRT = Path(sys.executable).with_name("crossrt")
+# Option -> value appended where the command takes it (click keeps the last one given).
+CUTS = {"--max-new-tokens": "4", "--threads": "1", "--epochs": "1", "--new-tokens": "8", "--max-k": "4"}
+PROMPTS = '{"id": "tour-code", "category": "code", "prompt": "def add(a, b):"}\n' \
+          '{"id": "tour-prose", "category": "prose", "prompt": "The river ran past the old mill and"}\n'
+
+
+def tour() -> list[list[str]]:
+    """The first sh block after `## CLI tour`: one command per line (continuations joined), comments dropped."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("## CLI tour", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    commands = []
+    for line in block.replace("\\\n", " ").splitlines():
+        if line.strip():
+            words = shlex.split(line, comments=True)
+            assert words[0] == ".venv/bin/crossrt", line
+            commands.append(words[1:])
+    return commands
+
+
+def options_of(command: list[str]) -> set[str]:
+    """The options the (sub)command takes, read from its --help."""
+    path = [word for word in command[:2] if not word.startswith("-")]
+    if len(path) == 2 and path[1] not in ("run", "plan", "show", "eagle3", "dflash", "layer-skip", "ls"):
+        path = path[:1]
+    shown = subprocess.run([CROSSRT, *path, "--help"], capture_output=True, text=True, timeout=120).stdout
+    return set(re.findall(r"(--[a-z0-9-]+)", shown))
+
+
+def cut(command: list[str], prompts: Path) -> list[str]:
+    taken = options_of(command)
+    extra = [part for option, value in CUTS.items() if option in taken for part in (option, value)]
+    if "--prompts" in taken and command[0] not in ("reproduce", "import"):  # their --prompts names, not cuts
+        extra += ["--prompts", str(prompts)]
+    return command + extra
+
+
+def globbed(word: str, folder: Path) -> list[str]:
+    """word as a user's shell expands it in folder (runs/*.json: the records there, sorted)."""
+    return [str(path.relative_to(folder)) for path in sorted(folder.glob(word))] if "*" in word else [word]
+
+
+@pytest.mark.slow
+def test_the_readme_tour_runs_as_written_in_order(tmp_path):
+    for name in ("models", ".cache", "tests"):
+        (tmp_path / name).symlink_to(REPO / name)
+    prompts = tmp_path / "tour-prompts.jsonl"
+    prompts.write_text(PROMPTS)
+    commands = tour()
+    assert len(commands) > 40 and all(command[0] for command in commands)
+    took = []
+    for command in commands:
+        argv = [str(CROSSRT), *(expanded for word in cut(command, prompts) for expanded in globbed(word, tmp_path))]
+        began = time.perf_counter()
+        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        took.append((time.perf_counter() - began, shlex.join(command)[:100]))
+        assert done.returncode == 0, f"{shlex.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    print("\n".join(f"{seconds:6.1f} s  {line}" for seconds, line in sorted(took, reverse=True)[:10]))
+    for written in ("runs/tiny-llama-cpp-k4.json", "runs/gemma.json", "runs/tiny-timed.json", "report.html",
+                    "sweep.html", "parity.html", "parity.xml", "parity.md", "runs/heads/smol/eagle3.gguf"):
+        assert (tmp_path / written).is_file(), written
