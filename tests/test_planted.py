@@ -88,26 +88,67 @@ def gemma(real_pair):
     return target, folders[0], drafter, folders[1]
 
 
-def test_the_real_model_against_its_own_hf_folder_passes(gemma, tmp_path):
-    target, target_hf, drafter, drafter_hf = gemma
-    result = parity(manifest(tmp_path, target, target_hf, drafter, drafter_hf), tmp_path)
-    assert result.exit_code == 0, result.output
-    assert "logits against a float control in 1 pair" in result.output.strip().splitlines()[-1]
-    # The GGUF on llama.cpp, the folder on transformers: one vocabulary, by what its ids mean.
-    records = {json.loads(path.read_text())["runtime"]["name"]: json.loads(path.read_text())
-               for path in (tmp_path / "runs").glob("*.json")}
-    assert {records[name]["pair"]["target"]["format"] for name in ("llama-cpp", "transformers")} == {"gguf", "hf"}
-    assert len({record["pair"]["target"]["vocab_fingerprint"] for record in records.values()}) == 1
+# On the real model a parity costs ~50 s on one thread: the clean folder and three planted ones
+# (two kinds that only the float control's logits can catch, the weights being the same, and one
+# the weights check names) are compared in one parity of their records, so the clean llama.cpp
+# side is run, scored and checked once. The exact GELU for Gemma's tanh approximation is not
+# caught there (docs/parity.md).
+REAL_PLANTS = ("rope-base", "attention-scale", "block-weights")
 
 
-# On the real model a parity costs ~50 s on one thread: three kinds, two that only the float
-# control's logits can catch (the weights are the same) and one that the weights check names.
-# The exact GELU for Gemma's tanh approximation is not caught there (docs/parity.md).
-@pytest.mark.parametrize("plant_name", ["rope-base", "attention-scale", "block-weights"])
-def test_planted_kinds_fail_on_the_real_model(plant_name, gemma, tmp_path):
+@pytest.fixture(scope="module")
+def real_verdict(gemma, tmp_path_factory):
+    """(parity's result, folder): crossrt run of the clean GGUF on llama.cpp, of the clean folder
+    and of each planted one (in a folder named by the plant) on transformers, then crossrt parity
+    of the five records."""
     target, target_hf, drafter, drafter_hf = gemma
-    pair = planted_pair(plant_name, tmp_path, target, target_hf, drafter, drafter_hf)
+    folder = tmp_path_factory.mktemp("planted-real")
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    clean = PairFiles(target, target_hf, drafter, drafter_hf)
+    pairs = {"clean": clean.manifest(folder, name="clean")}
+    for name in REAL_PLANTS:
+        (folder / name).mkdir()
+        pairs[name] = clean.planted(plant_named(name), folder / name).manifest(folder, name=name)
+
+    def run(pair: Path, runtime: str, out: str) -> str:
+        result = CliRunner().invoke(main, ["run", "--pair", str(pair), "--runtime", runtime, "--prompts", str(prompts),
+                                           "--max-new-tokens", "12", "--out", str(folder / out)])
+        assert result.exit_code == 0, result.output
+        return str(folder / out)
+
+    records = [run(pairs["clean"], "llama-cpp", "llama-clean.json"),
+               run(pairs["clean"], "transformers", "hf-clean.json"),
+               *(run(pairs[name], "transformers", f"hf-{name}.json") for name in REAL_PLANTS)]
     try:
-        assert_fails_by_name(parity(pair, tmp_path), plant_name)
+        yield CliRunner().invoke(main, ["parity", *records], catch_exceptions=False), folder
     finally:
-        shutil.rmtree(tmp_path / "target-planted", ignore_errors=True)
+        for name in REAL_PLANTS:
+            shutil.rmtree(folder / name, ignore_errors=True)
+
+
+def test_the_real_model_against_its_own_hf_folder_passes(real_verdict):
+    result, folder = real_verdict
+    lines = result.output.splitlines()
+    headline = next(line for line in lines
+                    if line.startswith("llama-cpp/driven") and "hf-clean.json): 2 prompts" in line)
+    assert ", 0 failed, 0 not comparable" in headline, headline
+    # Every FAIL is a plant's: none between the clean runs, their scorings or their own baselines.
+    fails = [line for line in lines if line.startswith("FAIL ")]
+    assert fails and all(any(f"hf-{name}.json" in line or f"{name}/target-planted" in line for name in REAL_PLANTS)
+                         for line in fails), "\n".join(fails)
+    assert any(line.startswith("  float control: llama-cpp on ") and "target-planted" not in line
+               for line in lines), result.output  # the clean pair's float control ran, and passed
+    # The GGUF on llama.cpp, the folder on transformers: one vocabulary, by what its ids mean.
+    records = [json.loads((folder / name).read_text()) for name in ("llama-clean.json", "hf-clean.json")]
+    assert [record["pair"]["target"]["format"] for record in records] == ["gguf", "hf"]
+    assert len({record["pair"]["target"]["vocab_fingerprint"] for record in records}) == 1
+
+
+@pytest.mark.parametrize("plant_name", REAL_PLANTS)
+def test_planted_kinds_fail_on_the_real_model(plant_name, real_verdict):
+    result, _ = real_verdict
+    assert result.exit_code == 1 and result.output.strip().splitlines()[-1].startswith("parity: FAILED")
+    fails = [line for line in result.output.splitlines() if line.startswith("FAIL ")
+             and (f"hf-{plant_name}.json" in line or f"{plant_name}/target-planted" in line)]
+    assert any(name in line for line in fails for name in NAMED), f"{plant_name}:\n" + "\n".join(fails)

@@ -68,9 +68,12 @@ class FloatScoring:
 
         return str(float_twin(Path(self.source))) if self.twin else self.source
 
-    @property
-    def label(self) -> str:
-        return f"{self.runtime} on {Path(self.source).name}{' (float twin)' if self.twin else ''}"
+    def label(self, among: Sequence["FloatScoring"] = ()) -> str:
+        """`transformers on target-hf`; with its folder where another of among has its file's name."""
+        path = Path(self.source)
+        shared = sum(Path(other.source).name == path.name for other in among) > 1
+        return f"{self.runtime} on {path.parent.name + '/' if shared else ''}{path.name}" \
+               f"{' (float twin)' if self.twin else ''}"
 
 
 def float_scoring(record: RunRecord) -> FloatScoring:
@@ -313,7 +316,8 @@ def float_controls(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str
         for second in scorings[i + 1:]:
             match = compare_weights(Path(first.source), Path(second.source)) if first.digest != second.digest else None
             if match is not None and not match.same:
-                checks.append(ControlCheck(WEIGHTS, (first.label, second.label), _runs_of(groups, first, second),
+                checks.append(ControlCheck(WEIGHTS, (first.label(scorings), second.label(scorings)),
+                                           _runs_of(groups, first, second),
                                            len(references), LogitAgreement(0, 0.0, 0.0, 1.0, 1.0),
                                            QUANTIZED_ONE_RUNTIME, None, None, match))
             # Another precision is not one function to control; another model fails on its
@@ -342,7 +346,8 @@ def float_controls(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str
         control = _worst(pooled([noise[first, p] for p in references]),
                          pooled([noise[second, p] for p in references]))
         bounds = noise_bounds(control, max(float(np.abs(logits_of(a)).max()) for a, _ in pairs))
-        checks.append(ControlCheck(FLOAT_CONTROL, (first.label, second.label), _runs_of(groups, first, second),
+        checks.append(ControlCheck(FLOAT_CONTROL, (first.label(scorings), second.label(scorings)),
+                                   _runs_of(groups, first, second),
                                    len(references), pooled(pairs), bounds, control, find_power(pairs, bounds)))
     for scoring in scorings:
         if not scoring.twin or scoring not in scored:
@@ -350,7 +355,7 @@ def float_controls(runs: Sequence[tuple[str, RunRecord]], as_run: dict[tuple[str
         members = groups[scoring]
         label = members[0][0]
         pairs = [(rows[scoring, p], as_run[label, p]) for p in references if (label, p) in as_run]
-        checks.append(ControlCheck(QUANTIZATION, (f"{scoring.label}", f"{label} as run"),
+        checks.append(ControlCheck(QUANTIZATION, (scoring.label(scorings), f"{label} as run"),
                                    ((), tuple(l for l, _ in members)), len(pairs), pooled(pairs),
                                    QUANTIZED_ONE_RUNTIME, None, find_power(pairs, QUANTIZED_ONE_RUNTIME)))
     return tuple(checks)
