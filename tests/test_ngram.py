@@ -239,7 +239,7 @@ def test_each_llama_ngram_type_runs_natively_and_its_reproduction_equals_it(draf
     kept = loop.run_lookup(strategy, rules, "llama-server", target.eog_ids)
     counts = {name: [(run.drafted, run.accepted) for run in (
         loop.speculative_generate(target, None, r.prompt_ids, rules, 40, "llama-server", strategy=strategy,
-                                  lookup=lookup).counters(k) for r in server.results)]
+                                  drafts=lookup).counters(k) for r in server.results)]
         for name, lookup in (("kept", kept), ("fresh", None))}
     assert counts["kept"][0] == counts["fresh"][0] and counts["kept"] != counts["fresh"]
     if drafting == "llama-ngram-mod":

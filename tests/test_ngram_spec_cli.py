@@ -87,7 +87,7 @@ def test_the_tool_begins_each_prompt_afresh_and_parity_compares_counters(repeati
     assert loop.run_lookup(strategy, rules, SPEC_SIMPLE, target.eog_ids) is None
     kept = loop.run_lookup(strategy, rules, "llama-server", target.eog_ids)
     counts = [loop.speculative_generate(target, None, r.prompt_ids, rules, MAX_NEW, SPEC_SIMPLE, strategy=strategy,
-                                        lookup=kept).counters(4) for r in native.results]
+                                        drafts=kept).counters(4) for r in native.results]
     assert [(c.drafted, c.accepted) for c in counts] != \
         [(r.counters.drafted, r.counters.accepted) for r in native.results]
     parity = invoke("parity", tmp_path / "native.json", tmp_path / "driven.json")

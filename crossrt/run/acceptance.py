@@ -1,6 +1,5 @@
 """Which draft tokens the target accepts: the acceptance rules of crossrt's one loop
-(crossrt/run/loop.py) and of the simulators that replay it (crossrt/simulate/oracle.py,
-crossrt/simulate/schedules.py).
+(crossrt/run/loop.py), which the simulator runs on an oracle too (crossrt/simulate/oracle.py).
 
 - Greedy: the longest run of draft tokens equal to the target's argmax after what came before;
   on a tree, from the root, the child holding the target's argmax while there is one. An EOS is
@@ -55,11 +54,6 @@ def greedy_length(draft: Sequence[int], best: Sequence[int], eog: frozenset[int]
     while n < len(draft) and draft[n] == best[n] and (draft[n] not in eog or (eos_last and n + 1 == len(draft))):
         n += 1
     return n
-
-
-def llama_verify(best: Sequence[int], draft: Sequence[int], eog: frozenset[int]) -> list[int]:
-    """The tokens llama.cpp's verification yields: the accepted prefix and the target's token."""
-    return [int(t) for t in best[:greedy_length(draft, best, eog, eos_last=True) + 1]]
 
 
 class AcceptanceRule(Protocol):

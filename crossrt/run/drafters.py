@@ -4,13 +4,11 @@ model (a ModelSession: a smaller model or a layer-skip drafter), a chain from a 
 with the context; the loop tells it what the target kept.
 
 - ModelDrafter: the drafter decodes the context's uncached tail, then its own argmax one token
-  at a time, up to the step's length. Two stops come from the schedule and the k policy: before
-  a token the drafter is unsure of (llama.cpp's p_min on its top-10 softmax probability, the
-  confidence policy's min_p1 on the full softmax: the pass that found it still counts), and
-  after a token that ends drafts (transformers' assisted generation stops at EOS). It never
-  decodes its own last draft token, which it would only need if every draft token were kept.
-  Under llama.cpp's schedules it mirrors the target: cut back to the target's cache and fed the
-  batch the target verifies, so its numerics are those of the native tools.
+  at a time, up to the step's length, ended early by its ChainStops (draft_chain: the walk an
+  oracle's drafter shares, crossrt/simulate/oracle_sessions.py). It never decodes its own last
+  draft token, which it would only need if every draft token were kept. Under llama.cpp's
+  schedules it mirrors the target: cut back to the target's cache and fed the batch the target
+  verifies, so its numerics are those of the native tools.
 - Lookups (crossrt/run/lookup/): copied from the context, no model; crossrt's own, transformers'
   and llama.cpp's proposers, each in a module of its own.
 - TreeDrafter: a static tree (crossrt/run/tree.py) cut to the step's depth, built depth first:
@@ -21,15 +19,16 @@ with the context; the loop tells it what the target kept.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from crossrt.records.trace import TraceRecorder
+from crossrt.records.trace import TraceRecorder, top1_probability
 from crossrt.run.acceptance import Proposal
 from crossrt.run.runtime import ModelSession, Rows
+from crossrt.run.schedules import top_probability
 from crossrt.run.tree import Tree
-
 
 
 def candidates(row: np.ndarray, width: int) -> list[int]:
@@ -84,30 +83,59 @@ class _SessionDrafter:
         return self.session.eval(tokens, Rows.LAST)[0]
 
 
-class ModelDrafter(_SessionDrafter):
-    """A draft model's greedy chain (module docstring). unsure(row): stop before this row's
-    token; ends(token): stop after it; trace: records the drafter's row of every draft token."""
+@dataclass(frozen=True)
+class ChainStops:
+    """Where a chain ends short of the step's length: before a token whose probability is below
+    floor (llama.cpp's p_min on its top-10 softmax in float32, top10; else the confidence
+    policy's min_p1 on the full softmax), the pass that found it still counted; after a token of
+    ends (transformers' assisted generation stops at EOS)."""
 
-    def __init__(self, session: ModelSession, unsure: Optional[Callable[[np.ndarray], bool]] = None,
-                 ends: frozenset[int] = frozenset(), trace: Optional[TraceRecorder] = None):
+    floor: float = 0.0
+    top10: bool = False
+    ends: frozenset[int] = frozenset()
+
+    def unsure(self, row: np.ndarray) -> bool:
+        """Stop before the token of this row of drafter logits."""
+        return self.floor > 0 and self.below(top_probability(row) if self.top10 else top1_probability(row))
+
+    def below(self, probability) -> bool:
+        """A token of this probability (top-10 or full softmax, as top10 says) is one to stop before."""
+        return self.floor > 0 and probability < (np.float32(self.floor) if self.top10 else self.floor)
+
+
+def draft_chain(n_max: int, ends: frozenset[int], read: Callable[[Sequence[int]], Optional[int]]) -> Proposal:
+    """A chain of at most n_max tokens: read(draft) gives the drafter's token after draft, or None
+    where it is unsure of it; the chain ends after a token of ends."""
+    draft: list[int] = []
+    while len(draft) < n_max:
+        token = read(draft)
+        if token is None:
+            break
+        draft.append(token)
+        if token in ends:
+            break
+    return Proposal.chain(draft)
+
+
+class ModelDrafter(_SessionDrafter):
+    """A draft model's greedy chain (module docstring); trace: records the drafter's row of every
+    draft token."""
+
+    def __init__(self, session: ModelSession, stops: ChainStops = ChainStops(),
+                 trace: Optional[TraceRecorder] = None):
         super().__init__(session)
-        self.unsure, self.ends, self.trace = unsure, ends, trace
+        self.stops, self.trace = stops, trace
 
     def propose(self, context: Sequence[int], n_max: int) -> Proposal:
-        draft: list[int] = []
-        pending = context[self.session.n_past:]
-        while len(draft) < n_max:
-            row = self._row(pending)
-            if self.unsure is not None and self.unsure(row):
-                break
-            token = int(row.argmax())
+        def read(draft: Sequence[int]) -> Optional[int]:
+            row = self._row(draft[-1:] if draft else context[self.session.n_past:])
+            if self.stops.unsure(row):
+                return None
             if self.trace is not None:
                 self.trace.drafted(row)
-            draft.append(token)
-            if token in self.ends:
-                break
-            pending = (token,)
-        return Proposal.chain(draft)
+            return int(row.argmax())
+
+        return draft_chain(n_max, self.stops.ends, read)
 
 
 class TreeDrafter(_SessionDrafter):

@@ -109,7 +109,7 @@ def run_prompt(target: ModelSession, drafter: Optional[ModelSession], prompt: Pr
         baseline, source = _baseline(baselines, prompt_ids, max_new_tokens, whole_prompt, lambda: loop.greedy_generate(
             target, prompt_ids, max_new_tokens, whole_prompt=whole_prompt))
         speculative = loop.speculative_generate(tree_target or target, drafter, prompt_ids, rules, max_new_tokens,
-                                                schedule, trace, strategy, lookup=lookup)
+                                                schedule, trace, strategy, drafts=lookup)
     except PromptRefused as error:
         return PromptResult.failed(prompt.id, prompt.category, str(error), prompt_ids)
     # crossrt's own loop: counts that did not add up would be a bug, so they are not caught here.

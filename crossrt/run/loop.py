@@ -30,16 +30,16 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 
 from crossrt.errors import SettingsError
-from crossrt.records.trace import TraceRecorder, top1_probability
+from crossrt.records.trace import TraceRecorder
 from crossrt.run.acceptance import AcceptanceRule, Greedy, Proposal, Relaxed
-from crossrt.run.drafters import Drafter, ModelDrafter, TreeDrafter
+from crossrt.run.drafters import ChainStops, Drafter, ModelDrafter, TreeDrafter
 from crossrt.run.head_drafter import HEAD_DRAFTERS, HEAD_SCHEDULES, head_drafter
 from crossrt.run.lookup import LOOKUPS, LookupSettings
 from crossrt.run.numerics import choose
 from crossrt.run.policies import CONTENT_WINDOW, DraftPolicy
 from crossrt.run.runtime import HEAD_SPEC_TYPES, DraftRules, ModelSession, Rows
-from crossrt.run.schedules import (HF_SCHEDULE, SCHEDULE, SCHEDULE_TYPES, SCHEDULES, SERVER, TRACED_SCHEDULES,
-                                   Generation, Schedule, Tally, ViewRecorder, check_prompt, top_probability)
+from crossrt.run.schedules import (HF_SCHEDULE, SCHEDULE, SCHEDULE_TYPES, SCHEDULES, TRACED_SCHEDULES,
+                                   Generation, Schedule, Tally, ViewRecorder, check_prompt)
 from crossrt.run.strategies import Strategy, tree_spec
 from crossrt.run.tree import Tree
 
@@ -132,26 +132,33 @@ def draft_bound(strategy: Strategy, k: int) -> int:
     return DraftPolicy.of(strategy, k).largest_k
 
 
-def _drafter(strategy: Strategy, session, rules: DraftRules, schedule: Schedule,
+def chain_stops(schedule: str, rules: DraftRules, min_p1: float, eog: frozenset[int]) -> ChainStops:
+    """Where a draft model's chain ends short of its length: llama.cpp's p_min under its
+    schedules, else the confidence stop min_p1 (Strategy.min_p1); at EOS where the schedule ends
+    drafts there. The loop's drafters and the simulator's drafter on an oracle stop so alike."""
+    plan = SCHEDULE_TYPES[schedule]
+    ends = eog if plan.ends_at_eos else frozenset()
+    if plan.llama and rules.p_min > 0:
+        return ChainStops(rules.p_min, top10=True, ends=ends)
+    return ChainStops(min_p1, ends=ends)
+
+
+def _drafter(strategy: Strategy, session, rules: DraftRules, schedule: str,
              eog: frozenset[int], trace: Optional[TraceRecorder], tree: Optional[Tree],
              target: Optional[ModelSession] = None) -> Drafter:
     """session: the drafter model's session, or an EAGLE3 head (spec type eagle3) reading target."""
-    ends = eog if schedule.ends_at_eos else frozenset()
+    stops = chain_stops(schedule, rules, strategy.min_p1, eog)
     if strategy.looks_up:
         return LOOKUPS[strategy.drafting].build(LookupSettings(strategy.ngram_max, strategy.ngram_min, rules.k,
-                                                               eog, ends))
+                                                               eog, stops.ends))
     if session is None:
         raise SettingsError(f"{strategy.drafting} drafting needs a drafter model")
     if tree is not None:
         return TreeDrafter(session, tree)
-    unsure = None
-    if schedule.llama and rules.p_min > 0:
-        unsure = lambda row: rules.unsure(top_probability(row))  # noqa: E731
-    elif strategy.min_p1 > 0:
-        unsure = lambda row: top1_probability(row) < strategy.min_p1  # noqa: E731
     if rules.spec_type in HEAD_SPEC_TYPES:
-        return head_drafter(rules.spec_type, session, target, rules.k, rules.n_min, unsure)
-    return ModelDrafter(session, unsure, ends, trace)
+        return head_drafter(rules.spec_type, session, target, rules.k, rules.n_min,
+                            stops.unsure if stops.floor > 0 else None)
+    return ModelDrafter(session, stops, trace)
 
 
 def run_lookup(strategy: Strategy, rules: DraftRules, schedule: str, eog: frozenset[int]) -> Optional[Drafter]:
@@ -161,7 +168,7 @@ def run_lookup(strategy: Strategy, rules: DraftRules, schedule: str, eog: frozen
     lookup = LOOKUPS.get(strategy.drafting)
     if lookup is None or not lookup.kept_across_prompts(schedule):
         return None
-    return _drafter(strategy, None, rules, SCHEDULE_TYPES[schedule](), eog, None, None)
+    return _drafter(strategy, None, rules, schedule, eog, None, None)
 
 
 def _acceptance(strategy: Strategy, eog: frozenset[int], schedule: Schedule) -> AcceptanceRule:
@@ -174,22 +181,28 @@ def _acceptance(strategy: Strategy, eog: frozenset[int], schedule: Schedule) -> 
 def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], prompt_ids: Sequence[int],
                          rules: DraftRules, max_new_tokens: int, schedule: str = SCHEDULE,
                          trace: Optional[TraceRecorder] = None, strategy: Strategy = Strategy(),
-                         tree: Optional[Tree] = None, lookup: Optional[Drafter] = None) -> Generation:
+                         tree: Optional[Tree] = None, *, drafts: Optional[Drafter] = None,
+                         what_if: bool = False) -> Generation:
     """Speculative decoding with the named schedule and strategy (module docstring): the one loop
-    of every driven run. drafter: None for prompt lookup; tree drafting (strategy.tree, or a
-    tree given as such, e.g. simulate's best:N) needs a target that evaluates trees
-    (TreeSession); trace, when given, records the run's per-token trace; lookup: the run's own
-    lookup drafter where its state outlives a prompt (run_lookup), else one is built here."""
+    of every driven run, and of every simulation on an oracle (crossrt/simulate/). drafter: None
+    for prompt lookup; tree drafting (strategy.tree, or a tree given as such, e.g. simulate's
+    best:N) needs a target that evaluates trees (TreeSession); trace, when given, records the
+    run's per-token trace; drafts: a drafter handed to the loop (a run's lookup whose state
+    outlives a prompt, run_lookup; an oracle's), else one is built here; what_if: a run no
+    runtime makes but the simulator reads (a lookup under a schedule it is not exact under, a
+    prompt past the run's context), so neither the strategy nor the prompt is refused."""
     if tree is not None and not strategy.is_default:
         raise SettingsError(f"a tree given to the loop is its drafting, at fixed k, greedy: not {strategy.label()}")
     if tree is None and strategy.drafting == "tree":
         tree = tree_spec(strategy.tree)
-    check_strategy(strategy, schedule, rules, trace is not None, tree_given=tree is not None)
+    if not what_if:
+        check_strategy(strategy, schedule, rules, trace is not None, tree_given=tree is not None)
     plan = SCHEDULE_TYPES[schedule]()
     eog = target.eog_ids
-    drafts = lookup or _drafter(strategy, drafter, rules, plan, eog, trace, tree, target)
+    if drafts is None:
+        drafts = _drafter(strategy, drafter, rules, schedule, eog, trace, tree, target)
     try:
-        return _steps(target, drafts, prompt_ids, rules, max_new_tokens, plan, strategy, trace, tree, eog)
+        return _steps(target, drafts, prompt_ids, rules, max_new_tokens, plan, strategy, trace, tree, eog, what_if)
     finally:
         if isinstance(drafts, HEAD_DRAFTERS):
             drafts.close()  # the target's decodes are no longer the head's
@@ -197,7 +210,7 @@ def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], 
 
 def _steps(target: ModelSession, drafts: Drafter, prompt_ids: Sequence[int], rules: DraftRules, max_new_tokens: int,
            plan: Schedule, strategy: Strategy, trace: Optional[TraceRecorder], tree: Optional[Tree],
-           eog: frozenset[int]) -> Generation:
+           eog: frozenset[int], what_if: bool) -> Generation:
     """speculative_generate's steps, from the prefill to the last verification."""
     is_tree = tree is not None
     policy = DraftPolicy.of(strategy, tree.depth if is_tree else rules.k)  # a tree is cut to its depth, not k
@@ -205,7 +218,8 @@ def _steps(target: ModelSession, drafts: Drafter, prompt_ids: Sequence[int], rul
     if is_tree and not hasattr(target, "eval_tree"):
         raise SettingsError("tree drafting verifies a tree in one batch: it needs the llama-cpp runtime's tree session")
     overrun = tree.n_nodes if is_tree else max(plan.overrun(rules.k), policy.largest_k if drafts.past_budget else 0)
-    check_prompt(prompt_ids, max_new_tokens, [target, *drafts.sessions], overrun)
+    if not what_if:
+        check_prompt(prompt_ids, max_new_tokens, [target, *drafts.sessions], overrun)
     start = time.perf_counter()
     tally = Tally(max_new_tokens, eog)
     context = plan.start(target, drafts, prompt_ids, tally)
@@ -230,8 +244,11 @@ def _steps(target: ModelSession, drafts: Drafter, prompt_ids: Sequence[int], rul
         batch = [context[-1], *proposal.tokens]
         if plan.llama:
             drafts.mirror(n_past, batch)
-        rows = target.eval_tree(batch, proposal.parents) if is_tree else target.eval(batch, Rows.ALL)
-        choices = choose(rows)
+        if is_tree:
+            rows = target.eval_tree(batch, proposal.parents)
+            choices = choose(rows)
+        else:
+            rows, choices = target.eval_choices(batch, Rows.ALL)
         walk = accept.walk(rows, choices, proposal)
         kept = proposal.kept(walk, choices.best)
         if trace is not None:

@@ -54,6 +54,15 @@ class DraftPolicy:
         return cls(strategy.label(), k, dict(strategy.content_k) if strategy.k_policy == "content" else None,
                    strategy.k_policy == "online", strategy.k_max, strategy.min_p1)
 
+    def k_strategy(self) -> Strategy:
+        """The strategy whose k rule this policy's is at k = self.k (DraftPolicy.of's inverse, the
+        min_p1 stop apart: the drafter's, loop.chain_stops), for the loop run on an oracle."""
+        if self.online:
+            return Strategy(k_policy="online", k_max=self.k_max)
+        if self.by_content:
+            return Strategy(k_policy="content", content_k=tuple(self.by_content.items()))
+        return Strategy()
+
     @property
     def largest_k(self) -> int:
         return max(self.k, self.k_max if self.online else 0, *(self.by_content or {}).values())

@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import ClassVar, Optional, Union
 from urllib.parse import urlsplit, urlunsplit
 
-import numpy as np
-
 from crossrt.errors import CrossrtError, SettingsError
 from crossrt.inputs.pairs import model_files
 from crossrt.records.schema import LoadedFile, RuntimeInfo
@@ -103,15 +101,6 @@ class DraftRules:
     def fixed(self) -> bool:
         """Every draft is k tokens unless the token budget cuts it."""
         return self.n_min == self.k and self.p_min == 0.0
-
-    # llama.cpp's draft-simple rules, for the driven schedules and their simulations alike.
-    def unsure(self, top_probability) -> bool:
-        """Drafting stops before a token whose top-10 probability (float32, as llama.cpp's) is below p_min."""
-        return self.p_min > 0 and top_probability < np.float32(self.p_min)
-
-    def full(self, n_drafted: int, limit: int) -> bool:
-        """A draft of n_drafted tokens is done: k reached, or a limit above 0."""
-        return n_drafted >= self.k or 0 < limit <= n_drafted
 
     def kept(self, n_drafted: int) -> bool:
         """A draft shorter than n_min is thrown away."""

@@ -1,7 +1,8 @@
 """The schedules of crossrt's one loop (crossrt/run/loop.py), what every run of it returns, and the
 Tally where its counts accumulate. A schedule says when drafts start and how they are cut near
 the budget; the llama.cpp ones mirror its own tools count for count, so a driven run can be
-compared with them (docs/llama-cpp-native.md gives the source lines).
+compared with them (docs/llama-cpp-native.md gives the source lines). The simulator runs the
+loop with these on an oracle (crossrt/simulate/oracle.py): a schedule is written here only.
 
 "crossrt": both models prefill prompt[:-1]; the last prompt token is the first token to verify,
 so every emitted token comes out of a step (emitted = steps + accepted). Each draft is cut to
@@ -18,8 +19,8 @@ llama.cpp:
 - Drafting (common/speculative.cpp, draft-simple): the drafter decodes the last token, then
   proposes its argmax one token at a time, stopping when the top-10 softmax probability of its
   choice is below p_min, at k tokens, or at the per-call limit (a limit of 0 means none). A draft
-  shorter than n_min is thrown away. The drafter does not stop at EOS (DraftRules.unsure, full,
-  kept; crossrt/run/drafters.py ModelDrafter).
+  shorter than n_min is thrown away. The drafter does not stop at EOS (loop.chain_stops,
+  DraftRules.kept; crossrt/run/drafters.py ModelDrafter).
 - The drafter's cache mirrors the target's: after drafting it is cut back to the target's
   cache and decodes the same batch the target decodes, as llama.cpp does. Mirroring the batch
   structure keeps the drafter's numerics those of the native tools, not just its tokens.
@@ -60,7 +61,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from crossrt.errors import PromptRefused
-from crossrt.run.numerics import Choices, choose
+from crossrt.run.numerics import Choices
 from crossrt.run.runtime import ModelSession, Rows
 from crossrt.records.schema import Counters, PassView
 
@@ -103,8 +104,8 @@ class ViewRecorder:
 
     def add(self, choices: Choices, n_tokens: int, pass_tokens: int) -> None:
         """The first n_tokens rows of one pass of pass_tokens tokens produced the next tokens."""
-        self.margins.extend(float(m) for m in choices.margins[:n_tokens])
-        self.runner_up.extend(int(t) for t in choices.second[:n_tokens])
+        self.margins.extend(choices.margins[:n_tokens].tolist())
+        self.runner_up.extend(choices.second[:n_tokens].tolist())
         self.pass_tokens.extend([pass_tokens] * n_tokens)
         self.close_ids.extend(choices.close_ids[:n_tokens])
         self.close_gaps.extend(choices.close_gaps[:n_tokens])
@@ -171,7 +172,7 @@ class Tally:
         else:
             self.unverified += 1
         self.yielded += len(ids)
-        self.seen_eos = self.seen_eos or any(token in self.eog for token in ids)
+        self.seen_eos = self.seen_eos or not self.eog.isdisjoint(ids)
         if not self.stopped:
             self.views.add(choices, len(ids), pass_tokens)
             self._emit(ids)
@@ -265,7 +266,7 @@ class ServerSchedule(Schedule):
 
     def start(self, target: ModelSession, drafter, prompt_ids: Sequence[int], tally: Tally) -> list[int]:
         target.truncate(0)
-        choices = choose(target.eval(prompt_ids, Rows.LAST))
+        _, choices = target.eval_choices(prompt_ids, Rows.LAST)
         drafter.prefill(prompt_ids)
         tally.observe(0, [int(choices.best[0])], choices, len(prompt_ids), step=False)
         return [*prompt_ids, *tally.output]

@@ -16,6 +16,7 @@ import numpy as np
 
 from crossrt.errors import PromptRefused, SettingsError
 from crossrt.records.schema import Counters, UnfitCounts
+from crossrt.run.numerics import Choices, choose
 
 
 class Rows(Enum):
@@ -72,6 +73,13 @@ class ModelSession(abc.ABC):
         logits = self._forward(tokens, rows)
         self._n_past += len(tokens)
         return logits
+
+    def eval_choices(self, tokens: Sequence[int], rows: Rows) -> tuple[np.ndarray, Choices]:
+        """eval, and what each returned row chooses (numerics.choose): the loop's verification and
+        prompt passes. A session that knows its choices without logits (an oracle,
+        crossrt/simulate/oracle_sessions.py) returns them with no rows."""
+        logits = self.eval(tokens, rows)
+        return logits, choose(logits)
 
     @abc.abstractmethod
     def _forward(self, tokens: Sequence[int], rows: Rows) -> np.ndarray:

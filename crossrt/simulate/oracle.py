@@ -1,21 +1,13 @@
-"""What-if simulation of the driven loop's "crossrt" schedule from an oracle trace, and a
-measured cost model to turn its counts into predicted speedups. docs/analysis.md gives the
-rules and measured numbers.
+"""The oracle of a prompt, the one loop run on it (run_loop), the what-ifs of the "crossrt"
+schedule, and a measured cost model to turn counts into predicted speedups (docs/analysis.md).
 
-The oracle of a prompt is the target's greedy output, and from every position j of it (and
-the one after its end) the drafter's greedy continuation of prompt + output[:j], K tokens,
-with the target's greedy tokens past the output's end (past the budget or the EOS: schedules
-that verify drafts there count them). Greedy decoding makes every schedule a function of these
-alone (the other schedules: crossrt/simulate/schedules.py). For the crossrt schedule: at emitted
-count e a step drafts row e (cut to the budget), the target's choice at draft position i is
-output[e + i] while the draft so far matched, so the step accepts the longest prefix of row e
-equal to output[e:] that holds no EOS, and emits one more token of output. The simulated
-steps, draft and accepted lengths are therefore those of a real run at any k <= K, exactly,
-as long as the oracle's evaluations pick the same argmax as the run's (they batch tokens
-differently, so a near-tie could flip; tests check equality on the tiny pair).
-
-Policies: a fixed k, and a drafter-confidence cut-off (stop drafting before a token whose
-drafter top-1 probability is below min_p1; the drafter pass that found it still costs).
+The oracle is the target's greedy output and, from every position j of it (and the one after
+its end), the drafter's greedy continuation of prompt + output[:j], K tokens, with the
+target's greedy tokens past the output's end (schedules that verify drafts there count them).
+Greedy decoding makes every schedule a function of these alone, so run_loop runs
+loop.speculative_generate on them (crossrt/simulate/oracle_sessions.py) and counts what a
+real run at any k <= K counts, exactly, as long as the oracle's passes pick the same argmax
+as the run's (a near-tie could flip between batch shapes; tests check the tiny pair).
 """
 
 from __future__ import annotations
@@ -29,12 +21,14 @@ import numpy as np
 
 from crossrt.run import loop
 from crossrt.errors import SettingsError
-from crossrt.run.acceptance import greedy_length
-from crossrt.run.runtime import ModelSession, Rows
+from crossrt.run.drafters import Drafter
+from crossrt.run.runtime import DraftRules, ModelSession, Rows
 from crossrt.run.schedules import Generation, check_prompt, top_probability
+from crossrt.run.strategies import Strategy
 from crossrt.records.metrics import Totals
 from crossrt.records.schema import Counters
 from crossrt.records.trace import top1_probability
+from crossrt.simulate.oracle_sessions import OracleDrafter, OracleTarget
 
 CHUNK = 64  # tokens per drafter pass when the oracle scores the whole output at once
 
@@ -137,24 +131,24 @@ class Policy:
 @dataclass(frozen=True)
 class SimRun:
     """One prompt simulated on the oracle (under a policy, a tree or a schedule and its rules):
-    what a real run would count, and where the schedule emits otherwise than step by step (the
-    schedule simulators, crossrt/simulate/schedules.py), what it would emit."""
+    what a real run would count and, where known, emit."""
 
     prompt_id: str
     category: str
     step_drafted: tuple[int, ...]
     step_accepted: tuple[int, ...]
-    # Drafter passes: one per draft token, plus one per confidence cut-off (None: the schedule
-    # simulators, which do not count them).
+    # Drafter passes (lookups): one per draft token, plus one per confidence cut-off (None:
+    # exllamav3's simulators, which do not count them).
     drafter_calls: Optional[int] = None
-    output: Optional[tuple[int, ...]] = None  # the emitted ids (schedule simulators)
+    output: Optional[tuple[int, ...]] = None  # the emitted ids (None: a tree's simulation)
     unverified: int = 0  # tokens emitted outside steps, and counted but dropped (schema.Counters)
     cut: int = 0
 
     @classmethod
     def of(cls, generation: Generation, prompt_id: str, category: str) -> "SimRun":
-        """What a real run of the one loop counted, to hold against its simulation."""
-        return cls(prompt_id, category, generation.step_drafted, generation.step_accepted, generation.drafter_calls)
+        """What a run of the one loop counted and emitted, real or on an oracle (run_loop)."""
+        return cls(prompt_id, category, generation.step_drafted, generation.step_accepted, generation.drafter_calls,
+                   generation.output_ids, generation.unverified, generation.cut)
 
     @property
     def steps(self) -> int:
@@ -179,33 +173,28 @@ class SimRun:
         return Counters.from_steps(self.step_drafted, self.step_accepted, emitted, k, self.unverified, self.cut)
 
 
-def oracle_step(oracle: Oracle, emitted: int, k: int, min_p1: float) -> tuple[int, int, int]:
-    """One step of the crossrt schedule on oracle after emitted tokens, drafting up to k with a
-    drafter-confidence cut-off min_p1 (0: none): (drafted, accepted, drafter passes)."""
-    output = oracle.output
-    cap = min(k, oracle.max_new_tokens - emitted - 1)
-    draft = oracle.drafts[emitted, :max(cap, 0)]
-    # A draft ends before a token the drafter is unsure of.
-    unsure = np.flatnonzero(oracle.draft_p1[emitted, :len(draft)] < min_p1) if min_p1 > 0 else ()
-    n_draft = int(unsure[0]) if len(unsure) else len(draft)
-    n_accepted = greedy_length(draft[:n_draft], output[emitted:emitted + n_draft], oracle.eog_ids)
-    # One drafter pass per draft token, and one for the token a cut-off refused.
-    return n_draft, n_accepted, n_draft + (n_draft < cap)
+def run_loop(oracle: Oracle, schedule: str, rules: DraftRules, strategy: Strategy = Strategy(), *,
+             min_p1: Optional[float] = None, n_ctx: Optional[int] = None, drafts: Optional[Drafter] = None,
+             detokenize: Optional[Callable[[Sequence[int]], str]] = None) -> SimRun:
+    """loop.speculative_generate run on oracle with schedule, rules and strategy: the target and a
+    drafter model read from it (crossrt/simulate/oracle_sessions.py), a lookup built by the loop
+    or handed to it (drafts: one serving a run's prompts); min_p1: the drafter's confidence stop,
+    where not the strategy's (a what-if cut-off past 1 drafts nothing); n_ctx: the run's context,
+    where the schedule cuts drafts at it; detokenize: the target's, for a content k policy."""
+    target = OracleTarget(oracle.prompt_ids, oracle.extended, oracle.eog_ids, n_ctx, detokenize)
+    if drafts is None and not strategy.looks_up:
+        stops = loop.chain_stops(schedule, rules, strategy.min_p1 if min_p1 is None else min_p1, oracle.eog_ids)
+        drafts = OracleDrafter(len(oracle.prompt_ids), oracle.drafts, oracle.draft_p10, oracle.draft_p1, stops)
+    run = loop.speculative_generate(target, None, oracle.prompt_ids, rules, oracle.max_new_tokens, schedule,
+                                    strategy=strategy, drafts=drafts, what_if=True)
+    return SimRun.of(run, oracle.prompt_id, oracle.category)
 
 
 def simulate(oracle: Oracle, policy: Policy) -> SimRun:
-    """The crossrt schedule's steps on oracle under policy (module docstring)."""
+    """The crossrt schedule's run on oracle under policy."""
     if policy.k > oracle.max_k:
         raise SettingsError(f"k={policy.k} is beyond the oracle's {oracle.max_k} draft tokens per position")
-    step_drafted, step_accepted = [], []
-    calls = emitted = 0
-    while emitted < len(oracle.output):
-        n_draft, n_accepted, passes = oracle_step(oracle, emitted, policy.k, policy.min_p1)
-        calls += passes
-        step_drafted.append(n_draft)
-        step_accepted.append(n_accepted)
-        emitted += n_accepted + 1
-    return SimRun(oracle.prompt_id, oracle.category, tuple(step_drafted), tuple(step_accepted), calls)
+    return run_loop(oracle, loop.SCHEDULE, DraftRules(policy.k), min_p1=policy.min_p1)
 
 
 @dataclass(frozen=True)

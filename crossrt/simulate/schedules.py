@@ -1,54 +1,38 @@
 """Every schedule crossrt knows, simulated on one oracle (crossrt/simulate/oracle.py): the counts a
-real greedy run of that schedule makes with its drafting rules, step for step. Greedy decoding
-makes each schedule a function of the oracle alone: at emitted count e a draft is read from the
-oracle's row e (the drafter's greedy continuation there), and while the draft matches, the
-target's choice at draft position i is the oracle's token e + i. docs/analysis.md gives every
-rule with the source line it comes from.
+real greedy run of that schedule makes with its drafting rules, step for step. The one loop's
+schedules (crossrt/run/schedules.py) are run by the loop itself on the oracle (run_loop), so a
+change to one is simulated as written. Two are read from another runtime's source
+(docs/analysis.md gives the lines):
 
-- crossrt, hf-assisted (crossrt/run/loop.py): drafts of min(k, budget - e - 1); hf-assisted ends a
-  draft at the drafter's first EOS (kept); a matched EOS is the step's own token.
-- llama-spec-simple, llama-server (crossrt/run/schedules.py, llama.cpp's tools): the drafting rules
-  k, n_min (shorter drafts dropped) and p_min (drafting stops before a token whose top-10
-  softmax probability is below it), each tool's draft limit, first token and counting.
-  The limits' n_ctx terms never bind: a run refuses a prompt whose budget, with the overshoot,
-  leaves them below the budget terms (schedules.check_context_fits).
 - exllamav3 (exllamav3 1.6.5's Generator with a drafter model, dynamic_draft_tokens off, as
   crossrt's exllamav3 runtime runs it): prefill prompt[:-1], every round verifies a window of k
   (never cut to the budget); position by position the target's token is checked for a stop
   token and the budget first, then against the draft; a stop ends the round and the window's
-  unresolved positions count as rejected. exllamav3-dynamic: the same with
-  dynamic_draft_tokens on (draft_confidence 0.4, its default), so a draft stops once the running
-  product of per-position acceptance estimates falls below 0.4; the estimates come from an
-  online calibrator of the drafter's top logit against the verified outcomes (DraftCalibration),
-  new for each prompt, as crossrt's runtime starts a Generator per generation.
-- vllm (vLLM 0.32's draft-model proposer under its v1 scheduler, synchronous): the first token
-  comes from the prefill step, with no draft; every later step verifies k draft tokens (the
-  drafter's argmax, no EOS stop, no cut near max_tokens); the greedy rejection sampler accepts
-  the longest matching prefix, EOS or not, counted before the stop check trims the tokens past
-  the budget or after an EOS (cut).
+  unresolved positions count as rejected.
+- exllamav3-dynamic: the same with dynamic_draft_tokens on (draft_confidence 0.4, its default),
+  so a draft stops once the running product of per-position acceptance estimates falls below
+  0.4; the estimates come from an online calibrator of the drafter's top logit against the
+  verified outcomes (DraftCalibration), new for each prompt, as crossrt's runtime starts a
+  Generator per generation.
 """
 
 from __future__ import annotations
 
 import math
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from crossrt.run import loop
 from crossrt.errors import ComparisonError, SettingsError
 from crossrt.run.rules import LLAMA
 from crossrt.run.runtime import DraftRules
-from crossrt.run.acceptance import greedy_length, llama_verify as verify
-from crossrt.run.schedules import SERVER, SPEC_SIMPLE
+from crossrt.run.schedules import HF_SCHEDULE, SCHEDULE, SERVER, SPEC_SIMPLE, VLLM
 from crossrt.records.metrics import Totals
 from crossrt.records.schema import Counters, RunRecord
-from crossrt.simulate.oracle import Oracle, Policy, SimRun, by_category, simulate
+from crossrt.simulate.oracle import Oracle, SimRun, by_category, run_loop
 
 EXLLAMAV3 = "exllamav3"
 EXLLAMAV3_DYNAMIC = "exllamav3-dynamic"
-VLLM = "vllm"
-SIMULATED = (loop.SCHEDULE, loop.HF_SCHEDULE, SPEC_SIMPLE, SERVER, EXLLAMAV3, EXLLAMAV3_DYNAMIC, VLLM)
+SIMULATED = (SCHEDULE, HF_SCHEDULE, SPEC_SIMPLE, SERVER, EXLLAMAV3, EXLLAMAV3_DYNAMIC, VLLM)
 DRAFT_CONFIDENCE = 0.4  # exllamav3 1.6.5's Generator default (generator.py:67)
 
 
@@ -66,95 +50,13 @@ def check_rules(schedule: str, rules: DraftRules, oracle_k: Optional[int] = None
 def simulate_schedule(oracle: Oracle, schedule: str, rules: DraftRules) -> SimRun:
     """schedule's run on oracle with rules (module docstring)."""
     check_rules(schedule, rules, oracle.max_k)
-    if schedule == loop.SCHEDULE:
-        return dataclasses.replace(simulate(oracle, Policy(rules.k)), drafter_calls=None, output=oracle.output)
-    return _SIMULATORS[schedule](oracle, rules)
+    if schedule in _SIMULATORS:
+        return _SIMULATORS[schedule](oracle, rules)
+    return run_loop(oracle, schedule, rules)
 
 
-def _run(oracle: Oracle, output: Sequence[int], drafted: Sequence[int], accepted: Sequence[int],
-         unverified: int = 0, cut: int = 0) -> SimRun:
-    return SimRun(oracle.prompt_id, oracle.category, tuple(drafted), tuple(accepted), None, tuple(output),
-                  unverified, cut)
-
-
-def _hf(oracle: Oracle, rules: DraftRules) -> SimRun:
-    y, budget, eog = oracle.output, oracle.max_new_tokens, oracle.eog_ids
-    drafted, accepted = [], []
-    e = 0
-    while e < len(y):
-        draft = [int(t) for t in oracle.drafts[e, :min(rules.k, budget - e - 1)]]
-        draft = draft[:next((i + 1 for i, t in enumerate(draft) if t in eog), len(draft))]
-        n = greedy_length(draft, y[e:e + len(draft)], eog)
-        drafted.append(len(draft))
-        accepted.append(n)
-        e += n + 1
-    return _run(oracle, y, drafted, accepted)
-
-
-def _llama_draft(oracle: Oracle, e: int, rules: DraftRules, limit: int) -> list[int]:
-    """drafters.ModelDrafter's llama.cpp rules on the oracle's row e: stop before a token below p_min
-    (top-10 softmax, float32 as llama.cpp), at k or at a limit above 0; drop one below n_min."""
-    n = 0
-    while True:
-        if rules.unsure(oracle.draft_p10[e, n]):
-            break
-        n += 1
-        if rules.full(n, limit):
-            break
-    return [int(t) for t in oracle.drafts[e, :n]] if rules.kept(n) else []
-
-
-def _emit(output: list[int], ids: Sequence[int], budget: int, eog: frozenset[int]) -> Optional[int]:
-    """Append ids until EOS or the budget (schedules' tally): the tokens cut then, else None."""
-    for position, token in enumerate(ids):
-        output.append(token)
-        if token in eog or len(output) >= budget:
-            return len(ids) - 1 - position
-    return None
-
-
-def _spec_simple(oracle: Oracle, rules: DraftRules) -> SimRun:
-    y, budget, eog = oracle.extended, oracle.max_new_tokens, oracle.eog_ids
-    output: list[int] = []
-    drafted, accepted = [], []
-    n_predict = 0
-    seen_eos = stopped = False
-    while not seen_eos and n_predict <= budget:
-        draft = _llama_draft(oracle, n_predict, rules, max(budget - n_predict - 1, 0))
-        ids = verify(y[n_predict:n_predict + len(draft) + 1], draft, eog)
-        drafted.append(len(draft))
-        accepted.append(len(ids) - 1)
-        n_predict += len(ids)
-        produced = ids[:next((i + 1 for i, t in enumerate(ids) if t in eog), len(ids))]
-        seen_eos = produced[-1] in eog
-        if not stopped:
-            stopped = _emit(output, produced, budget, eog) is not None
-    # n_predict counts every token the steps yielded: past the budget and after an EOS too.
-    return _run(oracle, output, drafted, accepted, cut=n_predict - len(output))
-
-
-def _first_from_prefill(oracle: Oracle) -> tuple[list[int], Optional[int]]:
-    output: list[int] = []
-    return output, _emit(output, oracle.output[:1], oracle.max_new_tokens, oracle.eog_ids)
-
-
-def _server(oracle: Oracle, rules: DraftRules) -> SimRun:
-    y, budget, eog = oracle.extended, oracle.max_new_tokens, oracle.eog_ids
-    output, cut = _first_from_prefill(oracle)
-    drafted, accepted = [], []
-    unverified = 1
-    while cut is None:
-        e = len(output)
-        limit = budget - e - 1
-        draft = _llama_draft(oracle, e, rules, limit) if limit > 0 else []
-        ids = verify(y[e:e + len(draft) + 1], draft, eog)
-        if draft:
-            drafted.append(len(draft))
-            accepted.append(len(ids) - 1)
-        else:
-            unverified += 1  # an empty draft is a plain decode, not a step
-        cut = _emit(output, ids, budget, eog)
-    return _run(oracle, output, drafted, accepted, unverified, cut)
+def _run(oracle: Oracle, output: Sequence[int], drafted: Sequence[int], accepted: Sequence[int]) -> SimRun:
+    return SimRun(oracle.prompt_id, oracle.category, tuple(drafted), tuple(accepted), None, tuple(output))
 
 
 def _exllamav3(oracle: Oracle, rules: DraftRules) -> SimRun:
@@ -235,23 +137,7 @@ def _exllamav3_dynamic(oracle: Oracle, rules: DraftRules) -> SimRun:
     return _run(oracle, y, drafted, accepted)
 
 
-def _vllm(oracle: Oracle, rules: DraftRules) -> SimRun:
-    y, k = oracle.extended, rules.k
-    output, cut = _first_from_prefill(oracle)
-    accepted = []
-    while cut is None:
-        e = len(output)
-        draft = oracle.drafts[e, :k]
-        n = 0
-        while n < k and draft[n] == y[e + n]:
-            n += 1
-        accepted.append(n)
-        cut = _emit(output, y[e:e + n + 1], oracle.max_new_tokens, oracle.eog_ids)
-    return _run(oracle, output, [k] * len(accepted), accepted, unverified=1, cut=cut)
-
-
-_SIMULATORS = {loop.HF_SCHEDULE: _hf, SPEC_SIMPLE: _spec_simple, SERVER: _server, EXLLAMAV3: _exllamav3,
-               EXLLAMAV3_DYNAMIC: _exllamav3_dynamic, VLLM: _vllm}
+_SIMULATORS = {EXLLAMAV3: _exllamav3, EXLLAMAV3_DYNAMIC: _exllamav3_dynamic}
 
 
 def record_rules(record: RunRecord) -> DraftRules:

@@ -1,0 +1,113 @@
+"""An oracle (crossrt/simulate/oracle.py) as the one loop's target and drafter, so the simulator
+runs loop.speculative_generate itself and follows every schedule as it is written.
+
+Under greedy acceptance a run stays on the target's greedy output, so the oracle knows every
+choice the loop asks for: after prompt + output[:e], the target chooses extended[e], and a
+draft's token i is verified against extended[e + i] while the draft so far matched (nothing
+past the first mismatch is read). A drafter model's chain at that context is the oracle's row
+e, stopped where its ChainStops would stop the real drafter's (the same rules, read from the
+probabilities the oracle kept).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from crossrt.errors import SettingsError
+from crossrt.run.acceptance import Proposal
+from crossrt.run.drafters import ChainStops, draft_chain
+from crossrt.run.numerics import Choices
+from crossrt.run.runtime import Rows
+
+NO_ROWS = np.empty((0, 0), dtype=np.float32)
+
+
+class OracleTarget:
+    """The target's choices along prompt_ids + extended (the greedy output and what follows it), as
+    the part of the session contract the loop uses (run/session.py: eval, eval_choices, truncate,
+    n_past, n_ctx). n_ctx: the run's context, where a schedule cuts drafts at it (None: it never
+    binds); it refuses nothing, as the what-if of a run that would not fit is still read;
+    detokenize: the target's, for a content k policy."""
+
+    def __init__(self, prompt_ids: Sequence[int], extended: Sequence[int], eog_ids: frozenset[int],
+                 n_ctx: Optional[int] = None, detokenize: Optional[Callable[[Sequence[int]], str]] = None):
+        self.n_ctx = sys.maxsize if n_ctx is None else n_ctx
+        self.eog_ids = eog_ids
+        self.n_past = 0
+        self.prompt_length = len(prompt_ids)
+        self.extended = tuple(extended)
+        self.choices = np.asarray(self.extended, dtype=np.int64)
+        self.none = np.full(len(self.extended), -1, dtype=np.int64)  # no runner-up, no margin: never read
+        self.margins = np.zeros(len(self.extended), dtype=np.float32)
+        self.empty = ((),) * len(self.extended)
+        self.detokenizer = detokenize
+
+    def eval(self, tokens: Sequence[int], rows: Rows) -> np.ndarray:
+        """A prefill (Rows.NONE): the choices are eval_choices'."""
+        if rows is not Rows.NONE:
+            raise SettingsError("an oracle holds the target's choices, not its logits: call eval_choices")
+        self.n_past += len(tokens)
+        return NO_ROWS
+
+    def eval_choices(self, tokens: Sequence[int], rows: Rows) -> tuple[np.ndarray, Choices]:
+        """The choice after the last token (Rows.LAST), or at each token while tokens[1:] follow the
+        greedy output (Rows.ALL; -1 after the first that does not)."""
+        first = self.n_past + 1 - self.prompt_length  # the output position the first row chooses
+        self.n_past += len(tokens)
+        n = len(tokens)
+        if rows is Rows.LAST:
+            first, n = first + n - 1, 1
+            best = self.choices[first:first + 1]
+        else:
+            y, matched = self.extended, 0
+            while matched < n - 1 and tokens[matched + 1] == y[first + matched]:
+                matched += 1
+            best = self.choices[first:first + n].copy()
+            best[matched + 1:] = -1
+        return NO_ROWS, Choices(best, self.none[:n], self.margins[:n], self.empty[:n], self.empty[:n])
+
+    def truncate(self, n_keep: int) -> None:
+        self.n_past = min(self.n_past, max(0, n_keep))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        if self.detokenizer is None:
+            raise SettingsError("this oracle's simulation was given no detokenizer (a content k policy needs one)")
+        return self.detokenizer(ids)
+
+
+class OracleDrafter:
+    """A drafter model's greedy chains, read from the oracle's rows (drafts: row e after prompt +
+    output[:e]; p10, p1: each token's top-10 and full-softmax probabilities) and stopped by stops
+    as the loop's ModelDrafter is; calls counts one pass per token read, as it does."""
+
+    sessions: tuple = ()
+    past_budget = False
+
+    def __init__(self, prompt_length: int, drafts: np.ndarray, p10: Optional[np.ndarray], p1: np.ndarray,
+                 stops: ChainStops):
+        self.prompt_length, self.stops = prompt_length, stops
+        self.tokens = drafts.tolist()
+        self.probabilities = p10 if stops.top10 else p1
+        self.calls = 0
+
+    def propose(self, context: Sequence[int], n_max: int) -> Proposal:
+        row = len(context) - self.prompt_length
+        tokens, probabilities = self.tokens[row], self.probabilities[row]
+
+        def read(draft: Sequence[int]) -> Optional[int]:
+            self.calls += 1
+            return None if self.stops.below(probabilities[len(draft)]) else tokens[len(draft)]
+
+        return draft_chain(n_max, self.stops.ends, read)
+
+    def prefill(self, ids: Sequence[int]) -> None:
+        """Nothing cached: the oracle's rows stay."""
+
+    def mirror(self, n_keep: int, batch: Sequence[int]) -> None:
+        """Nothing cached to mirror."""
+
+    def keep(self, n_keep: int) -> None:
+        """Nothing cached past the context."""
