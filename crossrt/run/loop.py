@@ -184,13 +184,13 @@ def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], 
                          tree: Optional[Tree] = None, *, drafts: Optional[Drafter] = None,
                          what_if: bool = False) -> Generation:
     """Speculative decoding with the named schedule and strategy (module docstring): the one loop
-    of every driven run, and of every simulation on an oracle (crossrt/simulate/). drafter: None
-    for prompt lookup; tree drafting (strategy.tree, or a tree given as such, e.g. simulate's
-    best:N) needs a target that evaluates trees (TreeSession); trace, when given, records the
-    run's per-token trace; drafts: a drafter handed to the loop (a run's lookup whose state
-    outlives a prompt, run_lookup; an oracle's), else one is built here; what_if: a run no
-    runtime makes but the simulator reads (a lookup under a schedule it is not exact under, a
-    prompt past the run's context), so neither the strategy nor the prompt is refused."""
+    of every driven run, and of the simulator's chain runs on an oracle (crossrt/simulate/).
+    drafter: None for prompt lookup; tree drafting (strategy.tree, or a tree given as such,
+    e.g. simulate's best:N) needs a target that evaluates trees (TreeSession); trace, when
+    given, records the run's per-token trace; drafts: a drafter handed to the loop (a run's
+    lookup whose state outlives a prompt, run_lookup; an oracle's), else one is built here;
+    what_if: a run no runtime makes but the simulator reads (a lookup under a schedule it is
+    not exact under, a prompt past the run's context), so neither strategy nor prompt is refused."""
     if tree is not None and not strategy.is_default:
         raise SettingsError(f"a tree given to the loop is its drafting, at fixed k, greedy: not {strategy.label()}")
     if tree is None and strategy.drafting == "tree":
