@@ -126,3 +126,18 @@ def assert_reproduced(ours, theirs) -> None:
         assert a.output_ids == b.output_ids, a.prompt_id
         assert [getattr(a.counters, name) for name in REPRODUCED_COUNTERS] == \
             [getattr(b.counters, name) for name in REPRODUCED_COUNTERS], a.prompt_id
+
+
+def vllm_metrics_text(totals: dict, speculative: bool) -> str:
+    """/metrics as vLLM 0.32 writes it for a fake server's running totals (generation, drafts,
+    draft_tokens, accepted, pos: accepted per draft position), as the endpoint tests serve it."""
+    labels = '{engine="0",model_name="tiny"}'
+    lines = [f"vllm:num_requests_running{labels} 0.0", f"vllm:num_requests_waiting{labels} 0.0",
+             f"vllm:generation_tokens_total{labels} {totals['generation']}.0"]
+    if speculative:
+        lines += [f"vllm:spec_decode_num_drafts_total{labels} {totals['drafts']}.0",
+                  f"vllm:spec_decode_num_draft_tokens_total{labels} {totals['draft_tokens']}.0",
+                  f"vllm:spec_decode_num_accepted_tokens_total{labels} {totals['accepted']}.0"]
+        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="tiny",position="{i}"}} '
+                  f"{n}.0" for i, n in enumerate(totals["pos"])]
+    return "\n".join(lines) + "\n"

@@ -42,7 +42,7 @@ from crossrt.run.baselines import BaselineStore
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.run.runtime import DraftRules, RuntimeFailure, RuntimeOptions, RuntimeUnavailable, availability, open_runtime
 
-from conftest import TINY_PAIR, assert_clean_error
+from conftest import TINY_PAIR, assert_clean_error, vllm_metrics_text
 
 OPTIONS = RuntimeOptions(n_ctx=512, threads=1)
 PROMPTS = load_prompts("builtin")
@@ -402,16 +402,7 @@ def vllm_routes(speculative: bool):
                      "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 7, "total_tokens": 0}}
 
     def metrics(_):
-        labels = '{engine="0",model_name="tiny"}'
-        lines = [f"vllm:num_requests_running{labels} 0.0", f"vllm:num_requests_waiting{labels} 0.0",
-                 f"vllm:generation_tokens_total{labels} {totals['generation']}.0"]
-        if speculative:
-            lines += [f"vllm:spec_decode_num_drafts_total{labels} {totals['drafts']}.0",
-                      f"vllm:spec_decode_num_draft_tokens_total{labels} {totals['draft_tokens']}.0",
-                      f"vllm:spec_decode_num_accepted_tokens_total{labels} {totals['accepted']}.0"]
-            lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="tiny",position="{i}"}} '
-                      f"{n}.0" for i, n in enumerate(totals["pos"])]
-        return 200, "\n".join(lines) + "\n"
+        return 200, vllm_metrics_text(totals, speculative)
 
     return {"/version": lambda _: (200, {"version": "0.32.0"}),
             "/v1/models": lambda _: (200, {"object": "list", "data": [{"id": "tiny", "object": "model",

@@ -24,7 +24,7 @@ from crossrt.inputs.pairs import load_pair
 from crossrt.records.record_json import load_record
 from crossrt.run.runtime import availability
 
-from conftest import TINY_PAIR, assert_clean_error
+from conftest import TINY_PAIR, assert_clean_error, vllm_metrics_text
 from test_endpoint import FormatServer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "import"
@@ -249,16 +249,7 @@ def vllm_format_routes(tokenize, speculative: bool):
                      "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": BUDGET}}
 
     def metrics(_):
-        labels = '{engine="0",model_name="tiny"}'
-        found = [f"vllm:num_requests_running{labels} 0.0", f"vllm:num_requests_waiting{labels} 0.0",
-                 f"vllm:generation_tokens_total{labels} {totals['generation']}.0"]
-        if speculative:
-            found += [f"vllm:spec_decode_num_drafts_total{labels} {totals['drafts']}.0",
-                      f"vllm:spec_decode_num_draft_tokens_total{labels} {totals['draft_tokens']}.0",
-                      f"vllm:spec_decode_num_accepted_tokens_total{labels} {totals['accepted']}.0"]
-            found += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="tiny",'
-                      f'position="{i}"}} {n}.0' for i, n in enumerate(totals["pos"])]
-        return 200, "\n".join(found) + "\n"
+        return 200, vllm_metrics_text(totals, speculative)
 
     return {"/version": lambda _: (200, {"version": "0.32.0"}),
             "/v1/models": lambda _: (200, {"object": "list", "data": [{"id": "tiny", "object": "model",
