@@ -15,7 +15,6 @@ from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import DraftRules
 
 PROMPTS = load_prompts("builtin")
-LLAMA = (schedules.SPEC_SIMPLE, schedules.SERVER)
 RULES = [DraftRules(4), DraftRules(4, 0), DraftRules(3, 2), DraftRules(5, 1, 0.5), DraftRules(5, 1, 0.9999)]
 
 
@@ -25,7 +24,7 @@ def twin(llama_runtime, tiny_pair):
     return llama_runtime.load(tiny_pair.path("target", "gguf"))
 
 
-@pytest.mark.parametrize("schedule", LLAMA)
+@pytest.mark.parametrize("schedule", schedules.LLAMA_SCHEDULES)
 @pytest.mark.parametrize("rules", RULES, ids=lambda r: f"{r.k}-{r.n_min}-{r.p_min}")
 def test_lossless_and_counters_add_up(tiny_sessions, schedule, rules):
     target, drafter = tiny_sessions

@@ -13,8 +13,8 @@ from crossrt.cli.analysis import simulate_command
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import DraftRules, Rows, RuntimeOptions, availability, open_runtime
-from crossrt.simulate.schedules import (EXLLAMAV3, EXLLAMAV3_DYNAMIC, LLAMA, VLLM, DraftCalibration, compare_with_record,
-                                  simulate_schedule)
+from crossrt.simulate.schedules import (EXLLAMAV3, EXLLAMAV3_DYNAMIC, LLAMA_SCHEDULES, VLLM, DraftCalibration,
+                                       compare_with_record, simulate_schedule)
 from crossrt.simulate.oracle import CostModel, Policy, build_oracle, measure_costs, simulate, simulate_suite
 from crossrt.run.schedules import top_probability
 
@@ -203,7 +203,7 @@ def assert_simulated(oracle, schedule, rules, output, step_drafted, step_accepte
 @pytest.mark.parametrize("schedule", loop.SCHEDULES)
 def test_every_driven_schedule_equals_its_simulation_step_for_step(tiny_sessions, generated, schedule):
     target, drafter = tiny_sessions
-    rules_list = [DraftRules(k) for k in (1, 4, MAX_K)] + (LLAMA_RULES if schedule in LLAMA else [])
+    rules_list = [DraftRules(k) for k in (1, 4, MAX_K)] + (LLAMA_RULES if schedule in LLAMA_SCHEDULES else [])
     runs = []
     for rules in rules_list:
         for oracle in generated:
@@ -217,7 +217,7 @@ def test_every_driven_schedule_equals_its_simulation_step_for_step(tiny_sessions
         assert any(run.cut > 0 for run in runs)  # the overshoot past the budget
     if schedule == "llama-server":
         assert any(run.unverified > 1 for run in runs)  # a dropped draft is a plain decode
-    if schedule in LLAMA:
+    if schedule in LLAMA_SCHEDULES:
         assert any(0 < d < rules.k for run, rules in zip(runs, [r for r in rules_list for _ in generated])
                    for d in run.step_drafted)  # a draft cut by p_min or the limit, kept by n_min
 

@@ -17,8 +17,8 @@ from crossrt.cli.common import GpuSplit
 from crossrt.errors import SettingsError
 from crossrt.inputs.pairs import resolve_pair
 from crossrt.run.runtime import DTYPES, RuntimeOptions, runtime_class
-from crossrt.run.lookup import LOOKUPS as LOOKUP_DRAFTINGS
-from crossrt.run.strategies import ACCEPTANCES, DRAFTINGS, K_POLICIES, LOOKUPS, STRATEGY_PARTS, Strategy, parse_content_k
+from crossrt.run.lookup import LOOKUPS
+from crossrt.run.strategies import ACCEPTANCES, DRAFTINGS, K_POLICIES, STRATEGY_PARTS, Strategy, parse_content_k
 
 
 def _group(options: Sequence[Callable], build: Callable[[dict[str, Any]], None]):
@@ -121,7 +121,7 @@ STRATEGY_OPTIONS = {
     "drafting": click.option(
         "--drafting", type=click.Choice(DRAFTINGS), default="model", show_default=True,
         help="How drafts are proposed: model (the pair's drafter model drafts a chain), "
-        + ", ".join(f"{lookup.name} ({lookup.about})" for lookup in LOOKUP_DRAFTINGS.values())
+        + ", ".join(f"{lookup.name} ({lookup.about})" for lookup in LOOKUPS.values())
         + " (these copy from the text: no drafter model), tree (the drafter proposes a static --tree, verified in "
         "one pass; llama-cpp)."),
     "tree": click.option(

@@ -24,11 +24,9 @@ import numpy as np
 
 from crossrt.errors import SettingsError
 from crossrt.run.acceptance import Proposal
-from crossrt.run.schedules import SERVER, SPEC_SIMPLE
 from crossrt.run.session import ModelSession
 
 # The schedules whose head drafting this reproduces: llama.cpp's two tools.
-HEAD_SCHEDULES = (SPEC_SIMPLE, SERVER)
 
 
 def head_folder(path) -> Optional[Path]:

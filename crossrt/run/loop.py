@@ -33,12 +33,12 @@ from crossrt.errors import SettingsError
 from crossrt.records.trace import TraceRecorder
 from crossrt.run.acceptance import AcceptanceRule, Greedy, Proposal, Relaxed
 from crossrt.run.drafters import ChainStops, Drafter, ModelDrafter, TreeDrafter
-from crossrt.run.head_drafter import HEAD_DRAFTERS, HEAD_SCHEDULES, head_drafter
+from crossrt.run.head_drafter import HEAD_DRAFTERS, head_drafter
 from crossrt.run.lookup import LOOKUPS, LookupSettings
 from crossrt.run.numerics import choose
 from crossrt.run.policies import CONTENT_WINDOW, DraftPolicy
 from crossrt.run.runtime import HEAD_SPEC_TYPES, DraftRules, ModelSession, Rows
-from crossrt.run.schedules import (HF_SCHEDULE, SCHEDULE, SCHEDULE_TYPES, SCHEDULES, TRACED_SCHEDULES,
+from crossrt.run.schedules import (HF_SCHEDULE, LLAMA_SCHEDULES, SCHEDULE, SCHEDULE_TYPES, SCHEDULES, TRACED_SCHEDULES,
                                    Generation, Schedule, Tally, ViewRecorder, check_prompt)
 from crossrt.run.strategies import Strategy, tree_spec
 from crossrt.run.tree import Tree
@@ -99,9 +99,10 @@ def check_strategy(strategy: Strategy, schedule: str, rules: DraftRules, traced:
     if schedule not in SCHEDULES:
         raise SettingsError(f"unknown schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
     if rules.spec_type in HEAD_SPEC_TYPES:
-        if schedule not in HEAD_SCHEDULES or not strategy.is_default or traced:
+        if schedule not in LLAMA_SCHEDULES or not strategy.is_default or traced:
             raise SettingsError(f"crossrt's loop drafts with a head ({', '.join(HEAD_SPEC_TYPES)}) under the "
-                                f"{' or '.join(HEAD_SCHEDULES)} schedule at fixed k, greedy, untraced, not under {schedule}")
+                                f"{' or '.join(LLAMA_SCHEDULES)} schedule at fixed k, greedy, untraced, "
+                                f"not under {schedule}")
     else:
         rules.require_drafter_model("crossrt's driven loop")
     if traced and schedule not in TRACED_SCHEDULES:

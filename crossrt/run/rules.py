@@ -8,9 +8,8 @@ from __future__ import annotations
 from typing import Optional
 
 from crossrt.run.runtime import DraftRules, runtime_class
-from crossrt.run.schedules import SERVER, SPEC_SIMPLE
+from crossrt.run.schedules import LLAMA_SCHEDULES
 
-LLAMA = (SPEC_SIMPLE, SERVER)  # the driven schedules that drop drafts shorter than n_min, as llama.cpp
 
 
 def run_rules(runtime: str, mode: str, schedule: str, max_new_tokens: int, k: int, n_min: Optional[int] = None,
@@ -22,7 +21,7 @@ def run_rules(runtime: str, mode: str, schedule: str, max_new_tokens: int, k: in
     # max_new_tokens - 1 long: with n_min at k (its default), a large k drafts nothing. The runtime
     # is looked up only then: a sweep plans runtimes this machine may not import.
     if rules.n_min >= max_new_tokens and (
-            "n_min" in runtime_class(runtime).drafting_rules if mode == "native" else schedule in LLAMA):
+            "n_min" in runtime_class(runtime).drafting_rules if mode == "native" else schedule in LLAMA_SCHEDULES):
         return rules, (f"--k {k}: llama.cpp drops drafts shorter than draft-n-min {rules.n_min}, and no draft fits "
                        f"in --max-new-tokens {max_new_tokens}: nothing will be drafted; lower --k or --draft-n-min",)
     return rules, ()

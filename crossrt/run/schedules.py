@@ -312,6 +312,8 @@ class VllmSchedule(ServerSchedule):
 
 SCHEDULE_TYPES = {kind.name: kind for kind in (Schedule, HfAssisted, SpecSimple, ServerSchedule, VllmSchedule)}
 SCHEDULES = tuple(SCHEDULE_TYPES)
+# llama.cpp's schedules (Schedule.llama): its drafting rules, its n-gram types and its heads run there.
+LLAMA_SCHEDULES = tuple(name for name, kind in SCHEDULE_TYPES.items() if kind.llama)
 TRACED_SCHEDULES = (SCHEDULE, HF_SCHEDULE)
 
 

@@ -17,12 +17,11 @@ from typing import Optional, Union
 
 from crossrt.errors import SettingsError
 from crossrt.records.tables import k_setting
-from crossrt.run.lookup import LOOKUPS as LOOKUP_DRAFTINGS
+from crossrt.run.lookup import LOOKUPS
 from crossrt.run.runtime import K_LIMIT
 from crossrt.run.tree import Tree
 
 # Draftings that copy tokens from the context (crossrt/run/lookup/): no drafter model is loaded or read.
-LOOKUPS = tuple(LOOKUP_DRAFTINGS)
 DRAFTINGS = ("model", *LOOKUPS, "tree")
 K_POLICIES = ("fixed", "content", "online", "confidence")
 ACCEPTANCES = ("greedy", "relaxed")
@@ -33,8 +32,9 @@ CONTENT_TYPES = ("code", "prose")  # crossrt/run/policies.py content_type's verd
 # another choice, so the CLI refuses one given alone and a sweep cell drops it. ngram_min belongs
 # to the lookups that have a shortest n-gram of their own (transformers' looks down to 1-grams,
 # llama.cpp's n-gram types look up one length only).
-STRATEGY_PARTS = {"tree": ("drafting", ("tree",)), "ngram_max": ("drafting", LOOKUPS),
-                  "ngram_min": ("drafting", tuple(name for name in LOOKUPS if LOOKUP_DRAFTINGS[name].has_ngram_min)), "content_k": ("k_policy", ("content",)),
+STRATEGY_PARTS = {"tree": ("drafting", ("tree",)), "ngram_max": ("drafting", tuple(LOOKUPS)),
+                  "ngram_min": ("drafting", tuple(name for name, lookup in LOOKUPS.items() if lookup.has_ngram_min)),
+                  "content_k": ("k_policy", ("content",)),
                   "k_max": ("k_policy", ("online",)), "min_p1": ("k_policy", ("confidence",)),
                   "top_m": ("acceptance", ("relaxed",)), "delta": ("acceptance", ("relaxed",))}
 
@@ -93,7 +93,7 @@ class Strategy:
         if self.k_policy == "confidence" and self.min_p1 == 0:
             raise SettingsError("the confidence k policy stops before a drafter top-1 probability below min_p1: "
                                 "give min_p1 > 0")
-        if self.looks_up and not LOOKUP_DRAFTINGS[self.drafting].has_ngram_min and self.ngram_min != 1:
+        if self.looks_up and not LOOKUPS[self.drafting].has_ngram_min and self.ngram_min != 1:
             raise SettingsError(f"{self.drafting} has no ngram_min (got {self.ngram_min}): it looks up its own "
                                 "lengths from ngram_max (docs/ngram.md)")
         if self.looks_up and self.min_p1 > 0:
@@ -130,7 +130,7 @@ class Strategy:
     def label(self) -> str:
         """drafting/k policy/acceptance, each with its parameters where it has any."""
         if self.looks_up:
-            drafting = LOOKUP_DRAFTINGS[self.drafting].label.format(ngram_min=self.ngram_min, ngram_max=self.ngram_max)
+            drafting = LOOKUPS[self.drafting].label.format(ngram_min=self.ngram_min, ngram_max=self.ngram_max)
         else:
             drafting = {"model": "model", "tree": f"tree({self.tree})"}[self.drafting]
         policy = {"fixed": "fixed", "online": f"online(k_max={self.k_max})",

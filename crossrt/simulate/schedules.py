@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from crossrt.errors import ComparisonError, SettingsError
-from crossrt.run.rules import LLAMA
 from crossrt.run.runtime import DraftRules
-from crossrt.run.schedules import HF_SCHEDULE, SCHEDULE, SERVER, SPEC_SIMPLE, VLLM
+from crossrt.run.schedules import HF_SCHEDULE, LLAMA_SCHEDULES, SCHEDULE, SERVER, SPEC_SIMPLE, VLLM
 from crossrt.records.metrics import Totals
 from crossrt.records.schema import Counters, RunRecord
 from crossrt.simulate.oracle import Oracle, SimRun, by_category, run_loop
@@ -40,7 +39,7 @@ def check_rules(schedule: str, rules: DraftRules, oracle_k: Optional[int] = None
     """SettingsError unless schedule is simulated with rules (on an oracle of oracle_k drafts)."""
     if schedule not in SIMULATED:
         raise SettingsError(f"schedule {schedule!r} is not simulated; simulated: {', '.join(SIMULATED)}")
-    if schedule not in LLAMA and not rules.fixed:
+    if schedule not in LLAMA_SCHEDULES and not rules.fixed:
         raise SettingsError(f"the {schedule} schedule drafts exactly k tokens: n_min and p_min are llama.cpp "
                             "drafting rules, for the llama-* schedules")
     if oracle_k is not None and rules.k > oracle_k:

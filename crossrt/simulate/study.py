@@ -20,11 +20,13 @@ from crossrt.records.record_json import load_record
 from crossrt.run.isolation import call_safely
 from crossrt.run.policies import DraftPolicy
 from crossrt.run.runtime import DraftRules, RuntimeInfo, RuntimeOptions, open_runtime
-from crossrt.run.strategies import LOOKUPS, Strategy
+from crossrt.run.schedules import LLAMA_SCHEDULES
+from crossrt.run.lookup import LOOKUPS
+from crossrt.run.strategies import Strategy
 from crossrt.simulate.adaptive import simulate_policy
 from crossrt.simulate.oracle import (Oracle, Policy, PolicyResult, Simulation, build_oracle, measure_costs, simulate,
                                      simulate_suite, summarize)
-from crossrt.simulate.schedules import LLAMA, ScheduleResult, compare_with_record, summarize_schedule
+from crossrt.simulate.schedules import ScheduleResult, compare_with_record, summarize_schedule
 from crossrt.simulate.tree_section import TreeSection, max_tree_rows, run_trees, tree_section
 
 
@@ -70,12 +72,12 @@ def schedule_results(oracles: Sequence[Oracle], schedules: Sequence[str], n_min:
                      max_k: int) -> list[ScheduleResult]:
     """Each schedule at every k up to max_k; the llama-* ones with n_min and p_min (from k = n_min
     on), the others drafting k tokens, as they do."""
-    if (n_min is not None or p_min > 0) and not set(schedules) & set(LLAMA):
-        raise SettingsError(f"--draft-n-min and --draft-p-min are drafting rules of the {' and '.join(LLAMA)} "
-                            "schedules: name one with --schedule")
+    if (n_min is not None or p_min > 0) and not set(schedules) & set(LLAMA_SCHEDULES):
+        raise SettingsError("--draft-n-min and --draft-p-min are drafting rules of the "
+                            f"{' and '.join(LLAMA_SCHEDULES)} schedules: name one with --schedule")
     results = []
     for schedule in schedules:
-        llama = schedule in LLAMA
+        llama = schedule in LLAMA_SCHEDULES
         for k in range(max(1, n_min or 1) if llama else 1, max_k + 1):
             rules = DraftRules(k, k if n_min is None or not llama else n_min, p_min if llama else 0.0)
             results += summarize_schedule(oracles, schedule, rules)

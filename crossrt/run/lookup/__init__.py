@@ -12,14 +12,14 @@ docs/ngram.md sets the algorithms side by side."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 from crossrt.run.lookup.base import LookupDrafter
 from crossrt.run.lookup.crossrt_lookup import PromptLookup
 from crossrt.run.lookup.hf_lookup import HfPromptLookup
 from crossrt.run.lookup.llama_ngram import LlamaNgramCache, LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple
 from crossrt.run.lookup.vllm_ngram import VllmNgram
-from crossrt.run.schedules import SERVER, SPEC_SIMPLE, VLLM
+from crossrt.run.schedules import LLAMA_SCHEDULES, SERVER, VLLM
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,6 @@ class LookupSettings:
 # The schedules whose runtime serves all of a run's prompts from one process, so a lookup's state
 # can outlive a prompt there (llama-server); under the others every prompt begins afresh.
 ONE_PROCESS_SCHEDULES = (SERVER,)
-LLAMA_SCHEDULES = (SERVER, SPEC_SIMPLE)  # the llama.cpp tools that run its n-gram types
 
 
 @dataclass(frozen=True)
@@ -52,11 +51,6 @@ class Lookup:
     # Its state outlives a prompt where the runtime keeps it across requests (kept_across_prompts):
     # one drafter then serves a run's prompts in order (crossrt/run/driver.py), begun on each.
     per_run: bool = False
-
-    @property
-    def schedule(self) -> Optional[str]:
-        """The first schedule it is exact under (None: any non-llama), for readers of one."""
-        return self.schedules[0] if self.schedules else None
 
     def kept_across_prompts(self, schedule: str) -> bool:
         """Whether one drafter serves a run's prompts in order under schedule: its state outlives
