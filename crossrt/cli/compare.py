@@ -19,7 +19,7 @@ from crossrt.inputs.pairs import resolve_pair, run_k
 from crossrt.compare.parity import labelled
 from crossrt.compare.parity_report import ParityReport, render_junit, render_markdown, render_text
 from crossrt.compare.control import not_one_function
-from crossrt.compare.parity_run import Matrix, compare_safely, gap_lines, run_matrix
+from crossrt.compare.parity_run import Checks, Matrix, compare_safely, gap_lines, run_matrix
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
 from crossrt.report.parity import parity_html
@@ -97,7 +97,8 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
     refuse_inputs_as_outputs(written, [*records, *baselines])  # before anything runs
     not_run, skipped = [], []
     if records and resume:
-        raise click.UsageError("--resume continues a matrix's runs (--pair ...); records given are compared as they are")
+        raise click.UsageError("--resume continues a matrix's runs (--pair ...); records given are compared "
+                               "as they are")
     if records:
         distinct_records([*records, *baselines])
         runs = labelled([load_record(path) for path in records], [str(path) for path in records])
@@ -120,9 +121,9 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
         runs = labelled(records_run, [""] * len(records_run))
     # Explaining splits and re-scoring logits load runtimes: in a process of their own, where a crash
     # is a FAIL and the runs are still compared from what they recorded.
-    verdicts, crashed = compare_safely(runs, [load_record(path) for path in baselines], counter_tolerance,
-                                       logit_tolerance, strict, not no_rescore, not no_logits,
-                                       not no_float_control)
+    checks = Checks(counter_tolerance=counter_tolerance, logit_tolerance=logit_tolerance, strict=strict,
+                    rescore=not no_rescore, logits=not no_logits, control=not no_float_control)
+    verdicts, crashed = compare_safely(runs, [load_record(path) for path in baselines], checks)
     if verdicts.passes:
         click.echo(f"explaining: {verdicts.passes} passes re-scored in {verdicts.explain_s:.1f} s", err=True)
     click.echo(verdicts.cost(runs), err=True)
@@ -148,7 +149,8 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
 
 def _interrupted(matrix: Matrix, prompts: int) -> None:
     """A parity matrix interrupted while its runs ran: what each of its records holds, and how to go on."""
-    paths = [path for name in matrix.runtimes for mode in matrix.modes if (path := matrix.record_path(name, mode)).exists()]
+    paths = [path for name in matrix.runtimes for mode in matrix.modes
+             if (path := matrix.record_path(name, mode)).exists()]
     said = [kept(path, prompts) for path in paths]
     lines = [f"  {line}" for line in said if line != "no prompt finished"]
     kept_lines = "\n".join(lines) if lines else "  no record was written yet"
@@ -194,7 +196,7 @@ def diff(records: tuple[Path, ...]) -> None:
     if a.pair.target.vocab_fingerprint != b.pair.target.vocab_fingerprint:
         raise ComparisonError("the two runs used different vocabularies: their token ids cannot be compared")
     # One verdict with parity's: its comparisons, logit checks and float control, in a process of its own.
-    verdicts, crashed = compare_safely(runs, [], 0.0, None, False, True, True)
+    verdicts, crashed = compare_safely(runs, [])
     verdict = ParityReport(verdicts.comparisons, verdicts.logit_checks, tuple(crashed), controls=verdicts.controls)
     failed = [c.failure() for c in not_one_function(verdicts.controls)]
     click.echo(render_diff(diff_records(label_a, a, label_b, b, failed)))

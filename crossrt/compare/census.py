@@ -24,7 +24,7 @@ import numpy as np
 
 from crossrt.compare.splits import NUMERICS
 from crossrt.compare.parity import OWN_BASELINE, PromptParity, labelled
-from crossrt.compare.parity_run import compare_safely
+from crossrt.compare.parity_run import Checks, compare_safely
 from crossrt.records.schema import RunRecord
 
 WORDS = ("river value code light storm import the night house a list return market class day def "
@@ -142,7 +142,7 @@ def take_census(run_one: RunOne, folder: Path, variants: Sequence[Variant] = NUM
         native = {label for (label, _), (v, _) in zip(runs, ran) if v.mode == "native"}
         started = time.perf_counter()
         name = f"batch {number} ({prompts.name})"
-        verdicts, crashed = compare_safely(runs, [], 0.0, None, False, True, False)
+        verdicts, crashed = compare_safely(runs, [], Checks(logits=False))
         census.add(verdicts.comparisons, native, batch=name)
         census.failures += [f"{name}: {n.run} {n.what}: {n.reason}" for n in crashed]
         census.explain_s += time.perf_counter() - started

@@ -5,6 +5,7 @@ crossrt.compare.parity and crossrt.compare.parity_report."""
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -159,14 +160,26 @@ class Verdicts:
         return f"verdict: {self.verdict_s:.1f} s of explaining, re-scoring and checks{ratio}"
 
 
-def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecord], counter_tolerance: float,
-                 logit_tolerance: Optional[float], strict: bool, rescore: bool, logits: bool,
-                 control: bool = True) -> Verdicts:
+@dataclass(frozen=True)
+class Checks:
+    """What a verdict does beyond comparing ids and counters (parity's options)."""
+
+    counter_tolerance: float = 0.0  # allowed relative difference of counters between like runs
+    logit_tolerance: Optional[float] = None  # None: chosen by what is compared (crossrt/compare/tolerance.py)
+    strict: bool = False  # every divergence fails, also those explained as numerics
+    rescore: bool = True  # splits explained by re-scoring passes in their runs' shapes
+    logits: bool = True  # outputs re-scored: logit checks, verification paths, departures
+    control: bool = True  # with logits: the float control and the dequantization check
+
+
+def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecord], checks: Checks) -> Verdicts:
     """Every comparison of the runs (and of them against saved records), splits explained by
-    re-scoring passes where rescore, logits along the reference sequences re-scored where logits,
-    and the float control (crossrt/compare/control.py) where logits and control. Where logits,
-    each run's verification path is checked first (crossrt/compare/verification.py), and its
-    measured batch-shape noise sets how near a tie its splits may be."""
+    re-scoring passes where checks.rescore, logits along the reference sequences re-scored where
+    checks.logits, and the float control (crossrt/compare/control.py) where logits and control.
+    Where logits, each run's verification path is checked first (crossrt/compare/verification.py),
+    and its measured batch-shape noise sets how near a tie its splits may be."""
+    counter_tolerance, logit_tolerance, strict = checks.counter_tolerance, checks.logit_tolerance, checks.strict
+    rescore, logits, control = checks.rescore, checks.logits, checks.control
     began = time.perf_counter()
     scored = [run for run in runs if not run[1].imported]  # imported: no outputs to re-score
     as_run, paths, noises = {}, (), {}
@@ -182,35 +195,33 @@ def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecor
             comparisons += compare_against(runs, saved, counter_tolerance, replay if rescore else None)
         passes, explain_s = replay.passes, time.perf_counter() - started
     by_label = dict(runs)
-    checks, controls = (), ()
+    logit_rows, controls = (), ()
     if logits:
         views = Explainer(twins_of(scored))
         paths += departure_checks(scored, noises, as_run, lambda record, result: views.views(record, result)[1])
-        checks = logit_checks(comparisons, as_run,
-                              lambda a, b: tolerance_for(by_label[a], by_label[b], logit_tolerance))
+        logit_rows = logit_checks(comparisons, as_run,
+                                  lambda a, b: tolerance_for(by_label[a], by_label[b], logit_tolerance))
         if control:
             controls = float_controls(scored, as_run, decodes=decodes) + dequantization_checks(scored)
             comparisons = judged_by_control(comparisons, controls)
         comparisons = judged_by_paths(comparisons, paths)
     # Runs that drafted with a head: the same head, setting by setting, whatever file each read.
     heads = head_checks(scored)
-    return Verdicts(tuple(comparisons), tuple(checks), tuple(controls) + tuple(paths) + heads, passes, explain_s,
+    return Verdicts(tuple(comparisons), tuple(logit_rows), tuple(controls) + tuple(paths) + heads, passes, explain_s,
                     time.perf_counter() - began)
 
 
-def compare_safely(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecord], counter_tolerance: float,
-                   logit_tolerance: Optional[float], strict: bool, rescore: bool,
-                   logits: bool, control: bool = True) -> tuple[Verdicts, list[NotRun]]:
+def compare_safely(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecord],
+                   checks: Checks = Checks()) -> tuple[Verdicts, list[NotRun]]:
     """compare_runs where it may load a runtime to re-score, as crossrt/run/isolation.py's call_safely
     places RESCORING (a process of its own). If that process crashes, the crash is a failure (NotRun,
     crashed) and the runs are compared here from what they recorded, nothing re-scored."""
-    if not (rescore or logits) or all(record.imported for _, record in runs):  # nothing to load
-        return compare_runs(runs, saved, counter_tolerance, logit_tolerance, strict, rescore, logits), []
+    if not (checks.rescore or checks.logits) or all(record.imported for _, record in runs):  # nothing to load
+        return compare_runs(runs, saved, checks), []
     try:
-        return call_safely(RESCORING, compare_runs, list(runs), list(saved), counter_tolerance, logit_tolerance,
-                           strict, rescore, logits, control), []
+        return call_safely(RESCORING, compare_runs, list(runs), list(saved), checks), []
     except RuntimeCrashed as crash:
-        verdicts = compare_runs(runs, saved, counter_tolerance, logit_tolerance, strict, False, False)
+        verdicts = compare_runs(runs, saved, dataclasses.replace(checks, rescore=False, logits=False))
         return verdicts, [NotRun(RESCORING, f"{crash.cause()}; the runs were compared from what they recorded, "
                                             "nothing re-scored", what="crashed")]
 
