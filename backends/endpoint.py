@@ -88,12 +88,8 @@ def local_vocabulary(path: Path) -> tuple[int, Callable[[str], list[int]]]:
     """(vocabulary size, tokenize) of the pair's target file as crossrt's own runtimes tokenize it:
     llama.cpp's vocabulary of a GGUF (loaded alone), transformers' tokenizer of a folder."""
     if Path(path).is_file():
-        from crossrt.backends.llama_cpp import _UNAVAILABLE, _internals, llama_cpp
-        if llama_cpp is None:
-            raise RuntimeUnavailable(_UNAVAILABLE)
-        params = llama_cpp.llama_model_default_params()
-        params.vocab_only = True
-        model = _internals.LlamaModel(path_model=str(path), params=params, verbose=False)
+        from crossrt.backends.llama_cpp import vocab_model
+        model = vocab_model(path)
         add_bos = model.add_bos_token()
         return model.n_vocab(), lambda text: model.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
     import transformers

@@ -46,6 +46,16 @@ except (OSError, RuntimeError) as error:  # its loader's FileNotFoundError / Run
                     "or set LLAMA_CPP_LIB_PATH to a directory holding libllama.so")
 
 
+def vocab_model(path: Path):
+    """llama-cpp-python's model of path with its vocabulary alone loaded (no weights), or
+    RuntimeUnavailable saying why llama_cpp did not import."""
+    if llama_cpp is None:
+        raise RuntimeUnavailable(_UNAVAILABLE)
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    return _internals.LlamaModel(path_model=str(path), params=params, verbose=False)
+
+
 @functools.lru_cache(maxsize=1)
 def _layer_input_functions() -> tuple[Callable, Callable]:
     """llama_set_embeddings_layer_inp and llama_get_embeddings_layer_inp of the loaded libllama,

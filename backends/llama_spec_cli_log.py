@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from crossrt.run.runtime import RuntimeFailure
-# _internals: llama_cpp's module, None where llama_cpp did not import (reported by check_available)
-from crossrt.backends.llama_cpp import _internals, llama_cpp
+# llama_cpp: None where it did not import (reported by check_available)
+from crossrt.backends.llama_cpp import llama_cpp, vocab_model
 
 TOOL = "llama-speculative-simple"
 
@@ -128,9 +128,7 @@ class Vocab:
     """The target's vocabulary in-process, at the tool's llama.cpp commit."""
 
     def __init__(self, path: Path):
-        params = llama_cpp.llama_model_default_params()
-        params.vocab_only = True
-        self._model = _internals.LlamaModel(path_model=str(path), params=params, verbose=False)
+        self._model = vocab_model(path)
         vocab = self._model.vocab
         self.eog_ids = frozenset(t for t in range(self._model.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t))
 

@@ -309,7 +309,7 @@ def parity_gaps(runs: Sequence[tuple[str, RunRecord]], threads: int = 1) -> list
     for pairs in gap_pairs(runs):
         records = list({id(record): record for pair in pairs for _, record in pair}.values())
         try:
-            oracles = _parity_oracles([record for record in records if record.imported is None], threads)
+            oracles = parity_oracles([record for record in records if record.imported is None], threads)
         except CrossrtError as error:  # no model files, a model that does not load, a prompt that does not fit
             lines += [f"tau gap {a} vs {b}: not computed ({error})" for (a, _), (b, _) in pairs]
             continue
@@ -323,7 +323,7 @@ def parity_gaps(runs: Sequence[tuple[str, RunRecord]], threads: int = 1) -> list
     return lines
 
 
-def _parity_oracles(records: Sequence[RunRecord], threads: int) -> dict[tuple[int, ...], Oracle]:
+def parity_oracles(records: Sequence[RunRecord], threads: int) -> dict[tuple[int, ...], Oracle]:
     """The oracles of the records a gap can be computed for, from the records' GGUF files: the
     target's, and the drafter's where one of them drafts with it."""
     simulated = [r for r in records if _simulable(r)]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Optional, Sequence
 
-from crossrt.compare.tau_gap import ORACLE_RUNTIME, PARTS, TauGap, _parity_oracles, gap_pairs, tau_gap
+from crossrt.compare.tau_gap import ORACLE_RUNTIME, PARTS, TauGap, parity_oracles, gap_pairs, tau_gap
 from crossrt.errors import ComparisonError, CrossrtError
 from crossrt.report.page import Section, Table
 from crossrt.report.runs import ReportRun, category_name
@@ -43,7 +43,7 @@ def run_gaps(runs: Sequence[ReportRun], threads: int = 1) -> list[RunGap]:
         pairs = [(by_label[a], by_label[b]) for (a, _), (b, _) in labelled]
         group = list({run.label: run for pair in pairs for run in pair}.values())
         try:
-            oracles = call_safely(ORACLE_RUNTIME, _parity_oracles,
+            oracles = call_safely(ORACLE_RUNTIME, parity_oracles,
                                   [run.record for run in group if run.record.imported is None], threads)
         except CrossrtError as error:  # no model files, a model that does not load or crashes, a prompt too long
             found += [RunGap(a, b, (), str(error)) for a, b in pairs]
