@@ -1,55 +1,8 @@
 """The schedules of crossrt's one loop (crossrt/run/loop.py), what every run of it returns, and the
 Tally where its counts accumulate. A schedule says when drafts start and how they are cut near
-the budget; the llama.cpp ones mirror its own tools count for count, so a driven run can be
-compared with them (docs/llama-cpp-native.md gives the source lines). The simulator runs the
-loop with these on an oracle (crossrt/simulate/oracle.py): a schedule is written here only.
-
-"crossrt": both models prefill prompt[:-1]; the last prompt token is the first token to verify,
-so every emitted token comes out of a step (emitted = steps + accepted). Each draft is cut to
-min(k, budget - emitted - 1), so no step produces tokens past the budget; with one token of
-budget left a step verifies an empty draft (a plain decode, still a step with 0 drafted).
-"hf-assisted": transformers' assisted generation, the crossrt schedule except that the drafter,
-running its own generate() with the target's EOS ids, ends a draft at its first EOS (kept), and
-a step's tokens past the budget are cropped before they are counted (generation/utils.py, in
-_assisted_decoding): accepted excludes them and nothing is cut. Only a drafter whose drafts run
-past the budget (transformers' prompt lookup) yields such tokens.
-
-llama.cpp's two draft-model schedules share the drafting and verification rules of the vendored
-llama.cpp:
-- Drafting (common/speculative.cpp, draft-simple): the drafter decodes the last token, then
-  proposes its argmax one token at a time, stopping when the top-10 softmax probability of its
-  choice is below p_min, at k tokens, or at the per-call limit (a limit of 0 means none). A draft
-  shorter than n_min is thrown away. The drafter does not stop at EOS (loop.chain_stops,
-  DraftRules.kept; crossrt/run/drafters.py ModelDrafter).
-- The drafter's cache mirrors the target's: after drafting it is cut back to the target's
-  cache and decodes the same batch the target decodes, as llama.cpp does. Mirroring the batch
-  structure keeps the drafter's numerics those of the native tools, not just its tokens.
-- Verification (common/sampling.cpp, sample-and-accept-n): the target's argmax at each
-  position of [last] + draft; stop at the first mismatch, or at a matched EOS that is not in
-  the draft's last position; a fully matched draft adds the target's next token
-  (crossrt/run/acceptance.py, Greedy with eos_last).
-
-"llama-spec-simple" (examples/speculative-simple): prefills prompt[:-1], so the first draft is
-made right away and every token comes from a step (plain decodes included: a dropped draft
-still verifies [last]). Its per-call limit is max(min(n_ctx - n_past - 2, N - n_predict - 1), 0),
-and 0 means unlimited, so it overshoots the budget N: it stops once n_predict > N. The tokens
-past N, and the target's token after an accepted EOS, are `cut`: n_predict = emitted + cut.
-
-"llama-server" (tools/server): prefills the whole prompt and takes the first token from the
-prompt pass (`unverified`). Its limit is min(n_ctx - n_tokens - 2, n_remaining - 1); at 0 or
-below no draft is made, and an empty draft is a plain decode (`unverified`), not a step. It
-counts a step's accepted tokens before its stop check, so tokens after an EOS are `cut`.
-
-"vllm" (vLLM 0.32.0's v1 scheduler, synchronous, one request; docs/schema.md "vLLM's counts"):
-the whole prompt is prefilled and its pass samples the first token (`unverified`); the proposer
-then drafts after it. Drafts are never cut near max_tokens, only where a step would pass
-max_model_len (scheduler.py schedule(): num_new_tokens <= max_model_len - num_computed_tokens - 1,
-so at most n_ctx - n_past - 2 draft tokens); no draft (an empty proposal, or none that fits) is a
-plain decode, not a step (update_from_output counts a step only with scheduled draft tokens).
-Where the positions a pass reached plus k pass max_model_len, the model runner does not run the
-proposer and the next draft is k zeros (gpu_model_runner.py, _input_fits_in_drafter), cut as any.
-The greedy rejection sampler accepts the longest matching prefix, EOS or not, and the step's
-tokens are counted before the stop checks, so tokens past the budget or after an EOS are `cut`.
+the budget; the llama.cpp and vLLM ones mirror those runtimes count for count. What each does,
+with the source lines it follows: docs/schedules.md. The simulator runs the loop with these on
+an oracle (crossrt/simulate/oracle.py): a schedule is written here only.
 """
 
 from __future__ import annotations
