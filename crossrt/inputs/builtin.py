@@ -9,6 +9,7 @@ in its cache folder, laid out as a checkout keeps them (below).
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Union
@@ -54,6 +55,18 @@ def model_path(manifest: Path, relative: Path) -> Path:
         return manifest.parent / relative
     parts = Path(os.path.normpath(Path("models", "pairs", relative))).parts
     return cache_dir().joinpath(*parts[1:] if parts[0] == ".cache" else parts)
+
+
+def made_on_first_use(path: Path) -> bool:
+    """Make a missing model file of a folder an installed crossrt makes itself (MADE_HERE: the
+    tiny pair, half a second) by its command, in a process of its own (the builders come after
+    this layer), saying so on stderr; whether path exists now."""
+    for folder, command in MADE_HERE.items():
+        if (model_home() / folder) in path.parents and not FROM_CHECKOUT:
+            print(f"making {folder} in {model_home() / folder} (first use): {sys.executable} {command}",
+                  file=sys.stderr)
+            subprocess.run([sys.executable, *command.split()], check=False, stdout=subprocess.DEVNULL)
+    return path.exists()
 
 
 def missing_model_hint(path: Path) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from crossrt.errors import PairError
-from crossrt.inputs.builtin import cache_dir, missing_model_hint, model_path, named
+from crossrt.inputs.builtin import cache_dir, made_on_first_use, missing_model_hint, model_path, named
 from crossrt.inputs.gguf_file import gguf_metadata
 from crossrt.inputs.vocabulary import Vocabulary, check_compatible, read_vocabulary
 from crossrt.records.schema import LoadedFile, ModelInfo, PairInfo
@@ -56,7 +56,7 @@ class Pair:
         path = Path(value).expanduser()
         if not path.is_absolute() and self.source is not None:
             path = model_path(self.source, path)
-        if not path.exists():
+        if not path.exists() and not made_on_first_use(path):
             raise PairError(f"{where}: {role} {model_format} file not found: {path}{missing_model_hint(path)}")
         return path
 
