@@ -91,11 +91,11 @@ class LlamaServerSession(NativeSession):
             self._baseline, self._speculative = (None, self._speculative) if speculative else (self._baseline, None)
         if speculative:
             self._speculative = self._speculative_launcher.start()
-            self._check_drafting(self._speculative, True)
+            self._check_drafting(self._speculative, drafting=True)
             self._totals = self._read_totals()
             return self._speculative
         self._baseline = self._baseline_launcher.start()
-        self._check_drafting(self._baseline, False)
+        self._check_drafting(self._baseline, drafting=False)
         return self._baseline
 
     @property
@@ -110,7 +110,7 @@ class LlamaServerSession(NativeSession):
         return tuple(f"http://{HOST}:{s.port}" if s is not None else None for s in (self._speculative, self._baseline))
 
     @staticmethod
-    def _check_drafting(server: ServerProcess, drafting: bool) -> None:
+    def _check_drafting(server: ServerProcess, *, drafting: bool) -> None:
         """The server drafts exactly when it should: `-md` alone loads a drafter that never drafts."""
         slots = server.call_json("GET", "/slots")
         speculates = slots[0].get("speculative") if slots else None

@@ -234,10 +234,10 @@ def test_exllamav3_verifies_full_windows_and_accepts_as_crossrt(generated):
 def test_draft_calibration_estimates_from_decayed_bins():
     calibration = DraftCalibration()
     for accepted in [True] * 10 + [False] * 30:
-        calibration.label(2.2, accepted)
+        calibration.label(2.2, accepted=accepted)
     assert calibration.estimate(2.0) == 1.0  # 40 labels: under the burn-in of 64
     for _ in range(40):
-        calibration.label(5.5, True)
+        calibration.label(5.5, accepted=True)
     calibration.decay()
     assert calibration.total == pytest.approx(80 * 0.995)
     assert calibration.estimate(5.9) == 1.0 and calibration.estimate(9.0) == 1.0  # bin 5, and the nearest below

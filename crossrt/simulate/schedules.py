@@ -86,7 +86,7 @@ class DraftCalibration:
         self.bins: dict[int, list[float]] = {}
         self.total = 0.0
 
-    def label(self, score: float, accepted: bool) -> None:
+    def label(self, score: float, *, accepted: bool) -> None:
         counts = self.bins.setdefault(math.floor(score / self.WIDTH), [0.0, 0.0])
         counts[0] += 1.0
         counts[1] += float(accepted)
@@ -126,9 +126,9 @@ def _exllamav3_dynamic(oracle: Oracle, rules: DraftRules) -> SimRun:
         while n < window and y[e + n] not in eog and e + n + 1 < budget and draft[n] == y[e + n]:
             n += 1
         for score in scores[:n]:
-            calibration.label(score, True)
+            calibration.label(score, accepted=True)
         if n < window:  # the position that ended the round: its draft token against what was emitted there
-            calibration.label(scores[n], draft[n] == y[e + n])
+            calibration.label(scores[n], accepted=draft[n] == y[e + n])
         calibration.decay()
         drafted.append(window)
         accepted.append(n)
