@@ -104,12 +104,13 @@ def serve() -> None:
                 if kind == "preload":
                     _import_all(payload)
                 else:
+                    zygote = os.getpid()  # read here: in the child, getppid() is init once the zygote died
                     pid = os.fork()
                     if pid == 0:
                         selector.close()
                         for fd in (control.fileno(), wake_read, wake_write):
                             os.close(fd)
-                        _child(fds, *payload)
+                        _child(zygote, fds, *payload)
                     for fd in fds:
                         os.close(fd)
                     control.send(pickle.dumps(("forked", pid)))
@@ -129,13 +130,15 @@ def _reap(control: socket.socket) -> None:
         control.send(pickle.dumps(("exit", (pid, os.waitstatus_to_exitcode(status)))))
 
 
-def _child(fds: list[int], entry: str, args: tuple, environment: dict, folder: str) -> None:
-    """In the forked child: the caller's stdout and stderr (fds[0], fds[1]), environment and
-    working folder as its own, then entry ("module:function") called with the other descriptors
-    and args; never returns."""
+def _child(zygote: int, fds: list[int], entry: str, args: tuple, environment: dict, folder: str) -> None:
+    """In the forked child of the zygote (its pid): the caller's stdout and stderr (fds[0],
+    fds[1]), environment and working folder as its own, then entry ("module:function") called
+    with the other descriptors and args; never returns."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    die_with_parent(os.getppid())  # a fork does not inherit the parent-death signal
+    # A fork does not inherit the parent-death signal; a zygote killed before this line leaves the
+    # child orphaned already, which die_with_parent sees by the pid the zygote read before forking.
+    die_with_parent(zygote)
     code = 0
     try:
         os.dup2(fds[0], 1)
