@@ -4,14 +4,16 @@ tests/fixtures/ where the commands name them. Sizes are cut where a command take
 2-prompt file, 4 new tokens, 1 thread, one short training epoch): what is walked is that each
 command runs as written and reads what the earlier ones wrote, not how long it takes."""
 
-import re
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import click
 import pytest
+
+from crossrt.cli import main
 
 from conftest import REPO
 
@@ -36,12 +38,13 @@ def tour() -> list[list[str]]:
 
 
 def options_of(command: list[str]) -> set[str]:
-    """The options the (sub)command takes, read from its --help."""
-    path = [word for word in command[:2] if not word.startswith("-")]
-    if len(path) == 2 and path[1] not in ("run", "plan", "show", "eagle3", "dflash", "layer-skip", "ls"):
-        path = path[:1]
-    shown = subprocess.run([CROSSRT, *path, "--help"], capture_output=True, text=True, timeout=120).stdout
-    return set(re.findall(r"(--[a-z0-9-]+)", shown))
+    """The options the (sub)command takes, read from crossrt's click commands themselves."""
+    found = main
+    for word in command:
+        if not isinstance(found, click.Group) or word not in found.commands:
+            break
+        found = found.commands[word]
+    return {option for param in found.params for option in param.opts if option.startswith("--")}
 
 
 def cut(command: list[str], prompts: Path) -> list[str]:
