@@ -52,7 +52,7 @@ def test_spreads_are_over_repetitions(record_path):
     ttft = timing.ttft_ms(results)
     prefills = sorted(1000 * t.prefill_s for r in results for t in r.repeats)
     assert prefills[0] <= ttft.p50 <= ttft.p90 <= prefills[-1]
-    assert timing.repeated(results) == 3 and timing.speedup(results).n == 3
+    assert timing.repetition_count(results) == 3 and timing.speedup(results).n == 3
 
 
 def test_a_run_without_repeat_reads_as_one_repetition(tmp_path):
@@ -61,7 +61,7 @@ def test_a_run_without_repeat_reads_as_one_repetition(tmp_path):
     record = load_record(out)
     assert record.params.repeat == 1 and all(r.repeats == () for r in record.results)
     assert "repeat" not in json.loads(out.read_text())["params"]
-    assert timing.repeated(record.results) == 1 and timing.tokens_per_s(record.results).std == 0.0
+    assert timing.repetition_count(record.results) == 1 and timing.tokens_per_s(record.results).std == 0.0
     again = invoke(*RUN, "--out", out, "--resume", "--repeat", 2)  # other settings: refused, named
     assert again.exit_code != 0 and "repeat" in again.output, again.output
 

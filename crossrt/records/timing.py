@@ -61,7 +61,7 @@ def repetitions(result: PromptResult) -> tuple[Timings, ...]:
     return result.repeats or ((result.timings,) if result.timings is not None else ())
 
 
-def repeated(results: Sequence[PromptResult]) -> int:
+def repetition_count(results: Sequence[PromptResult]) -> int:
     """How many times the group's prompts ran (1 without --repeat; the fewest where they differ)."""
     timed = _timed(results)
     return min((len(repetitions(r)) for r in timed), default=0)
@@ -71,7 +71,7 @@ def _rates(results: Sequence[PromptResult]) -> tuple[list[float], list[float]]:
     """(tok/s, speedup) per repetition over the group's prompts."""
     timed = _timed(results)
     rates, speedups = [], []
-    for i in range(repeated(timed)):
+    for i in range(repetition_count(timed)):
         tokens = sum(len(r.output_ids) for r in timed)
         baseline_tokens = sum(len(r.baseline_ids) for r in timed)
         decode = sum(repetitions(r)[i].decode_s for r in timed)
@@ -114,7 +114,7 @@ def timing_table(runs: Sequence[tuple[Path, RunRecord]]) -> Table:
         for category in (*record.categories(), None):
             results = [r for r in record.results if category is None or r.category == category]
             rate, gain, ttft, tpot = tokens_per_s(results), speedup(results), ttft_ms(results), tpot_ms(results)
-            rows.append((*identity(path, record), cell(category or "ALL"), cell(repeated(results)),
+            rows.append((*identity(path, record), cell(category or "ALL"), cell(repetition_count(results)),
                          number(rate and rate.mean, ".1f"), number(rate and rate.std, ".1f"),
                          number(gain and gain.mean), number(gain and gain.std),
                          number(ttft and ttft.p50, ".1f"), number(ttft and ttft.p90, ".1f"),
