@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from crossrt.inputs.pairs import PairError, cache_dir, load_pair
+from crossrt.records.record_json import load_record
 from crossrt.run.runtime import RuntimeOptions, open_runtime
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,3 +142,21 @@ def vllm_metrics_text(totals: dict, speculative: bool) -> str:
         lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="tiny",position="{i}"}} '
                   f"{n}.0" for i, n in enumerate(totals["pos"])]
     return "\n".join(lines) + "\n"
+
+
+def set_at(tree, spot: tuple, value) -> None:
+    """tree's entry at spot (a path of keys and indexes) replaced by value, in place."""
+    for key in spot[:-1]:
+        tree = tree[key]
+    tree[spot[-1]] = value
+
+
+def refused_in_one_line(result, out: Path, context) -> bool:
+    """An import given a hostile value: True where it was refused in one line, else (exit 0)
+    the record it wrote loads; anything else (a traceback) fails, naming context."""
+    if result.exit_code == 0:
+        load_record(out)
+        return False
+    assert isinstance(result.exception, SystemExit) and len(result.output.strip().splitlines()) == 1, \
+        (context, result.output)
+    return True
