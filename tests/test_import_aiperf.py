@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.cli.imports import import_command
+from crossrt.records.counts import Counts
 from crossrt.records.record_json import load_record
 from crossrt.records.schema import Counters, accepted_per_position
 
@@ -42,9 +43,9 @@ def written(tmp_path, lines, name="records.jsonl"):
 def summed(record) -> Counters:
     """A record's counters summed over its finished prompts (an aggregate import's one result)."""
     done = [r.counters for r in record.results if r.ok]
-    return Counters(*(sum(getattr(c, name) for c in done) for name in ("steps", "drafted", "accepted", "emitted")),
-                    tuple(map(sum, zip(*(c.accepted_per_pos for c in done)))) if done[0].accepted_per_pos else None,
-                    None, None, sum(c.unverified for c in done), sum(c.cut for c in done))
+    per_pos = tuple(map(sum, zip(*(c.accepted_per_pos for c in done)))) if done[0].accepted_per_pos else None
+    return Counters(**sum(done, Counts()).counted(), accepted_per_pos=per_pos, step_drafted=None, step_accepted=None,
+                    unverified=sum(c.unverified for c in done), cut=sum(c.cut for c in done))
 
 
 def test_per_request_records_are_one_prompt_each_and_sum_into_the_schema(tmp_path):

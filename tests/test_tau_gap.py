@@ -127,12 +127,13 @@ def test_rendering_is_one_schedule_on_both_runs_prompt_ids(tiny_pair, tiny_sessi
 
 
 def test_counting_is_native_figure_against_normalized():
-    counters = [Counters(4, 16, 8, 13, None, None, None), Counters(6, 24, 12, 18, None, None, None)]
+    unlisted = dict(accepted_per_pos=None, step_drafted=None, step_accepted=None)
+    counters = [Counters(4, 16, 8, 13, **unlisted), Counters(6, 24, 12, 18, **unlisted)]
     figures = exact_figures(counters)
     assert type(figures["tau"]) is Fraction and figures["tau"] == 3 == exact_figures(counters, "llama-server")["tau"]
     assert exact_figures(counters, "exllamav3")["tau"] == Fraction(31, 10)  # new_tokens / rounds
     assert figures["alpha"] == Fraction(1, 2) and figures["steps"] == 10
-    assert exact_figures([Counters(0, 0, 0, 1, None, None, None)])["tau"] is None
+    assert exact_figures([Counters(0, 0, 0, 1, **unlisted)])["tau"] is None
 
 
 def test_counting_part_of_a_runtime_that_prints_emitted_per_step(records, oracles):

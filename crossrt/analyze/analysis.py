@@ -37,6 +37,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from crossrt.inputs.prompts import content_type
+from crossrt.records.counts import Counts
 from crossrt.records.metrics import ratio
 from crossrt.records.schema import PromptResult, RunRecord, accepted_per_position
 from crossrt.records.tables import IDENTITY, Column, Table, cell, identity, number
@@ -110,17 +111,13 @@ def position_acceptance(record: RunRecord, category: Optional[str] = None) -> li
     return [PositionAcceptance(i, reached[i], accepted[i], ratio(accepted[i], reached[i])) for i in range(k)]
 
 
-@dataclass(frozen=True)
-class CategoryStats:
+@dataclass(frozen=True, kw_only=True)
+class CategoryStats(Counts):
+    """One group's finished prompts: their summed counts (tau, alpha), and per-token acceptance."""
+
     category: Optional[str]  # None: every finished prompt
     prompts: int  # finished prompts
-    steps: int
-    drafted: int
-    accepted: int
-    emitted: int
     reached: int  # draft positions reached (accepted + first rejections)
-    tau: Optional[float]  # 1 + accepted / steps
-    alpha: Optional[float]  # accepted / drafted
     # accepted / reached (over the results that report positions): per-token acceptance where
     # the target judged a draft token on its own context, the i.i.d. model's a
     accept_rate: Optional[float]
@@ -130,9 +127,8 @@ def _category_stats(record: RunRecord, category: Optional[str]) -> CategoryStats
     summary = record.summary(category)
     positions = position_acceptance(record, category)
     reached = sum(p.reached for p in positions)
-    return CategoryStats(category, summary.prompts - summary.failed, summary.steps, summary.drafted,
-                         summary.accepted, summary.emitted, reached, summary.tau, summary.alpha,
-                         ratio(sum(p.accepted for p in positions), reached))
+    return CategoryStats(**summary.counted(), category=category, prompts=summary.prompts - summary.failed,
+                         reached=reached, accept_rate=ratio(sum(p.accepted for p in positions), reached))
 
 
 def _groups(record: RunRecord) -> list[Optional[str]]:

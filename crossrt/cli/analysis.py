@@ -275,10 +275,10 @@ def simulate_command(pair, runtime_name, prompt_source, max_k, max_new_tokens, t
         results = json.dumps({
             "pair": dataclasses.asdict(info), "runtime": dataclasses.asdict(result.runtime),
             "prompts": prompt_source, "max_new_tokens": max_new_tokens, "max_k": max_k,
-            "thresholds": list(thresholds), **dataclasses.asdict(sim),
-            "k_policy": [dataclasses.asdict(r) for r in result.k_policy],
+            "thresholds": list(thresholds), **sim.as_json(),
+            "k_policy": [r.as_json() for r in result.k_policy],
             "per_prompt": per_prompt(oracles, max_k), **(section.as_json() if section else {}),
-            "schedules": [{**dataclasses.asdict(r), "tau": r.tau, "alpha": r.alpha} for r in what_if],
+            "schedules": [r.as_json() for r in what_if],
         }, indent=1) + "\n"
         # Whole or not at all; a full disk or a read-only folder is a one-line error (user_errors).
         write_atomically(out, results.encode())

@@ -36,7 +36,8 @@ from crossrt.errors import ComparisonError, CrossrtError, SettingsError
 from crossrt.run.runtime import ModelSession, RuntimeOptions, open_runtime
 from crossrt.simulate.drafting import MODEL, Drafting, check_drafting, per_run, record_drafting, simulate_sequence
 from crossrt.simulate.schedules import record_rules
-from crossrt.records.metrics import Totals, ratio
+from crossrt.records.counts import Counts
+from crossrt.records.metrics import ratio
 from crossrt.records.schema import Counters, PromptResult, RunRecord
 from crossrt.simulate.oracle import Oracle, build_oracle
 
@@ -52,10 +53,10 @@ Figure = Optional[Fraction]
 
 def exact_figures(counters: Sequence[Counters], native_schedule: Optional[str] = None) -> dict[str, Figure]:
     """tau, alpha and steps of a set of prompts' summed counters, by the metrics' own formulas
-    (crossrt/records/metrics.py) over Totals of exact fractions, so the parts of a gap add up to
+    (crossrt/records/counts.py) over Counts of exact fractions, so the parts of a gap add up to
     it exactly; native_schedule: tau as that schedule's runtime prints it."""
-    totals = Totals(*(Fraction(sum(getattr(c, name) for c in counters))
-                      for name in ("steps", "drafted", "accepted", "emitted")))
+    summed = sum(counters, Counts())
+    totals = Counts(**{name: Fraction(n) for name, n in summed.counted().items()})
     tau = ratio(totals.emitted, totals.steps) if native_schedule in EMITTED_PER_STEP else totals.tau
     return {"tau": tau, "alpha": totals.alpha, "steps": totals.steps}
 

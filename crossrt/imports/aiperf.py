@@ -40,7 +40,7 @@ from crossrt.imports.imported import (DIGITS, MAX_K, ImportFailure, PromptCounts
                                       json_count, summed)
 from crossrt.imports.logs import ReadOptions
 from crossrt.inputs.prompts import json_lines
-from crossrt.records.metrics import Totals
+from crossrt.records.counts import Counts
 from crossrt.records.printable import one_line
 
 ENGINES = ("vllm",)  # engines whose counting crossrt maps (AIPerf's adapters)
@@ -97,7 +97,7 @@ def _checked(where: str, steps: int, drafted: int, accepted: int, histogram: Opt
         if sum(j * n for j, n in histogram.items()) != accepted:
             raise ImportFailure(f"{where}: the histogram accepts {sum(j * n for j, n in histogram.items())} "
                                 f"draft tokens, not {accepted}")
-    printed = Totals(steps=steps, drafted=drafted, accepted=accepted)  # AIPerf's rates are crossrt's tau and alpha
+    printed = Counts(steps=steps, drafted=drafted, accepted=accepted)  # AIPerf's rates are crossrt's tau and alpha
     if length is not None and steps and not _close(length, printed.tau):
         raise ImportFailure(f"{where}: acceptance length {length} is not 1 + {accepted} / {steps}")
     if rate is not None and drafted and not _close(rate, printed.alpha):

@@ -15,7 +15,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Optional
 
-from crossrt.records.metrics import Totals
+from crossrt.records.counts import Counts
 from crossrt.imports.logs import ReadOptions
 from crossrt.imports.imported import (MAX_COUNT, MAX_K, ImportFailure, SourceCounts, count, draft_length, position_counts,
                               shown)
@@ -134,7 +134,7 @@ def _read_vllm_example(text: str) -> SourceCounts:
         raise ImportFailure(f"num_accepted_tokens {accepted} exceeds num_draft_tokens {drafted}")
     mean = EXAMPLE_MEAN.search(text)
     # vLLM's mean acceptance length is crossrt's tau
-    if steps and (mean is None or not shown(Totals(steps=steps, accepted=accepted).tau, mean.group(1))):
+    if steps and (mean is None or not shown(Counts(steps=steps, accepted=accepted).tau, mean.group(1))):
         raise ImportFailure("the printed mean acceptance length does not follow from num_accepted_tokens / num_drafts")
     rates = [rate for _, rate in sorted(EXAMPLE_RATE.findall(text), key=lambda pair: int(pair[0]))]
     per_pos = position_counts(rates, steps, accepted)[0] if steps and rates else None

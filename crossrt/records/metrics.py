@@ -1,10 +1,11 @@
-"""The rates crossrt derives from stored counters and timings, in one list, each with its formula:
-a result's and a summary's derived block (crossrt/records/record_json.py), `crossrt show`'s
-table (crossrt/records/tables.py), the report (crossrt/report/build.py), the sweep index's
-columns and its `cells` view (crossrt/sweep/store.py), claims (crossrt/analyze/claims.py) and
-the simulations' predicted rates (crossrt/simulate/oracle.py, schedules.py, trees.py) all read it. Adding
-a metric is one entry here and one line in docs/schema.md; records written before it still load
-(a derived block is recomputed, and a key it lacks is not checked).
+"""The rates crossrt derives from stored counters and timings, in one list, each with its formula
+(tau's and alpha's are the counts' own, crossrt/records/counts.py): a result's and a summary's
+derived block (crossrt/records/record_json.py), `crossrt show`'s table (crossrt/records/tables.py),
+the report (crossrt/report/build.py), the sweep index's columns and its `cells` view
+(crossrt/sweep/store.py), claims (crossrt/analyze/claims.py) and the simulations' predicted rates
+(crossrt/simulate/oracle.py, schedules.py, trees.py) all read it. Adding a metric is one entry
+here and one line in docs/schema.md; records written before it still load (a derived block is
+recomputed, and a key it lacks is not checked).
 
 Convention (as vLLM's spec-decode metrics): counters are stored, rates are derived, always
 as ratios of sums over finished prompts, never means of per-prompt ratios. tau counts the
@@ -17,6 +18,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from crossrt.records.counts import Counts
+
 
 def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
     """numerator / denominator; None where either is missing or the denominator is 0."""
@@ -24,16 +27,12 @@ def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[
 
 
 @dataclass(frozen=True)
-class Totals:
-    """What a formula reads: one finished prompt's counters and seconds, or their sums over a
+class Totals(Counts):
+    """What a formula reads: one finished prompt's counts and seconds, or their sums over a
     group (so every rate is a ratio of sums). Seconds are 0 where nothing was timed (an
     imported record): a rate over them is None. Each metric of METRICS reads as an attribute
     (totals.tau), computed when read."""
 
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    emitted: int = 0
     decode_s: float = 0.0  # the speculative run's decode (measured, or a cost model's prediction)
     baseline_tokens: int = 0  # tokens of the plain greedy baseline
     baseline_decode_s: float = 0.0
@@ -70,10 +69,6 @@ class Metric:
         return "-" if value is None else f"{value:.{self.digits}f}"
 
 
-def _tau(t: Totals) -> Optional[float]:
-    return 1 + t.accepted / t.steps if t.steps else None
-
-
 def _tokens_per_s(t: Totals) -> Optional[float]:
     return ratio(t.emitted, t.decode_s)
 
@@ -83,9 +78,9 @@ def _baseline_tokens_per_s(t: Totals) -> Optional[float]:
 
 
 METRICS = (
-    Metric("tau", "tau", 2, False, _tau,
+    Metric("tau", "tau", 2, False, lambda t: t.tau,
            "tokens per verification step, bonus token included: 1 + accepted / steps"),
-    Metric("alpha", "alpha", 3, False, lambda t: ratio(t.accepted, t.drafted),
+    Metric("alpha", "alpha", 3, False, lambda t: t.alpha,
            "draft tokens accepted per draft token verified: accepted / drafted"),
     Metric("tokens_per_s", "tok/s", 1, True, _tokens_per_s,
            "emitted tokens / decode seconds of the speculative run"),

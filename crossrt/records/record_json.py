@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import jsonschema
 
+from crossrt.records.counts import Counts
 from crossrt.records.journal import journal_path, read_with_journal, write_atomically
 from crossrt.records import metrics
 from crossrt.records.schema import SCHEMA_RESOURCE, SCHEMA_VERSION, PromptResult, RecordError, RunRecord, Summary
@@ -31,7 +32,7 @@ def _derived_of_result(result: PromptResult) -> dict[str, Any]:
 
 
 # A summary's JSON: its counts, then every metric of the list (the seconds it sums stay unwritten).
-SUMMARY_COUNTS = ("prompts", "failed", "lossless", "steps", "drafted", "accepted", "emitted")
+SUMMARY_COUNTS = ("prompts", "failed", "lossless", *Counts().counted())
 
 
 def _summary_json(summary: Summary) -> dict[str, Any]:

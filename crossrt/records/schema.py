@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from crossrt.errors import CrossrtError
+from crossrt.records.counts import Counts
 from crossrt.records.metrics import Totals
 
 
@@ -126,24 +127,17 @@ class CountsDoNotAddUp(CrossrtError):
         super().__init__("; ".join(self.problems))
 
 
-@dataclass(frozen=True)
-class Counters:
-    """What a speculative run counts; the same fields whatever the runtime.
-
-    steps: verification passes of the target (each yields accepted-in-step + 1 tokens).
-    drafted: draft tokens the target verified. accepted: draft tokens it kept (bonus excluded).
-    emitted: tokens produced. accepted_per_pos[i]: steps that accepted at least i + 1 tokens.
-    unverified: tokens emitted outside any step (llama-server's first token from the prompt
-    pass, plain decodes when no draft fits the budget). cut: tokens steps yielded, counted as
+@dataclass(frozen=True, kw_only=True)
+class Counters(Counts):
+    """What a speculative run counts; the same fields whatever the runtime: the four Counts
+    (crossrt/records/counts.py), then these. accepted_per_pos[i]: steps that accepted at least
+    i + 1 tokens. unverified: tokens emitted outside any step (llama-server's first token from the
+    prompt pass, plain decodes when no draft fits the budget). cut: tokens steps yielded, counted as
     accepted, but dropped at the token budget or after EOS. Both are 0 in crossrt's schedule.
     step_drafted / step_accepted: the raw per-step lengths, None where a runtime does not
     report them (then accepted_per_pos may be None too).
     """
 
-    steps: int
-    drafted: int
-    accepted: int
-    emitted: int
     accepted_per_pos: Optional[tuple[int, ...]]
     step_drafted: Optional[tuple[int, ...]]
     step_accepted: Optional[tuple[int, ...]]
@@ -152,18 +146,9 @@ class Counters:
 
     def totals(self, timings: Optional[Timings] = None, baseline_tokens: int = 0) -> Totals:
         """What the metrics read (crossrt/records/metrics.py): these counts, and timings' seconds."""
-        return Totals(self.steps, self.drafted, self.accepted, self.emitted,
-                      timings.decode_s if timings else 0.0, baseline_tokens,
-                      timings.baseline_decode_s if timings else 0.0)
-
-    @property
-    def tau(self) -> Optional[float]:
-        """Tokens per verification step, bonus included: 1 + accepted / steps."""
-        return self.totals().tau
-
-    @property
-    def alpha(self) -> Optional[float]:
-        return self.totals().alpha
+        return Totals(**self.counted(), decode_s=timings.decode_s if timings else 0.0,
+                      baseline_tokens=baseline_tokens,
+                      baseline_decode_s=timings.baseline_decode_s if timings else 0.0)
 
     @classmethod
     def from_steps(cls, step_drafted: typing.Sequence[int], step_accepted: typing.Sequence[int], emitted: int,

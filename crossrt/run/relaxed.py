@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from crossrt.records.metrics import Totals
+from crossrt.records.counts import Counts
 from crossrt.run.loop import speculative_generate
 from crossrt.run.runtime import DraftRules, ModelSession, Rows
 from crossrt.run.strategies import Strategy
@@ -33,27 +33,20 @@ def mean_logprob(target: ModelSession, prompt_ids: Sequence[int], output: Sequen
     return float(np.mean(rows[np.arange(len(output)), list(output)] - log_z))
 
 
-@dataclass(frozen=True)
-class RelaxedResult:
-    """One prompt under relaxed acceptance, against the target's greedy output."""
+@dataclass(frozen=True, kw_only=True)
+class RelaxedResult(Counts):
+    """One prompt under relaxed acceptance (its counts, tau), against the target's greedy output."""
 
     prompt_id: str
     category: str
     top_m: int
     delta: float
     lossy: bool  # always True: the rule may leave greedy decoding, whether or not it did here
-    steps: int
-    accepted: int
-    emitted: int
     first_divergence: Optional[int]  # first output position that differs from greedy, None if none
     differing_share: float  # positions whose token differs from greedy's, over the longer output
     logprob: float  # mean target log-probability per emitted token
     greedy_logprob: float
     decode_s: float
-
-    @property
-    def tau(self) -> Optional[float]:
-        return Totals(steps=self.steps, accepted=self.accepted, emitted=self.emitted).tau
 
 
 def drift(output: Sequence[int], greedy: Sequence[int]) -> tuple[Optional[int], float]:
@@ -70,6 +63,8 @@ def relaxed_run(target: ModelSession, drafter: ModelSession, prompt_id: str, cat
     run = speculative_generate(target, drafter, prompt_ids, DraftRules(k), max_new_tokens,
                                strategy=Strategy(acceptance="relaxed", top_m=top_m, delta=delta))
     first, share = drift(run.output_ids, greedy)
-    return RelaxedResult(prompt_id, category, top_m, delta, True, len(run.step_accepted), sum(run.step_accepted),
-                         len(run.output_ids), first, share, mean_logprob(target, prompt_ids, run.output_ids),
-                         mean_logprob(target, prompt_ids, greedy), run.decode_s)
+    return RelaxedResult(steps=len(run.step_accepted), drafted=sum(run.step_drafted), accepted=sum(run.step_accepted),
+                         emitted=len(run.output_ids), prompt_id=prompt_id, category=category, top_m=top_m, delta=delta,
+                         lossy=True, first_divergence=first, differing_share=share,
+                         logprob=mean_logprob(target, prompt_ids, run.output_ids),
+                         greedy_logprob=mean_logprob(target, prompt_ids, greedy), decode_s=run.decode_s)

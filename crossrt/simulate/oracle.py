@@ -12,10 +12,11 @@ as the run's (a near-tie could flip between batch shapes; tests check the tiny p
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from statistics import median
-from typing import Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from crossrt.run.drafters import Drafter
 from crossrt.run.runtime import DraftRules, ModelSession, Rows
 from crossrt.run.schedules import Generation, check_prompt, top_probability
 from crossrt.run.strategies import Strategy
+from crossrt.records.counts import Counts
 from crossrt.records.metrics import Totals
 from crossrt.records.schema import Counters
 from crossrt.records.trace import top1_probability
@@ -166,6 +168,11 @@ class SimRun:
     def emitted(self) -> int:
         return self.steps + self.accepted + self.unverified - self.cut
 
+    @property
+    def counts(self) -> Counts:
+        """The four counts of this run, to sum over a group."""
+        return Counts(self.steps, self.drafted, self.accepted, self.emitted)
+
     def counters(self, k: int) -> Counters:
         """The record's counters of this run; CountsDoNotAddUp where a schedule simulator's
         output and its counts disagree (a bug in the simulator)."""
@@ -251,22 +258,21 @@ def _timed(session: ModelSession, tokens: Sequence[int], rows: Rows, keep: int, 
     return times[1:]
 
 
-@dataclass(frozen=True)
-class PolicyResult:
+@dataclass(frozen=True, kw_only=True)
+class PolicyResult(Counts):
     """A policy's summed counts over one group of prompts (category None: all of them), and
     the speedup the cost model predicts over plain greedy decoding."""
 
     policy: str
     category: Optional[str]
     prompts: int
-    steps: int
-    drafted: int
-    accepted: int
-    emitted: int
     drafter_calls: int
-    tau: Optional[float]
-    alpha: Optional[float]
     speedup: Optional[float]
+
+    def as_json(self) -> dict[str, Any]:
+        """Flat, in the simulation JSON's order: labels, counts, drafter calls, then the rates."""
+        return {"policy": self.policy, "category": self.category, "prompts": self.prompts, **self.counted(),
+                "drafter_calls": self.drafter_calls, "tau": self.tau, "alpha": self.alpha, "speedup": self.speedup}
 
 
 T = TypeVar("T")
@@ -283,15 +289,12 @@ def summarize(runs: Sequence[SimRun], costs: CostModel, label: str) -> list[Poli
     """One result per category (sorted), then one over every run (category None)."""
     results = []
     for category, group in by_category(runs, lambda run: run.category):
-        steps = sum(run.steps for run in group)
-        drafted = sum(run.drafted for run in group)
-        accepted = sum(run.accepted for run in group)
-        emitted = steps + accepted
+        counts = sum((run.counts for run in group), Counts())
         # The record's metrics over the cost model's seconds: its speedup is the predicted one.
-        totals = Totals(steps, drafted, accepted, emitted, sum(costs.speculative_s(run) for run in group),
-                        emitted, costs.plain_s(emitted))
-        results.append(PolicyResult(label, category, len(group), steps, drafted, accepted, emitted,
-                                    sum(run.drafter_calls for run in group), totals.tau, totals.alpha, totals.speedup))
+        totals = Totals(**counts.counted(), decode_s=sum(costs.speculative_s(run) for run in group),
+                        baseline_tokens=counts.emitted, baseline_decode_s=costs.plain_s(counts.emitted))
+        results.append(PolicyResult(**counts.counted(), policy=label, category=category, prompts=len(group),
+                                    drafter_calls=sum(run.drafter_calls for run in group), speedup=totals.speedup))
     return results
 
 
@@ -310,6 +313,13 @@ class Simulation:
     best_k: tuple[BestK, ...]  # per category then overall: the k of highest predicted speedup
     per_category_k: tuple[PolicyResult, ...]  # each category at its best k; then all of them
     thresholds: tuple[PolicyResult, ...]  # confidence cut-offs at k = K, per category then overall
+
+    def as_json(self) -> dict[str, Any]:
+        """Its fields as `crossrt simulate --out` writes them, each result flat (PolicyResult.as_json)."""
+        return {"costs": dataclasses.asdict(self.costs), "by_k": [[r.as_json() for r in group] for group in self.by_k],
+                "best_k": [dataclasses.asdict(b) for b in self.best_k],
+                "per_category_k": [r.as_json() for r in self.per_category_k],
+                "thresholds": [r.as_json() for r in self.thresholds]}
 
 
 def simulate_suite(oracles: Sequence[Oracle], costs: CostModel, max_k: int,

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from crossrt.errors import ComparisonError, SettingsError
 from crossrt.run.runtime import DraftRules
 from crossrt.run.schedules import HF_SCHEDULE, LLAMA_SCHEDULES, SCHEDULE, SERVER, SPEC_SIMPLE, VLLM
-from crossrt.records.metrics import Totals
+from crossrt.records.counts import Counts
 from crossrt.records.schema import Counters, RunRecord
 from crossrt.simulate.oracle import Oracle, SimRun, by_category, run_loop
 
@@ -184,8 +184,8 @@ def _difference(simulated: Counters, measured: Counters, same_output: bool) -> O
         ", ".join(f"{name} {getattr(measured, name)}" for name in differ)
 
 
-@dataclass(frozen=True)
-class ScheduleResult:
+@dataclass(frozen=True, kw_only=True)
+class ScheduleResult(Counts):
     """A schedule's summed counts at one k over one group of prompts (category None: all)."""
 
     schedule: str
@@ -194,20 +194,14 @@ class ScheduleResult:
     p_min: float
     category: Optional[str]
     prompts: int
-    steps: int
-    drafted: int
-    accepted: int
-    emitted: int
     unverified: int
     cut: int
 
-    @property
-    def tau(self) -> Optional[float]:
-        return Totals(self.steps, self.drafted, self.accepted, self.emitted).tau
-
-    @property
-    def alpha(self) -> Optional[float]:
-        return Totals(self.steps, self.drafted, self.accepted, self.emitted).alpha
+    def as_json(self) -> dict[str, Any]:
+        """Flat, in the simulation JSON's order: the schedule and group, counts, then tau and alpha."""
+        return {"schedule": self.schedule, "k": self.k, "n_min": self.n_min, "p_min": self.p_min,
+                "category": self.category, "prompts": self.prompts, **self.counted(), "unverified": self.unverified,
+                "cut": self.cut, "tau": self.tau, "alpha": self.alpha}
 
 
 def summarize_schedule(oracles: Sequence[Oracle], schedule: str, rules: DraftRules) -> list[ScheduleResult]:
@@ -215,7 +209,8 @@ def summarize_schedule(oracles: Sequence[Oracle], schedule: str, rules: DraftRul
     counted = [(oracle.category, simulate_schedule(oracle, schedule, rules).counters(rules.k)) for oracle in oracles]
     results = []
     for category, group in by_category(counted, lambda pair: pair[0]):
-        results.append(ScheduleResult(schedule, rules.k, rules.n_min, rules.p_min, category, len(group),
-                                      *(sum(getattr(c, name) for _, c in group)
-                                        for name in ("steps", "drafted", "accepted", "emitted", "unverified", "cut"))))
+        counts = sum((c for _, c in group), Counts())
+        results.append(ScheduleResult(**counts.counted(), schedule=schedule, k=rules.k, n_min=rules.n_min,
+                                      p_min=rules.p_min, category=category, prompts=len(group),
+                                      unverified=sum(c.unverified for _, c in group), cut=sum(c.cut for _, c in group)))
     return results

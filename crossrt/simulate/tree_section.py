@@ -54,7 +54,7 @@ class TreeSection:
 
     def as_json(self) -> dict:
         return {"trees": [{"label": t.label, "paths": [list(p) for p in t.paths]} for t in self.trees],
-                "tree_results": [dataclasses.asdict(r) for r in self.results],
+                "tree_results": [r.as_json() for r in self.results],
                 "ceiling": [dataclasses.asdict(c) for c in self.ceiling],
                 "tree_runs": [dataclasses.asdict(r) for r in self.runs],
                 "chain_mismatch": list(self.chain_mismatch)}

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from crossrt.errors import SettingsError
+from crossrt.records.counts import Counts
 from crossrt.records.metrics import Totals
 from crossrt.run.runtime import ModelSession, Rows
 from crossrt.run.tree import RankPath, Tree
@@ -144,19 +145,23 @@ def best_tree(oracles: Sequence[RankOracle], budget: int, max_depth: int, label:
     return Tree.of(label or f"best {budget}", chosen)
 
 
-@dataclass(frozen=True)
-class TreeResult:
-    """A tree's summed counts over one group of prompts (category None: all of them)."""
+@dataclass(frozen=True, kw_only=True)
+class TreeResult(Counts):
+    """A tree's summed counts over one group of prompts (category None: all of them); drafted
+    counts the nodes verified."""
 
     tree: str
     nodes: int
     depth: int
     category: Optional[str]
-    steps: int
-    emitted: int
-    tau: Optional[float]
     verify_tokens: float  # mean tokens per target pass (1 + nodes verified)
     speedup: Optional[float]
+
+    def as_json(self) -> dict[str, Any]:
+        """As the simulation JSON has always had it: steps and emitted the only counts, then tau."""
+        return {"tree": self.tree, "nodes": self.nodes, "depth": self.depth, "category": self.category,
+                "steps": self.steps, "emitted": self.emitted, "tau": self.tau, "verify_tokens": self.verify_tokens,
+                "speedup": self.speedup}
 
 
 def summarize_tree(runs: Sequence[SimRun], costs: Optional[CostModel], label: str, nodes: int,
@@ -165,14 +170,13 @@ def summarize_tree(runs: Sequence[SimRun], costs: Optional[CostModel], label: st
     where a step verified more tokens than the cost model was measured for."""
     results = []
     for category, group in by_category(runs, lambda run: run.category):
-        steps = sum(run.steps for run in group)
-        emitted = sum(run.emitted for run in group)
-        drafted = sum(run.drafted for run in group)
+        counts = sum((run.counts for run in group), Counts())
         timed = costs is not None and all(d < len(costs.verify_s) for run in group for d in run.step_drafted)
         # The record's metrics over the cost model's seconds (none: no speedup).
-        totals = Totals(steps, drafted, sum(run.accepted for run in group), emitted,
-                        sum(costs.speculative_s(run) for run in group) if timed else 0.0,
-                        emitted, costs.plain_s(emitted) if timed else 0.0)
-        results.append(TreeResult(label, nodes, depth, category, steps, emitted, totals.tau,
-                                  1 + drafted / steps if steps else 0.0, totals.speedup))
+        totals = Totals(**counts.counted(), baseline_tokens=counts.emitted,
+                        decode_s=sum(costs.speculative_s(run) for run in group) if timed else 0.0,
+                        baseline_decode_s=costs.plain_s(counts.emitted) if timed else 0.0)
+        results.append(TreeResult(**counts.counted(), tree=label, nodes=nodes, depth=depth, category=category,
+                                  verify_tokens=1 + counts.drafted / counts.steps if counts.steps else 0.0,
+                                  speedup=totals.speedup))
     return results
