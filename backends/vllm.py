@@ -201,9 +201,17 @@ class Worker:
             pass  # _reply reports the exit, with the log
         return self._reply(timeout, doing)
 
+    def stop(self) -> None:
+        """Ask the worker to end (its loop ends; vLLM shuts its engine down) without waiting."""
+        if self._process.poll() is None and not self._process.stdin.closed:
+            try:
+                self._process.stdin.close()
+            except BrokenPipeError:
+                pass  # it ended already: close() waits for it
+
     def close(self) -> None:
         if self._process.poll() is None:
-            self._process.stdin.close()  # the worker's loop ends; vLLM shuts its engine down
+            self.stop()
             try:
                 self._process.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -313,6 +321,8 @@ class VllmSession(NativeSession):
             prefill_s=reply["prefill_s"], decode_s=reply["decode_s"])
 
     def close(self) -> None:
+        for worker in self._workers.values():  # both shut down at once (~4 s each on Gemma 3 270M)
+            worker.stop()
         while self._workers:
             self._workers.popitem()[1].close()
 
