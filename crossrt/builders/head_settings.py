@@ -30,6 +30,10 @@ class TrainingSettings:
     threads: int = 1
 
 
+# A DFlash drafter's training defaults (crossrt/builders/dflash.py says why these).
+DFLASH_TRAINING = TrainingSettings(epochs=8, learning_rate=3e-4, batch=1)
+
+
 @dataclass(frozen=True)
 class DFlashSettings:
     """A DFlash block drafter's settings, written explicitly into its files (docs/drafter-heads.md)."""

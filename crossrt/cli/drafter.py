@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import click
 
-from crossrt.builders.head_settings import TrainingSettings
+from crossrt.builders.head_settings import DFLASH_TRAINING, TrainingSettings
 from crossrt.builders.layer_skip import LayerSkipError, layer_skip
 from crossrt.errors import CrossrtError
 
@@ -160,7 +161,7 @@ def _make(kind: str, target: Path, output: Path, choose, training: TrainingSetti
 
 
 @drafter.command("dflash", short_help="Train a DFlash block drafter for a GGUF target on this CPU, in every runtime's format.")
-@_training_options(epochs=8)
+@_training_options(epochs=DFLASH_TRAINING.epochs)
 @click.option("--layers", "layers", metavar="A,B,...", default=None,
               help="The target layers whose outputs it reads (z-lab's ids, HF hidden_states[i + 1]); at most N - 2. "
                    "Default: z-lab's spacing of 4 from 1 to N - 3.")
@@ -194,7 +195,7 @@ def dflash_command(target: Path, output: Path, epochs: int, new_tokens: int, see
     # A block drafter learns to attend to its context slowly: 3e-3 (the EAGLE3 head's) made it
     # draft one constant token; 3e-4 had 8% first-token agreement after 4 epochs, 1e-3 4.5%.
     made = _make("dflash", target, output, dflash_settings(_layers(layers), block_size, mask_token, depth, draft_vocab),
-                 TrainingSettings(seed=seed, epochs=epochs, threads=threads, learning_rate=3e-4), new_tokens, overwrite)
+                 replace(DFLASH_TRAINING, seed=seed, epochs=epochs, threads=threads), new_tokens, overwrite)
     info = made.provenance
     click.echo(f"wrote {made.folder} ({'cached' if made.cached else 'trained'}): DFlash drafter, block "
                f"{info['settings']['block_size']}, layers {info['settings']['layer_ids']}, {info['steps']} steps in "

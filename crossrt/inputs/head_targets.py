@@ -32,4 +32,5 @@ def why_unfeedable(architecture: str, runtime: str) -> Optional[str]:
 def refuse_unfeedable(architecture: str, runtime: str, spec_type: str, where: str) -> None:
     reason = why_unfeedable(architecture, runtime)
     if reason is not None:
-        raise SettingsError(f"{where}: a {architecture} target cannot feed an {spec_type} head on {runtime}: {reason}")
+        head = {"eagle3": "an EAGLE3", "dflash": "a DFlash"}.get(spec_type.lower(), f"a {spec_type}")
+        raise SettingsError(f"{where}: a {architecture} target cannot feed {head} head on {runtime}: {reason}")

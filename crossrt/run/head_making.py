@@ -30,7 +30,7 @@ from crossrt.inputs.head_targets import why_unfeedable
 from crossrt.inputs.pairs import PairError, cache_dir, sha256_of
 from crossrt.run.head_corpus import head_corpus
 
-HEAD_VERSION = 2  # bump when the head's training or files change: cached heads are then remade
+HEAD_VERSION = 3  # bump when the head's training or files change: cached heads are then remade
 PROVENANCE = "crossrt-head.json"
 # Targets whose shape the head takes from a Llama-style config (TargetShape.of).
 FEEDABLE = ("llama",)
