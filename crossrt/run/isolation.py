@@ -1,36 +1,11 @@
 """A runtime in a process of its own: a crash is a verdict about that runtime, not the end of crossrt.
 
-An in-process runtime (llama.cpp through its binding, transformers) runs native code inside
-crossrt's process, where a fault (SIGSEGV in a CPU kernel, SIGILL for an instruction the CPU
-cannot run, SIGABRT from an assertion) ends the process with no Python exception to catch. So the
-call that loads and runs it goes to a child process, with Python's faulthandler writing the
-child's stack into a file. The child is forked by the runtime's zygote (crossrt/run/zygote.py),
-a process that has only imported crossrt and the runtime's Python modules: no model, no kernel
-and no thread of crossrt's own process is in it, and it starts in milliseconds, not the seconds
-of a fresh interpreter's imports.
-When the child dies by a signal, the caller gets a RuntimeCrashed (crossrt/run/crashes.py) naming
-the runtime, the signal, and from that stack the innermost Python frame outside crossrt and the
-crossrt call it came from. What the child finished stays where it put it (a run's journal:
-crossrt/records/journal.py).
-
-This module is where a runtime runs in a child, and isolated() decides which runtimes do. A
-caller does not choose: a pair's run goes through run_pair_safely, any other call that loads a
-runtime (re-scoring records for parity, diff, report and the split census; the tau gaps' oracle;
-MT-Bench's first answers, simulate's study) through call_safely.
-Executors that keep several children at once (parity's matrix, a sweep's cells) hold Isolated
-(IsolatedRun) children themselves.
-
-The child never outlives its parent (the kernel's parent-death signal, through its zygote) and
-sits in a process group of its own (its zygote's), so a terminal's Ctrl-C reaches the parent
-alone, which passes one SIGINT on and waits for the child to keep what it finished, reading
-what it still sends (a child blocked on a full pipe would never end). The child raises
-KeyboardInterrupt at the signal; one raised inside a native library's callback (llama.cpp's log
-callback, through ctypes) is swallowed there, so it is kept quiet and raised again at the end of
-the prompt (prompt_hook).
-
-Test hook: CROSSRT_TEST_CRASH_AFTER=RUNTIME:N[:SIGNAL] makes a child running RUNTIME die by a
-real signal after N finished prompts (N = 0: as it starts; SIGSEGV: a read of address 0;
-another: sent to itself), for the tests that check what a crash leaves (tests/test_isolation.py).
+An in-process runtime (llama.cpp's binding, transformers) runs native code whose faults
+(SIGSEGV, SIGILL, SIGABRT) leave no exception to catch, so isolated() sends it to a child forked
+by its zygote (crossrt/run/zygote.py), with faulthandler writing the child's stack; a death by a
+signal becomes RuntimeCrashed (crossrt/run/crashes.py). Callers go through run_pair_safely or
+call_safely; executors that keep several children hold Isolated children themselves.
+Why, Ctrl-C, the test hook CROSSRT_TEST_CRASH_AFTER: docs/reliability.md, "A runtime that crashes".
 """
 
 from __future__ import annotations

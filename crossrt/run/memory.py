@@ -1,31 +1,10 @@
 """Whether a run's models fit in memory, checked where they are about to load.
 
-A model that does not fit is otherwise found out by the kernel's OOM killer (or a CUDA
-out-of-memory error) minutes into a load. Every runtime calls check_fits where its models are
-about to load (llama.cpp in-process, llama-server, llama-speculative-simple, transformers),
-with what it will hold per model:
-
-- weights: a GGUF's tensor bytes as stored, for llama.cpp; the parameter count times the
-  dtype's bytes for a runtime that loads the weights in a dtype of its own (transformers
-  dequantizes a GGUF, casts a folder's safetensors);
-- the KV cache for n_ctx: layers x KV heads x (key + value head size) x the cache's element
-  bytes per position, every layer at full context (llama.cpp runs sliding-window layers with a
-  full-size cache here, and transformers keeps past states for rolling drafts back).
-
-Against: RAM's MemAvailable (/proc/meminfo) for what stays on the CPU, and each GPU's free
-memory for the layers offloaded (n_gpu_layers of the model's blocks), shared as --gpu-split
-says, else by free memory as llama.cpp splits. Compute buffers, logits and the runtime itself
-are not counted: the check refuses what cannot fit, it does not promise what can.
-
-A runtime that keeps models in more than one process (llama-server's speculative and baseline
-servers, vLLM's two engines) asks plan_processes before starting any: all of them together if
-they fit, else one after the other (the baseline's, then the speculative one's: said once on
-stderr), else the one-line refusal of the one that does not fit alone.
-
-CROSSRT_MEMORY_LIMIT=SIZE (bytes, or with K/M/G/T, e.g. 4G) replaces the free memory crossrt
-measures on every device, RAM and each GPU: to see what a smaller machine would refuse or run
-one process at a time, or to let a run past a check that counts memory the machine can still
-make (swap).
+Every runtime calls check_fits with what it will hold per model (weights, and the KV cache for
+n_ctx) against free RAM and each GPU's free memory, so what cannot fit is refused in one line
+with what would fit, not found by the OOM killer minutes into a load. plan_processes runs a
+runtime's processes together or one after the other; CROSSRT_MEMORY_LIMIT replaces the free
+memory measured. What is counted, and why: docs/real-models.md, "The memory check".
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """Warm starts for runtime processes: a zygote that has imported once what a runtime's process
 imports forks each new one, so it starts in milliseconds instead of seconds.
 
-crossrt runs every in-process runtime in a child of its own (crossrt/run/isolation.py). A fresh
-interpreter imports crossrt's driver and the runtime's Python stack each time: ~1 CPU-s for
-llama.cpp's binding and NumPy, ~6 CPU-s for torch and transformers. A parity matrix, a census
-or a sweep starts dozens of them. The zygote is a process that imports those modules and does
-nothing else: it loads no model and runs no kernel, so what a child gets from it is what a fresh
-interpreter would have after the same imports, and each child still starts its runtime from
-nothing and can crash alone.
-
-A zygote serves one parent, one runtime, one sys.path and one set of the environment variables
-libraries read once, when they load (OMP_NUM_THREADS, LD_PRELOAD, GGML_*, TORCH_*, HF_*, ...:
-IMPORT_TIME): a request under other values gets a zygote of its own. Every other variable, and
-the working folder, the child takes from the caller at the time of the call (crossrt reads its
-own, CROSSRT_CACHE and the like, when it uses them). It learns: each child reports the modules
-it imported beyond the zygote's (Zygote.preload), which the zygote then imports for the next
-child (a backend that imports its binding lazily is warm from the second child on).
-
-What a child imported is sent to the zygote with the next fork request, so a command that
-starts one child never pays for imports nobody uses. A child is the zygote's, not the parent's: the zygote reaps it and reports its exit status
-(negative: the signal that killed it) over the control socket; ForkedChild reads it like a
-subprocess.Popen. The zygote and its children die with their parent (the parent-death signal):
-a zygote's child whose zygote is killed dies by SIGKILL.
-
-A SIGINT (the parent passing on a Ctrl-C) is noted by the child from the moment it is forked
-(interrupted()); what it then does is its entry's choice (crossrt/run/isolation.py raises it, and
-raises it again where a native library's callback swallowed it).
+It loads no model and runs no kernel; it serves one parent, runtime, sys.path and set of
+import-time variables (IMPORT_TIME), learns what its children import, reaps them and reports
+their exit status (ForkedChild reads it like subprocess.Popen), and dies with its parent.
+Why and how: docs/reliability.md, "A runtime that crashes", the zygote's paragraph.
 """
 
 from __future__ import annotations
