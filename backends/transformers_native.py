@@ -1,37 +1,10 @@
 """HF transformers' own speculative decoding ("assisted generation"), its steps counted.
 
-model.generate(assistant_model=drafter, do_sample=False) reports no acceptance statistics.
-Each verification step ends in one call of the candidate generator's
-update_candidate_strategy(input_ids, scores, num_matches) (transformers 5.24
-generation/utils.py:4185, in _assisted_decoding): scores holds the target's logits over the
-candidates plus one (candidate_length + 1 rows) and num_matches the draft tokens kept, after
-HF has cropped the step's tokens at the token budget and after an EOS (utils.py:4153-4165).
-The session wraps that method on the generator its own target builds for the call
-(utils.py:3989), without changing what it does, and reads drafted = rows - 1 and
-accepted = num_matches per step.
-
-HF's schedule, read from the same source (line numbers of transformers 5.24):
-- The first draft is made from the whole prompt (utils.py:4051), and the target's prefill of
-  prompt + draft is the first verification step (utils.py:4091): no token comes from a prefill.
-- Drafts are min(k, max_new_tokens - generated - 1) tokens (candidate_generator.py:288);
-  at 0 the drafter is not run and the step verifies an empty draft (a plain decode, still a
-  step: candidate_generator.py:214-215).
-- The drafter runs its own generate() under a copy of the target's generation config, EOS ids
-  included (candidate_generator.py:167, 325), so a draft ends at the drafter's first EOS,
-  that EOS included.
-- A step keeps the matching prefix plus the target's own next token (utils.py:4146-4148);
-  tokens past the budget or after an EOS are cropped before num_matches is recomputed
-  (utils.py:4153-4165). The budget crop never bites for drafts capped as above; the EOS
-  crop turns an accepted EOS into the step's own token. So each step emits num_matches + 1
-  tokens: emitted = steps + accepted, with unverified = cut = 0.
-This equals crossrt's driven schedule except for the drafter stopping at EOS.
-
-Prompt lookup (PromptLookupSession) is the same loop with HF's PromptLookupCandidateGenerator
-(candidate_generator.py, utils.py:1318-1330) instead of a drafter model: generate(
-prompt_lookup_num_tokens=k, max_matching_ngram_size=ngram_max). Its drafts are not capped at
-the budget (only with one token left is there none), so there the budget crop does bite: a step
-counts only the tokens up to the budget. crossrt/run/lookup/hf_lookup.py HfPromptLookup reproduces it
-under the hf-assisted schedule.
+generate(assistant_model=...) reports no acceptance statistics, so the session wraps the
+candidate generator's update_candidate_strategy, called once per verification step, without
+changing what it does: drafted = score rows - 1, accepted = num_matches. PromptLookupSession
+is the same loop with HF's prompt-lookup generator. HF's schedule, line by line (transformers
+5.24): docs/schedules.md, "transformers' assisted generation, step by step".
 """
 
 from __future__ import annotations

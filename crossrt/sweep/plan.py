@@ -1,37 +1,11 @@
 """Sweep files: axes, their product with exclude/include rules, per-runtime resources, and the
 cells that come out of them (crossrt/sweep/cell.py: each with a stable id, a digest of its settings).
 
-A sweep file (TOML, models/sweeps/*.toml, docs/scale.md):
-
-    name = "tiny-k"
-    [axes]                       # a list is an axis; a scalar is one value for every cell
-    pair = ["tiny"]
-    runtime = ["llama-cpp", "llama-server"]
-    mode = ["driven", "native"]
-    k = [1, 2, 3, 4]             # no k: each pair's [defaults] k, else 4
-    max_new_tokens = 8
-    k_policy = ["fixed", "online"]  # driven strategies: drafting, k_policy, acceptance and their
-                                    # parameters (tree, content_k = "code=7,prose=3", top_m, ...)
-    [[exclude]]                  # cells matching every key (a list: any of its values) are dropped
-    runtime = "llama-server"
-    k = [1, 2]
-    [[include]]                  # extra cells: its own product, other keys from the one-value axes
-    runtime = "transformers"
-    mode = "native"
-    [resources.transformers]     # per runtime: CPU threads (--threads, and Ray's num_cpus), GPUs
-    threads = 2
-    num_gpus = 0
-    [ray]
-    strategy = "task"            # "task": one Ray task per cell; "actor": one actor per (runtime, pair)
-    max_retries = 2              # a cell whose worker dies is run again this many times
-
-Cells of a runtime that attaches to a running server (endpoint) are made one per server the
-command line gives (--url; crossrt/sweep/servers.py), the servers' own draft length checked here.
-
-Anything else is refused: a top-level key other than these six, a file without [axes], an
-axis without values, a runtime crossrt does not know, a product above MAX_CELLS cells.
-Duplicates (two names of one pair manifest too), k at or above the token budget and very
-large plans are planned, with a warning.
+Endpoint cells are made one per server the command line gives (--url; crossrt/sweep/servers.py).
+What does not fit the format is refused in one line; duplicates, k at or above the token budget
+and plans above LARGE_PLAN cells are planned with a warning, above MAX_CELLS refused.
+The format with an example: docs/scale.md, "The sweep file's format"; each refusal: the section
+after it, "What a sweep file may hold".
 """
 
 from __future__ import annotations
