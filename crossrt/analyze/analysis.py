@@ -1,29 +1,9 @@
 """What a run record (and its trace) says about acceptance: the numbers `crossrt analyze`
-prints, and the public API the report builds on. Formulas and rules: docs/analysis.md.
+prints, and the public API the report builds on (category_stats, position_acceptance,
+entropy_acceptance, confidence_acceptance, iid_fit, expected_tokens, load_trace,
+acceptance_table; frozen dataclasses, None where a denominator is 0).
 
-Public API (stable; every result is a frozen dataclass, rates are None where their
-denominator is 0, and `category=None` means every finished prompt of the record):
-
-    category_stats(record) -> list[CategoryStats]
-        one entry per category (sorted), then one for all prompts (category None)
-    position_acceptance(record, category=None) -> list[PositionAcceptance]
-        one entry per draft position 0 .. k-1: P(accept position i | reached i)
-    entropy_acceptance(record, trace, buckets=ENTROPY_BUCKETS, category=None) -> list[EntropyBucket]
-        acceptance of the draft tokens the target reached, by the target's entropy there
-    confidence_acceptance(record, trace, buckets=CONFIDENCE_BUCKETS, category=None) -> list[ConfidenceBucket]
-        the same, by the drafter's top-1 probability
-    iid_fit(record) -> list[IidFit]
-        the i.i.d. model's tau against the measured tau, per category then overall
-    expected_tokens(a, k) -> float
-        (1 - a^(k+1)) / (1 - a): tokens per step with i.i.d. acceptance a and k-token drafts
-    load_trace(record_path, record=None) -> dict[str, PromptTrace]
-        a record's traces by prompt id ({} when it has none); `trace` arguments take this
-    acceptance_table(runs, positions=True) -> Table
-        `crossrt analyze`'s table of (path, record) runs, each row named by its run's identity
-
-A draft position is *reached* in a step when every draft token before it was accepted: the
-target then judged the draft token there on the target's own context. Reached positions are
-the accepted draft tokens plus each step's first rejection.
+Formulas, rules and the API's signatures: docs/analysis.md, "`crossrt analyze`" and "Python API".
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
 """Parity's float control: runtimes compared where they compute the same function, against a
 noise floor measured on these prompts, with the power of the check stated.
 
-llama.cpp on a quantized GGUF and transformers on its dequantized weights compute different
-functions (llama.cpp quantizes the activations of its quantized matmuls too): their logits
-differ by whole logits, and any bound wide enough for that passes a wrong model (a wrong RoPE
-base, a wrong attention scale, one block's weights a few percent off). So every run's target is
-also scored as a *float scoring*: on its scoring runtime, in F32 throughout (KV cache F32, no
-flash attention, float32 weights), where a quantized GGUF on a runtime that runs GGUFs is
-replaced by its float twin (crossrt/builders/float_twin.py: the very weights transformers'
-GGUF loader makes). Two float scorings of the same model are the same function up to float
-rounding, so:
-
-- two scorings of different files are first compared weight by weight (crossrt/compare/weights.py):
-  another model, or one copy edited, fails there (and an edited copy's logits are still shown);
-  another precision of the same model is not one function, so it gets no float control;
-- the *float control* compares each pair of distinct float scorings along one shared token
-  sequence per prompt (the reference: the first run's output, scored by both);
-- its bounds come from a *noise control* measured here, not from constants: each float scoring
-  scores the same sequence again one token at a time (a decode instead of one pass), which
-  moves every sum's rounding as another runtime's kernels do; the comparison may differ by at
-  most FACTOR times that noise (FACTOR squared for KL divergences, which grow with the square of
-  logit differences), and by no differing argmax beyond a near-tie of that size;
-- each quantized model is compared with its float twin inside its runtime (the quantization's
-  own effect, under the constant ceilings of crossrt/compare/tolerance.py: a sanity check of the
-  quantized kernels, weaker, and said so);
-- every check states its *power*: the smallest random logit perturbation (Gaussian, per logit)
-  its bounds flag, and the mean KL divergence that perturbation makes.
+A quantized GGUF on llama.cpp and its dequantized weights on transformers differ by whole
+logits, and any bound that wide passes a wrong model. So every run's target is also scored in
+F32 throughout (a quantized GGUF through its float twin), distinct files' weights are compared
+first, each pair of float scorings is held to FACTOR times the noise one-token decodes make,
+and each check states the smallest logit perturbation it flags.
+Why, the bounds and measured numbers: docs/parity.md, "The float control".
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """NVIDIA AIPerf's speculative decoding statistics as `crossrt import --from aiperf` reads them.
 
-AIPerf (ai-dynamo/aiperf) is a benchmark client: for each request it turns the engine's
-per-request statistics into one engine-neutral `SpecDecodeAcceptanceRecord`
-(src/aiperf/common/models/spec_decode_models.py; docs/reference/spec-decode-acceptance.md): its
-`num_spec_steps`, `num_draft_tokens`, `num_accepted_draft_tokens` (bonus excluded),
-`acceptance_histogram` {accepted draft tokens j: steps accepting exactly j} (bonus excluded,
-JSON keys are strings), `mean_acceptance_length` = 1 + accepted / steps (bonus included),
-`draft_acceptance_rate` = accepted / drafted (a fraction here, a percent in its metrics),
-`num_spec_tokens` (k, where the engine has one), `completion_tokens` (the response's usage) and,
-at vLLM's `detailed` level, `per_step_accepted` / `per_step_drafted`. Its only adapter is vLLM's
-(vLLM 0.32 started with `--per-request-spec-decode-metrics detailed`, read by AIPerf 0.13 from the
-response's `metrics.speculative_decoding`), so the counts follow vLLM's counting: one token per
-request from the prefill, cut = 1 + steps + accepted - emitted.
-
-crossrt reads any of its three exports:
-- `profile_export.jsonl`, one `MetricRecordInfo` per request: `metrics` {tag: {"value", "unit"}}
-  with `spec_decode_steps`, `spec_decode_draft_tokens`, `spec_decode_accepted_draft_tokens`,
-  `spec_decode_acceptance_length`, `spec_decode_draft_acceptance_rate` (percent), and, at
-  `--export-level records`, the whole record under `spec_decode_acceptance`: one prompt per
-  request, in the order AIPerf issued them or matched to --prompts (aiperf_prompts.py); warm-up
-  requests are left out, failed ones and those without statistics kept as failed prompts;
-- `profile_export_aiperf.json`, the run's aggregate: `total_spec_decode_steps`,
-  `total_draft_tokens`, `total_accepted_draft_tokens` (each {"avg": sum, ...}) and
-  `pooled_spec_decode_acceptance_histogram`;
-- `server_metrics_export.json`, the server's Prometheus counters over the benchmark: vLLM's
-  `vllm:spec_decode_*` counters' increase (`stats.total` of each series), summed over series.
-docs/import.md maps every field.
+AIPerf (ai-dynamo/aiperf) is a benchmark client that turns an engine's per-request statistics
+into one engine-neutral SpecDecodeAcceptanceRecord; its one adapter is vLLM's, so the counts
+follow vLLM's counting (one token per request from the prefill, cut = 1 + steps + accepted -
+emitted). crossrt reads its per-request export (profile_export.jsonl; prompts matched by
+aiperf_prompts.py), its aggregate (profile_export_aiperf.json) and its server metrics export.
+Every field, its trap and the tests: docs/import.md, "NVIDIA AIPerf (--from aiperf)".
 """
 
 from __future__ import annotations
