@@ -1,28 +1,11 @@
 """exllamav3 (pinned 1.6.5) on CUDA: crossrt's driven loop over its forward pass with a Cache,
 and exllamav3's own speculative Generator as the native mode (backends/exllamav3_native.py).
 
-File:line references are to the exllamav3 1.6.5 wheel; docs/exllamav3.md lists them all.
-
-- `import exllamav3` JIT-compiles its CUDA extension and fails without CUDA (ext.py), so this
-  module never imports it at load time: check_available looks with find_spec only, and the
-  package is imported inside the functions that run after the check has passed.
-- Models: an EXL3 folder, or an unquantized HF folder, which exllamav3 loads directly with every
-  weight cast to FP16 (float2half in modules/linear.py:247, rmsnorm.py:54, embedding.py:126).
-  The KV cache is FP16 (cache/cache.py CacheLayer_fp16, the default layer type).
-- A driven session owns one Cache and evaluates at explicit positions with the rectangular
-  cache mode, batch_shape (1, capacity) and past_len = n_past (modules/attn.py:95-122), the mode
-  exllamav3's own warmup drives (model/model.py:329-336): K/V rows are written from past_len on,
-  so truncate only moves n_past back and the next evaluation overwrites the tail. Models with
-  recurrent layers keep state outside the KV cache and cannot be cut back that way.
-- The LM head is padded to a multiple of 128 columns (modules/linear.py:54, 77) and forward()
-  returns them all: logits are sliced to config.vocab_size, as lm_head_argmax does
-  (model/model.py:422). Rows.NONE runs model.prefill, which stops after the last layer with a
-  KV cache (model/model.py:368) and never computes logits; Rows.LAST sets last_tokens_only,
-  which narrows the state before the head (model/model_ls.py:369).
-- Chunk size: model.load prepares attention for one chunk of max_chunk_size tokens on the
-  attached cache and asserts that it fits (model/model_ls.py:104-115, modules/attn.py:109), so
-  it is min(2048, capacity); evaluations longer than a chunk run chunk by chunk, as the
-  Generator splits prefill (generator.py:47, 297; job.py:1416).
+`import exllamav3` JIT-compiles its CUDA extension, so this module imports it only after
+check_available (find_spec, no import) has passed. A driven session evaluates at explicit
+positions in the rectangular cache mode, so truncate only moves n_past back; logits are sliced
+from the padded head to vocab_size; evaluations run in chunks of min(2048, capacity).
+Each rule with its file:line in the 1.6.5 wheel: docs/exllamav3.md, "Driven mode".
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """exllamav3's own speculative decoding (its Generator), its per-round counts translated.
 
-File:line references are to the exllamav3 1.6.5 wheel (docs/exllamav3.md).
-
-A Generator with a drafter, record_draft_stats=True, and one Job per generation with an
-ArgmaxSampler (a Job without a sampler samples: DefaultSampler, generator/job.py:175), the
-pair's EOS ids as stop tokens (a Job stops on no token unless told, job.py:242-247) and
-dynamic drafting off. exllamav3's schedule, from generator/generator.py and job.py:
-- A job prefills prompt[:-1] through target and drafter (job.py:369-370 ends prefill one token
-  short); the first round drafts from the prompt, so every token comes from a round.
-- Each round drafts a window of num_draft_tokens = k (generator.py:794; the drafter's argmax,
-  1137) and the target verifies [last] + window; a sampled token equal to the draft is accepted
-  (1958-1967), the first other one ends the round as its own token.
-- A stop token or the token budget ends the round at once (job.py:992-998) and the window's
-  unresolved positions are counted as rejected (generator.py:1931-1938): the window is never
-  cut to the budget, unlike crossrt's schedule, but no token passes the budget and a stop token
-  is never counted as accepted. So step_accepted equals crossrt's while step_drafted is k.
-- Each round appends (new_tokens after it, window, accepted) to job.draft_stats
-  (generator.py:2001-2005); the final result holds accepted_draft_tokens and
-  rejected_draft_tokens (job.py:942-946), new_tokens with the stop token (job.py:814, 934).
-A new Generator serves each generation (a Generator owns its cache, generator.py:244): no prompt
-cache carries over from one generation to the next. It prefills in chunks of the size the
-models were loaded for (chunk_size, backends/exllamav3.py).
-On a target with recurrent layers, a draft token that matches at a recurrent checkpoint
-boundary ends the round and counts as rejected (generator.py:1955-1961, 1997-1998); such
-records say so in their notes.
+One greedy Job (ArgmaxSampler, the pair's EOS ids as stop tokens, dynamic drafting off) on a
+new Generator per generation, with record_draft_stats=True; each round's (new tokens, window,
+accepted) becomes a step. Rounds always draft k and never pass the budget, so step_accepted
+equals crossrt's schedule's while step_drafted is k; a recurrent target's checkpoint boundary
+ends a round (a note says so). The schedule and counts, with file:line in the 1.6.5 wheel:
+docs/exllamav3.md, "Native mode".
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """llama.cpp's own speculative decoding, run through its `llama-speculative-simple` tool
 ("native" mode), its statistics translated into crossrt's counters.
 
-Each speculative generation runs the tool once with debug logging (-lv 5), the prompt in a
-file, stdout and stderr written to files; a run whose log lost its statistics tail at exit is
-rerun. Output token ids come from the debug log, never from text: each step logs its draft
-(draft-simple: the drafter's candidate 0 at each position; an n-gram type logs none, so the
-target's input batch [last token] + draft, listed under LLAMA_BATCH_DEBUG=1) and "accepted A/N
-draft tokens, the last target token is: (ID)", from which the step's tokens are rebuilt; the
-printed text is then checked byte for byte against them (backends/llama_spec_cli_log.py).
-
---drafting llama-ngram-* runs the tool's own n-gram type (--spec-type ngram-*, no -md: no
-drafter model is loaded) with crossrt's settings mapped to the type's flags as for llama-server
-(backends/llama_server_ngram.py). The tool runs one prompt per process, so nothing a type
-learns carries over to the next prompt.
-The tool tokenizes the prompt text itself (add_special and parse_special, as
-`common_tokenize(ctx, prompt, true, true)`); crossrt tokenizes the same way in-process at the
-same llama.cpp commit and checks the tool's prompt (its token count and echoed text) against it.
-
-The plain greedy baseline runs in-process through the pinned llama-cpp-python (the same
-llama.cpp commit as scripts/build_llama_tools builds) with the same options: the tool has no
-plain mode (with every draft dropped its drafter still runs, slowing the baseline), and a
-plain llama-server is another tool with another prefill. docs/llama-cpp-native.md has the
-details and where each rule comes from.
+The tool runs once per generation with debug logging; token ids come from the log, never from
+text, and the printed text and prompt tokens are checked against them. --drafting llama-ngram-*
+runs the tool's own n-gram types, one prompt per process. The tool has no plain mode, so the
+baseline runs in-process through llama-cpp-python at the same llama.cpp commit.
+Flags, log lines, checks and faults: docs/llama-cpp-native.md, "Running llama-speculative-simple".
 """
 
 from __future__ import annotations
