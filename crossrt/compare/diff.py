@@ -1,27 +1,11 @@
 """Where and why two runs part: `crossrt diff a.json b.json`.
 
-Per prompt, in order (crossrt/compare/splits.py names each kind):
-- prompt ids that differ: a tokenization or template split, before any generation; a runtime
-  whose own chat-template rendering differs from crossrt's (which both ran): a template split;
-- each run against its own greedy baseline: a speculative output that leaves it is explained
-  with the margins the run recorded (batch-shape numerics inside that runtime); when the two
-  baselines agree, that is the whole story;
-- otherwise the first token where the two runs' baselines part: each run's token as its pass
-  saw it (recorded, or re-scored in the pass shape the runtime used: crossrt/compare/replay.py), both
-  targets' re-scored top-5 at the common prefix, and the verdict of crossrt/run/numerics.py, the
-  same one `crossrt parity` gives: a near-tie (cross-runtime numerics) when the two emitted
-  tokens lie within the threshold of what is compared in both runs' passes, else a
-  disagreement (weights, conventions) worth investigating.
-The noise between the runs is measured too, on every common row (prompt positions, agreeing
-prompts and the prefixes before divergences): how far the gap between that row's top-2 tokens
-moves from one runtime to the other (p90, the max would let one outlier excuse everything).
-It is shown beside the verdict, which it does not decide: whether the two runs compute one
-function is parity's float control (crossrt/compare/control.py), the same check `crossrt parity`
-runs; where it fails, every divergence is a disagreement, whatever its own flip, and `crossrt
-diff` exits 1 whenever parity would.
-
-Re-scoring loads the records' scorers, so it runs where crossrt/run/isolation.py places
-RESCORING (a process of its own: a crash there is one line, not the end of crossrt).
+Per prompt: a tokenization or template split; else each run against its own baseline; else the
+first token where the baselines part, each side's token and both re-scored top-5, with the
+near-tie verdict `crossrt parity` gives (crossrt/run/numerics.py). The noise between the runs is
+shown beside it and decides nothing; parity's float control does, and diff exits as parity
+would. Re-scoring runs where crossrt/run/isolation.py places RESCORING.
+Each step: docs/parity.md, "`crossrt diff a.json b.json`".
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """What-if tree verification, exact for greedy decoding: static draft trees (crossrt/run/tree.py)
-simulated on the rank oracle, and the best tree within a node budget. docs/ceiling.md gives the rules and measured numbers.
+simulated on the rank oracle, and the best tree within a node budget.
 
-A tree is a set of rank paths: [0] is the drafter's top-1 after the context, [1] its
-runner-up, [0, 1] the runner-up after the context plus the top-1, and so on; every prefix of a
-path is in the set. A step verifies the context's last token plus every node of the tree in
-one target pass (crossrt/run/loop.py runs it, crossrt/run/drafters.py TreeDrafter drafts it). Under greedy decoding only the nodes on the
-target's own output matter: the step accepts the longest run of the target's next tokens whose
-ranks among the drafter's candidates form a path of the tree, and adds the target's token after
-it (the bonus), as the chain loop does.
-
-The assumption that makes one pass enough: the drafter is a model conditioned on its prefix
-only (a draft model, a layer-skip drafter). Along an accepted path the prefix is the target's
-greedy output, so the drafter's candidates at every on-path node are those of one
-teacher-forced drafter pass over prompt + output: the rank oracle stores, per output position,
-the rank of the target's token in that pass (ranks from top_b on are stored as top_b: "not
-among the top-b"). Drafters that see more than the prefix (Medusa heads reading the target's
-hidden state, EAGLE's features) need their own pass.
-
-The schedule is the crossrt chain schedule's: at emitted count e the tree is cut to depth
-min(depth, budget - e - 1), an EOS is never accepted as a draft token (it ends the step as
-its bonus), so a width-1 tree of depth k is the chain at k, step for step (a test checks).
-Costs: a step verifies 1 + nodes tokens (CostModel.verify_s[nodes]) and makes one drafter pass
-per node that has children, the root included (the chain's one pass per draft token).
+A tree is a set of rank paths; a step accepts the longest run of the target's tokens whose
+ranks under the drafter form a path, plus the bonus. One teacher-forced drafter pass gives every
+on-path rank, for drafters conditioned on their prefix only. Under the crossrt chain schedule a
+width-1 tree of depth k is the chain at k. Why it is exact, the costs and measured numbers:
+docs/ceiling.md, "How the tree what-if works, and why it is exact for greedy".
 """
 
 from __future__ import annotations
