@@ -1,26 +1,10 @@
 """Why tau differs between two records of the same pair and prompts: the gap in tau (and alpha
-and steps) as a sum of named parts, each the difference of one quantity computed on two sets of
-per-prompt counts that differ in one respect only (docs/analysis.md):
-
-    native A - native B
-      = counting     (A's native figure - A's normalized) - (B's native - B's normalized)
-      + residual     (A - hybrid A) - (B - hybrid B)
-      + numerics     (hybrid A - sim A on A's oracle) - (hybrid B - sim B on B's oracle)
-      + schedule     sim A on A's oracle - sim of B's schedule with A's drafting on A's oracle
-      + drafter      sim of B's schedule with A's drafting on A's oracle - sim B on A's oracle
-        algorithm    (A's drafting vs B's: the drafter model, or a lookup with its n-gram lengths)
-      + rendering    sim B on A's oracle - sim B on B's oracle (A's prompt ids vs B's)
-
-"sim X on an oracle" is X's schedule with X's drafting rules and X's drafting simulated on the
-oracle of those prompt ids (crossrt/simulate/drafting.py: the drafter model's rows, or the
-lookup replayed); on A's oracles the simulations go through A's finished prompts in A's order,
-on B's through B's, so that a lookup whose state outlives a prompt is replayed as the run saw
-its prompts ("A's prompt ids" is their order too). "hybrid X" takes, per prompt, the simulation
-where the run emitted the oracle's greedy output and the run's own counts where it did not. So numerics is
-what runs that left the greedy output (other tokens accepted) change, and residual what the
-simulation misses on runs that did not leave it: drafts changed by near-ties in the drafter, or
-a rule the simulation does not model. The sum telescopes, and every figure is an exact
-fraction, so the parts add up to the gap exactly; the residual is shown, never folded in.
+and steps) as a sum of named parts (counting, rendering, drafter algorithm, schedule and rules,
+numerics, residual), each the difference of one quantity computed on two sets of per-prompt
+counts that differ in one respect only: the runs' own, and simulations on each run's oracle
+(crossrt/simulate/drafting.py). The sum telescopes in exact fractions, so the parts add up to
+the gap exactly; the residual is shown, never folded in.
+Each part's definition: docs/analysis.md, "Why tau differs: the tau gap".
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Chat templates: each chat prompt rendered once, by crossrt, and fed as the same ids to every
 runtime; where a runtime renders templates itself, its rendering is kept for comparison.
 
-Where the template comes from (the first found): `--chat-template FILE`; the pair manifest's
-top-level `chat_template` (a file, relative to the manifest); the target GGUF's
-`tokenizer.chat_template`; the target HF folder's `chat_template.jinja`, else its
-`tokenizer_config.json` `chat_template`.
-
-Rendering follows transformers 5.24 (utils/chat_template_utils.py, _compile_jinja_template and
-render_jinja_template; tokenization_utils_base.py, apply_chat_template): jinja2's
-ImmutableSandboxedEnvironment with trim_blocks, lstrip_blocks and the loopcontrols extension;
-globals raise_exception, strftime_now, dict, namespace; a tojson filter that does not escape
-HTML; variables messages, add_generation_prompt=True, bos_token, eos_token, then the
-`--template-var NAME=VALUE` ones, which override (as transformers' kwargs override its special
-tokens).
-
-The text fed: when the model adds a BOS itself, a bos_token the rendering starts with is
-dropped, so tokenizing it the way every runtime tokenizes a prompt gives one BOS, not two. This
-is llama.cpp's rule (common/chat.cpp, common_chat_template_direct_apply); transformers instead
-tokenizes the rendering with add_special_tokens=False, which gives the same ids for a template
-that writes its bos_token, and no BOS at all for one that does not (a template split then).
+The template is the first found of --chat-template, the manifest's, the GGUF's and the HF
+folder's; it renders as transformers 5.24 renders (a sandboxed jinja2, --template-var
+overriding), and a leading bos_token is dropped where the model adds a BOS itself (llama.cpp's
+rule). Sources, rules, and what each runtime does: docs/prompts.md, "Where the template comes
+from" and "Rendering rules".
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Per-token traces of driven speculative runs: what the target and the drafter made of each
-emitted token, stored beside the run record (docs/analysis.md gives the format field by field).
+emitted token, stored beside the run record.
 
-Traces are recorded by the driven loop's "crossrt" and "hf-assisted" schedules when asked for
-(RunRequest.trace, `crossrt run --trace`). Per step: its draft length and accepted length. Per
-emitted token, from the target's verify row that produced it (row i of a step's batch
-[last] + draft yields the step's i-th token): the entropy of its softmax (nats), its top-1
-probability, its top-1 minus top-2 logit. And the drafter's top-1 probability at the position
-where it proposed a token for it: draft token i of a step is a proposal for the step's i-th
-token, so every emitted token at a position below the step's draft length has one (the
-accepted tokens, and the target's correction at the first rejection); the step's token at
-position n_drafted (the bonus after a fully accepted draft, or the token of an empty-draft
-step) has none, and holds NaN.
-
-The statistics come from rows the loop already computed, as it computes them; nothing is
-stored per vocabulary entry. With tracing off the loop does no extra work.
-
-On disk: one `<record stem>.trace.npz` per record, all traced prompts concatenated, written
-atomically when a run starts and when it ends; in between, each prompt's trace is appended to
-the journal `<record stem>.trace.npz.journal` (crossrt/records/journal.py) before the record's own
-journal gets the prompt, and read_traces folds it in. The record names the file in its `trace`
-field.
+Recorded under the "crossrt" and "hf-assisted" schedules when asked (`crossrt run --trace`),
+from rows the loop already computes: per step its lengths, per token the target's entropy, top-1
+probability and margin and the drafter's top-1 probability (NaN where nothing was proposed).
+One `<record stem>.trace.npz`, with a journal beside it while a run goes on.
+Rules and the format, field by field: docs/analysis.md, "Traces".
 """
 
 from __future__ import annotations

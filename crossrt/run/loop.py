@@ -1,25 +1,11 @@
 """crossrt's one speculative loop ("driven" mode) and the plain greedy baseline.
 
-Pure logic over the ModelSession contract, identical whatever the runtime. Every driven run
-goes through speculative_generate, composed of small strategies:
-- a schedule (crossrt/run/schedules.py): when drafts start, how they are cut near the budget, and
-  when the run ends ("crossrt", "hf-assisted", llama.cpp's "llama-spec-simple" and
-  "llama-server", with its drafting rules n_min and p_min, and "vllm");
-- a drafter (crossrt/run/drafters.py): a draft model's chain, prompt lookup (crossrt's, transformers',
-  llama.cpp's ngram-simple, vLLM's ngram), or a static tree;
-- a k policy (crossrt/run/policies.py): each step's draft length;
-- an acceptance rule (crossrt/run/acceptance.py): greedy, or relaxed (lossy).
-A step: the drafter proposes up to the schedule's cap; the target scores [last] + draft in one
-batch (a tree in one tree batch, each node masked to its ancestors); the rule accepts nodes from
-the root and the target's own next token is added (the bonus); both caches roll back to what
-was kept (the drafter never decodes its own last draft token); the Tally counts the step.
-Given a TraceRecorder, a draft model's chain under the crossrt and hf-assisted schedules also
-records the run's per-token trace from the rows it computes anyway (crossrt/records/trace.py).
-
-The baseline prefills the same prompt[:-1] and decodes one token at a time, so both runs do
-the same prefill and their decode timings compare like for like; under the "llama-server"
-and "vllm" schedules it takes its first token from a pass over the whole prompt, as those
-runtimes do.
+Pure logic over the ModelSession contract, identical whatever the runtime: every driven run goes
+through speculative_generate, composed of a schedule (run/schedules.py), a drafter
+(run/drafters.py), a k policy (run/policies.py) and an acceptance rule (run/acceptance.py), and
+the simulator runs the same function on an oracle. The baseline prefills as the schedule does,
+so decode timings compare like for like. A step, the strategies and the baseline:
+docs/design.md, "The loop".
 """
 
 from __future__ import annotations
