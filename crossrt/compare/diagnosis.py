@@ -1,24 +1,11 @@
 """The cause of every split, from what the runs saw or from their passes reproduced.
 
-Kinds (each split gets exactly one):
-- tokenization or template: the prompt ids differ before anything is generated;
-- template: a runtime that renders chat templates itself renders a templated prompt to other ids
-  than crossrt's rendering (which every runtime ran);
-- batch-shape numerics: inside one runtime, the speculative output leaves its own baseline where
-  the verification batch and the one-token decode put the two emitted tokens within the near-tie
-  threshold (crossrt/run/numerics.py: however many candidates lie between them);
-- disagreement inside the runtime: they lay further apart (a cache or batching bug);
-- native output not reproduced: a native run's token that its passes, reproduced in-process
-  (crossrt/compare/replay.py), put beyond the threshold: a finding about the runtime;
-- cross-runtime numerics / disagreement: two runs' plain greedy baselines part within / beyond
-  the threshold of what is compared;
-- drafter numerics / draft rule: identical outputs, different counts: the two drafters rank a
-  draft position's candidates within the threshold, or the drafter's confidence sits at p_min;
-- counters unexplained, stop (one output ends where the other goes on), unexplained (no passes
-  recorded and none reproduced).
-
-Where a run recorded no passes (native mode), a driven run that emitted the same ids lends its
-pass views (its twin); else the Explainer re-scores the split (a Replayer), and says which it did.
+Each split gets exactly one kind (tokenization or template, template, batch-shape numerics,
+disagreement inside the runtime, native output not reproduced, cross-runtime numerics or
+disagreement, drafter numerics, draft rule, counters unexplained, stop, unexplained), judged by
+the one near-tie verdict of crossrt/run/numerics.py. Where a run recorded no passes, a driven
+twin lends its pass views, else the Explainer re-scores the split (a Replayer) and says which.
+Each kind: docs/parity.md, "The near-tie verdict".
 """
 
 from __future__ import annotations
