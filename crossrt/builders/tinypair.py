@@ -2,23 +2,11 @@
 
     build_pair(out_dir, preset="tiny", seed=0) -> list[pathlib.Path]   # the files written
 
-- "tiny": the committed test pair (models/tiny): {target,drafter}.{f32,f16}.gguf, HF folders
-  {target,drafter}-hf/ with the same F32 weights, and a README.md.
-  `python -m crossrt.builders.tinypair` builds it where the built-in manifests look (an installed
-  crossrt ships no model files: crossrt/inputs/builtin.py).
-- "tiny-hd64": the same design with head size 64 (vLLM's CPU attention refuses 16), built
-  where needed (tests/test_vllm.py), not committed: F32 GGUFs and HF folders.
-- "bench": a ~60M-parameter target and ~10M-parameter drafter, F32 GGUF only, for timings.
-The same seed and library versions (numpy, tokenizers, gguf, safetensors, and the stdlib sources
-the tokenizer trains on) give byte-identical files.
-
-Random llama weights alone give near-tied logits (top-2 margins ~1e-5, below cross-runtime
-noise) and an argmax that hardly depends on context. So the models also carry a small designed
-grammar: the next token is succ[bit(previous), current]. A rope-built attention head copies the
-previous token's bit, and output rows boost the chosen successor. Greedy margins are then large
-everywhere, outputs depend on the KV cache (a stale entry or a wrong rope layout changes them),
-and the drafter, whose grammar differs at a `drafter_disagreement` share of entries, agrees with
-the target often but not always.
+Presets "tiny" (the committed models/tiny), "tiny-hd64" (head size 64, for vLLM's CPU
+attention) and "bench" (~60M + ~10M, for timings); byte-identical for the same seed and
+library versions. Random weights alone give near-tied logits, so the models carry a small
+designed grammar: greedy margins of several logits, outputs that depend on the KV cache.
+Why, how, and each preset: docs/design.md, "Why the tiny pair has a grammar".
 """
 from __future__ import annotations
 
