@@ -1,22 +1,12 @@
 """HF transformers (torch), in-process: crossrt's driven loop over a model's forward pass, and
 HF's own assisted generation as the native mode (backends/transformers_native.py).
 
-Models load in --dtype (float32 on the CPU by default, half precision on a GPU; the KV cache
-takes the model's dtype) from a transformers folder, or from a .gguf file through transformers'
-GGUF loader, which dequantizes to float. That takes ~30 s for a 270M-parameter model (the
-tokenizer alone ~half of it), so the dequantized model and its tokenizer are cached as a
-transformers folder, per dtype (a half-precision one is half the size), keyed by the GGUF's
-sha256 and the transformers version, in crossrt's cache folder ($CROSSRT_CACHE, else
-~/.cache/crossrt): later loads take a few seconds. A conversion is written with the sha256 of
-each of its files (DIGESTS) and loaded only while they still match, so a changed cache is
-refused, never run in the GGUF's name; what each load read is what the record names
-(TransformersRuntime.loaded_files). A half-precision conversion is cast from
-the float32 one where that is cached (the same values: the GGUF loader dequantizes to float32
-and casts), else made from the GGUF. A session keeps one DynamicCache and evaluates tokens at
-explicit positions after it, so crossrt's loop sees the same contract as on llama.cpp.
-
-This module is crossrt.backends.transformers: `import transformers` below still means the
-installed package, because imports are absolute.
+Models load in --dtype from a transformers folder, or from a .gguf through transformers' GGUF
+loader, whose slow dequantization is cached as a transformers folder per dtype, checked by its
+files' digests on every load. A session keeps one DynamicCache and evaluates at explicit
+positions, the same contract as on llama.cpp. The cache, dtypes and measured loads:
+docs/real-models.md, "GGUF files in transformers" and "Half precision, per-dtype conversions".
+(This is crossrt.backends.transformers: `import transformers` still means the package.)
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """SGLang's speculative decoding counts, as `crossrt import --from sglang-metrics` reads them:
 its Prometheus `/metrics` counters (a snapshot, or the later of two scrapes), or the per-request
 `meta_info` its responses carry. (Its decode log lines are crossrt/imports/logs.py's.)
-docs/import.md maps every field.
 
-/metrics: `sglang:spec_accept_length` and `sglang:spec_accept_rate` are gauges
-(python/sglang/srt/metrics/collector.py, sgl-project/sglang at 00ae9c1590d2 and 93d04878cfb9)
-set from the last decode log window (managers/scheduler_metrics_mixin.py, log_decode_stats, at
-01bb3c807f7e): a rate with no count behind it, which two scrapes cannot difference. The counts
-are the tokenizer manager's counters, added when a request finishes: `sglang:spec_verify_calls_total`
-(each request's spec_verify_ct; sgl-project/sglang PR 25689, merged 2026-05-18),
-`sglang:generation_tokens_total` (completion tokens) and `sglang:num_requests_total`.
-
-meta_info (a JSON object, a list, or JSON lines; whole responses or their meta_info):
-`spec_verify_ct` and `completion_tokens` (PR 3152: accept length = completion_tokens /
-spec_verify_ct), the accepted and proposed draft counts `spec_accept_token_num` /
-`spec_draft_token_num` (PR 13754) or `spec_num_correct_drafts` / `spec_num_proposed_drafts` and
-`spec_correct_drafts_histogram` (PR 33518; h[j]: verify passes that accepted j draft tokens, j = 0
-.. block size).
+Only counts are read: the accept-length and accept-rate gauges are rates of the last log window
+that two scrapes cannot difference, and are refused. Every field, the SGLang source and PRs it
+was read from, and its traps: docs/import.md, "SGLang".
 """
 
 from __future__ import annotations
