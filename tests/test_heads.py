@@ -159,6 +159,10 @@ def test_driven_reproductions_match_each_tool_prompt_by_prompt(records):
     assert result.exit_code == 0, result.output
     assert result.output.count("counters compared") == 2  # each tool against its reproduction
     assert "head settings:" in result.output and "norm_before_residual false" in result.output
+    # The two tools' schedules differ, so parity splits their tau gap, the head replayed on the oracle.
+    assert re.search(r"tau gap llama-server/native \(llama-server, EAGLE3 head\) vs llama-spec-cli/native "
+                     r"\(llama-spec-simple, EAGLE3 head\), ALL \(\d+ prompts\): .* schedule and rules", result.output)
+    assert "EAGLE3 head), ALL" in result.output and "not computed" not in result.output
     for native, driven in (("server", "driven-server"), ("spec-cli", "driven-spec-cli")):
         ours, theirs = load_record(records[driven]), load_record(records[native])
         assert [r.prompt_id for r in ours.results] == [r.prompt_id for r in theirs.results]
@@ -184,6 +188,9 @@ def test_dflash_drafting_on_both_tools_is_reproduced(code_prompts, tmp_path):
     assert parity.exit_code == 0, parity.output
     assert parity.output.count("counters compared") == 2
     assert "head settings:" in parity.output and "block_size 8" in parity.output
+    assert re.search(r"tau gap llama-server/native \(llama-server, DFlash drafter\) vs llama-spec-cli/native "
+                     r"\(llama-spec-simple, DFlash drafter\), ALL \(\d+ prompts\): .* schedule and rules", parity.output)
+    assert "not computed" not in parity.output
     record = load_record(tmp_path / "server.json")
     assert record.params.spec_type == "dflash"
     assert all(r.counters.drafted <= 7 * r.counters.steps for r in record.results)  # a block of 8 drafts 7

@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from crossrt import progress
 from crossrt.errors import ComparisonError, CrossrtError, SettingsError
 from crossrt.run.runtime import ModelSession, RuntimeOptions, open_runtime
-from crossrt.simulate.drafting import MODEL, Drafting, check_drafting, per_run, record_drafting, simulate_sequence
+from crossrt.simulate.drafting import HEAD_LABELS, MODEL, Drafting, check_drafting, per_run, record_drafting, simulate_sequence
 from crossrt.simulate.schedules import record_rules
 from crossrt.records.counts import Counts
 from crossrt.records.metrics import ratio
@@ -236,11 +236,12 @@ def _decompose(a: RunRecord, b: RunRecord, label_a: str, label_b: str, draftings
                   parts, *draftings)
 
 
-def build_oracles(target: ModelSession, drafter: Optional[ModelSession],
-                  records: Sequence[RunRecord]) -> dict[tuple[int, ...], Oracle]:
+def build_oracles(target: ModelSession, drafter: Optional[ModelSession], records: Sequence[RunRecord],
+                  head: Optional[tuple[str, object]] = None) -> dict[tuple[int, ...], Oracle]:
     """One oracle per distinct prompt ids the records finished, at their common token budget,
     with drafts as long as the largest k among them (drafter None: no draft rows, for records
-    that all draft by lookup) and as many of the target's tokens past the output, plus one."""
+    that all draft by lookup; head: (spec type, loaded head) drafting instead) and as many of the
+    target's tokens past the output, plus one."""
     budgets = {record.params.max_new_tokens for record in records}
     if len(budgets) != 1 or None in budgets:
         raise ComparisonError(f"the records ran other or unknown token budgets ({sorted(map(str, budgets))})")
@@ -251,7 +252,8 @@ def build_oracles(target: ModelSession, drafter: Optional[ModelSession],
         for result in progress.each(record.results, "tau gap oracles"):
             ids = tuple(result.prompt_ids)
             if result.ok and ids not in oracles:
-                oracles[ids] = build_oracle(target, drafter, result.prompt_id, result.category, ids, budget, max_k)
+                oracles[ids] = build_oracle(target, drafter, result.prompt_id, result.category, ids, budget, max_k,
+                                            head)
     return oracles
 
 
@@ -314,7 +316,9 @@ def parity_oracles(records: Sequence[RunRecord], threads: int) -> dict[tuple[int
     simulated = [r for r in records if _simulable(r)]
     if not simulated:
         return {}
-    roles = ("target", "drafter") if any(record_drafting(r).name == MODEL for r in simulated) else ("target",)
+    heads = {record_drafting(r).name for r in simulated} & set(HEAD_LABELS)
+    roles = ("target", "drafter") if heads or any(record_drafting(r).name == MODEL for r in simulated) \
+        else ("target",)
     files = next((tuple(Path(getattr(r.pair, role).path) for role in roles) for r in records
                   if all(getattr(r.pair, role) and getattr(r.pair, role).format == "gguf"
                          and Path(getattr(r.pair, role).path).is_file() for role in roles)), None)
@@ -324,9 +328,23 @@ def parity_oracles(records: Sequence[RunRecord], threads: int) -> dict[tuple[int
     n_ctx = max(len(result.prompt_ids) + (r.params.max_new_tokens or 0) + r.params.k + 2
                 for r in records for result in r.results)
     runtime = open_runtime(ORACLE_RUNTIME, RuntimeOptions(n_ctx=n_ctx, threads=threads))
+    if heads:  # the head drafts from the target's features: files[1] names it, not a model to load
+        spec_type = heads.pop()
+        with runtime.load(files[0]) as target:
+            return build_oracles(target, None, simulated, (spec_type, _load_head(spec_type, files[1], target)))
     with contextlib.ExitStack() as stack:
         target, *drafter = (stack.enter_context(runtime.load(path)) for path in files)
         return build_oracles(target, drafter[0] if drafter else None, simulated)
+
+
+def _load_head(spec_type: str, path: Path, target: ModelSession):
+    """The head whose GGUF is path, from the torch folder beside it, as crossrt's loop reads it."""
+    from crossrt.run.head_drafter import head_folder, load_head
+
+    folder = head_folder(path)
+    if folder is None:
+        raise ComparisonError(f"{path}: no head folder (config.json) beside it to replay the head from")
+    return load_head(spec_type, folder, target)
 
 
 def _simulable(record: RunRecord) -> bool:

@@ -43,6 +43,9 @@ class Drafter(Protocol):
     # Its drafts run past the token budget (up to k tokens whenever the schedule allows any),
     # as transformers' prompt lookup does; the schedule crops what a step yields past it.
     past_budget: bool
+    # It drafts to k, drops a draft shorter than n_min and only then cuts it to the step's
+    # limit, as llama.cpp's heads do; else the loop drops a short draft (llama-* schedules).
+    own_n_min: bool
 
     def prefill(self, ids: Sequence[int]) -> None:
         """Start from an empty cache holding ids."""
@@ -61,6 +64,7 @@ class _SessionDrafter:
     """The cache handling of a drafter that is a ModelSession."""
 
     past_budget = False
+    own_n_min = False
 
     def __init__(self, session: ModelSession):
         self.session = session

@@ -74,6 +74,7 @@ class Eagle3Drafter:
     """A Drafter (crossrt/run/drafters.py) proposing the head's greedy chain (module docstring)."""
 
     past_budget = False
+    own_n_min = True
     sessions: tuple = ()  # the head's context is its pairs, as long as the target's
 
     def __init__(self, head, target: ModelSession, k: int, n_min: int,
@@ -201,6 +202,7 @@ class DFlashBlockDrafter:
     dropped, and only then cut to the step's limit."""
 
     past_budget = False
+    own_n_min = True
     sessions: tuple = ()
 
     def __init__(self, drafter, target: ModelSession, k: int, n_min: int,
@@ -258,5 +260,3 @@ def head_drafter(spec_type: str, head, target: ModelSession, k: int, n_min: int,
     drafter_class = Eagle3Drafter if spec_type == "eagle3" else DFlashBlockDrafter
     return drafter_class(head, target, k, n_min, unsure)
 
-
-HEAD_DRAFTERS = (Eagle3Drafter, DFlashBlockDrafter)  # they draft to k and apply n_min themselves

@@ -19,7 +19,7 @@ from crossrt.errors import SettingsError
 from crossrt.records.trace import TraceRecorder
 from crossrt.run.acceptance import AcceptanceRule, Greedy, Proposal, Relaxed
 from crossrt.run.drafters import ChainStops, Drafter, ModelDrafter, TreeDrafter
-from crossrt.run.head_drafter import HEAD_DRAFTERS, head_drafter
+from crossrt.run.head_drafter import head_drafter
 from crossrt.run.lookup import LOOKUPS, LookupSettings
 from crossrt.run.numerics import choose
 from crossrt.run.policies import CONTENT_WINDOW, DraftPolicy
@@ -191,8 +191,9 @@ def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], 
     try:
         return _steps(target, drafts, prompt_ids, rules, max_new_tokens, plan, strategy, trace, tree, eog, what_if)
     finally:
-        if isinstance(drafts, HEAD_DRAFTERS):
-            drafts.close()  # the target's decodes are no longer the head's
+        close = getattr(drafts, "close", None)  # a head's: the target's decodes are no longer the head's
+        if close is not None:
+            close()
 
 
 def _steps(target: ModelSession, drafts: Drafter, prompt_ids: Sequence[int], rules: DraftRules, max_new_tokens: int,
@@ -221,7 +222,7 @@ def _steps(target: ModelSession, drafts: Drafter, prompt_ids: Sequence[int], rul
             proposal = Proposal.chain(stand_in[:n_max])
         else:
             proposal = drafts.propose(context, k if drafts.past_budget and n_max > 0 else n_max)
-        if plan.llama and not strategy.looks_up and not isinstance(drafts, HEAD_DRAFTERS) \
+        if plan.llama and not strategy.looks_up and not drafts.own_n_min \
                 and not rules.kept(len(proposal)):
             proposal = Proposal.chain(())  # llama.cpp throws a short draft model's draft away (a head's: itself)
         # What the target should hold: the context but its last token, which this step verifies.

@@ -1,5 +1,5 @@
 """How a run drafted, replayed on an oracle (crossrt/simulate/oracle.py): with the pair's drafter
-model, read from the oracle's draft rows, or by lookup (crossrt/run/lookup/), run by the one loop
+model or its head, read from the oracle's draft rows, or by lookup (crossrt/run/lookup/), run by the one loop
 on the oracle's target (oracle.run_loop) as a driven run builds and calls it: a fresh lookup per
 prompt, or one for a run's prompts in order where its state outlives a prompt under the schedule
 (Lookup.kept_across_prompts, loop.run_lookup). So the replay is a real run's steps wherever the
@@ -24,12 +24,14 @@ from crossrt.simulate.oracle import Oracle, SimRun, run_loop
 from crossrt.simulate.schedules import check_rules, record_rules, simulate_schedule
 
 MODEL = "model"
+HEAD_LABELS = {"eagle3": "EAGLE3 head", "dflash": "DFlash drafter"}  # HEAD_SPEC_TYPES, replayed from head rows
 
 
 @dataclass(frozen=True)
 class Drafting:
-    """What proposed a run's drafts: the pair's drafter model (MODEL), or a lookup of LOOKUPS with
-    its n-gram lengths (k is the rules', so a part of the schedule and rules)."""
+    """What proposed a run's drafts: the pair's drafter model (MODEL), its head (a spec type of
+    HEAD_LABELS), or a lookup of LOOKUPS with its n-gram lengths (k is the rules', so a part of the
+    schedule and rules)."""
 
     name: str
     ngram_max: Optional[int] = None
@@ -39,6 +41,8 @@ class Drafting:
     def label(self) -> str:
         if self.name == MODEL:
             return "drafter model"
+        if self.name in HEAD_LABELS:
+            return HEAD_LABELS[self.name]
         return LOOKUPS[self.name].label.format(ngram_max=self.ngram_max, ngram_min=self.ngram_min)
 
 
@@ -53,6 +57,8 @@ def record_drafting(record: RunRecord) -> Drafting:
         return Drafting(params.drafting, params.ngram_max, params.ngram_min or 1)
     if params.drafting == "tree":
         raise SettingsError(f"drafts a tree ({params.tree}), which the simulation does not replay")
+    if params.spec_type in HEAD_LABELS:
+        return Drafting(params.spec_type)
     if params.spec_type != "draft":
         raise SettingsError(f"drafts by spec type {params.spec_type}, which no lookup of crossrt/run/lookup "
                             "reproduces")
@@ -63,6 +69,10 @@ def check_drafting(schedule: str, rules: DraftRules, drafting: Drafting) -> None
     """SettingsError unless drafting is simulated under schedule with rules."""
     if drafting.name == MODEL:
         check_rules(schedule, rules)
+    elif drafting.name in HEAD_LABELS:
+        if schedule not in SCHEDULES:
+            raise SettingsError(f"schedule {schedule!r}: a head's run is replayed under {', '.join(SCHEDULES)} only")
+        check_rules(schedule, rules)
     elif schedule not in SCHEDULES:
         raise SettingsError(f"schedule {schedule!r}: a lookup's run is replayed under {', '.join(SCHEDULES)} only")
 
@@ -70,7 +80,7 @@ def check_drafting(schedule: str, rules: DraftRules, drafting: Drafting) -> None
 def per_run(drafting: Drafting, schedule: str) -> bool:
     """Whether one lookup serves a run's prompts under schedule (Lookup.kept_across_prompts, as
     loop.run_lookup), so such a run is replayed as a whole."""
-    return drafting.name != MODEL and LOOKUPS[drafting.name].kept_across_prompts(schedule)
+    return drafting.name in LOOKUPS and LOOKUPS[drafting.name].kept_across_prompts(schedule)
 
 
 def simulate_drafting(oracle: Oracle, schedule: str, rules: DraftRules, drafting: Drafting,
@@ -87,6 +97,11 @@ def simulate_sequence(oracles: Sequence[Oracle], schedule: str, rules: DraftRule
     if drafting.name == MODEL:
         return [simulate_schedule(oracle, schedule, rules) for oracle in oracles]
     check_drafting(schedule, rules, drafting)
+    if drafting.name in HEAD_LABELS:
+        unheaded = next((oracle for oracle in oracles if not oracle.head or rules.k > oracle.max_k), None)
+        if unheaded is not None:
+            raise SettingsError(f"the oracle of {unheaded.prompt_id} holds no {drafting.label}'s {rules.k}-token drafts")
+        return [run_loop(oracle, schedule, rules, n_ctx=n_ctx) for oracle in oracles]
     short = next((oracle for oracle in oracles if rules.k >= len(oracle.beyond)), None)
     if short is not None:
         raise SettingsError(f"k={rules.k} reaches past the oracle's {len(short.beyond)} tokens beyond its output")

@@ -30,6 +30,7 @@ from crossrt.records.counts import Counts
 from crossrt.records.metrics import Totals
 from crossrt.records.schema import Counters
 from crossrt.records.trace import top1_probability
+from crossrt.simulate.head_rows import head_rows
 from crossrt.simulate.oracle_sessions import OracleDrafter, OracleTarget
 
 CHUNK = 64  # tokens per drafter pass when the oracle scores the whole output at once
@@ -52,6 +53,7 @@ class Oracle:
     draft_p10: Optional[np.ndarray] = None
     # float32, as drafts: the drafter's top logit at each (exllamav3's draft confidence score)
     draft_top: Optional[np.ndarray] = None
+    head: bool = False  # the drafts are a head's (simulate/head_rows.py), proposed under a head's rules
 
     @property
     def max_k(self) -> int:
@@ -64,12 +66,14 @@ class Oracle:
 
 
 def build_oracle(target: ModelSession, drafter: Optional[ModelSession], prompt_id: str, category: str,
-                 prompt_ids: Sequence[int], max_new_tokens: int, max_k: int) -> Oracle:
+                 prompt_ids: Sequence[int], max_new_tokens: int, max_k: int,
+                 head: Optional[tuple[str, Any]] = None) -> Oracle:
     """The oracle of one prompt. The drafter scores prompt + output in one pass (the first
     draft token of every position), then, from the last position back so that each needs only
     a truncation, continues each position one token at a time, or takes the next position's
     row where its first token is the target's. Without a drafter, the target's part alone (no
-    draft rows): what a lookup's replay reads (crossrt/simulate/drafting.py)."""
+    draft rows): what a lookup's replay reads (crossrt/simulate/drafting.py). head: (spec type,
+    loaded head), drafting from the target's features instead (crossrt/simulate/head_rows.py)."""
     prompt_ids = tuple(prompt_ids)
     sessions = [target] if drafter is None else [target, drafter]
     # A draft from the row after the output reaches K tokens past it, and its check K + 1.
@@ -79,6 +83,10 @@ def build_oracle(target: ModelSession, drafter: Optional[ModelSession], prompt_i
     for _ in range(max_k + 1):  # the target's cache holds prompt + output[:-1] after greedy_generate
         beyond.append(int(target.eval(((output + tuple(beyond))[-1],), Rows.LAST)[0].argmax()))
     n = len(output) + 1
+    if head is not None:
+        drafts, p1, p10 = head_rows(target, *head, prompt_ids, output, max_k)
+        return Oracle(prompt_id, category, prompt_ids, max_new_tokens, output, drafts, p1, target.eog_ids,
+                      tuple(beyond), p10, head=True)
     if drafter is None:
         return Oracle(prompt_id, category, prompt_ids, max_new_tokens, output, np.zeros((n, 0), dtype=np.int32),
                       np.zeros((n, 0), dtype=np.float32), target.eog_ids, tuple(beyond))
@@ -191,7 +199,8 @@ def run_loop(oracle: Oracle, schedule: str, rules: DraftRules, strategy: Strateg
     target = OracleTarget(oracle.prompt_ids, oracle.extended, oracle.eog_ids, n_ctx, detokenize)
     if drafts is None and not strategy.looks_up:
         stops = loop.chain_stops(schedule, rules, strategy.min_p1 if min_p1 is None else min_p1, oracle.eog_ids)
-        drafts = OracleDrafter(len(oracle.prompt_ids), oracle.drafts, oracle.draft_p10, oracle.draft_p1, stops)
+        drafts = OracleDrafter(len(oracle.prompt_ids), oracle.drafts, oracle.draft_p10, oracle.draft_p1, stops,
+                               (rules.k, rules.n_min) if oracle.head else None)
     run = loop.speculative_generate(target, None, oracle.prompt_ids, rules, oracle.max_new_tokens, schedule,
                                     strategy=strategy, drafts=drafts, what_if=True)
     return SimRun.of(run, oracle.prompt_id, oracle.category)

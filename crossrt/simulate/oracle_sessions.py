@@ -79,29 +79,46 @@ class OracleTarget:
 
 
 class OracleDrafter:
-    """A drafter model's greedy chains, read from the oracle's rows (drafts: row e after prompt +
+    """A drafter's greedy chains, read from the oracle's rows (drafts: row e after prompt +
     output[:e]; p10, p1: each token's top-10 and full-softmax probabilities) and stopped by stops
-    as the loop's ModelDrafter is; calls counts one pass per token read, as it does."""
+    as the loop's ModelDrafter is; calls counts one pass per token read, as it does. head: the rows
+    are a head's (crossrt/simulate/head_rows.py), proposed under a head's rules instead: up to
+    k tokens while sure, a draft shorter than n_min dropped, then cut to the step's limit, as
+    run/head_drafter.py's drafters propose."""
 
     sessions: tuple = ()
     past_budget = False
 
     def __init__(self, prompt_length: int, drafts: np.ndarray, p10: Optional[np.ndarray], p1: np.ndarray,
-                 stops: ChainStops):
+                 stops: ChainStops, head: Optional[tuple[int, int]] = None):
         self.prompt_length, self.stops = prompt_length, stops
         self.tokens = drafts.tolist()
         self.probabilities = p10 if stops.top10 else p1
         self.calls = 0
+        self.head = head  # (k, n_min) of a head's rules
+        self.own_n_min = head is not None
 
     def propose(self, context: Sequence[int], n_max: int) -> Proposal:
         row = len(context) - self.prompt_length
         tokens, probabilities = self.tokens[row], self.probabilities[row]
+        if self.head is not None:
+            return self._head_draft(tokens, probabilities, n_max)
 
         def read(draft: Sequence[int]) -> Optional[int]:
             self.calls += 1
             return None if self.stops.below(probabilities[len(draft)]) else tokens[len(draft)]
 
         return draft_chain(n_max, self.stops.ends, read)
+
+    def _head_draft(self, tokens: Sequence[int], probabilities, n_max: int) -> Proposal:
+        k, n_min = self.head
+        if n_max <= 0:
+            return Proposal.chain(())
+        self.calls += 1
+        draft = []
+        while len(draft) < k and not self.stops.below(probabilities[len(draft)]):
+            draft.append(tokens[len(draft)])
+        return Proposal.chain(draft[:n_max] if len(draft) >= n_min else ())
 
     def prefill(self, ids: Sequence[int]) -> None:
         """Nothing cached: the oracle's rows stay."""

@@ -13,6 +13,7 @@ class LookupDrafter:
 
     sessions: tuple = ()
     past_budget = False  # transformers' drafts run past the budget (HfPromptLookup)
+    own_n_min = False
 
     def __init__(self):
         self.calls = 0
