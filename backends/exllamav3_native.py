@@ -17,7 +17,7 @@ from crossrt.backends.exllamav3 import (PINNED_VERSION, Placement, TextModel, bu
                                         chunk_size, load_with_cache, page_round, text_model)
 from crossrt.errors import SettingsError
 from crossrt.run.runtime import DraftRules, NativeGeneration, NativeSession, RuntimeFailure, RuntimeOptions
-from crossrt.run.schedules import check_context_fits
+from crossrt.speculative.schedules import check_context_fits
 from crossrt.records.schema import Counters, CountsDoNotAddUp
 
 SCHEDULE = "exllamav3"

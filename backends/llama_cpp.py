@@ -92,7 +92,7 @@ class LlamaCppSession(ModelSession):
         context_params.n_outputs_max = n_outputs_max
         context_params.n_outputs_max_per_seq = n_outputs_max
         if n_seq_max > 1:
-            # Tree verification (crossrt/run/loop.py, tree drafting): a token shared by several draft paths
+            # Tree verification (crossrt/speculative/loop.py, tree drafting): a token shared by several draft paths
             # belongs to all their sequences at once, which needs one KV stream for them all.
             context_params.n_seq_max = n_seq_max
             context_params.kv_unified = True

@@ -1,4 +1,4 @@
-"""A llama.cpp session that verifies a draft tree in one batch (crossrt/run/loop.py with a tree drafter).
+"""A llama.cpp session that verifies a draft tree in one batch (crossrt/speculative/loop.py with a tree drafter).
 
 As llama.cpp's examples/speculative does with several draft sequences: the cached context is
 sequence 0; a tree step first copies it to one sequence per leaf (llama_memory_seq_cp, which in

@@ -1,7 +1,7 @@
 """llama.cpp's n-gram spec types under crossrt's settings, for llama-server and
 llama-speculative-simple (backends/llama_spec_cli.py): which --drafting runs which type, and the
 type's own flags for crossrt's ngram_max, k and n_min (common/arg.cpp, common/common.h at
-the vendored commit 0c1e57098). crossrt/run/lookup/llama_ngram.py reproduces each type under the
+the vendored commit 0c1e57098). crossrt/speculative/lookup/llama_ngram.py reproduces each type under the
 llama-server and llama-spec-simple schedules; docs/ngram.md sets the settings side by side."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from crossrt.errors import SettingsError
-from crossrt.run.lookup.llama_ngram import check_ngram_cache
+from crossrt.speculative.lookup.llama_ngram import check_ngram_cache
 from crossrt.run.runtime import DraftRules
 
 # --drafting values llama-server runs as its own n-gram spec types.

@@ -18,19 +18,19 @@ from functools import partial
 from pathlib import Path
 from typing import Optional, Sequence
 
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.errors import ModelError, PromptRefused, SettingsError
 from crossrt.run.memory import check_gguf_fits
 from crossrt.run.processes import die_with_parent
 from crossrt.run.runtime import (DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                              HEAD_SPEC_TYPES, RuntimeOptions, RuntimeUnavailable)
-from crossrt.run.schedules import SPEC_SIMPLE, check_prompt
+from crossrt.speculative.schedules import SPEC_SIMPLE, check_prompt
 from crossrt.records.schema import Counters, CountsDoNotAddUp, RuntimeInfo
 from crossrt.backends.llama_cpp import LlamaCppRuntime
 from crossrt.backends.llama_server_ngram import NGRAM_DRAFTINGS, ngram_note, ngram_rules, ngram_settings
 from crossrt.backends.llama_spec_cli_log import TOOL, ToolRun, Vocab, parse_log, step_tokens
 from crossrt.backends.llama_tools import BUILD_BIN, find_tool, llama_spec_type, log_tail, probe, refuse_unfed_head
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.strategies import Strategy
 REPO_TOOL = BUILD_BIN / TOOL
 # The tool's logger thread is leaked at exit, so the log's tail (the statistics) is lost in a
 # quarter to most of the runs on a busy 2-core machine. scripts/build_llama_tools builds a small

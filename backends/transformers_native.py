@@ -19,8 +19,8 @@ import transformers
 from crossrt.backends.transformers import LoadedModel, synchronize, tokenize
 from crossrt.errors import SettingsError
 from crossrt.run.runtime import DraftRules, NativeGeneration, NativeSession, RuntimeFailure, RuntimeOptions
-from crossrt.run.schedules import check_context_fits
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.schedules import check_context_fits
+from crossrt.speculative.strategies import Strategy
 from crossrt.records.schema import Counters, CountsDoNotAddUp
 
 SCHEDULE = "hf-assisted"

@@ -42,7 +42,7 @@ from crossrt.run.runtime import (DTYPES, DraftRules, NativeGeneration, NativeSes
                              RuntimeOptions, RuntimeUnavailable)
 from crossrt.run.memory import Uncounted, plan_processes
 from crossrt.run.processes import ProcessTree, die_with_parent
-from crossrt.run.schedules import check_context_fits
+from crossrt.speculative.schedules import check_context_fits
 from crossrt.records.schema import Counters, CountsDoNotAddUp, RuntimeInfo
 from crossrt.backends.llama_tools import log_tail
 from crossrt.backends.vllm_heads import NAMES as HEAD_METHODS, check_head, head_note, head_speculative

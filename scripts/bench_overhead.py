@@ -35,12 +35,12 @@ from pathlib import Path
 
 import numpy as np
 
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.backends import llama_cpp as backend
 from crossrt.inputs.pairs import load_pair
 from crossrt.run.runtime import DraftRules, Rows, RuntimeOptions, open_runtime
-from crossrt.run.numerics import choose
-from crossrt.run.schedules import SPEC_SIMPLE, ViewRecorder
+from crossrt.speculative.numerics import choose
+from crossrt.speculative.schedules import SPEC_SIMPLE, ViewRecorder
 from crossrt.builders.tinypair import build_pair
 
 REPO = Path(__file__).resolve().parent.parent

@@ -21,13 +21,13 @@ import statistics
 import sys
 from pathlib import Path
 
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.simulate.adaptive import simulate_policy
-from crossrt.run.policies import DraftPolicy
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.policies import DraftPolicy
+from crossrt.speculative.strategies import Strategy
 from crossrt.inputs.pairs import load_pair
 from crossrt.inputs.prompts import Prompt, load_prompts
-from crossrt.run.relaxed import relaxed_run
+from crossrt.speculative.relaxed import relaxed_run
 from crossrt.run.runtime import DraftRules, RuntimeOptions, open_runtime
 from crossrt.simulate.oracle import SimRun, build_oracle, measure_costs, simulate_suite
 from crossrt.records.tables import format_table

@@ -1,4 +1,4 @@
-"""Prompt-lookup drafting (crossrt/run/lookup/crossrt_lookup.py, PromptLookup) in the driven loop, per category (docs/ceiling.md).
+"""Prompt-lookup drafting (crossrt/speculative/lookup/crossrt_lookup.py, PromptLookup) in the driven loop, per category (docs/ceiling.md).
 
     .venv/bin/python scripts/lookup_bench.py --pair gemma3-270m [--prompts categories] [--limit 4]
         [--max-new 64] [--k 7] [--out results.json]
@@ -18,11 +18,11 @@ import json
 import sys
 from pathlib import Path
 
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.simulate.adaptive import simulate_policy
-from crossrt.run.lookup import PromptLookup
-from crossrt.run.policies import DraftPolicy
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.lookup import PromptLookup
+from crossrt.speculative.policies import DraftPolicy
+from crossrt.speculative.strategies import Strategy
 from crossrt.inputs.pairs import load_pair
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import DraftRules, RuntimeOptions, open_runtime

@@ -13,14 +13,14 @@ import time
 
 from crossrt.inputs.pairs import resolve_pair
 from crossrt.inputs.prompts import load_prompts
-from crossrt.run.policies import DraftPolicy
+from crossrt.speculative.policies import DraftPolicy
 from crossrt.run.runtime import DraftRules, RuntimeOptions, open_runtime
-from crossrt.run.schedules import SCHEDULES
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.schedules import SCHEDULES
+from crossrt.speculative.strategies import Strategy
 from crossrt.simulate.adaptive import simulate_policy
 from crossrt.simulate.drafting import Drafting, simulate_sequence
 from crossrt.simulate.oracle import CostModel, build_oracle, simulate_suite
-from crossrt.simulate.schedules import summarize_schedule
+from crossrt.simulate.schedule_sims import summarize_schedule
 
 THRESHOLDS = (0.5, 0.9, 0.99, 0.999, 0.9999)  # crossrt simulate's default cut-offs
 LOOKUPS = (("crossrt", "prompt-lookup"), ("llama-server", "llama-ngram-map-k"), ("vllm", "vllm-ngram"))

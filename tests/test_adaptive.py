@@ -4,14 +4,14 @@ exact greedy at top-m 1 and measures its drift otherwise."""
 
 import pytest
 
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.simulate.adaptive import simulate_policy
 from crossrt.inputs.prompts import load_prompts
-from crossrt.run.policies import DraftPolicy, content_type
-from crossrt.run.relaxed import drift, relaxed_run
+from crossrt.speculative.policies import DraftPolicy, content_type
+from crossrt.speculative.relaxed import drift, relaxed_run
 from crossrt.run.runtime import DraftRules
 from crossrt.simulate.oracle import Policy, SimRun, build_oracle, simulate
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.strategies import Strategy
 
 PROMPTS = load_prompts("builtin")
 MAX_NEW = 40

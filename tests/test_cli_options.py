@@ -18,7 +18,7 @@ from crossrt.errors import SettingsError
 from crossrt.inputs.pairs import DEFAULT_K, load_pair, manifest_path, run_k, run_spec_type
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import RuntimeOptions, RuntimeUnavailable, runtime_class
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.strategies import Strategy
 from crossrt.sweep.plan import load_sweep
 from crossrt.sweep.runner import Executor, run_sweep
 from crossrt.sweep.store import SweepStore

@@ -77,7 +77,7 @@ def test_a_different_model_is_a_disagreement(tmp_path):
 
 
 def test_diff_and_parity_give_one_verdict(random_records):
-    """The same near-tie verdict (crossrt/run/numerics.py) in both commands, on the same runs."""
+    """The same near-tie verdict (crossrt/speculative/numerics.py) in both commands, on the same runs."""
     a, b = (load_record(path) for path in random_records)
     report = diff_records("f32", a, "f16", b)
     comparisons = {c.prompt_id: c for c in compare_records(a, b, labels=("f32", "f16"))}

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.errors import SettingsError
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.backends.exllamav3 import adds_bos, chunk_size, missing_requirements, page_round
 from crossrt.backends.exllamav3_native import check_rules, counters_from_rounds, drafting_kind
 from crossrt.cli import main

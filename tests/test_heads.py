@@ -25,7 +25,7 @@ from crossrt.records.record_json import load_record
 from crossrt.errors import SettingsError
 from crossrt.run.head_corpus import corpus_path, head_corpus
 from crossrt.run.runtime import Rows, RuntimeOptions, availability, open_runtime
-from crossrt.run.schedules import SERVER, SPEC_SIMPLE
+from crossrt.speculative.schedules import SERVER, SPEC_SIMPLE
 
 from conftest import REAL_PAIR, REPO, assert_clean_error
 

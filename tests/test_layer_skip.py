@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 from gguf import GGUFReader
 
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.cli import main
 from crossrt.inputs.gguf_file import gguf_metadata
 from crossrt.inputs.pairs import pair_from_paths, pair_info

@@ -9,9 +9,11 @@ import crossrt
 PACKAGE = Path(crossrt.__file__).parent
 BACKENDS = PACKAGE.parent / "backends"  # installed as crossrt.backends
 # Earliest first. backends implement the run stage's Runtime contract; builders make model files
-# from inputs' formats; simulate replays runs exactly on oracles the run stage's sessions compute.
-LAYERS = ("errors", "records", "inputs", "builders", "run", "simulate", "imports", "compare", "analyze", "report",
-          "sweep", "cli")
+# from inputs' formats; speculative is the speculative-decoding algorithm (the loop, its
+# strategies, the session types it drives), which run's machinery drives on runtimes; simulate
+# replays runs exactly on oracles the run stage's sessions compute.
+LAYERS = ("errors", "records", "inputs", "builders", "speculative", "run", "simulate", "imports", "compare",
+          "analyze", "report", "sweep", "cli")
 # progress (the bars long work shows) is read at every stage, as errors is: the first layer.
 STAGE = {"backends": "run", "progress": "errors"}
 

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.errors import PromptRefused
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.cli import main
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.inputs.pairs import load_pair

@@ -11,14 +11,14 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.errors import PromptRefused
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.backends.llama_spec_cli import TOOL, parse_log
 from crossrt.backends.llama_tools import Flags
 from crossrt.cli import main
 from crossrt.run.driver import run_prompt_native
 from crossrt.inputs.prompts import Prompt, load_prompts
 from crossrt.run.runtime import DraftRules, RuntimeFailure, RuntimeOptions, RuntimeUnavailable, availability, open_runtime
-from crossrt.run.schedules import SPEC_SIMPLE
+from crossrt.speculative.schedules import SPEC_SIMPLE
 from crossrt.records.record_json import load_record
 
 from conftest import TINY_PAIR

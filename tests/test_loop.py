@@ -3,7 +3,7 @@
 import pytest
 
 from crossrt.errors import PromptRefused, SettingsError
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.run.runtime import DraftRules
 from crossrt.inputs.prompts import load_prompts
 

@@ -13,11 +13,11 @@ from transformers.generation.candidate_generator import PromptLookupCandidateGen
 
 from crossrt.cli import main
 from crossrt.records.record_json import load_record
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.errors import SettingsError
-from crossrt.run.lookup import HfPromptLookup, LlamaNgramCache, LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple
+from crossrt.speculative.lookup import HfPromptLookup, LlamaNgramCache, LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple
 from crossrt.run.runtime import DraftRules
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.strategies import Strategy
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.repeating import repeating, write_jsonl
 

@@ -14,11 +14,11 @@ from crossrt.backends.llama_spec_cli_log import parse_log
 from crossrt.cli import main
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.run.repeating import repeating, write_jsonl
 from crossrt.run.runtime import DraftRules, RuntimeFailure, availability
-from crossrt.run.schedules import SPEC_SIMPLE
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.schedules import SPEC_SIMPLE
+from crossrt.speculative.strategies import Strategy
 
 from conftest import TINY_PAIR, assert_clean_error, assert_reproduced
 

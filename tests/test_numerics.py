@@ -1,10 +1,10 @@
-"""The one near-tie verdict (crossrt/run/numerics.py): gaps between the two emitted tokens, whatever
+"""The one near-tie verdict (crossrt/speculative/numerics.py): gaps between the two emitted tokens, whatever
 lies between them, and the close candidates a pass records, against a full sort of the row."""
 
 import numpy as np
 import pytest
 
-from crossrt.run.numerics import CLOSE_MAX, CLOSE_WINDOW, Gap, choose, judge, recorded_gap, rescored_gap
+from crossrt.speculative.numerics import CLOSE_MAX, CLOSE_WINDOW, Gap, choose, judge, recorded_gap, rescored_gap
 from crossrt.compare.rescore import top_k
 from crossrt.compare.tolerance import F16_CACHE, F32_EXACT, HALF_WEIGHTS, QUANTIZED, QUANTIZED_ONE_RUNTIME
 

@@ -13,10 +13,10 @@ import pytest
 from crossrt.backends.llama_cpp_tree import load_tree_session
 from crossrt.compare.tolerance import QUANTIZED
 from crossrt.inputs.pairs import load_pair
-from crossrt.run import loop
-from crossrt.run.numerics import judge, recorded_gap
+from crossrt.speculative import loop
+from crossrt.speculative.numerics import judge, recorded_gap
 from crossrt.run.runtime import DraftRules, RuntimeOptions, open_runtime
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.strategies import Strategy
 
 from conftest import REPO
 

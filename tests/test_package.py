@@ -92,8 +92,8 @@ def installed(tmp_path_factory):
 @pytest.mark.slow
 def test_the_wheel_ships_every_package_and_the_builtin_data_but_no_model_files(installed):
     names = zipfile.ZipFile(installed[0]).namelist()
-    assert {"crossrt/run/lookup/__init__.py", "crossrt/backends/llama_cpp.py", "crossrt/data/prompts/builtin.jsonl",
-            "crossrt/data/models/pairs/tiny.toml", "crossrt/data/models/claims/community.toml",
+    assert {"crossrt/speculative/lookup/__init__.py", "crossrt/backends/llama_cpp.py",
+            "crossrt/data/prompts/builtin.jsonl", "crossrt/data/models/pairs/tiny.toml", "crossrt/data/models/claims/community.toml",
             "crossrt/data/models/templates/tiny-chat.jinja"} <= set(names)
     assert not [name for name in names if name.endswith((".gguf", ".safetensors"))]
 

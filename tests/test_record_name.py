@@ -5,7 +5,7 @@ from pathlib import Path
 
 from crossrt.run.record_name import default_record_path
 from crossrt.run.runtime import DraftRules
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.strategies import Strategy
 
 
 def name(**changes) -> Path:

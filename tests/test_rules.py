@@ -8,7 +8,7 @@ from crossrt.errors import SettingsError
 from crossrt.inputs.pairs import load_pair
 from crossrt.run.rules import run_rules
 from crossrt.run.runtime import K_LIMIT, DraftRules, RuntimeOptions
-from crossrt.run.strategies import NGRAM_LIMIT, Strategy
+from crossrt.speculative.strategies import NGRAM_LIMIT, Strategy
 
 from conftest import TINY_PAIR
 

@@ -1,6 +1,6 @@
 """llama.cpp's schedules in the driven loop, on real llama.cpp with the tiny pair.
 
-Exact step lists below follow from the rules in crossrt/run/schedules.py; agreement with the native
+Exact step lists below follow from the rules in crossrt/speculative/schedules.py; agreement with the native
 tool itself is in test_llama_spec_cli.py. The tiny pair's drafter is very sure of itself (its
 top-10 probability is below 0.9999 at about 10% of positions and below 0.5 at 0.1%), so a
 p_min that stops drafts here has to be close to 1.
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from crossrt.errors import PromptRefused
-from crossrt.run import loop, schedules
+from crossrt.speculative import loop, schedules
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import DraftRules
 
@@ -130,7 +130,7 @@ def test_the_first_token_from_the_prompt_pass_is_one_trait_that_diagnosis_reads_
     diagnosis once read it for llama-server only, so vLLM-schedule splits at token 0 were
     re-scored in the wrong pass shape (issue 59)."""
     from crossrt.compare.diagnosis import _plain_shape
-    from crossrt.run.schedules import SCHEDULES, first_from_prompt
+    from crossrt.speculative.schedules import SCHEDULES, first_from_prompt
 
     assert {name for name in SCHEDULES if first_from_prompt(name)} == {"llama-server", "vllm"}
     assert not first_from_prompt("an imported runtime's own")

@@ -8,15 +8,15 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.errors import ComparisonError
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.cli.analysis import simulate_command
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import DraftRules, Rows, RuntimeOptions, availability, open_runtime
-from crossrt.simulate.schedules import (EXLLAMAV3, EXLLAMAV3_DYNAMIC, LLAMA_SCHEDULES, VLLM, DraftCalibration,
-                                       compare_with_record, simulate_schedule)
+from crossrt.simulate.schedule_sims import (EXLLAMAV3, EXLLAMAV3_DYNAMIC, LLAMA_SCHEDULES, VLLM, DraftCalibration,
+                                            compare_with_record, simulate_schedule)
 from crossrt.simulate.oracle import CostModel, Policy, build_oracle, measure_costs, simulate, simulate_suite
-from crossrt.run.schedules import top_probability
+from crossrt.speculative.schedules import top_probability
 
 from conftest import TINY_PAIR
 

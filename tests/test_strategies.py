@@ -1,4 +1,4 @@
-"""Each strategy of the one loop (crossrt/run/strategies.py) through the real loop on the tiny
+"""Each strategy of the one loop (crossrt/speculative/strategies.py) through the real loop on the tiny
 pair in llama.cpp: prompt lookup proposes tokens, never logits; the content, online and
 confidence policies size drafts by their rules and stay lossless; relaxed acceptance is
 labelled lossy in the record and parity refuses to compare it; bad combinations are refused in
@@ -10,13 +10,13 @@ from crossrt.compare.parity import compare_all, compare_records
 from crossrt.errors import ComparisonError, SettingsError
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
-from crossrt.run import loop
-from crossrt.run.acceptance import Proposal
+from crossrt.speculative import loop
+from crossrt.speculative.acceptance import Proposal
 from crossrt.run.driver import RunRequest, run_pair
-from crossrt.run.lookup import PromptLookup
-from crossrt.run.policies import content_type
+from crossrt.speculative.lookup import PromptLookup
+from crossrt.speculative.policies import content_type
 from crossrt.run.runtime import DraftRules, RuntimeOptions
-from crossrt.run.strategies import Strategy, parse_content_k
+from crossrt.speculative.strategies import Strategy, parse_content_k
 
 PROMPTS = load_prompts("builtin")
 MAX_NEW = 40

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from crossrt.analyze import analysis
 from crossrt.cli import main
 from crossrt.records.record_json import load_record
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.strategies import Strategy
 from crossrt.sweep.store import SweepStore
 
 from conftest import REPO, TINY_PAIR

@@ -11,7 +11,7 @@ from crossrt.run.driver import RunRequest, run_pair
 from crossrt.errors import ComparisonError
 from crossrt.inputs.prompts import Prompt, load_prompts
 from crossrt.run.runtime import DraftRules, RuntimeOptions, availability
-from crossrt.simulate.schedules import summarize_schedule
+from crossrt.simulate.schedule_sims import summarize_schedule
 from crossrt.records.schema import Counters, ImportInfo
 from crossrt.compare.tau_gap import METRICS, PARTS, build_oracles, exact_figures, parity_gaps, tau_gap
 

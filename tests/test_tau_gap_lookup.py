@@ -21,15 +21,15 @@ from crossrt.inputs.prompts import load_prompts
 from crossrt.run.repeating import repeating
 from crossrt.records.record_json import save_record
 from crossrt.records.schema import PromptResult
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.run.driver import RunRequest, run_pair
-from crossrt.run.lookup import LOOKUPS
+from crossrt.speculative.lookup import LOOKUPS
 from crossrt.run.runtime import DraftRules, RuntimeOptions, availability, open_runtime
-from crossrt.run.schedules import SCHEDULES
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.schedules import SCHEDULES
+from crossrt.speculative.strategies import Strategy
 from crossrt.simulate.drafting import Drafting, record_drafting, simulate_drafting, simulate_record
 from crossrt.simulate.oracle import build_oracle
-from crossrt.simulate.schedules import record_rules
+from crossrt.simulate.schedule_sims import record_rules
 
 BUDGET = 24
 OPTIONS = RuntimeOptions(n_ctx=512, threads=1)

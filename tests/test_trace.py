@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from crossrt.errors import SettingsError
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import DraftRules, Rows, RuntimeOptions

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.errors import ModelError, PromptRefused, SettingsError
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.cli import main
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import DraftRules, RuntimeOptions, Rows, open_runtime

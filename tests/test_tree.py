@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.backends.llama_cpp_tree import load_tree_session
 from crossrt.errors import SettingsError
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import DraftRules, RuntimeOptions
 from crossrt.simulate.oracle import Policy, build_oracle, simulate
-from crossrt.run.tree import Tree
+from crossrt.speculative.tree import Tree
 from crossrt.simulate.trees import best_tree, build_rank_oracle, simulate_top_b, simulate_tree
 
 from conftest import REPO

@@ -184,7 +184,7 @@ def test_vllm_native_writes_per_prompt_counters_and_ids(vllm_run):
 @needs_vllm
 @needs_transformers
 def test_vllm_counts_step_for_step_as_its_schedule_simulated_from_vllms_source(vllm_run, hd64_pair):
-    """crossrt/simulate/schedules.py's `vllm` schedule, written from vLLM's source apart from this
+    """crossrt/simulate/schedule_sims.py's `vllm` schedule, written from vLLM's source apart from this
     runtime, on an oracle of the same weights computed in transformers: every step's drafted
     and accepted counts must be the run's."""
     out, _ = vllm_run
@@ -199,7 +199,7 @@ def test_vllm_counts_step_for_step_as_its_schedule_simulated_from_vllms_source(v
 def test_the_driven_vllm_schedule_on_transformers_is_vllms_run(vllm_run, hd64_pair, tmp_path):
     """Same F32 weights: the tiny design's margins are several logits, far above the numerics
     of two runtimes, so greedy outputs are equal token for token, and the driven loop's vllm
-    schedule (crossrt/run/schedules.py) with the drafter model counts as vLLM does, step for step."""
+    schedule (crossrt/speculative/schedules.py) with the drafter model counts as vLLM does, step for step."""
     driven = run(hd64_pair, "transformers", "driven", tmp_path / "transformers.json", "--schedule", "vllm")
     assert driven.params.schedule == vllm_run[1].params.schedule == "vllm"
     for ours, theirs in zip(vllm_run[1].results, driven.results, strict=True):

@@ -17,7 +17,7 @@ from crossrt.cli import main
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.repeating import repeating, write_jsonl
 from crossrt.records.record_json import load_record
-from crossrt.run.lookup.vllm_ngram import VllmNgram, propose_tokens
+from crossrt.speculative.lookup.vllm_ngram import VllmNgram, propose_tokens
 from crossrt.run.runtime import RuntimeOptions, availability, open_runtime
 
 needs_vllm = pytest.mark.skipif(availability("vllm") is not None, reason=str(availability("vllm")))

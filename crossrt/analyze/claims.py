@@ -18,7 +18,7 @@ from typing import Optional, Union
 from crossrt.records import metrics
 from crossrt.errors import CrossrtError
 from crossrt.inputs.builtin import named
-from crossrt.run.loop import SCHEDULES
+from crossrt.speculative.loop import SCHEDULES
 from crossrt.run.runtime import SPEC_TYPES
 from crossrt.records.schema import RunRecord
 from crossrt.records.tables import format_table

@@ -22,7 +22,7 @@ from crossrt.run.attach import attach
 from crossrt.run.baselines import BaselineStore
 from crossrt.run.driver import RunRequest
 from crossrt.run.isolation import run_pair_safely
-from crossrt.run.loop import SCHEDULE
+from crossrt.speculative.loop import SCHEDULE
 from crossrt.run.rules import run_rules
 from crossrt.run.runtime import HEAD_SPEC_TYPES, RuntimeOptions, RuntimeUnavailable, Server, availability, runtime_class
 

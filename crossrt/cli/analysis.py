@@ -26,7 +26,7 @@ from crossrt.records.tables import format_table, render
 from crossrt.run.runtime import runtime_names
 from crossrt.simulate.ceiling import Ceiling, load_ceilings
 from crossrt.simulate.oracle import PolicyResult, Simulation
-from crossrt.simulate.schedules import SIMULATED, ScheduleResult
+from crossrt.simulate.schedule_sims import SIMULATED, ScheduleResult
 from crossrt.simulate.study import StudyRequest, check_simulated, per_prompt, study
 from crossrt.simulate.tree_section import TreeSection
 

@@ -26,7 +26,7 @@ from crossrt.run.baselines import BaselineStore
 from crossrt.run.driver import RunRequest
 from crossrt.run.isolation import RuntimeCrashed, kept, run_pair_safely
 from crossrt.imports.importer import import_summary
-from crossrt.run.loop import SCHEDULE, SCHEDULES
+from crossrt.speculative.loop import SCHEDULE, SCHEDULES
 from crossrt.inputs.pairs import run_k, run_spec_type
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.record_name import default_record_path

@@ -17,8 +17,8 @@ from crossrt.cli.common import GpuSplit
 from crossrt.errors import SettingsError
 from crossrt.inputs.pairs import resolve_pair
 from crossrt.run.runtime import DTYPES, RuntimeOptions, runtime_class
-from crossrt.run.lookup import LOOKUPS
-from crossrt.run.strategies import ACCEPTANCES, DRAFTINGS, K_POLICIES, STRATEGY_PARTS, Strategy, parse_content_k
+from crossrt.speculative.lookup import LOOKUPS
+from crossrt.speculative.strategies import ACCEPTANCES, DRAFTINGS, K_POLICIES, STRATEGY_PARTS, Strategy, parse_content_k
 
 
 def _group(options: Sequence[Callable], build: Callable[[dict[str, Any]], None]):

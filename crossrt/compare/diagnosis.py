@@ -3,7 +3,7 @@
 Each split gets exactly one kind (tokenization or template, template, batch-shape numerics,
 disagreement inside the runtime, native output not reproduced, cross-runtime numerics or
 disagreement, drafter numerics, draft rule, counters unexplained, stop, unexplained), judged by
-the one near-tie verdict of crossrt/run/numerics.py. Where a run recorded no passes, a driven
+the one near-tie verdict of crossrt/speculative/numerics.py. Where a run recorded no passes, a driven
 twin lends its pass views, else the Explainer re-scores the split (a Replayer) and says which.
 Each kind: docs/parity.md, "The near-tie verdict".
 """
@@ -24,8 +24,8 @@ from crossrt.records.schema import PassView, PromptResult, RunRecord
 from crossrt.compare.rescore import scoring_runtime
 from crossrt.errors import CrossrtError
 from crossrt.run.runtime import HEAD_SPEC_TYPES
-from crossrt.run.schedules import first_from_prompt
-from crossrt.run.numerics import NOISE_FACTOR, Gap, Noise, gap_shifts, judge, rescored_gap
+from crossrt.speculative.schedules import first_from_prompt
+from crossrt.speculative.numerics import NOISE_FACTOR, Gap, Noise, gap_shifts, judge, rescored_gap
 
 P_MIN_BAND = 0.05  # a drafter probability this close to p_min can fall on either side of it
 DECODED_ROWS = 24  # output rows a drafter re-scores one token at a time to measure its batch-shape noise

@@ -2,7 +2,7 @@
 
 Per prompt: a tokenization or template split; else each run against its own baseline; else the
 first token where the baselines part, each side's token and both re-scored top-5, with the
-near-tie verdict `crossrt parity` gives (crossrt/run/numerics.py). The noise between the runs is
+near-tie verdict `crossrt parity` gives (crossrt/speculative/numerics.py). The noise between the runs is
 shown beside it and decides nothing; parity's float control does, and diff exits as parity
 would. Re-scoring runs where crossrt/run/isolation.py places RESCORING.
 Each step: docs/parity.md, "`crossrt diff a.json b.json`".
@@ -20,7 +20,7 @@ from crossrt.compare.diagnosis import Explainer, explain_record, twins_of
 from crossrt.compare.splits import (DISAGREEMENT, Split, first_divergence, own_tokenization, template_split,
                                     tokenization_split)
 from crossrt.run.isolation import RESCORING, call_safely
-from crossrt.run.numerics import NOISE_PERCENTILE, gap_shifts
+from crossrt.speculative.numerics import NOISE_PERCENTILE, gap_shifts
 from crossrt.compare.replay import Replayer
 from crossrt.compare.rescore import score, top_k
 from crossrt.run.runtime import ModelSession

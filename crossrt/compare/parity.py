@@ -21,7 +21,7 @@ from crossrt.records.schema import PromptResult, RunRecord
 OWN_BASELINE = "its baseline"  # run_b of a run's lossless check against its own greedy baseline
 COMPARED_COUNTERS = ("steps", "drafted", "accepted", "emitted", "unverified", "cut")
 COUNTING = ("k", "schedule", "draft_n_min", "draft_p_min", "max_new_tokens")  # settings that change how runs count
-# How a run drafts (its strategy, crossrt/run/strategies.py): two runs of one schedule that draft
+# How a run drafts (its strategy, crossrt/speculative/strategies.py): two runs of one schedule that draft
 # differently (a drafter model and a lookup, two lookups, other n-gram lengths or k policies) count
 # differently. None here means "does not apply", never "unknown", so it compares as a value.
 DRAFTING = ("drafting", "tree", "ngram_max", "ngram_min", "k_policy", "content_k", "k_max", "min_p1", "acceptance",
@@ -189,7 +189,7 @@ def compare_records(a: RunRecord, b: RunRecord, counter_tolerance: float = 0.0,
                     labels: Optional[tuple[str, str]] = None, explainer: Optional[Explainer] = None,
                     strict: bool = False) -> list[PromptParity]:
     """Every prompt of either record, compared; a prompt only one record holds is a problem.
-    Outputs that part at a near-tie (crossrt/run/numerics.py; crossrt/compare/tolerance.py sets how near for
+    Outputs that part at a near-tie (crossrt/speculative/numerics.py; crossrt/compare/tolerance.py sets how near for
     the two runs) are explained, not failed, unless strict."""
     labels = labels or (run_label(a), run_label(b))
     for label, record in zip(labels, (a, b)):

@@ -30,7 +30,7 @@ from crossrt.inputs.prompts import Prompt
 from crossrt.compare.rescore import DecodedRows
 from crossrt.compare.tau_gap import ORACLE_RUNTIME, gap_pairs, parity_gaps
 from crossrt.compare.verification import PathCheck, departure_checks, judged_by_paths, scored_with_path_checks
-from crossrt.run.loop import SCHEDULE
+from crossrt.speculative.loop import SCHEDULE
 from crossrt.run.rules import run_rules
 from crossrt.run.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, runtime_class
 from crossrt.records.schema import PromptFormat, RunRecord

@@ -7,7 +7,7 @@ runtime's scoring sibling (the same llama.cpp commit in-process, or transformers
 the pass shapes the native schedule used there: a verification batch of 1 + k tokens for the
 speculative side, a one-token decode (or, for llama-server's first token, the prompt pass) for
 the plain side; with the record's KV cache type, flash attention and threads. The two emitted
-tokens' logits in those passes are then judged like recorded ones (crossrt/run/numerics.py).
+tokens' logits in those passes are then judged like recorded ones (crossrt/speculative/numerics.py).
 A native output whose re-scored passes put its token far below the other is not reproduced:
 that is reported as a finding about the runtime, never excused.
 
@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from crossrt.run.numerics import Gap, rescored_gap
+from crossrt.speculative.numerics import Gap, rescored_gap
 from crossrt.compare.rescore import open_scorer, row_in_pass, score, score_stepwise, scoring_runtime
 from crossrt.run.runtime import ModelSession
 from crossrt.records.schema import RunRecord
@@ -87,8 +87,8 @@ class Replayer:
         """(steps, drafted, accepted) of the record's head drafting one prompt, replayed by
         crossrt's loop on its target's scorer under the record's schedule and rules, in one of
         HEAD_VARIANTS' arithmetics; None where the record names no head folder."""
-        from crossrt.run import loop
-        from crossrt.run.head_drafter import head_folder, load_head
+        from crossrt.speculative import loop
+        from crossrt.speculative.head_drafter import head_folder, load_head
         from crossrt.run.runtime import DraftRules
 
         folder = head_folder(record.pair.drafter.path) if record.pair.drafter else None

@@ -131,7 +131,7 @@ class LogitAgreement:
     kl_p99: float = 0.0
     kl_max: float = 0.0
     rms_delta_p: float = 0.0
-    # At each position whose argmaxes differ, the near-tie flip between them (crossrt/run/numerics.py:
+    # At each position whose argmaxes differ, the near-tie flip between them (crossrt/speculative/numerics.py:
     # how far A's row put B's choice below its own, plus the same of B's row): a flip within a
     # tolerance's near-tie threshold is a near-tie, which numerics may break either way.
     top1_flips: tuple[float, ...] = ()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from crossrt.records.schema import PassView, PromptResult
-from crossrt.run.numerics import Gap, NearTie, recorded_gap
+from crossrt.speculative.numerics import Gap, NearTie, recorded_gap
 
 TOKENIZATION = "tokenization or template"
 TEMPLATE = "template"  # a runtime's own chat-template rendering differs from crossrt's (chat_template.py)

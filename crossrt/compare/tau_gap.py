@@ -19,7 +19,7 @@ from crossrt import progress
 from crossrt.errors import ComparisonError, CrossrtError, SettingsError
 from crossrt.run.runtime import ModelSession, RuntimeOptions, open_runtime
 from crossrt.simulate.drafting import HEAD_LABELS, MODEL, Drafting, check_drafting, per_run, record_drafting, simulate_sequence
-from crossrt.simulate.schedules import record_rules
+from crossrt.simulate.schedule_sims import record_rules
 from crossrt.records.counts import Counts
 from crossrt.records.metrics import ratio
 from crossrt.records.schema import Counters, PromptResult, RunRecord
@@ -339,7 +339,7 @@ def parity_oracles(records: Sequence[RunRecord], threads: int) -> dict[tuple[int
 
 def _load_head(spec_type: str, path: Path, target: ModelSession):
     """The head whose GGUF is path, from the torch folder beside it, as crossrt's loop reads it."""
-    from crossrt.run.head_drafter import head_folder, load_head
+    from crossrt.speculative.head_drafter import head_folder, load_head
 
     folder = head_folder(path)
     if folder is None:

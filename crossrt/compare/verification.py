@@ -32,7 +32,7 @@ from crossrt.compare.rescore import (DecodedRows, LogitAgreement, RowStatistics,
 from crossrt.compare.splits import first_divergence
 from crossrt.compare.tolerance import Tolerance
 from crossrt.records.schema import PassView, RunRecord
-from crossrt.run.numerics import gap_shifts
+from crossrt.speculative.numerics import gap_shifts
 from crossrt.run.runtime import ModelSession, Rows
 
 VERIFICATION, NONDETERMINISM, DEPARTURES = "verification batches", "nondeterminism", "departures"

@@ -91,7 +91,7 @@ class RunParams:
     n_ctx: Optional[int]
     draft_n_min: Optional[int]
     draft_p_min: Optional[float]
-    # The driven loop's strategy (crossrt/run/strategies.py); the defaults are what every record
+    # The driven loop's strategy (crossrt/speculative/strategies.py); the defaults are what every record
     # before strategies ran: a draft model's chain at fixed k, greedy. Parameters are None where
     # their part of the strategy does not apply.
     drafting: str = "model"  # "model", "prompt-lookup", "hf-prompt-lookup" or "tree"
@@ -201,7 +201,7 @@ class PassView:
     margins[i]: top-1 minus top-2 logit of the row that chose output token i; runner_up[i]: the
     top-2 token; pass_tokens[i]: tokens in that pass (1: a one-token decode; 1 + draft: a
     verification batch; the prompt length: the prompt pass). close_ids[i] / close_gaps[i]: the
-    other candidates within crossrt.run.numerics.CLOSE_WINDOW logits of that row's choice (at most
+    other candidates within crossrt.speculative.numerics.CLOSE_WINDOW logits of that row's choice (at most
     8, nearest first) and how far below it each lay: the near-tie verdict reads the gap to
     whichever token the other side emitted, not only the runner-up's. None in records written
     before they were kept."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from crossrt.compare.splits import Side, Split, first_divergence, pass_shape
-from crossrt.run.numerics import CLOSE_MAX, CLOSE_WINDOW
+from crossrt.speculative.numerics import CLOSE_MAX, CLOSE_WINDOW
 from crossrt.compare.parity import GREEDY_ONLY, OWN_BASELINE, PromptParity
 from crossrt.compare.parity_report import ParityReport, headlines
 from crossrt.compare.plain import cause_plainly, power_plainly

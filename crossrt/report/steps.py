@@ -25,7 +25,7 @@ from crossrt.inputs.pairs import PairError
 from crossrt.inputs.vocabulary import read_vocabulary
 from crossrt.report.page import Section, Table
 from crossrt.report.runs import ReportRun
-from crossrt.run.schedules import first_from_prompt
+from crossrt.speculative.schedules import first_from_prompt
 from crossrt.records.schema import PromptResult, RunRecord
 
 # Characters XML 1.0 forbids (the page is also well-formed XML): shown as \xNN instead.

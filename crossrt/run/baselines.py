@@ -36,7 +36,7 @@ from crossrt.records.journal import write_atomically
 from crossrt.inputs.pairs import cache_dir
 from crossrt.records.schema import BaselineSource, PassView
 from crossrt.records.tables import Cell, Column, Table, cell
-from crossrt.run.schedules import SCHEDULE_TYPES
+from crossrt.speculative.schedules import SCHEDULE_TYPES
 
 STORE_VERSION = 1
 ORIGINS = ("decoded", "store")

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.run.baselines import BaselineStore, RunBaselines, run_key
-from crossrt.run.drafters import Drafter
-from crossrt.run.head_drafter import load_head
-from crossrt.run.lookup import LOOKUPS
+from crossrt.speculative.drafters import Drafter
+from crossrt.speculative.head_drafter import load_head
+from crossrt.speculative.lookup import LOOKUPS
 from crossrt.inputs.chat_template import ChatRendering, with_template_ids
 from crossrt.errors import PromptRefused, SettingsError
 from crossrt.records.journal import storage_error
@@ -27,8 +27,8 @@ from crossrt.run.resume import check_prompts, prompt_sha256, starting_record
 from crossrt.run.run_writer import RunWriter, record_lock
 from crossrt.run.runtime import (HEAD_SPEC_TYPES, DraftRules, ModelSession, NativeSession, Runtime, RuntimeOptions,
                              RuntimeUnavailable, open_runtime)
-from crossrt.run.schedules import first_from_prompt
-from crossrt.run.strategies import STRATEGY_PARTS, Strategy, format_content_k, tree_spec
+from crossrt.speculative.schedules import first_from_prompt
+from crossrt.speculative.strategies import STRATEGY_PARTS, Strategy, format_content_k, tree_spec
 from crossrt.records.schema import ModelInfo, PairInfo, PromptFormat, PromptResult, RunParams, RunRecord, Timings
 from crossrt.records.trace import PromptTrace, TraceRecorder, read_traces, trace_path
 
@@ -64,7 +64,8 @@ class RunRequest:
     # The baseline store (crossrt/run/baselines.py): None decodes every baseline and keeps none; the
     # record names each baseline's source either way.
     baselines: Optional[BaselineStore] = None
-    strategy: Strategy = Strategy()  # driven mode only: drafting, k policy, acceptance (crossrt/run/strategies.py)
+    # driven mode only: drafting, k policy, acceptance (crossrt/speculative/strategies.py)
+    strategy: Strategy = Strategy()
     # Runs started at once (parity --jobs) share this lock file, held from each one's memory check
     # until its models are loaded (crossrt.run.memory.loading); None: no lock.
     loading_lock: Optional[Path] = None

@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 
 from crossrt.run.runtime import DraftRules
-from crossrt.run.schedules import SCHEDULE
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.schedules import SCHEDULE
+from crossrt.speculative.strategies import Strategy
 
 
 def _slug(text: str) -> str:

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Sequence
 
 from crossrt.inputs.prompts import Prompt
-from crossrt.run.loop import greedy_generate
-from crossrt.run.session import ModelSession
+from crossrt.speculative.loop import greedy_generate
+from crossrt.speculative.session import ModelSession
 
 
 def repeating(target: ModelSession, prompts: Sequence[Prompt], continuation: int) -> list[Prompt]:

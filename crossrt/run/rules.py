@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 from crossrt.run.runtime import DraftRules, runtime_class
-from crossrt.run.schedules import LLAMA_SCHEDULES
+from crossrt.speculative.schedules import LLAMA_SCHEDULES
 
 
 

@@ -4,7 +4,7 @@ The registry maps a runtime's name to "module:Class" so that `import crossrt` ne
 llama_cpp, torch or exllamav3: a runtime's module is imported only when that runtime is used.
 
 A runtime is given its options (RuntimeOptions) and, for its own speculative decoding, the
-drafting rules (DraftRules); it loads models as sessions (crossrt/run/session.py), whose names
+drafting rules (DraftRules); it loads models as sessions (crossrt/speculative/session.py), whose names
 this module gives too, so a backend imports the whole contract from one place.
 """
 
@@ -21,10 +21,11 @@ from urllib.parse import urlsplit, urlunsplit
 from crossrt.errors import CrossrtError, SettingsError
 from crossrt.inputs.pairs import model_files
 from crossrt.records.schema import LoadedFile, RuntimeInfo
-from crossrt.run.session import ModelSession, NativeGeneration, NativeSession, Rows
+from crossrt.speculative.draft_rules import HEAD_SPEC_TYPES, K_LIMIT, SPEC_TYPES, DraftRules
+from crossrt.speculative.session import ModelSession, NativeGeneration, NativeSession, Rows
 
-# The sessions' names are part of the contract a backend imports from here.
-__all__ = ["DTYPES", "HEAD_SPEC_TYPES", "RUNTIMES", "SPEC_TYPES", "DraftRules", "ModelSession", "NativeGeneration", "NativeSession",
+# The drafting rules' and the sessions' names are part of the contract a backend imports from here.
+__all__ = ["DTYPES", "HEAD_SPEC_TYPES", "K_LIMIT", "RUNTIMES", "SPEC_TYPES", "DraftRules", "ModelSession", "NativeGeneration", "NativeSession",
            "Rows", "Runtime", "RuntimeFailure", "RuntimeOptions", "RuntimeUnavailable", "Server", "availability",
            "open_runtime", "runtime_class", "runtime_names", "usable_runtimes", "without_user_info"]
 
@@ -46,65 +47,6 @@ class RuntimeUnavailable(CrossrtError):
 class RuntimeFailure(CrossrtError):
     """The runtime itself broke mid-run (a server that died, a tool that crashed): the run
     stops, keeping the prompts already finished. The message carries the runtime's log tail."""
-
-
-# How drafts are made. "draft": a drafter model (every runtime); the others are native
-# drafting methods some runtimes have (llama.cpp's n-gram and MTP/EAGLE3/DFlash drafting,
-# exllamav3's block drafters), selected by a pair manifest's [defaults] spec_type.
-SPEC_TYPES = ("draft", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache",
-              "mtp", "eagle3", "dflash", "dflash2", "dspark")
-# Spec types drafted by a head the runtime loads as its drafter file (llama.cpp's -md, vLLM's
-# speculative model) reading the target's hidden states: `crossrt drafter eagle3` makes them.
-HEAD_SPEC_TYPES = ("eagle3", "dflash")
-
-
-# The longest draft crossrt runs: block drafters draft 16, llama.cpp's --draft-max is 16 by
-# default; a k of 10^8 would allocate per-position counts of that length before the first prompt.
-K_LIMIT = 256
-
-
-@dataclass(frozen=True)
-class DraftRules:
-    """How drafts are made: up to k tokens; llama.cpp's drafting rules add n_min (shorter
-    drafts are thrown away) and p_min (drafting stops when the drafter's top-10 softmax
-    probability of its choice falls below it). n_min defaults to k: fixed-length drafts."""
-
-    k: int
-    n_min: Optional[int] = None
-    p_min: float = 0.0
-    spec_type: str = "draft"
-
-    def __post_init__(self):
-        if self.k < 1:
-            raise SettingsError(f"k must be at least 1, got {self.k}")
-        if self.k > K_LIMIT:
-            raise SettingsError(f"k must be at most {K_LIMIT} (drafts longer than that are refused: every "
-                                f"verification batch and per-position count grows with k), got {self.k}")
-        if self.n_min is None:
-            object.__setattr__(self, "n_min", self.k)
-        if not 0 <= self.n_min <= self.k:
-            raise SettingsError(f"n_min must be between 0 and k={self.k}, got {self.n_min}")
-        if not 0.0 <= self.p_min <= 1.0:
-            raise SettingsError(f"p_min must be between 0 and 1, got {self.p_min}")
-        if self.spec_type not in SPEC_TYPES:
-            raise SettingsError(f"unknown spec type {self.spec_type!r}; spec types: {', '.join(SPEC_TYPES)}")
-
-    def require_drafter_model(self, where: str) -> None:
-        """Refuse spec types other than a drafter model, for runtimes that have no other."""
-        if self.spec_type != "draft":
-            driven = (f" (or reproduce it: --drafting llama-{self.spec_type} --schedule llama-server)"
-                      if self.spec_type.startswith("ngram-") else "")
-            raise SettingsError(f"{where} drafts with a drafter model only (spec type 'draft'), not "
-                             f"{self.spec_type!r}: run it natively on a runtime that has it (e.g. llama-server){driven}")
-
-    @property
-    def fixed(self) -> bool:
-        """Every draft is k tokens unless the token budget cuts it."""
-        return self.n_min == self.k and self.p_min == 0.0
-
-    def kept(self, n_drafted: int) -> bool:
-        """A draft shorter than n_min is thrown away."""
-        return n_drafted >= self.n_min
 
 
 DTYPES = ("float32", "bfloat16", "float16")  # RuntimeOptions.dtype, for the runtimes that choose one
@@ -188,7 +130,7 @@ class Runtime(abc.ABC):
     # DraftRules' llama.cpp drafting rules its native mode honours: "n_min" (shorter drafts are
     # dropped), "p_min" (drafting stops below a drafter probability). Others refuse them.
     drafting_rules: ClassVar[tuple[str, ...]] = ()
-    # Strategy draftings (crossrt/run/strategies.py) its native mode runs as its own, e.g.
+    # Strategy draftings (crossrt/speculative/strategies.py) its native mode runs as its own, e.g.
     # transformers' prompt lookup as "hf-prompt-lookup": open_native is then given strategy=.
     native_draftings: ClassVar[tuple[str, ...]] = ()
     # Whether it attaches to a server the user runs (RuntimeOptions.url): that server fixes its own

@@ -28,7 +28,7 @@ from crossrt.errors import PromptRefused
 from crossrt.records.journal import storage_error, write_atomically
 from crossrt.run.crashes import RuntimeCrashed
 from crossrt.run.isolation import call_safely
-from crossrt.run.loop import greedy_generate
+from crossrt.speculative.loop import greedy_generate
 from crossrt.inputs.pairs import Pair, PairError, sha256_of
 from crossrt.inputs.prompts import Prompt, PromptError, json_lines
 from crossrt.run.resume import prompt_sha256

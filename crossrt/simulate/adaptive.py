@@ -1,5 +1,5 @@
 """Content-adaptive drafting simulated exactly on the chain oracle (docs/ceiling.md): the k
-policies of crossrt/run/policies.py run by the one loop itself on crossrt/simulate/oracle.py's
+policies of crossrt/speculative/policies.py run by the one loop itself on crossrt/simulate/oracle.py's
 oracle (run_loop). Under the greedy rule a policy's decisions depend only on the target's
 greedy output and the drafter's greedy drafts, so the simulation is a real run of the crossrt
 schedule step for step, drafter passes included (a test checks).
@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from crossrt.errors import SettingsError
-from crossrt.run.policies import DraftPolicy
+from crossrt.speculative.policies import DraftPolicy
 from crossrt.run.runtime import DraftRules
-from crossrt.run.schedules import SCHEDULE
+from crossrt.speculative.schedules import SCHEDULE
 from crossrt.simulate.oracle import Oracle, SimRun, run_loop
 
 

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 from crossrt.errors import SettingsError
 from crossrt.simulate.oracle import CostModel, Policy, Simulation, simulate
-from crossrt.run.tree import Tree
+from crossrt.speculative.tree import Tree
 from crossrt.simulate.trees import RankOracle, TreeResult, best_tree, simulate_top_b, simulate_tree, summarize_tree
 
 

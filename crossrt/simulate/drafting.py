@@ -1,5 +1,5 @@
 """How a run drafted, replayed on an oracle (crossrt/simulate/oracle.py): with the pair's drafter
-model or its head, read from the oracle's draft rows, or by lookup (crossrt/run/lookup/), run by the one loop
+model or its head, read from the oracle's draft rows, or by lookup (crossrt/speculative/lookup/), run by the one loop
 on the oracle's target (oracle.run_loop) as a driven run builds and calls it: a fresh lookup per
 prompt, or one for a run's prompts in order where its state outlives a prompt under the schedule
 (Lookup.kept_across_prompts, loop.run_lookup). So the replay is a real run's steps wherever the
@@ -15,13 +15,13 @@ from typing import Mapping, Optional, Sequence
 
 from crossrt.errors import SettingsError
 from crossrt.records.schema import RunRecord
-from crossrt.run import loop
-from crossrt.run.lookup import LOOKUPS
+from crossrt.speculative import loop
+from crossrt.speculative.lookup import LOOKUPS
 from crossrt.run.runtime import DraftRules
-from crossrt.run.schedules import SCHEDULES
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.schedules import SCHEDULES
+from crossrt.speculative.strategies import Strategy
 from crossrt.simulate.oracle import Oracle, SimRun, run_loop
-from crossrt.simulate.schedules import check_rules, record_rules, simulate_schedule
+from crossrt.simulate.schedule_sims import check_rules, record_rules, simulate_schedule
 
 MODEL = "model"
 HEAD_LABELS = {"eagle3": "EAGLE3 head", "dflash": "DFlash drafter"}  # HEAD_SPEC_TYPES, replayed from head rows
@@ -60,7 +60,7 @@ def record_drafting(record: RunRecord) -> Drafting:
     if params.spec_type in HEAD_LABELS:
         return Drafting(params.spec_type)
     if params.spec_type != "draft":
-        raise SettingsError(f"drafts by spec type {params.spec_type}, which no lookup of crossrt/run/lookup "
+        raise SettingsError(f"drafts by spec type {params.spec_type}, which no lookup of crossrt/speculative/lookup "
                             "reproduces")
     return Drafting(MODEL)
 

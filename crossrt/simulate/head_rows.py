@@ -2,7 +2,7 @@
 prompt + output[:j], for every j, so a head's run replays on the oracle as a drafter model's does.
 
 A head's draft depends only on its context: it reads the target's features of the positions
-before the newest token and that token (run/head_drafter.py seeds at len(context) - 2 on every
+before the newest token and that token (speculative/head_drafter.py seeds at len(context) - 2 on every
 schedule). So one tapped target pass over prompt + output gives every position's features, and
 the head drafts at each j through the Drafter protocol (keep, then propose), from the last j back,
 since keep drops what lies past it. The features come from one pass, not the run's batches: a
@@ -16,9 +16,9 @@ from typing import Sequence
 import numpy as np
 
 from crossrt.records.trace import top1_probability
-from crossrt.run.head_drafter import head_drafter
+from crossrt.speculative.head_drafter import head_drafter
 from crossrt.run.runtime import ModelSession, Rows
-from crossrt.run.schedules import top_probability
+from crossrt.speculative.schedules import top_probability
 
 
 def head_rows(target: ModelSession, spec_type: str, head, prompt_ids: Sequence[int], output: Sequence[int],

@@ -20,12 +20,12 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 import numpy as np
 
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.errors import SettingsError
-from crossrt.run.drafters import Drafter
+from crossrt.speculative.drafters import Drafter
 from crossrt.run.runtime import DraftRules, ModelSession, Rows
-from crossrt.run.schedules import Generation, check_prompt, top_probability
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.schedules import Generation, check_prompt, top_probability
+from crossrt.speculative.strategies import Strategy
 from crossrt.records.counts import Counts
 from crossrt.records.metrics import Totals
 from crossrt.records.schema import Counters

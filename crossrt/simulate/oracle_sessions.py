@@ -17,9 +17,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from crossrt.errors import SettingsError
-from crossrt.run.acceptance import Proposal
-from crossrt.run.drafters import ChainStops, draft_chain
-from crossrt.run.numerics import Choices
+from crossrt.speculative.acceptance import Proposal
+from crossrt.speculative.drafters import ChainStops, draft_chain
+from crossrt.speculative.numerics import Choices
 from crossrt.run.runtime import Rows
 
 NO_ROWS = np.empty((0, 0), dtype=np.float32)
@@ -27,7 +27,7 @@ NO_ROWS = np.empty((0, 0), dtype=np.float32)
 
 class OracleTarget:
     """The target's choices along prompt_ids + extended (the greedy output and what follows it), as
-    the part of the session contract the loop uses (run/session.py: eval, eval_choices, truncate,
+    the part of the session contract the loop uses (speculative/session.py: eval, eval_choices, truncate,
     n_past, n_ctx). n_ctx: the run's context, where a schedule cuts drafts at it (None: it never
     binds); it refuses nothing, as the what-if of a run that would not fit is still read;
     detokenize: the target's, for a content k policy."""
@@ -84,7 +84,7 @@ class OracleDrafter:
     as the loop's ModelDrafter is; calls counts one pass per token read, as it does. head: the rows
     are a head's (crossrt/simulate/head_rows.py), proposed under a head's rules instead: up to
     k tokens while sure, a draft shorter than n_min dropped, then cut to the step's limit, as
-    run/head_drafter.py's drafters propose."""
+    speculative/head_drafter.py's drafters propose."""
 
     sessions: tuple = ()
     past_budget = False

@@ -18,15 +18,15 @@ from crossrt.inputs.pairs import ROLES, Pair, PairInfo, pair_info, run_k
 from crossrt.inputs.prompts import Prompt
 from crossrt.records.record_json import load_record
 from crossrt.run.isolation import call_safely
-from crossrt.run.policies import DraftPolicy
+from crossrt.speculative.policies import DraftPolicy
 from crossrt.run.runtime import DraftRules, RuntimeInfo, RuntimeOptions, open_runtime
-from crossrt.run.schedules import LLAMA_SCHEDULES
-from crossrt.run.lookup import LOOKUPS
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.schedules import LLAMA_SCHEDULES
+from crossrt.speculative.lookup import LOOKUPS
+from crossrt.speculative.strategies import Strategy
 from crossrt.simulate.adaptive import simulate_policy
 from crossrt.simulate.oracle import (Oracle, Policy, PolicyResult, Simulation, build_oracle, measure_costs, simulate,
                                      simulate_suite, summarize)
-from crossrt.simulate.schedules import ScheduleResult, compare_with_record, summarize_schedule
+from crossrt.simulate.schedule_sims import ScheduleResult, compare_with_record, summarize_schedule
 from crossrt.simulate.tree_section import TreeSection, max_tree_rows, run_trees, tree_section
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Sequence
 
 from crossrt.records.metrics import Totals
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.run.runtime import DraftRules, ModelSession, Runtime
-from crossrt.run.tree import Tree
+from crossrt.speculative.tree import Tree
 from crossrt.simulate.ceiling import Ceiling, ceilings, check_chain, parse_tree, tree_results
 from crossrt.simulate.oracle import Oracle, Simulation
 from crossrt.simulate.trees import RankOracle, build_rank_oracle, simulate_tree

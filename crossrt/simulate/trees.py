@@ -1,4 +1,4 @@
-"""What-if tree verification, exact for greedy decoding: static draft trees (crossrt/run/tree.py)
+"""What-if tree verification, exact for greedy decoding: static draft trees (crossrt/speculative/tree.py)
 simulated on the rank oracle, and the best tree within a node budget.
 
 A tree is a set of rank paths; a step accepts the longest run of the target's tokens whose
@@ -20,7 +20,7 @@ from crossrt.errors import SettingsError
 from crossrt.records.counts import Counts
 from crossrt.records.metrics import Totals
 from crossrt.run.runtime import ModelSession, Rows
-from crossrt.run.tree import RankPath, Tree
+from crossrt.speculative.tree import RankPath, Tree
 from crossrt.simulate.oracle import CHUNK, CostModel, Oracle, SimRun, by_category
 
 

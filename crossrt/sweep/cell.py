@@ -12,16 +12,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 from crossrt.errors import CrossrtError, SettingsError
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.run.rules import run_rules
 from crossrt.run.runtime import RuntimeUnavailable, runtime_class
-from crossrt.run.strategies import STRATEGY_PARTS, Strategy, parse_content_k
+from crossrt.speculative.strategies import STRATEGY_PARTS, Strategy, parse_content_k
 
 class SweepError(CrossrtError, ValueError):
     """A sweep file that cannot be read, or a sweep directory that does not match it."""
 
 
-# A driven run's strategy settings (crossrt/run/strategies.py), as crossrt run's --drafting,
+# A driven run's strategy settings (crossrt/speculative/strategies.py), as crossrt run's --drafting,
 # --k-policy, --acceptance and their parameters; content_k is written as in --content-k.
 STRATEGY_DEFAULTS: dict[str, Any] = {field.name: field.default for field in dataclasses.fields(Strategy)}
 # A cell of a runtime that attaches to a running server (crossrt/sweep/servers.py): the server's

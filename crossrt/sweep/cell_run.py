@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from crossrt.errors import USER_ERRORS
-from crossrt.run import loop
+from crossrt.speculative import loop
 from crossrt.run.baselines import BaselineStore
 from crossrt.inputs.chat_template import apply_template
 from crossrt.inputs.pairs import resolve_pair

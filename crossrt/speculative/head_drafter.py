@@ -23,8 +23,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from crossrt.errors import SettingsError
-from crossrt.run.acceptance import Proposal
-from crossrt.run.session import ModelSession
+from crossrt.speculative.acceptance import Proposal
+from crossrt.speculative.session import ModelSession
 
 # The schedules whose head drafting this reproduces: llama.cpp's two tools.
 
@@ -71,7 +71,7 @@ def load_eagle3(folder: Path, target: ModelSession, f32_kv_cache: bool = False):
 
 
 class Eagle3Drafter:
-    """A Drafter (crossrt/run/drafters.py) proposing the head's greedy chain (module docstring)."""
+    """A Drafter (crossrt/speculative/drafters.py) proposing the head's greedy chain (module docstring)."""
 
     past_budget = False
     own_n_min = True

@@ -1,6 +1,6 @@
 """Every schedule crossrt knows, simulated on one oracle (crossrt/simulate/oracle.py): the counts a
 real greedy run of that schedule makes with its drafting rules, step for step. The one loop's
-schedules (crossrt/run/schedules.py) are run by the loop itself on the oracle (run_loop), so a
+schedules (crossrt/speculative/schedules.py) are run by the loop itself on the oracle (run_loop), so a
 change to one is simulated as written. Two are read from another runtime's source
 (docs/analysis.md gives the lines):
 
@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 from crossrt.errors import ComparisonError, SettingsError
 from crossrt.run.runtime import DraftRules
-from crossrt.run.schedules import HF_SCHEDULE, LLAMA_SCHEDULES, SCHEDULE, SERVER, SPEC_SIMPLE, VLLM
+from crossrt.speculative.schedules import HF_SCHEDULE, LLAMA_SCHEDULES, SCHEDULE, SERVER, SPEC_SIMPLE, VLLM
 from crossrt.records.counts import Counts
 from crossrt.records.schema import Counters, RunRecord
 from crossrt.simulate.oracle import Oracle, SimRun, by_category, run_loop

@@ -1,4 +1,4 @@
-"""How long each step's draft is: the k policies of crossrt's one loop (crossrt/run/loop.py),
+"""How long each step's draft is: the k policies of crossrt's one loop (crossrt/speculative/loop.py),
 run for real and simulated exactly on the chain oracle (crossrt/simulate/adaptive.py, docs/ceiling.md).
 
 A policy picks each step's k from what the loop knows before drafting: fixed; per content type
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
 from crossrt.errors import SettingsError
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.strategies import Strategy
 
 CONTENT_WINDOW = 24  # tokens of context whose text decides the content type
 # Code: an indented line, a line ending in ":" or a bracket, or code punctuation and keywords.

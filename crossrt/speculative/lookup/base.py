@@ -1,11 +1,11 @@
 """What every lookup drafter shares: it copies tokens from the context it is given, so it holds
-no cache and has nothing to prefill, mirror or cut back (crossrt/run/drafters.py's Drafter)."""
+no cache and has nothing to prefill, mirror or cut back (crossrt/speculative/drafters.py's Drafter)."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from crossrt.run.acceptance import Proposal
+from crossrt.speculative.acceptance import Proposal
 
 
 class LookupDrafter:

@@ -2,7 +2,7 @@
 [0] is the drafter's top-1 after the context, [1] its runner-up, [0, 1] the runner-up after the
 context plus the top-1, and so on; every prefix of a path is in the set. A step of the one loop
 verifies the context's last token plus every node of the tree in one target pass
-(crossrt/run/loop.py runs it, crossrt/run/drafters.py TreeDrafter drafts it); crossrt/simulate/trees.py
+(crossrt/speculative/loop.py runs it, crossrt/speculative/drafters.py TreeDrafter drafts it); crossrt/simulate/trees.py
 simulates it exactly on the rank oracle. docs/ceiling.md gives the rules and measured numbers.
 """
 

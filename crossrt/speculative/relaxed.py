@@ -1,7 +1,7 @@
 """Relaxed acceptance, lossy by construction: a draft token is also accepted when it is among the
 target's top-m at its position and within delta logits of the target's top-1 (m = 1 or
-delta = 0 is exact greedy; the rule itself: crossrt/run/acceptance.py, Relaxed). Runs go through
-crossrt's one loop (crossrt/run/loop.py) with that rule; their results are labelled lossy and
+delta = 0 is exact greedy; the rule itself: crossrt/speculative/acceptance.py, Relaxed). Runs go through
+crossrt's one loop (crossrt/speculative/loop.py) with that rule; their results are labelled lossy and
 carry the drift from the target's greedy output: the first position that leaves it, the share
 of positions whose token differs, and the target's mean log-probability per emitted token of
 each output (each scored by one teacher-forced target pass over prompt + output, so both are
@@ -16,9 +16,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from crossrt.records.counts import Counts
-from crossrt.run.loop import speculative_generate
-from crossrt.run.runtime import DraftRules, ModelSession, Rows
-from crossrt.run.strategies import Strategy
+from crossrt.speculative.draft_rules import DraftRules
+from crossrt.speculative.loop import speculative_generate
+from crossrt.speculative.session import ModelSession, Rows
+from crossrt.speculative.strategies import Strategy
 
 
 def mean_logprob(target: ModelSession, prompt_ids: Sequence[int], output: Sequence[int]) -> float:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from crossrt.run.acceptance import Proposal
-from crossrt.run.lookup.base import LookupDrafter
+from crossrt.speculative.acceptance import Proposal
+from crossrt.speculative.lookup.base import LookupDrafter
 
 
 class PromptLookup(LookupDrafter):

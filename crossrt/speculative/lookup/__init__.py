@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from crossrt.run.lookup.base import LookupDrafter
-from crossrt.run.lookup.crossrt_lookup import PromptLookup
-from crossrt.run.lookup.hf_lookup import HfPromptLookup
-from crossrt.run.lookup.llama_ngram import LlamaNgramCache, LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple
-from crossrt.run.lookup.vllm_ngram import VllmNgram
-from crossrt.run.schedules import LLAMA_SCHEDULES, SERVER, VLLM
+from crossrt.speculative.lookup.base import LookupDrafter
+from crossrt.speculative.lookup.crossrt_lookup import PromptLookup
+from crossrt.speculative.lookup.hf_lookup import HfPromptLookup
+from crossrt.speculative.lookup.llama_ngram import LlamaNgramCache, LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple
+from crossrt.speculative.lookup.vllm_ngram import VllmNgram
+from crossrt.speculative.schedules import LLAMA_SCHEDULES, SERVER, VLLM
 
 
 @dataclass(frozen=True)

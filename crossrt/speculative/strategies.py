@@ -1,7 +1,7 @@
 """A driven run's strategy: how drafts are proposed (a draft model, a lookup: crossrt's own or a
-runtime's exactly, crossrt/run/lookup/; a static tree), how long each step's draft is (a k policy), and which draft tokens the target accepts
-(an acceptance rule). crossrt/run/loop.py's one loop composes the pieces: crossrt/run/drafters.py,
-crossrt/run/policies.py and crossrt/run/acceptance.py.
+runtime's exactly, crossrt/speculative/lookup/; a static tree), how long each step's draft is (a k policy), and which draft tokens the target accepts
+(an acceptance rule). crossrt/speculative/loop.py's one loop composes the pieces: crossrt/speculative/drafters.py,
+crossrt/speculative/policies.py and crossrt/speculative/acceptance.py.
 
 The default, a draft model's chain at fixed k with greedy acceptance, is the crossrt schedule
 every record before strategies were recorded with. Relaxed acceptance with top_m > 1 and
@@ -17,16 +17,16 @@ from typing import Optional, Union
 
 from crossrt.errors import SettingsError
 from crossrt.records.tables import k_setting
-from crossrt.run.lookup import LOOKUPS
-from crossrt.run.runtime import K_LIMIT
-from crossrt.run.tree import Tree
+from crossrt.speculative.draft_rules import K_LIMIT
+from crossrt.speculative.lookup import LOOKUPS
+from crossrt.speculative.tree import Tree
 
-# Draftings that copy tokens from the context (crossrt/run/lookup/): no drafter model is loaded or read.
+# Draftings that copy tokens from the context (crossrt/speculative/lookup/): no drafter model is loaded or read.
 DRAFTINGS = ("model", *LOOKUPS, "tree")
 K_POLICIES = ("fixed", "content", "online", "confidence")
 ACCEPTANCES = ("greedy", "relaxed")
 NGRAM_LIMIT = 64  # the longest n-gram looked up (llama.cpp's ngram-mod matches 24 by default)
-CONTENT_TYPES = ("code", "prose")  # crossrt/run/policies.py content_type's verdicts
+CONTENT_TYPES = ("code", "prose")  # crossrt/speculative/policies.py content_type's verdicts
 
 # Each parameter and the choices it belongs to (part, choices): a parameter means nothing under
 # another choice, so the CLI refuses one given alone and a sweep cell drops it. ngram_min belongs

@@ -1,6 +1,6 @@
-"""What proposes a step's draft in crossrt's one loop (crossrt/run/loop.py): a chain from a draft
+"""What proposes a step's draft in crossrt's one loop (crossrt/speculative/loop.py): a chain from a draft
 model (a ModelSession: a smaller model or a layer-skip drafter), a chain from a lookup
-(crossrt/run/lookup/), or a static tree from a draft model. A drafter keeps its own cache in step
+(crossrt/speculative/lookup/), or a static tree from a draft model. A drafter keeps its own cache in step
 with the context; the loop tells it what the target kept.
 
 - ModelDrafter: the drafter decodes the context's uncached tail, then its own argmax one token
@@ -9,9 +9,9 @@ with the context; the loop tells it what the target kept.
   draft token, which it would only need if every draft token were kept. Under llama.cpp's
   schedules it mirrors the target: cut back to the target's cache and fed the batch the target
   verifies, so its numerics are those of the native tools.
-- Lookups (crossrt/run/lookup/): copied from the context, no model; crossrt's own, transformers'
+- Lookups (crossrt/speculative/lookup/): copied from the context, no model; crossrt's own, transformers'
   and llama.cpp's proposers, each in a module of its own.
-- TreeDrafter: a static tree (crossrt/run/tree.py) cut to the step's depth, built depth first:
+- TreeDrafter: a static tree (crossrt/speculative/tree.py) cut to the step's depth, built depth first:
   one pass over the context's tail gives the root's candidates, one single-token pass per inner
   node gives that node's; a node of rank path p + [r] is the r-th candidate (candidates)
   after p's tokens.
@@ -25,10 +25,10 @@ from typing import Callable, Optional, Protocol, Sequence
 import numpy as np
 
 from crossrt.records.trace import TraceRecorder, top1_probability
-from crossrt.run.acceptance import Proposal
-from crossrt.run.runtime import ModelSession, Rows
-from crossrt.run.schedules import top_probability
-from crossrt.run.tree import Tree
+from crossrt.speculative.acceptance import Proposal
+from crossrt.speculative.schedules import top_probability
+from crossrt.speculative.session import ModelSession, Rows
+from crossrt.speculative.tree import Tree
 
 
 def candidates(row: np.ndarray, width: int) -> list[int]:

@@ -16,7 +16,7 @@ import numpy as np
 
 from crossrt.errors import PromptRefused, SettingsError
 from crossrt.records.schema import Counters, UnfitCounts
-from crossrt.run.numerics import Choices, choose
+from crossrt.speculative.numerics import Choices, choose
 
 
 class Rows(Enum):

@@ -5,15 +5,15 @@ prompt_lookup_min, that occurred earlier; of its occurrences the earliest; the d
 followed it, copied whole, up to k tokens, ending where the text ends. The text is the prompt and
 every token sampled so far (the model runner's token_ids_cpu up to num_tokens_no_spec). There is
 no EOS cut and no cut at max_tokens; the scheduler cuts a draft only at max_model_len, which the
-vllm schedule applies as its n_max (crossrt/run/schedules.py)."""
+vllm schedule applies as its n_max (crossrt/speculative/schedules.py)."""
 
 from __future__ import annotations
 
 import sys
 from typing import Sequence
 
-from crossrt.run.acceptance import Proposal
-from crossrt.run.lookup.base import LookupDrafter
+from crossrt.speculative.acceptance import Proposal
+from crossrt.speculative.lookup.base import LookupDrafter
 
 # The proposer's own cut, min(k, max_model_len - len(text)), is one looser than the scheduler's,
 # which the schedule's n_max already applies: the drafter passes no length of its own.

@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from crossrt.errors import SettingsError
-from crossrt.run.acceptance import Proposal
-from crossrt.run.lookup.base import LookupDrafter
+from crossrt.speculative.acceptance import Proposal
+from crossrt.speculative.lookup.base import LookupDrafter
 
 
 class LlamaNgramSimple(LookupDrafter):

@@ -1,5 +1,5 @@
 """Which draft tokens the target accepts: the acceptance rules of crossrt's one loop
-(crossrt/run/loop.py), which the simulator runs on an oracle too (crossrt/simulate/oracle.py).
+(crossrt/speculative/loop.py), which the simulator runs on an oracle too (crossrt/simulate/oracle.py).
 
 - Greedy: the longest run of draft tokens equal to the target's argmax after what came before;
   on a tree, from the root, the child holding the target's argmax while there is one. An EOS is
@@ -20,7 +20,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from crossrt.errors import SettingsError
-from crossrt.run.numerics import Choices
+from crossrt.speculative.numerics import Choices
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from crossrt.run.acceptance import Proposal
-from crossrt.run.lookup.base import LookupDrafter
+from crossrt.speculative.acceptance import Proposal
+from crossrt.speculative.lookup.base import LookupDrafter
 
 
 class HfPromptLookup(LookupDrafter):

@@ -1,4 +1,4 @@
-"""The schedules of crossrt's one loop (crossrt/run/loop.py), what every run of it returns, and the
+"""The schedules of crossrt's one loop (crossrt/speculative/loop.py), what every run of it returns, and the
 Tally where its counts accumulate. A schedule says when drafts start and how they are cut near
 the budget; the llama.cpp and vLLM ones mirror those runtimes count for count. What each does,
 with the source lines it follows: docs/schedules.md. The simulator runs the loop with these on
@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from crossrt.errors import PromptRefused
-from crossrt.run.numerics import Choices
-from crossrt.run.runtime import ModelSession, Rows
+from crossrt.speculative.numerics import Choices
+from crossrt.speculative.session import ModelSession, Rows
 from crossrt.records.schema import Counters, PassView
 
 SCHEDULE = "crossrt"
@@ -147,7 +147,7 @@ class Tally:
 
 class Schedule:
     """When drafts start and how they are cut near the budget: the crossrt schedule (module
-    docstring of crossrt/run/loop.py); the subclasses change what differs."""
+    docstring of crossrt/speculative/loop.py); the subclasses change what differs."""
 
     name = SCHEDULE
     llama = False  # llama.cpp's drafting rules (n_min, p_min), mirrored drafter, its verification

@@ -1,8 +1,8 @@
 """crossrt's one speculative loop ("driven" mode) and the plain greedy baseline.
 
 Pure logic over the ModelSession contract, identical whatever the runtime: every driven run goes
-through speculative_generate, composed of a schedule (run/schedules.py), a drafter
-(run/drafters.py), a k policy (run/policies.py) and an acceptance rule (run/acceptance.py), and
+through speculative_generate, composed of a schedule (speculative/schedules.py), a drafter
+(speculative/drafters.py), a k policy (speculative/policies.py) and an acceptance rule (speculative/acceptance.py), and
 the simulator runs the same function on an oracle. The baseline prefills as the schedule does,
 so decode timings compare like for like. A step, the strategies and the baseline:
 docs/design.md, "The loop".
@@ -17,17 +17,18 @@ import numpy as np
 
 from crossrt.errors import SettingsError
 from crossrt.records.trace import TraceRecorder
-from crossrt.run.acceptance import AcceptanceRule, Greedy, Proposal, Relaxed
-from crossrt.run.drafters import ChainStops, Drafter, ModelDrafter, TreeDrafter
-from crossrt.run.head_drafter import head_drafter
-from crossrt.run.lookup import LOOKUPS, LookupSettings
-from crossrt.run.numerics import choose
-from crossrt.run.policies import CONTENT_WINDOW, DraftPolicy
-from crossrt.run.runtime import HEAD_SPEC_TYPES, DraftRules, ModelSession, Rows
-from crossrt.run.schedules import (HF_SCHEDULE, LLAMA_SCHEDULES, SCHEDULE, SCHEDULE_TYPES, SCHEDULES, TRACED_SCHEDULES,
-                                   Generation, Schedule, Tally, ViewRecorder, check_prompt)
-from crossrt.run.strategies import Strategy, tree_spec
-from crossrt.run.tree import Tree
+from crossrt.speculative.acceptance import AcceptanceRule, Greedy, Proposal, Relaxed
+from crossrt.speculative.draft_rules import HEAD_SPEC_TYPES, DraftRules
+from crossrt.speculative.drafters import ChainStops, Drafter, ModelDrafter, TreeDrafter
+from crossrt.speculative.head_drafter import head_drafter
+from crossrt.speculative.lookup import LOOKUPS, LookupSettings
+from crossrt.speculative.numerics import choose
+from crossrt.speculative.policies import CONTENT_WINDOW, DraftPolicy
+from crossrt.speculative.schedules import (HF_SCHEDULE, LLAMA_SCHEDULES, SCHEDULE, SCHEDULE_TYPES, SCHEDULES,
+                                           TRACED_SCHEDULES, Generation, Schedule, Tally, ViewRecorder, check_prompt)
+from crossrt.speculative.session import ModelSession, Rows
+from crossrt.speculative.strategies import Strategy, tree_spec
+from crossrt.speculative.tree import Tree
 
 __all__ = ["HF_SCHEDULE", "SCHEDULE", "SCHEDULES", "TRACED_SCHEDULES", "greedy_generate", "speculative_generate"]
 
