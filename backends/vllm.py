@@ -29,10 +29,6 @@ import hashlib
 import json
 import os
 import platform
-import select
-import subprocess
-import time
-from functools import partial
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -41,25 +37,18 @@ from crossrt.inputs.pairs import cache_dir
 from crossrt.run.runtime import (DTYPES, DraftRules, NativeGeneration, NativeSession, Runtime, RuntimeFailure,
                              RuntimeOptions, RuntimeUnavailable)
 from crossrt.run.memory import Uncounted, plan_processes
-from crossrt.run.processes import ProcessTree, die_with_parent
 from crossrt.speculative.schedules import check_context_fits
 from crossrt.records.schema import Counters, CountsDoNotAddUp, RuntimeInfo
-from crossrt.backends.llama_tools import log_tail
 from crossrt.backends.vllm_heads import NAMES as HEAD_METHODS, check_head, head_note, head_speculative
-from crossrt.backends.vllm_memory import ENGINES, KV_CACHE_GIB, check_engines, dtype_of, engine_needs
+from crossrt.backends.vllm_memory import ENGINES, check_engines, dtype_of, engine_needs
+from crossrt.backends.vllm_process import VENV, Worker
 
 VERSION = "0.32.0"  # scripts/setup_vllm's pin
-VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
-PYTHON = VENV / "bin" / "python"
 STAMP = VENV / f".crossrt-vllm-{VERSION}"  # written by scripts/setup_vllm once `import vllm` works
-WORKER = Path(__file__).with_name("vllm_worker.py")
 SCHEDULE = "vllm"
 # vLLM's CPU attention (v1/attention/backends/cpu_attn.py, get_supported_head_sizes).
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-# Loading imports torch and vLLM (~15 CPU-s) and loads the weights: minutes on a busy 2-core machine.
-LOAD_TIMEOUT_S = 900.0
 REQUEST_BASE_S, REQUEST_S_PER_TOKEN = 60.0, 2.0
-LOG_TAIL_LINES = 30
 ONE_AT_A_TIME = ("the baseline and speculative engines did not fit in memory together: every baseline was "
                  "decoded first, then the baseline engine closed and the speculative engine started")
 COUNTING = ("per-step drafted and accepted from vLLM's per-request metrics (level detailed), checked equal to the "
@@ -143,81 +132,6 @@ def vllm_folder(folder: Path) -> Path:
         temporary.write_text(json.dumps({**config, "architectures": [architecture]}, indent=2) + "\n")
         os.replace(temporary, out / "config.json")  # last: a folder with config.json is complete
     return out
-
-
-class Worker:
-    """One vLLM engine in a process of vLLM's environment, spoken to in JSON lines."""
-
-    def __init__(self, name: str, config: dict, log: Path, threads: int):
-        self.name = name  # "baseline engine", "speculative engine": for messages
-        environment = dict(os.environ)
-        # One engine process computing on `threads` cores, not bound to any (a shared machine).
-        environment.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads),
-                            "VLLM_CPU_KVCACHE_SPACE": environment.get("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB),
-                            "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-        # vLLM warns that speculative decoding without Intel OpenMP preloaded is much slower;
-        # the wheel installs it into the environment's lib/.
-        iomp = VENV / "lib" / "libiomp5.so"
-        if iomp.is_file():
-            environment["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), os.environ.get("LD_PRELOAD")]))
-        self._log = log
-        self._log_file = open(log, "wb")
-        self._process = subprocess.Popen([str(PYTHON), str(WORKER), json.dumps(config)], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=self._log_file, env=environment,
-                                         preexec_fn=partial(die_with_parent, os.getpid()))
-        self._tree = ProcessTree(self._process.pid)  # its engine processes, sampled while it is waited on
-
-    def wait_ready(self) -> dict:
-        """The worker's first line: versions, system_info and load time, once vLLM has loaded."""
-        return self._reply(LOAD_TIMEOUT_S, "loading")
-
-    def _reply(self, timeout: float, doing: str) -> dict:
-        # select sees the pipe, not the reader's buffer: safe because the worker writes exactly
-        # one line per request, so no second line can wait in the buffer unseen.
-        deadline = time.monotonic() + timeout
-        stdout = self._process.stdout
-        while True:
-            self._tree.sample()
-            ready, _, _ = select.select([stdout], [], [], max(0.0, min(0.5, deadline - time.monotonic())))
-            if ready:
-                line = stdout.readline()
-                if line:
-                    reply = json.loads(line)
-                    if "error" in reply:
-                        raise RuntimeFailure(f"vLLM failed {doing}: {reply['error']}; log {self._log}")
-                    return reply
-            if self._process.poll() is not None or (ready and not line):
-                code, tail = self._process.wait(), log_tail(self._log, LOG_TAIL_LINES)
-                raise RuntimeFailure(f"vLLM's {self.name} {self._tree.ended(code, f' while {doing}')}; log "
-                                     f"{self._log}:\n{tail}")
-            if time.monotonic() >= deadline:
-                raise RuntimeFailure(f"vLLM did not answer within {timeout:g} s while {doing}: hung; log {self._log}")
-
-    def ask(self, request: dict, timeout: float, doing: str) -> dict:
-        try:
-            self._process.stdin.write((json.dumps(request) + "\n").encode())
-            self._process.stdin.flush()
-        except BrokenPipeError:
-            pass  # _reply reports the exit, with the log
-        return self._reply(timeout, doing)
-
-    def stop(self) -> None:
-        """Ask the worker to end (its loop ends; vLLM shuts its engine down) without waiting."""
-        if self._process.poll() is None and not self._process.stdin.closed:
-            try:
-                self._process.stdin.close()
-            except BrokenPipeError:
-                pass  # it ended already: close() waits for it
-
-    def close(self) -> None:
-        if self._process.poll() is None:
-            self.stop()
-            try:
-                self._process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-        self._log_file.close()
 
 
 def ngram_notes(ngram_min: int, ngram_max: int, k: int) -> tuple[str, ...]:

@@ -27,7 +27,9 @@ import urllib.request
 from pathlib import Path
 
 from crossrt.backends.llama_server_process import free_port
-from crossrt.backends.vllm import KV_CACHE_GIB, VENV, hf_folder, vllm_folder
+from crossrt.backends.vllm import hf_folder, vllm_folder
+from crossrt.backends.vllm_memory import KV_CACHE_GIB
+from crossrt.backends.vllm_process import VENV
 from crossrt.inputs.pairs import resolve_pair
 from crossrt.records.record_json import load_record
 from crossrt.sweep.store import SweepStore

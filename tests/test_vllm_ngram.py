@@ -11,7 +11,7 @@ import subprocess
 import pytest
 from click.testing import CliRunner
 
-from crossrt.backends import vllm
+from crossrt.backends import vllm_process
 from crossrt.builders.tinypair import build_pair
 from crossrt.cli import main
 from crossrt.inputs.prompts import load_prompts
@@ -64,7 +64,7 @@ def test_the_proposer_is_vllms_own_kernel_on_random_texts():
         ngram_min = draws.randrange(1, 5)
         max_model_len = draws.choice([len(ids) + draws.randrange(0, 4), 1_000_000])
         cases.append([ids, ngram_min, draws.randrange(ngram_min, 7), max_model_len, draws.randrange(1, 9)])
-    theirs = json.loads(subprocess.run([str(vllm.PYTHON), "-c", VLLM_KERNEL], input=json.dumps(cases),
+    theirs = json.loads(subprocess.run([str(vllm_process.PYTHON), "-c", VLLM_KERNEL], input=json.dumps(cases),
                                        capture_output=True, text=True, check=True, timeout=120).stdout)
     assert sum(1 for draft in theirs if draft) > 500  # the cases draft, not only refuse
     for case, draft in zip(cases, theirs, strict=True):
