@@ -21,9 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from crossrt.errors import ModelError, SettingsError
-from crossrt.inputs.head_targets import refuse_unfeedable
+from crossrt.inputs.head_targets import HEAD_NAMES as NAMES, refuse_unfeedable
 
-NAMES = {"eagle3": "EAGLE3", "dflash": "DFlash"}
 FOLDERS = {"eagle3": "the head's speculators folder", "dflash": "the drafter's z-lab DFlashDraftModel folder"}
 DFLASH_NOTE = ("a draft is one non-causal pass over k + 1 queries (the newest token and k mask tokens; vLLM does "
                "not read the drafter's block_size); vLLM's CPU build normalizes every layer's context keys with "

@@ -142,7 +142,7 @@ def q8_0(x: torch.Tensor) -> torch.Tensor:
 # Training recipe, chosen on the SmolLM2 corpus with a held-out sixth (docs/drafter-heads.md):
 # rows weighted exp(-(i - 1) / ROW_DECAY), as DFlash's paper weighs block positions, since a
 # block is accepted only up to its first miss, so row 1 matters most (equal weights: 4% held-out
-# row-1 agreement; these: 17%); one sequence per step, gradients clipped at CLIP, the learning
+# row-1 agreement; these: 11%); one sequence per step, gradients clipped at CLIP, the learning
 # rate on a cosine to 0 (higher rates or larger steps collapse the rows to one frequent token).
 ROW_DECAY = 1.0
 CLIP = 1.0

@@ -18,7 +18,8 @@ from typing import Callable, Mapping, Optional, Sequence
 from crossrt import progress
 from crossrt.errors import ComparisonError, CrossrtError, SettingsError
 from crossrt.run.runtime import ModelSession, RuntimeOptions, open_runtime
-from crossrt.simulate.drafting import HEAD_LABELS, MODEL, Drafting, check_drafting, per_run, record_drafting, simulate_sequence
+from crossrt.simulate.drafting import (HEAD_LABELS, MODEL, Drafting, check_drafting, per_run, record_drafting,
+                                      simulate_sequence)
 from crossrt.simulate.schedule_sims import record_rules
 from crossrt.records.counts import Counts
 from crossrt.records.metrics import ratio
@@ -316,9 +317,9 @@ def parity_oracles(records: Sequence[RunRecord], threads: int) -> dict[tuple[int
     simulated = [r for r in records if _simulable(r)]
     if not simulated:
         return {}
-    heads = {record_drafting(r).name for r in simulated} & set(HEAD_LABELS)
-    roles = ("target", "drafter") if heads or any(record_drafting(r).name == MODEL for r in simulated) \
-        else ("target",)
+    draftings = {record_drafting(r).name for r in simulated}
+    heads = draftings & set(HEAD_LABELS)
+    roles = ("target", "drafter") if heads or MODEL in draftings else ("target",)
     files = next((tuple(Path(getattr(r.pair, role).path) for role in roles) for r in records
                   if all(getattr(r.pair, role) and getattr(r.pair, role).format == "gguf"
                          and Path(getattr(r.pair, role).path).is_file() for role in roles)), None)

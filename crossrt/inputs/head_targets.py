@@ -23,6 +23,8 @@ UNFEEDABLE = {
              "gemma3_text": "vLLM's Gemma 3 does not implement SupportsEagle3"},
 }
 
+HEAD_NAMES = {"eagle3": "EAGLE3", "dflash": "DFlash"}  # a head spec type as people write it
+
 
 def why_unfeedable(architecture: str, runtime: str) -> Optional[str]:
     """Why runtime ("llama.cpp", "vLLM") cannot feed a head from a target of architecture; None if it can."""
@@ -32,5 +34,7 @@ def why_unfeedable(architecture: str, runtime: str) -> Optional[str]:
 def refuse_unfeedable(architecture: str, runtime: str, spec_type: str, where: str) -> None:
     reason = why_unfeedable(architecture, runtime)
     if reason is not None:
-        head = {"eagle3": "an EAGLE3", "dflash": "a DFlash"}.get(spec_type.lower(), f"a {spec_type}")
-        raise SettingsError(f"{where}: a {architecture} target cannot feed {head} head on {runtime}: {reason}")
+        head = HEAD_NAMES.get(spec_type.lower(), spec_type)
+        article = "an" if head[:1].upper() in "AEIOU" else "a"
+        raise SettingsError(f"{where}: a {architecture} target cannot feed {article} {head} head on {runtime}: "
+                            f"{reason}")
