@@ -6,7 +6,9 @@ choice the loop asks for: after prompt + output[:e], the target chooses extended
 draft's token i is verified against extended[e + i] while the draft so far matched (nothing
 past the first mismatch is read). A drafter model's chain at that context is the oracle's row
 e, stopped where its ChainStops would stop the real drafter's (the same rules, read from the
-probabilities the oracle kept).
+probabilities the oracle kept). A static tree's step reads a rank oracle (crossrt/simulate/trees.py):
+the node whose rank path is the output's ranks holds the output's token, every other node one
+the target never chooses, and the target's rows along that path choose the output.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from crossrt.errors import SettingsError
 from crossrt.speculative.acceptance import Proposal
 from crossrt.speculative.drafters import ChainStops, draft_chain
 from crossrt.speculative.numerics import Choices
+from crossrt.speculative.tree import Tree
 from crossrt.run.runtime import Rows
 
 NO_ROWS = np.empty((0, 0), dtype=np.float32)
+NO_TOKEN = -1  # a tree node off the output's path: no vocabulary's id, so never the target's choice
 
 
 class OracleTarget:
@@ -122,6 +126,85 @@ class OracleDrafter:
 
     def prefill(self, ids: Sequence[int]) -> None:
         """Nothing cached: the oracle's rows stay."""
+
+    def mirror(self, n_keep: int, batch: Sequence[int]) -> None:
+        """Nothing cached to mirror."""
+
+    def keep(self, n_keep: int) -> None:
+        """Nothing cached past the context."""
+
+
+class OracleTreeTarget(OracleTarget):
+    """OracleTarget as the loop's tree session (loop.TreeSession): from the root, the child holding
+    the output's next token is on the output's path and its row chooses the token after; every
+    other row chooses NO_TOKEN (none of them is read). Siblings hold distinct tokens, as a drafter's
+    distinct ranks do."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Per tree shape, kept for the run: each node's children, and the runner-ups, margins and
+        # close candidates a row never has (a run drafts a few cuts of one tree).
+        self.shapes: dict[tuple[int, ...], tuple] = {}
+
+    def eval_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        """The tree session's logits, which the loop checks a tree target has: an oracle has none."""
+        raise SettingsError("an oracle holds the target's choices, not its logits: call eval_tree_choices")
+
+    def eval_tree_choices(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[np.ndarray, Choices]:
+        """The choice at each node (parents[i] < i, as loop.verify_tree is given them)."""
+        n, parents = len(tokens), tuple(parents)
+        shape = self.shapes.get(parents)
+        if shape is None:
+            children: list[list[int]] = [[] for _ in range(n)]
+            for node in range(1, n):
+                children[parents[node]].append(node)
+            shape = self.shapes[parents] = (children, np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.float32),
+                                            ((),) * n)
+        children, none, margins, empty = shape
+        y, position = self.extended, self.n_past + 1 - self.prompt_length
+        best = np.full(n, NO_TOKEN, dtype=np.int64)
+        node: Optional[int] = 0
+        while node is not None and position < len(y):
+            choice = best[node] = y[position]
+            node = next((child for child in children[node] if tokens[child] == choice), None)
+            position += 1
+        return NO_ROWS, Choices(best, none, margins, empty, empty)
+
+    def keep_path(self, nodes: Sequence[int]) -> None:
+        self.n_past += len(nodes)
+
+
+class OracleTreeDrafter:
+    """TreeDrafter (speculative/drafters.py) on a rank oracle: each step the tree cut to the
+    step's depth, the node on the output's ranks after the context holding the output's
+    token, the others NO_TOKEN; calls counts TreeDrafter's passes, one per node with children."""
+
+    sessions: tuple = ()
+    past_budget = False
+    own_n_min = False
+
+    def __init__(self, prompt_length: int, output: Sequence[int], ranks: np.ndarray, tree: Tree):
+        self.prompt_length, self.output, self.ranks = prompt_length, tuple(output), ranks.tolist()
+        self.cuts, self.depth = tree.cuts, tree.depth
+        self.calls = 0
+
+    def propose(self, context: Sequence[int], n_max: int) -> Proposal:
+        tree = self.cuts[min(self.depth, n_max)]
+        if tree is None:
+            return Proposal.chain(())
+        self.calls += tree.internal
+        tokens = [NO_TOKEN] * tree.n_nodes
+        path: tuple[int, ...] = ()
+        for position in range(len(context) - self.prompt_length, len(self.output)):
+            path += (self.ranks[position],)
+            node = tree.nodes.get(path)
+            if node is None:
+                break
+            tokens[node - 1] = self.output[position]
+        return Proposal(tuple(tokens), tree.parents)
+
+    def prefill(self, ids: Sequence[int]) -> None:
+        """Nothing cached: the oracle's ranks stay."""
 
     def mirror(self, n_keep: int, batch: Sequence[int]) -> None:
         """Nothing cached to mirror."""

@@ -1,5 +1,6 @@
 """What-if tree verification, exact for greedy decoding: static draft trees (crossrt/speculative/tree.py)
-simulated on the rank oracle, and the best tree within a node budget.
+run by the one loop on the rank oracle (crossrt/simulate/oracle_sessions.py), the top-b ceiling,
+and the best tree within a node budget.
 
 A tree is a set of rank paths; a step accepts the longest run of the target's tokens whose
 ranks under the drafter form a path, plus the bonus. One teacher-forced drafter pass gives every
@@ -19,9 +20,11 @@ import numpy as np
 from crossrt.errors import SettingsError
 from crossrt.records.counts import Counts
 from crossrt.records.metrics import Totals
-from crossrt.run.runtime import ModelSession, Rows
+from crossrt.run.runtime import DraftRules, ModelSession, Rows
+from crossrt.speculative import loop
 from crossrt.speculative.tree import RankPath, Tree
 from crossrt.simulate.oracle import CHUNK, CostModel, Oracle, SimRun, by_category
+from crossrt.simulate.oracle_sessions import OracleTreeDrafter, OracleTreeTarget
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,48 +67,37 @@ def build_rank_oracle(drafter: ModelSession, oracle: Oracle, top_b: int) -> Rank
                       top_b, oracle.eog_ids)
 
 
-def _steps(oracle: RankOracle, depth: int, accepts, shape) -> SimRun:
-    """Steps of the crossrt schedule: accepts(path) says whether a path of ranks is a node,
-    shape(cap) gives (nodes verified, drafter passes) of the tree cut to depth cap."""
-    output, ranks, eog = oracle.output, oracle.ranks, oracle.eog_ids
-    step_drafted, step_accepted = [], []
-    calls = emitted = 0
-    while emitted < len(output):
-        cap = min(depth, oracle.max_new_tokens - emitted - 1)
-        nodes, passes = shape(cap)
-        path: RankPath = ()
-        while len(path) < cap and output[emitted + len(path)] not in eog:
-            longer = path + (int(ranks[emitted + len(path)]),)
-            if longer[-1] >= oracle.top_b or not accepts(longer):
-                break
-            path = longer
-        step_drafted.append(nodes)
-        step_accepted.append(len(path))
-        calls += passes
-        emitted += len(path) + 1
-    return SimRun(oracle.prompt_id, oracle.category, tuple(step_drafted), tuple(step_accepted), calls)
-
-
 def simulate_tree(oracle: RankOracle, tree: Tree) -> SimRun:
-    """The steps a real tree-verification run of tree makes on the oracle's prompt."""
+    """The steps a real tree-verification run of tree makes on the oracle's prompt: the one loop's
+    tree path run on the rank oracle (OracleTreeTarget, OracleTreeDrafter)."""
     if max(max(p) for p in tree.paths) >= oracle.top_b:
         raise SettingsError(f"tree {tree.label} uses ranks from {oracle.top_b} on; the oracle stores ranks "
                             f"below top-b {oracle.top_b}")
-    nodes = set(tree.paths)
-    shapes = {}
-    for cap in range(tree.depth + 1):
-        cut = tree.cut(cap)
-        shapes[cap] = (cut.n_nodes, cut.internal()) if cut else (0, 0)
-    return _steps(oracle, tree.depth, nodes.__contains__, shapes.__getitem__)
+    target = OracleTreeTarget(oracle.prompt_ids, oracle.output, oracle.eog_ids)
+    drafts = OracleTreeDrafter(len(oracle.prompt_ids), oracle.output, oracle.ranks, tree)
+    run = loop.speculative_generate(target, None, oracle.prompt_ids, DraftRules(tree.depth), oracle.max_new_tokens,
+                                    tree=tree, drafts=drafts, what_if=True)
+    return SimRun(oracle.prompt_id, oracle.category, run.step_drafted, run.step_accepted, run.drafter_calls)
 
 
 def simulate_top_b(oracle: RankOracle, width: int, depth: int) -> SimRun:
     """The ceiling at top-b: accept while the target's token is among the drafter's width best
     (the full width-ary tree of depth, simulated without listing its nodes)."""
-    def shape(cap: int) -> tuple[int, int]:
-        return sum(width ** d for d in range(1, cap + 1)), sum(width ** d for d in range(cap))
-
-    return _steps(oracle, depth, lambda path: path[-1] < width, shape)
+    # Walked here, not by the loop: the loop's drafter would list all width ** depth nodes.
+    output, ranks, eog = oracle.output, oracle.ranks, oracle.eog_ids
+    step_drafted, step_accepted = [], []
+    calls = emitted = 0
+    while emitted < len(output):
+        cap = min(depth, oracle.max_new_tokens - emitted - 1)
+        accepted = 0
+        while (accepted < cap and output[emitted + accepted] not in eog
+               and ranks[emitted + accepted] < min(width, oracle.top_b)):
+            accepted += 1
+        step_drafted.append(sum(width ** d for d in range(1, cap + 1)))
+        step_accepted.append(accepted)
+        calls += sum(width ** d for d in range(cap))
+        emitted += accepted + 1
+    return SimRun(oracle.prompt_id, oracle.category, tuple(step_drafted), tuple(step_accepted), calls)
 
 
 def best_tree(oracles: Sequence[RankOracle], budget: int, max_depth: int, label: Optional[str] = None) -> Tree:

@@ -147,7 +147,7 @@ class TreeDrafter(_SessionDrafter):
 
     def __init__(self, session: ModelSession, tree: Tree):
         super().__init__(session)
-        self.cuts = {depth: tree.cut(depth) for depth in range(tree.depth + 1)}
+        self.cuts = tree.cuts
         self.depth = tree.depth
 
     def propose(self, context: Sequence[int], n_max: int) -> Proposal:
@@ -173,6 +173,4 @@ class TreeDrafter(_SessionDrafter):
 
         expand((), self._row(context[self.session.n_past:]))
         self.session.truncate(base)
-        index = {path: node for node, path in enumerate(tree.paths, start=1)}
-        return Proposal(tuple(tokens[path] for path in tree.paths),
-                        (-1,) + tuple(index.get(path[:-1], 0) for path in tree.paths))
+        return Proposal(tuple(tokens[path] for path in tree.paths), tree.parents)

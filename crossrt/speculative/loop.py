@@ -22,7 +22,7 @@ from crossrt.speculative.draft_rules import HEAD_SPEC_TYPES, DraftRules
 from crossrt.speculative.drafters import ChainStops, Drafter, ModelDrafter, TreeDrafter
 from crossrt.speculative.head_drafter import head_drafter
 from crossrt.speculative.lookup import LOOKUPS, LookupSettings
-from crossrt.speculative.numerics import choose
+from crossrt.speculative.numerics import Choices, choose
 from crossrt.speculative.policies import CONTENT_WINDOW, DraftPolicy
 from crossrt.speculative.schedules import (HF_SCHEDULE, LLAMA_SCHEDULES, SCHEDULE, SCHEDULE_TYPES, SCHEDULES,
                                            TRACED_SCHEDULES, Generation, Schedule, Tally, ViewRecorder, check_prompt)
@@ -76,6 +76,15 @@ class TreeSession(Protocol):
     def eval_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray: ...
 
     def keep_path(self, nodes: Sequence[int]) -> None: ...
+
+
+def verify_tree(target: TreeSession, tokens: Sequence[int], parents: Sequence[int]) -> tuple[np.ndarray, Choices]:
+    """eval_tree and what each row chooses. An oracle knows its choices without logits
+    (crossrt/simulate/oracle_sessions.py): it answers eval_tree_choices, as eval_choices for chains."""
+    if hasattr(target, "eval_tree_choices"):
+        return target.eval_tree_choices(tokens, parents)
+    rows = target.eval_tree(tokens, parents)
+    return rows, choose(rows)
 
 
 def check_strategy(strategy: Strategy, schedule: str, rules: DraftRules, traced: bool = False,
@@ -172,7 +181,7 @@ def speculative_generate(target: ModelSession, drafter: Optional[ModelSession], 
                          tree: Optional[Tree] = None, *, drafts: Optional[Drafter] = None,
                          what_if: bool = False) -> Generation:
     """Speculative decoding with the named schedule and strategy (module docstring): the one loop
-    of every driven run, and of the simulator's chain runs on an oracle (crossrt/simulate/).
+    of every driven run, and of the simulator's chain and tree runs on an oracle (crossrt/simulate/).
     drafter: None for prompt lookup; tree drafting (strategy.tree, or a tree given as such,
     e.g. simulate's best:N) needs a target that evaluates trees (TreeSession); trace, when
     given, records the run's per-token trace; drafts: a drafter handed to the loop (a run's
@@ -234,8 +243,7 @@ def _steps(target: ModelSession, drafts: Drafter, prompt_ids: Sequence[int], rul
         if plan.llama:
             drafts.mirror(n_past, batch)
         if is_tree:
-            rows = target.eval_tree(batch, proposal.parents)
-            choices = choose(rows)
+            rows, choices = verify_tree(target, batch, proposal.parents)
         else:
             rows, choices = target.eval_choices(batch, Rows.ALL)
         walk = accept.walk(rows, choices, proposal)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import product
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -69,7 +70,7 @@ class Tree:
     def n_nodes(self) -> int:
         return len(self.paths)
 
-    @property
+    @cached_property
     def depth(self) -> int:
         return max(len(p) for p in self.paths)
 
@@ -78,6 +79,23 @@ class Tree:
         kept = tuple(p for p in self.paths if len(p) <= depth)
         return Tree(self.label, kept) if kept else None
 
+    @cached_property
+    def cuts(self) -> tuple["Tree | None", ...]:
+        """cut(depth) at every depth up to the tree's (a step near the budget drafts a cut), made
+        once per tree: the simulator drafts the same tree on every oracle."""
+        return tuple(self.cut(depth) for depth in range(self.depth + 1))
+
+    @cached_property
+    def nodes(self) -> dict[RankPath, int]:
+        """Each path's node in a step's Proposal: node 0 is the root, the context's last token."""
+        return {path: node for node, path in enumerate(self.paths, start=1)}
+
+    @cached_property
+    def parents(self) -> tuple[int, ...]:
+        """The Proposal's parents of this tree's nodes, the root's -1 first."""
+        return (-1,) + tuple(self.nodes.get(path[:-1], 0) for path in self.paths)
+
+    @cached_property
     def internal(self) -> int:
         """Nodes with children, the root included: the drafter passes that make the tree."""
         return len({p[:-1] for p in self.paths})
