@@ -199,7 +199,8 @@ def test_dflash_drafting_on_both_tools_is_reproduced(code_prompts, tmp_path):
 
 def test_a_head_one_runtime_reads_with_a_setting_flipped_fails(code_prompts, tmp_path):
     """The GGUF converted from the folder with norm_before_residual flipped: llama-server drafts
-    otherwise than the reproduction reading the folder, and parity names the setting."""
+    otherwise than the reproduction reading the folder, and parity names the setting (one
+    prompt: the settings check reads the files, not the counts)."""
     flipped = tmp_path / "flipped"
     shutil.copytree(HEAD, flipped)
     config = json.loads((flipped / "config.json").read_text())
@@ -210,8 +211,8 @@ def test_a_head_one_runtime_reads_with_a_setting_flipped_fails(code_prompts, tmp
     pair.write_text(f'name = "flipped"\ndescription = "the head, its GGUF flipped"\n[target]\ngguf = "{TARGET}"\n'
                     f'[drafter]\ngguf = "{flipped / GGUF_NAME}"\nhf = "{HEAD}"\n[defaults]\nk = 7\n'
                     'spec_type = "eagle3"\n')
-    prompts = tmp_path / "two.jsonl"
-    prompts.write_text("".join(code_prompts.read_text().splitlines(keepends=True)[:2]))
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text(code_prompts.read_text().splitlines(keepends=True)[0])
     same = ["--prompts", prompts, "--max-new-tokens", 24, "--threads", 1]
     native, driven = tmp_path / "flipped-server.json", tmp_path / "driven.json"
     result = invoke("run", "--pair", pair, "--runtime", "llama-server", "--mode", "native", *same, "--out", native)

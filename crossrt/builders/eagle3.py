@@ -99,25 +99,30 @@ class Eagle3Head(torch.nn.Module):
         return features @ self.fc.T
 
     def forward(self, tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor,
-                kv_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_dtype: Optional[torch.dtype] = None, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """pre and draft-vocabulary logits of pairs (tokens [B, L], g [B, L, hidden]) at positions
         [L], each attending causally to the pairs before it; kv_dtype: keys and values rounded to
-        it, as a runtime's KV cache stores them (llama.cpp's draft cache: float16 by default)."""
+        it, as a runtime's KV cache stores them (llama.cpp's draft cache: float16 by default).
+        last_only: the last pair's alone ([B, 1, ...]), all a draft pass reads: the query, the MLP
+        and the LM head then run on one row, as llama.cpp's one-token draft passes do."""
         s, eps = self.shape, self.shape.eps
         batch, length = tokens.shape
         xe = rms(self.embeddings[tokens], self.input_layernorm, eps)
         xg = rms(g, self.hidden_norm, eps)
         x = torch.cat([xe, xg], -1)
-        q = rope((x @ self.q_proj.T).view(batch, length, s.heads, s.head_dim), positions, s.rope_theta)
         k = rope((x @ self.k_proj.T).view(batch, length, s.kv_heads, s.head_dim), positions, s.rope_theta)
         v = (x @ self.v_proj.T).view(batch, length, s.kv_heads, s.head_dim)
         if kv_dtype is not None:
             k, v = k.to(kv_dtype).float(), v.to(kv_dtype).float()
+        if last_only:  # the last query attends to every pair: no mask
+            x, xg, g, positions = x[:, -1:], xg[:, -1:], g[:, -1:], positions[-1:]
+        queries = x.shape[1]
+        q = rope((x @ self.q_proj.T).view(batch, queries, s.heads, s.head_dim), positions, s.rope_theta)
         group = s.heads // s.kv_heads
         attended = functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.repeat_interleave(group, 2).transpose(1, 2),
-            v.repeat_interleave(group, 2).transpose(1, 2), is_causal=True)
-        h = attended.transpose(1, 2).reshape(batch, length, -1) @ self.o_proj.T
+            v.repeat_interleave(group, 2).transpose(1, 2), is_causal=not last_only)
+        h = attended.transpose(1, 2).reshape(batch, queries, -1) @ self.o_proj.T
         h = h + (xg if self.settings.norm_before_residual else g)
         m = rms(h, self.post_attention_layernorm, eps)
         pre = h + (functional.silu(m @ self.gate_proj.T) * (m @ self.up_proj.T)) @ self.down_proj.T

@@ -37,6 +37,9 @@ class ModelSession(abc.ABC):
     n_vocab: int
     n_ctx: int
     eog_ids: frozenset[int]
+    # The CPU threads the session computes with, where the runtime takes a count: a head drafting
+    # beside it in torch takes as many (speculative/head_drafter.py).
+    threads: Optional[int] = None
     _n_past: int = 0  # tokens in the cache: only eval and truncate change it
     _closed: bool = False
 
