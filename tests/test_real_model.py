@@ -12,10 +12,14 @@ import pytest
 from click.testing import CliRunner
 
 from crossrt.cli import main
+from crossrt.compare.census import NUMERICS_VARIANTS, SERVER_TWIN, generated_prompts, take_census
 from crossrt.compare.diagnosis import Explainer, explain_record
+from crossrt.compare.diff import diff_records, render_diff
+from crossrt.compare.parity import labelled
 from crossrt.inputs.pairs import load_pair
 from crossrt.records.record_json import load_record, save_record
 from crossrt.compare.replay import Replayer
+from crossrt.compare.splits import NUMERICS
 from crossrt.sweep.store import SweepStore
 
 from conftest import REPO
@@ -54,6 +58,18 @@ def driven(real_pair, prompts, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def server_runs(real_pair, prompts, tmp_path_factory):
+    """llama-server natively and its schedule driven in-process (the twin), of the module's prompts."""
+    folder = tmp_path_factory.mktemp("server")
+    native, twin = folder / "native.json", folder / "twin.json"
+    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--runtime", "llama-server",
+               "--mode", "native", "--out", native).exit_code == 0
+    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--schedule", "llama-server",
+               "--out", twin).exit_code == 0
+    return native, twin
+
+
 def test_every_lossless_failure_has_a_numerics_cause(driven):
     record = load_record(driven)
     with Replayer() as replay:
@@ -87,16 +103,12 @@ def _honest(output: str) -> None:
     assert "FAIL" not in output and "unexplained" not in output and "disagreement" not in output, output
 
 
-def test_llama_server_finishes_every_prompt_and_every_split_is_explained(real_pair, prompts, driven, tmp_path):
+def test_llama_server_finishes_every_prompt_and_every_split_is_explained(server_runs, driven, tmp_path):
     """llama-server on a sliding-window model: with its prompt in one decode (--swa-full, as the
     in-process cache), its counts fit its schedule. Its splits are explained by the driven
     llama-server schedule's pass views where that twin emitted the same ids, and by its passes
     re-scored in-process where no twin did (against crossrt's own schedule)."""
-    native, twin = tmp_path / "native.json", tmp_path / "twin.json"
-    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--runtime", "llama-server",
-               "--mode", "native", "--out", native).exit_code == 0
-    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--schedule", "llama-server",
-               "--out", twin).exit_code == 0
+    native, twin = server_runs
     record = load_record(native)
     assert all(r.ok and r.unfit_counts is None and r.counters.identity_violations(7) == [] for r in record.results)
     reports = {}
@@ -135,6 +147,37 @@ def with_one_more_accepted(record):
     return dataclasses.replace(record, results=tuple(results))
 
 
+def test_every_split_of_the_real_model_has_a_numerics_cause(prompts, driven, server_runs, tmp_path):
+    """The split census (crossrt/compare/census.py) of the real model: six prompts through llama.cpp
+    under every numerics variant (F16 and F32 KV cache, flash attention off, llama-server natively
+    and its schedule driven), a numerics cause for every split, which prompts split where left to
+    the machine. The first three are the module's prompts, whose F16-cache, llama-server and twin
+    runs are the module's own (the other tests read them too); three generated ones run every
+    variant. 16 tokens, as every real-model run here: a comparison ends at its first split, so a
+    prompt gives at most one split per run and per pair of runs at any length."""
+    made = dict(zip(("f16-kv", "server", "server-schedule"), (driven, *server_runs)))
+    variants = NUMERICS_VARIANTS + (SERVER_TWIN,)
+    assert {v.name: (v.runtime, v.mode, v.options) for v in variants if v.name in made} == {
+        "f16-kv": ("llama-cpp", "driven", ()), "server": ("llama-server", "native", ()),
+        "server-schedule": ("llama-cpp", "driven", ("--schedule", "llama-server"))}  # as the fixtures ran them
+
+    def run_one(variant, batch, out):
+        if variant.name in made and batch.read_text() == prompts.read_text():
+            return load_record(made[variant.name])
+        result = run("run", "--pair", PAIR, "--runtime", variant.runtime, "--mode", variant.mode, "--prompts", batch,
+                     "--max-new-tokens", 16, "--out", out, *variant.options)
+        assert result.exit_code == 0, result.output
+        return load_record(out)
+
+    census = take_census(run_one, tmp_path, variants, max_batches=2,
+                         prompts_of=lambda number: PROMPTS if number == 0 else generated_prompts(number, 3))
+    print("\n" + census.render())  # pytest -s: this machine's census
+    assert census.failures == [], "\n".join(census.failures[:5])
+    assert census.unexplained() == 0
+    assert all(cause in NUMERICS for (_, cause) in census.causes)
+    assert census.prompts == 6
+
+
 def test_llama_spec_cli_equals_its_driven_schedule_on_the_real_model(real_pair, prompts, driven, tmp_path):
     native, twin = tmp_path / "native.json", tmp_path / "twin.json"
     assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--runtime", "llama-spec-cli",
@@ -171,7 +214,9 @@ def test_llama_cpp_and_transformers_agree_in_distribution_and_a_run_of_spaces_sp
         real_pair, tmp_path):
     """transformers loads the same Q4_K_M GGUF dequantized: logits differ by whole logits where
     llama.cpp quantizes activations, so parity checks KL divergence, and passes on it; a run of
-    40 spaces is tokenized differently by the two (a tokenization split, named as such)."""
+    40 spaces is tokenized differently by the two (a tokenization split, named as such, by the
+    diff `crossrt diff` prints: diff_records, without the parity verdict the command appends,
+    which is the one asserted above and cost as much again)."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "capital", "category": "prose", "prompt": "The capital of France is"}) + "\n"
                        + json.dumps({"id": "spaces", "category": "structured", "prompt": "x =" + " " * 40 + "1"}) + "\n")
@@ -181,10 +226,11 @@ def test_llama_cpp_and_transformers_agree_in_distribution_and_a_run_of_spaces_sp
     assert "quantized weights: llama.cpp quantizes activations too" in report.output
     assert "FAIL transformers/driven vs its baseline, spaces: tokenizes the prompt text differently" in report.output
     assert report.exit_code == 1 and report.output.count("FAIL ") == 1
-    diff = run("diff", tmp_path / "gemma3-270m-llama-cpp-driven-k4.json",
-               tmp_path / "gemma3-270m-transformers-driven-k4.json")
-    assert "spaces: part at prompt position 3" in diff.output
-    assert "verdict: tokenization or template: prompt ids differ from position 3 before generation" in diff.output
+    paths = [tmp_path / f"gemma3-270m-{runtime}-driven-k4.json" for runtime in ("llama-cpp", "transformers")]
+    (label_a, a), (label_b, b) = labelled([load_record(path) for path in paths], [str(path) for path in paths])
+    diff = render_diff(diff_records(label_a, a, label_b, b))
+    assert "spaces: part at prompt position 3" in diff
+    assert "verdict: tokenization or template: prompt ids differ from position 3 before generation" in diff
 
 
 def test_native_ngram_drafting_drafts_at_most_k_and_every_prompt_counts(tmp_path):

@@ -50,6 +50,8 @@ NUMERICS_VARIANTS = (
     Variant("server", "llama-server", "native"),
 )
 TWO_THREADS = Variant("2-threads", "llama-cpp", "driven", ("--threads", "2"))
+# llama-server's schedule driven in-process: the twin whose pass views explain the native run's splits.
+SERVER_TWIN = Variant("server-schedule", "llama-cpp", "driven", ("--schedule", "llama-server"))
 # llama.cpp's own tools under the other numerics: each a native run with its own baseline.
 MORE_NATIVE = (
     Variant("server-f32-kv", "llama-server", "native", ("--f32-kv-cache",)),
@@ -122,16 +124,19 @@ RunOne = Callable[[Variant, Path, Path], Union[RunRecord, str]]  # a record, or 
 
 def take_census(run_one: RunOne, folder: Path, variants: Sequence[Variant] = NUMERICS_VARIANTS,
                 batch: int = 20, max_batches: int = 10, enough: int = 20,
-                kinds: Sequence[str] = KINDS, on_batch: Optional[Callable[[Census], None]] = None) -> Census:
+                kinds: Sequence[str] = KINDS, on_batch: Optional[Callable[[Census], None]] = None,
+                prompts_of: Optional[Callable[[int], Sequence[dict]]] = None) -> Census:
     """Batches of generated prompts through every variant (run_one(variant, prompts file, record
     path) runs one and returns its record) until each of kinds has `enough` splits or
     max_batches ran; each batch's records compared together, every split explained (re-scored
     where a native run recorded no passes, as parity re-scores: a crash there is a failure, and
-    the batch is compared from what its runs recorded)."""
+    the batch is compared from what its runs recorded). prompts_of(number), where given, is
+    batch number's prompts instead: a census of runs some variants already made of them."""
     census = Census()
     for number in range(max_batches):
+        given = list(prompts_of(number)) if prompts_of is not None else generated_prompts(number, batch)
         prompts = folder / f"prompts-{number}.jsonl"
-        prompts.write_text("".join(json.dumps(p) + "\n" for p in generated_prompts(number, batch)))
+        prompts.write_text("".join(json.dumps(p) + "\n" for p in given))
         started = time.perf_counter()
         outcomes = [run_one(variant, prompts, folder / f"{variant.name}-{number}.json") for variant in variants]
         census.run_s += time.perf_counter() - started
@@ -146,7 +151,7 @@ def take_census(run_one: RunOne, folder: Path, variants: Sequence[Variant] = NUM
         census.add(verdicts.comparisons, native, batch=name)
         census.failures += [f"{name}: {n.run} {n.what}: {n.reason}" for n in crashed]
         census.explain_s += time.perf_counter() - started
-        census.prompts += batch
+        census.prompts += len(given)
         if on_batch is not None:
             on_batch(census)
         if all(census.kinds[kind] >= enough for kind in kinds):
