@@ -163,8 +163,9 @@ def top_k(rows: np.ndarray, k: int) -> np.ndarray:
     return out.reshape(rows.shape[:-1] + (k,))
 
 
-def log_softmax(rows: np.ndarray) -> np.ndarray:
-    shifted = rows - rows.max(axis=-1, keepdims=True)
+def log_softmax(rows: np.ndarray, in_place: bool = False) -> np.ndarray:
+    """Each row's log-probabilities; in_place: written over rows (float rows only)."""
+    shifted = np.subtract(rows, rows.max(axis=-1, keepdims=True), out=rows if in_place else None)
     shifted -= np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # in place: a real model's rows are large
     return shifted
 
@@ -245,12 +246,15 @@ def row_statistics(a, b, tokens: Optional[Sequence[int]] = None, length: Optiona
     width = int(a.logits.shape[-1]) if a.logits.ndim > 1 else 1
     if n == 0:
         return RowStatistics.joined(())
-    difference = np.abs(a.logits[:n] - b.logits[:n])
+    difference = np.subtract(a.logits[:n], b.logits[:n])
+    np.abs(difference, out=difference)  # in place: a real model's rows are 2 MB each
     top_a, top_b = a.top5[:n], b.top5[:n]
     overlap = np.array([len(set(x) & set(y)) / 5 for x, y in zip(top_a, top_b, strict=True)])
     log_a, log_b = a.log_probs[:n], b.log_probs[:n]
     probs_a = np.exp(log_a)  # per comparison: kept per run it would be a third copy of every run's rows
-    kl = np.maximum((probs_a * (log_a - log_b)).sum(axis=-1), 0.0)  # rounding can dip below 0
+    terms = np.subtract(log_a, log_b)
+    terms *= probs_a
+    kl = np.maximum(terms.sum(axis=-1), 0.0)  # rounding can dip below 0
     emitted = np.asarray(tokens if tokens is not None else top_a[:, 0])
     rows = np.arange(n)
     delta_p = np.exp(log_b[rows, emitted]) - probs_a[rows, emitted]
