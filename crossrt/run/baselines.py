@@ -300,3 +300,8 @@ class RunBaselines:
     def get(self, prompt_ids: Sequence[int], max_new_tokens: int, whole_prompt: bool,
             decode: Callable[[], Any]) -> tuple[Baseline, BaselineSource]:
         return baseline_of(self.store, prompt_key(self.base, prompt_ids, max_new_tokens, whole_prompt), decode)
+
+    def stored(self, prompt_ids: Sequence[int], max_new_tokens: int, whole_prompt: bool) -> bool:
+        """Whether get would find an entry (not read: one found damaged is decoded, as by get)."""
+        key = prompt_key(self.base, prompt_ids, max_new_tokens, whole_prompt)
+        return self.store is not None and not self.store.refresh and self.store.path(key_sha256(key)).is_file()

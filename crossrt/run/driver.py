@@ -262,7 +262,11 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
             raise storage_error(work_dir, error) from None
         with loading(request.loading_lock):
             # Only a runtime with native_draftings takes a strategy; the others' signature stays.
-            given = {"strategy": request.strategy} if native_strategy else {}
+            # Where baselines may be stored, one that can starts its baseline's process only once
+            # one is missing (baselines_first), not beside the speculative one.
+            on_demand = runtime.baseline_on_demand and request.baselines is not None and request.repeat == 1
+            given = {**({"strategy": request.strategy} if native_strategy else {}),
+                     **({"baseline_on_demand": True} if on_demand else {})}
             session = stack.enter_context(runtime.open_native(paths["target"], paths["drafter"], request.rules,
                                                               work_dir, **given))
         firsts: dict[str, NativeBaseline] = {}
@@ -271,12 +275,24 @@ def _prompt_runner(runtime: Runtime, request: RunRequest, stack: contextlib.Exit
             return run_prompt_native(session, prompt, request.max_new_tokens, request.rules.k, shared(prompt),
                                      baselines, firsts.pop(prompt.id, None))
 
-        def baselines_first(todo: Sequence[Prompt], baselines: Optional[RunBaselines]) -> None:
+        def baselines_first(todo: Sequence[Prompt], baselines: RunBaselines) -> None:
             """Where the session runs one process at a time, every baseline before the first
-            speculative run, so its processes start once each (NativeSession.one_at_a_time)."""
+            speculative run, so its processes start once each (NativeSession.one_at_a_time);
+            where it starts its baseline's on demand, that process if a baseline is missing,
+            holding the loading lock as its first models were loaded."""
             if session.one_at_a_time:
                 firsts.update((p.id, native_baseline(session, p, request.max_new_tokens, shared(p), baselines))
                               for p in todo)
+            elif on_demand and any(not stored(p, baselines) for p in todo):
+                with loading(request.loading_lock):
+                    session.start_baseline()
+
+        def stored(prompt: Prompt, baselines: RunBaselines) -> bool:
+            try:
+                ids, _ = _prompt_ids(session.tokenize, prompt, shared(prompt))
+            except PromptRefused:  # refused again, and recorded, when it runs
+                return True
+            return baselines.stored(ids, request.max_new_tokens, False)
 
         _refuse_repeats(request, session.one_at_a_time)
         return run_native, session, session, baselines_first

@@ -137,6 +137,10 @@ class Runtime(abc.ABC):
     # draft length and numerics, and its counters are read around each request, so requests to
     # one server go one at a time (sweeps never run two of its cells at once).
     attaches: ClassVar[bool] = False
+    # Whether open_native takes baseline_on_demand=True: its session then starts the baseline's
+    # process only when start_baseline() is called or a baseline is decoded, not beside the
+    # speculative one (a run whose baselines are all in the store never starts it).
+    baseline_on_demand: ClassVar[bool] = False
 
     def __init__(self, options: RuntimeOptions):
         self.options = options
