@@ -18,6 +18,7 @@ import click
 import pytest
 
 from crossrt.cli import main
+from crossrt.records.record_json import load_record
 
 from conftest import REPO
 
@@ -96,3 +97,8 @@ def test_the_readme_tour_runs_as_written_in_order(tmp_path, tmp_path_factory):
     for written in ("runs/tiny-llama-cpp-k4.json", "runs/gemma.json", "runs/tiny-timed.json", "report.html",
                     "sweep.html", "parity.html", "parity.xml", "parity.md", "runs/heads/smol/eagle3.gguf"):
         assert (tmp_path / written).is_file(), written
+    # `run --runtime vllm` after the parity that ran it on the same prompts: every baseline came
+    # from the store, so its baseline engine never started (backends/vllm.py, baseline_on_demand).
+    vllm_run = tmp_path / "runs" / "gemma3-270m-vllm-k7.json"
+    assert {result.baseline_source.origin for result in load_record(vllm_run).results} == {"store"}
+    assert sorted(path.name for path in vllm_run.with_suffix(".logs").iterdir()) == ["vllm-speculative.log"]
