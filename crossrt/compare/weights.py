@@ -130,20 +130,30 @@ def _identity(side: Path) -> tuple:
     return tuple((str(file.resolve()), (stat := file.stat()).st_size, stat.st_mtime_ns) for file in files)
 
 
-def _tensor_count(side: Path) -> int:
-    """The tensors a side holds, from its header alone."""
-    if side.suffix == ".gguf":
+def _names(identity: tuple) -> list[str]:
+    """The tensor names of the files an identity names, in the order _tensors gives them, from
+    their headers alone."""
+    files = [Path(path) for path, _, _ in identity]
+    if files[0].suffix == ".gguf":
         from crossrt.inputs.gguf_file import read_layout
 
-        with open(side, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return len(read_layout(data).tensors)
+        with open(files[0], "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return [tensor.name for tensor in read_layout(data).tensors]
     from safetensors import safe_open
 
-    count = 0
-    for file in _folder_files(side):
+    names = []
+    for file in files:
         with safe_open(file, "pt") as tensors:
-            count += len(tensors.keys())
-    return count
+            names += tensors.keys()
+    return names
+
+
+def _unmatched(first: Sequence[str], second: Sequence[str]) -> list[str]:
+    """Names only one side holds, second's first; a tied output head is stored once by one
+    writer and twice by another: not a difference."""
+    ones, others = set(first), set(second)
+    only = [name for name in second if name not in ones] + [name for name in first if name not in others]
+    return [name for name in only if not name.endswith("lm_head.weight")]
 
 
 def compare_weights(a: Path, b: Path) -> WeightsMatch:
@@ -153,7 +163,7 @@ def compare_weights(a: Path, b: Path) -> WeightsMatch:
     first, second = _sides(Path(a), Path(b))
     identities = _identity(first), _identity(second)
     if identities[0] == identities[1]:
-        return WeightsMatch(_tensor_count(first), ())
+        return WeightsMatch(len(_names(identities[0])), ())
     return _compared(*identities)
 
 
@@ -165,13 +175,17 @@ def _tensors(identity: tuple) -> Iterator:
 
 @functools.lru_cache(maxsize=8)
 def _compared(identity_a: tuple, identity_b: tuple) -> WeightsMatch:
-    """The weights of the files of identity_a (_identity) against those of identity_b."""
+    """The weights of the files of identity_a (_identity) against those of identity_b. Other
+    tensor names already say "not the same model", whatever the values: none are read then."""
+    names = _names(identity_a), _names(identity_b)
+    unmatched = _unmatched(*names)
+    if unmatched:
+        return WeightsMatch(len(set(names[0]) & set(names[1])), (), tuple(unmatched))
     first, second = dict(_tensors(identity_a)), _tensors(identity_b)
-    differing, unmatched, both, retyped = [], [], 0, 0
+    differing, both, retyped = [], 0, 0
     for name, (kind, values) in second:
         other = first.pop(name, None)
-        if other is None:
-            unmatched.append(name)
+        if other is None:  # a tied lm_head only (_unmatched)
             continue
         both += 1
         difference = _difference(other[1], values)
@@ -179,6 +193,4 @@ def _compared(identity_a: tuple, identity_b: tuple) -> WeightsMatch:
             retyped += 1
         elif difference > SAME:
             differing.append((name, difference))
-    # A tied output head is stored once by one writer and twice by another: not a difference.
-    unmatched = [name for name in unmatched + list(first) if not name.endswith("lm_head.weight")]
-    return WeightsMatch(both, tuple(differing), tuple(unmatched), retyped)
+    return WeightsMatch(both, tuple(differing), (), retyped)
