@@ -212,12 +212,15 @@ class BaselineStore:
     def path(self, digest: str) -> Path:
         return self.root / f"{digest}.json"
 
+    def holds(self, key: Mapping[str, Any]) -> bool:
+        """Whether get reads an entry for key (not read here: one found damaged is decoded by get)."""
+        return not self.refresh and self.path(key_sha256(key)).is_file()
+
     def get(self, key: Mapping[str, Any]) -> Optional[tuple[Baseline, BaselineSource]]:
         """The stored baseline of exactly key, or None (none stored, another key, damaged: warned)."""
-        digest = key_sha256(key)
-        path = self.path(digest)
-        if self.refresh or not path.is_file():
+        if not self.holds(key):
             return None
+        path = self.path(key_sha256(key))
         try:
             stored_key, baseline, source = _entry(json.loads(path.read_bytes()))
         except (OSError, ValueError, RecursionError) as error:  # EntryDamaged and bad JSON are ValueErrors
@@ -302,6 +305,6 @@ class RunBaselines:
         return baseline_of(self.store, prompt_key(self.base, prompt_ids, max_new_tokens, whole_prompt), decode)
 
     def stored(self, prompt_ids: Sequence[int], max_new_tokens: int, whole_prompt: bool) -> bool:
-        """Whether get would find an entry (not read: one found damaged is decoded, as by get)."""
-        key = prompt_key(self.base, prompt_ids, max_new_tokens, whole_prompt)
-        return self.store is not None and not self.store.refresh and self.store.path(key_sha256(key)).is_file()
+        """Whether get would find an entry (BaselineStore.holds)."""
+        return self.store is not None and self.store.holds(prompt_key(self.base, prompt_ids, max_new_tokens,
+                                                                      whole_prompt))
