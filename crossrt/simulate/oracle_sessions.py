@@ -82,16 +82,30 @@ class OracleTarget:
         return self.detokenizer(ids)
 
 
-class OracleDrafter:
+class _CachelessDrafter:
+    """The cache side of the loop's drafter contract, for an oracle: no sessions, nothing to
+    fill, mirror or crop (the oracle's rows stay), no proposals past the budget."""
+
+    sessions: tuple = ()
+    past_budget = False
+
+    def prefill(self, ids: Sequence[int]) -> None:
+        """Nothing cached."""
+
+    def mirror(self, n_keep: int, batch: Sequence[int]) -> None:
+        """Nothing cached to mirror."""
+
+    def keep(self, n_keep: int) -> None:
+        """Nothing cached past the context."""
+
+
+class OracleDrafter(_CachelessDrafter):
     """A drafter's greedy chains, read from the oracle's rows (drafts: row e after prompt +
     output[:e]; p10, p1: each token's top-10 and full-softmax probabilities) and stopped by stops
     as the loop's ModelDrafter is; calls counts one pass per token read, as it does. head: the rows
     are a head's (crossrt/simulate/head_rows.py), proposed under a head's rules instead: up to
     k tokens while sure, a draft shorter than n_min dropped, then cut to the step's limit, as
     speculative/head_drafter.py's drafters propose."""
-
-    sessions: tuple = ()
-    past_budget = False
 
     def __init__(self, prompt_length: int, drafts: np.ndarray, p10: Optional[np.ndarray], p1: np.ndarray,
                  stops: ChainStops, head: Optional[tuple[int, int]] = None):
@@ -123,15 +137,6 @@ class OracleDrafter:
         while len(draft) < k and not self.stops.below(probabilities[len(draft)]):
             draft.append(tokens[len(draft)])
         return Proposal.chain(draft[:n_max] if len(draft) >= n_min else ())
-
-    def prefill(self, ids: Sequence[int]) -> None:
-        """Nothing cached: the oracle's rows stay."""
-
-    def mirror(self, n_keep: int, batch: Sequence[int]) -> None:
-        """Nothing cached to mirror."""
-
-    def keep(self, n_keep: int) -> None:
-        """Nothing cached past the context."""
 
 
 class OracleTreeTarget(OracleTarget):
@@ -174,13 +179,11 @@ class OracleTreeTarget(OracleTarget):
         self.n_past += len(nodes)
 
 
-class OracleTreeDrafter:
+class OracleTreeDrafter(_CachelessDrafter):
     """TreeDrafter (speculative/drafters.py) on a rank oracle: each step the tree cut to the
     step's depth, the node on the output's ranks after the context holding the output's
     token, the others NO_TOKEN; calls counts TreeDrafter's passes, one per node with children."""
 
-    sessions: tuple = ()
-    past_budget = False
     own_n_min = False
 
     def __init__(self, prompt_length: int, output: Sequence[int], ranks: np.ndarray, tree: Tree):
@@ -202,12 +205,3 @@ class OracleTreeDrafter:
                 break
             tokens[node - 1] = self.output[position]
         return Proposal(tuple(tokens), tree.parents)
-
-    def prefill(self, ids: Sequence[int]) -> None:
-        """Nothing cached: the oracle's ranks stay."""
-
-    def mirror(self, n_keep: int, batch: Sequence[int]) -> None:
-        """Nothing cached to mirror."""
-
-    def keep(self, n_keep: int) -> None:
-        """Nothing cached past the context."""
