@@ -22,6 +22,7 @@ from crossrt.records.counts import Counts
 from crossrt.records.metrics import Totals
 from crossrt.run.runtime import DraftRules, ModelSession, Rows
 from crossrt.speculative import loop
+from crossrt.speculative.schedules import draft_cap
 from crossrt.speculative.tree import RankPath, Tree
 from crossrt.simulate.oracle import CHUNK, CostModel, Oracle, SimRun, by_category
 from crossrt.simulate.oracle_sessions import OracleTreeDrafter, OracleTreeTarget
@@ -88,7 +89,7 @@ def simulate_top_b(oracle: RankOracle, width: int, depth: int) -> SimRun:
     step_drafted, step_accepted = [], []
     calls = emitted = 0
     while emitted < len(output):
-        cap = min(depth, oracle.max_new_tokens - emitted - 1)
+        cap = draft_cap(depth, oracle.max_new_tokens, emitted)
         accepted = 0
         while (accepted < cap and output[emitted + accepted] not in eog
                and ranks[emitted + accepted] < min(width, oracle.top_b)):

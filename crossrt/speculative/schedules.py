@@ -145,6 +145,12 @@ class Tally:
                           self.yielded - len(self.output), self.views.view(len(self.output)), drafter_calls)
 
 
+def draft_cap(k: int, max_new_tokens: int, emitted: int) -> int:
+    """crossrt's schedule's longest draft after emitted tokens: k, or what the budget leaves
+    beside the token the step adds (also the top-b ceiling's, simulate/trees.py)."""
+    return min(k, max_new_tokens - emitted - 1)
+
+
 class Schedule:
     """When drafts start and how they are cut near the budget: the crossrt schedule (module
     docstring of crossrt/speculative/loop.py); the subclasses change what differs."""
@@ -171,7 +177,7 @@ class Schedule:
 
     def n_max(self, target: ModelSession, tally: Tally, k: int) -> int:
         """The most tokens the next draft may hold: never past the budget."""
-        return min(k, tally.max_new_tokens - len(tally.output) - 1)
+        return draft_cap(k, tally.max_new_tokens, len(tally.output))
 
     def stand_in(self, k: int) -> Optional[tuple[int, ...]]:
         """The draft the runtime schedules instead of the drafter's for the pass n_max was
