@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from crossrt.cli import main
 from crossrt.compare.plain import CAUSES, power_plainly
 from crossrt.compare import splits
-from crossrt.compare.control import Power
+from crossrt.compare.power import Power
 from crossrt.records.record_json import load_record
 from crossrt.report.groups import difference
 

@@ -8,7 +8,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from crossrt.compare.control import FLOAT_CONTROL, WEIGHTS, ControlCheck, Power
+from crossrt.compare.control import FLOAT_CONTROL, WEIGHTS, ControlCheck
+from crossrt.compare.power import Power
 from crossrt.compare.parity import COUNTERS, IDS, OWN_BASELINE, WHOLE_RUN, PromptParity
 from crossrt.compare.plain import cause_plainly, power_plainly
 from crossrt.compare.rescore import LogitAgreement, ScoredRows, agreement

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from crossrt.compare.control import Power
+from crossrt.compare.power import Power
 from crossrt.compare.splits import (BATCH_SHAPE, COUNTERS_UNEXPLAINED, COUNTS_UNFIT, CROSS_NUMERICS, DISAGREEMENT,
                                     DRAFT_RULE, DRAFTER_NUMERICS, INSIDE_DISAGREEMENT, NOT_REPRODUCED,
                                     OWN_TOKENIZATION, STOP, TEMPLATE, TOKENIZATION, UNEXPLAINED)

@@ -24,9 +24,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from crossrt import progress
-from crossrt.compare.control import (CONTROL_ROWS, FACTOR, FLOAT32_EPS, demoted, find_power, noise_bounds,
-                                     reference_sequences)
+from crossrt.compare.control import CONTROL_ROWS, FACTOR, FLOAT32_EPS, demoted, noise_bounds, reference_sequences
 from crossrt.compare.parity import OWN_BASELINE
+from crossrt.compare.power import Power, find_power
 from crossrt.compare.rescore import (DecodedRows, LogitAgreement, RowStatistics, ScoredRows, open_scorer,
                                      row_statistics, score, score_stepwise, scorer_key)
 from crossrt.compare.splits import first_divergence
@@ -79,7 +79,7 @@ class PathCheck:
     measured: Optional[LogitAgreement] = None
     bounds: Optional[Tolerance] = None
     noise: Optional[LogitAgreement] = None
-    power: Optional[object] = None  # control.Power
+    power: Optional[Power] = None
 
     @property
     def problems(self) -> list[str]:
