@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from crossrt.run.driver import run_prompt
+from crossrt.run.prompt_run import run_prompt
 from crossrt.inputs.pairs import load_pair, pair_info
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.run_writer import RunWriter

@@ -15,7 +15,7 @@ from crossrt.speculative import loop
 from crossrt.backends.llama_spec_cli import TOOL, parse_log
 from crossrt.backends.llama_tools import Flags
 from crossrt.cli import main
-from crossrt.run.driver import run_prompt_native
+from crossrt.run.prompt_run import run_prompt_native
 from crossrt.inputs.prompts import Prompt, load_prompts
 from crossrt.run.runtime import DraftRules, RuntimeFailure, RuntimeOptions, RuntimeUnavailable, availability, open_runtime
 from crossrt.speculative.schedules import SPEC_SIMPLE

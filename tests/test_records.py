@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from crossrt.records import record_json
 from crossrt.cli import main
-from crossrt.run.driver import run_prompt
+from crossrt.run.prompt_run import run_prompt
 from crossrt.records.journal import Journal, journal_path
 from crossrt.inputs.pairs import pair_info
 from crossrt.inputs.prompts import load_prompts

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from crossrt.run.driver import run_prompt
+from crossrt.run.prompt_run import run_prompt
 from crossrt.inputs.pairs import pair_info
 from crossrt.inputs.prompts import load_prompts
 from crossrt.run.runtime import DraftRules

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from crossrt.builders import tinytrain
-from crossrt.run.driver import run_prompt
+from crossrt.run.prompt_run import run_prompt
 from crossrt.builders.model_files import LlamaShape
 from crossrt.inputs.pairs import load_pair
 from crossrt.inputs.prompts import load_prompts
