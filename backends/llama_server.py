@@ -58,7 +58,9 @@ class LlamaServerSession(NativeSession):
     schedule = SCHEDULE
 
     def __init__(self, speculative: Launcher, baseline: Launcher, rules: DraftRules, notes: tuple[str, ...],
-                 one_at_a_time: bool = False):
+                 one_at_a_time: bool = False, baseline_on_demand: bool = False):
+        """baseline_on_demand: the baseline server starts at start_baseline or the first baseline
+        decoded (Runtime.baseline_on_demand), not beside the speculative one."""
         self.rules = rules
         self.notes = notes
         # Where both servers do not fit in memory together: only the one generating runs (the
@@ -71,8 +73,10 @@ class LlamaServerSession(NativeSession):
         self._template: Optional[tuple[str, ServerProcess]] = None  # (template text, its server)
         self._totals: Optional[MetricsCounters] = None  # the speculative server's, read when it starts
         try:
-            first = self._server(speculative=False)
-            if not one_at_a_time:
+            # One at a time, the baseline server first (the driver decodes every baseline first); on
+            # demand, the speculative one; else both.
+            first = self._server(speculative=baseline_on_demand and not one_at_a_time)
+            if not one_at_a_time and not baseline_on_demand:
                 self._server(speculative=True)
             props = first.call_json("GET", "/props")
             self.n_ctx = int(props["default_generation_settings"]["n_ctx"])
@@ -97,6 +101,9 @@ class LlamaServerSession(NativeSession):
         self._baseline = self._baseline_launcher.start()
         self._check_drafting(self._baseline, drafting=False)
         return self._baseline
+
+    def start_baseline(self) -> None:
+        self._server(speculative=False)
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -243,6 +250,7 @@ class LlamaServerRuntime(Runtime):
     drafting_rules = ("n_min", "p_min")  # passed as the build's own flags (Build.flags)
     # --drafting llama-ngram-*: its own n-gram type at the strategy's ngram_max, no drafter loaded.
     native_draftings = tuple(NGRAM_DRAFTINGS)
+    baseline_on_demand = True  # a run whose baselines are all stored never starts the plain server
 
     def __init__(self, options: RuntimeOptions):
         super().__init__(options)
@@ -309,8 +317,9 @@ class LlamaServerRuntime(Runtime):
         return settings if all(flag in self.build.flags.spec_ngram for flag, _ in settings) else ()
 
     def open_native(self, target: Path, drafter: Path, rules: DraftRules, work_dir: Path,
-                    strategy=None) -> LlamaServerSession:
-        """strategy: --drafting llama-ngram-*, run as that n-gram type at its ngram_max, no drafter loaded."""
+                    strategy=None, baseline_on_demand: bool = False) -> LlamaServerSession:
+        """strategy: --drafting llama-ngram-*, run as that n-gram type at its ngram_max, no drafter
+        loaded. baseline_on_demand: LlamaServerSession's."""
         refuse_unfed_head(target, rules.spec_type, f"runtime {self.name}")
         size_n = ngram_simple_size_n(rules.k)
         if strategy is not None:
@@ -338,7 +347,8 @@ class LlamaServerRuntime(Runtime):
         chosen = bool(ngram) or strategy is not None  # the type under crossrt's settings
         notes = ((ngram_note(rules.spec_type, ngram),) if chosen else ()) + self._notes(rules) \
             + (() if together else (ONE_AT_A_TIME,))
-        session = LlamaServerSession(speculative, baseline, rules, notes, one_at_a_time=not together)
+        session = LlamaServerSession(speculative, baseline, rules, notes, one_at_a_time=not together,
+                                     baseline_on_demand=baseline_on_demand)
         if chosen:
             # What it drafts under crossrt's names, as its driven reproduction records them (docs/ngram.md).
             drafting = next(name for name, kind in NGRAM_DRAFTINGS.items() if kind == rules.spec_type)

@@ -263,17 +263,24 @@ def test_server_dies_with_a_killed_parent(runtime, tiny_pair, tmp_path):
 
 def test_cli_native_run_writes_a_lossless_record(tmp_path):
     out = tmp_path / "run.json"
-    result = CliRunner().invoke(main, ["run", "--runtime", "llama-server", "--mode", "native", "--pair",
-                                       str(TINY_PAIR), "--k", "4", "--max-new-tokens", "32", "--out", str(out)],
-                                catch_exceptions=False)
+    command = ["run", "--runtime", "llama-server", "--mode", "native", "--pair", str(TINY_PAIR), "--k", "4",
+               "--max-new-tokens", "32"]
+    result = CliRunner().invoke(main, command + ["--out", str(out), "--fresh-baseline"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    record = load_record(out)  # schema, derived numbers and counter identities checked on load
+    assert (out.parent / "run.logs" / "llama-server-baseline.log").is_file()
+    # Every baseline now stored: a second run reads them all, and its plain server never starts.
+    again = tmp_path / "again.json"
+    result = CliRunner().invoke(main, command + ["--out", str(again)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "again.logs" / "llama-server-baseline.log").exists()
+    record, stored = load_record(out), load_record(again)  # schema, derived numbers and identities checked on load
+    assert [r.baseline_source.origin for r in stored.results] == ["store"] * len(PROMPTS)
+    assert [r.baseline_ids for r in stored.results] == [r.baseline_ids for r in record.results]
     assert record.runtime.name == "llama-server" and record.runtime.build == "0c1e57098" and record.runtime.flash_attn
     assert (record.params.mode, record.params.schedule, record.params.k) == ("native", "llama-server", 4)
     assert len(record.results) == len(PROMPTS) and all(r.ok and r.lossless for r in record.results)
     assert all(r.counters.unverified >= 1 and r.counters.step_accepted is None for r in record.results)
     assert any("step_drafted/step_accepted: null" in note for note in record.notes)
-    assert (out.parent / "run.logs" / "llama-server-baseline.log").is_file()
 
 
 def test_flag_names_follow_the_build():
