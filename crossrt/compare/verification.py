@@ -150,15 +150,30 @@ class _Measured:
     repeat: tuple[str, float, int]  # (prompt, max abs diff of the same pass scored twice, rows)
 
 
+def split_rows(records: Sequence[RunRecord]) -> dict[str, int]:
+    """prompt id -> the rows up to and including the last position where one of these runs first
+    left its own baseline: the batch-shape noise is measured there too, since a split is judged
+    against it and the two shapes may agree exactly until some position and differ after it
+    (llama.cpp without flash attention, one-token decodes against batches)."""
+    found: dict[str, int] = {}
+    for record in records:
+        for result in record.results:
+            index = first_divergence(result.output_ids, result.baseline_ids) if result.ok else None
+            if result.lossless is False and index is not None:
+                found[result.prompt_id] = max(found.get(result.prompt_id, 0), index + 1)
+    return found
+
+
 def _measure(session: ModelSession, key: tuple, prompts: dict, rows: dict[str, np.ndarray], batches: Sequence[int],
-             per_prompt: int, decodes: DecodedRows) -> _Measured:
+             per_prompt: int, decodes: DecodedRows, at_splits: dict[str, int]) -> _Measured:
     noise, shifts, parts, pairs, verification_shifts = [], [], [], [], []
     repeat = None
     for prompt_id, (prompt_ids, output_ids) in progress.each(prompts.items(), f"{scorer_label(key)}: verification",
                                                              total=len(prompts)):
         full = ScoredRows(rows[prompt_id])  # each row's log-probabilities and top 5 computed once
-        decoded = ScoredRows(decodes.decode(key, session, prompt_id, prompt_ids, output_ids,
-                                            min(per_prompt, len(full)), least=CONTROL_ROWS))
+        wanted = min(max(per_prompt, at_splits.get(prompt_id, 0)), len(full))
+        decoded = ScoredRows(decodes.decode(key, session, prompt_id, prompt_ids, output_ids, wanted,
+                                            least=CONTROL_ROWS))
         n = len(decoded)
         noise.append(row_statistics(decoded, full, length=n))
         shifts.append(gap_shifts(decoded.logits, full.logits[:n])[1])
@@ -278,7 +293,7 @@ def scored_with_path_checks(runs: Sequence[tuple[str, RunRecord]], threads: int 
                 continue
             per_prompt = max(LEAST_ROWS, min(CONTROL_ROWS, DECODED_ROWS // len(prompts)))
             measured = _measure(session, key, prompts, {p: as_run[first_label, p] for p in prompts}, batches,
-                                per_prompt, decodes)
+                                per_prompt, decodes, split_rows([record for _, record in members]))
         noise = measured.noise.summary()
         noises.update(dict.fromkeys(labels, BatchNoise(name, float(measured.noise_shifts.max()), noise.max_abs_diff,
                                                        measured.scale, tuple(map(float, measured.verification_shifts)))))

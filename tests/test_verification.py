@@ -1,0 +1,48 @@
+"""crossrt.compare.verification: where the batch-shape noise is measured.
+
+A split of a run from its own baseline is judged against the noise its scorer measures between
+one pass and one-token decodes. On llama.cpp without flash attention the two agree exactly up to
+some position and differ after it (docs/parity.md), so noise measured on each prompt's first rows
+alone can miss the difference at the split's own row. The measurement must cover every row where
+a run left its baseline, whichever prompts split on this machine: here a split is made on purpose
+by editing one baseline of a real run.
+"""
+
+import dataclasses
+
+from crossrt.compare.control import CONTROL_ROWS
+from crossrt.compare.verification import (DECODED_ROWS, LEAST_ROWS, VERIFICATION, scored_with_path_checks,
+                                         split_rows)
+from crossrt.run.driver import RunRequest, run_pair
+from crossrt.run.runtime import DraftRules, RuntimeOptions
+from crossrt.inputs.prompts import load_prompts
+
+TOKENS = 24
+SPLIT_AT = 19  # past the rows each prompt measures anyway (verification.DECODED_ROWS spread over 8 prompts)
+
+
+def test_the_noise_is_measured_at_every_row_where_a_run_left_its_baseline(tiny_pair, tmp_path):
+    prompts = load_prompts("builtin")[:8]
+    options = RuntimeOptions(n_ctx=512, threads=1, f32_kv_cache=True, flash_attn=False)
+    record = run_pair(RunRequest(tiny_pair, "llama-cpp", options, DraftRules(4), TOKENS, tmp_path / "run.json"),
+                      prompts)
+    index = next(i for i, r in enumerate(record.results) if r.ok and len(r.output_ids) == TOKENS and r.lossless)
+    result = record.results[index]
+    baseline = list(result.baseline_ids)
+    baseline[SPLIT_AT] ^= 1  # another token there: the run leaves it at SPLIT_AT (no row reads the baseline's ids)
+    results = list(record.results)
+    results[index] = dataclasses.replace(result, baseline_ids=tuple(baseline))
+    split = dataclasses.replace(record, results=tuple(results))
+    assert split_rows([split]) == {**split_rows([record]), result.prompt_id: SPLIT_AT + 1}
+
+    def measured_rows(run):
+        _, checks, _ = scored_with_path_checks([("llama-cpp/driven", run)])
+        check = next(c for c in checks if c.kind == VERIFICATION)
+        assert check.ok, check.describe()
+        return check.measured.positions
+
+    # Each verification batch size compares its rows against the decoded ones: the split prompt
+    # decodes SPLIT_AT + 1 rows where it decoded fewer.
+    per_prompt = max(LEAST_ROWS, min(CONTROL_ROWS, DECODED_ROWS // len(prompts)))
+    assert per_prompt < SPLIT_AT + 1
+    assert measured_rows(split) - measured_rows(record) == SPLIT_AT + 1 - per_prompt
