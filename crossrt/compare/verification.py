@@ -118,7 +118,8 @@ def rolled_back_rows(session: ModelSession, prompt_ids: Sequence[int], output_id
             found.extend(np.asarray(session.eval([*kept, rejected], Rows.ALL)[:len(kept)], dtype=np.float64))
         else:
             found.extend(np.asarray(session.eval([token], Rows.LAST)[0], dtype=np.float64) for token in kept)
-            session.eval([rejected], Rows.LAST)
+            if start + step < len(fed):  # a later draft reads the rejected token's cache entry, never its row:
+                session.eval([rejected], Rows.NONE)  # no LM head (a real model's is most of a decode)
         session.truncate(n_past + len(kept))
     return np.array(found)
 
