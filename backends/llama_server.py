@@ -11,7 +11,6 @@ The counters: backends/llama_server_counts.py.
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import time
 from dataclasses import dataclass

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from crossrt.backends.transformers_plants import CALL_NOISE, PATH_PLANTS, PLANT_ENV
 from crossrt.cli import main
-from crossrt.compare.verification import _departure_chance, poisson_tail
+from crossrt.compare.departures import departure_chance, poisson_tail
 
 PROMPTS = [{"id": "code", "category": "code", "prompt": "def add(a, b):\n    return"},
            {"id": "prose", "category": "prose", "prompt": "The river ran past the old mill and"},
@@ -72,9 +72,9 @@ def test_a_runtime_that_scores_the_same_input_twice_differently_is_nondeterminis
 
 def test_the_departure_bound_follows_the_measured_noise():
     # A verification path whose gap shifts never reach a margin makes no departure plausible...
-    assert _departure_chance([0.5, 0.2, 0.9], [1e-5] * 50) == 0.0
+    assert departure_chance([0.5, 0.2, 0.9], [1e-5] * 50) == 0.0
     # ...and one whose shifts exceed every margin makes one certain.
-    assert _departure_chance([1e-6, 0.2], [1.0] * 50) == 1.0
+    assert departure_chance([1e-6, 0.2], [1.0] * 50) == 1.0
     # Poisson tails: none observed is no surprise; five where 0.01 are expected is.
     assert poisson_tail(0, 0.01) == 1.0
     assert poisson_tail(5, 0.01) < 1e-9

@@ -29,7 +29,8 @@ from crossrt.compare.tolerance import tolerance_for
 from crossrt.inputs.prompts import Prompt
 from crossrt.compare.rescore import DecodedRows
 from crossrt.compare.tau_gap import ORACLE_RUNTIME, gap_pairs, parity_gaps
-from crossrt.compare.verification import PathCheck, departure_checks, judged_by_paths, scored_with_path_checks
+from crossrt.compare.departures import departure_checks
+from crossrt.compare.verification import PathCheck, judged_by_paths, scored_with_path_checks
 from crossrt.speculative.loop import SCHEDULE
 from crossrt.run.rules import run_rules
 from crossrt.run.runtime import DraftRules, RuntimeOptions, RuntimeUnavailable, runtime_class
