@@ -70,6 +70,29 @@ def server_runs(real_pair, prompts, tmp_path_factory):
     return native, twin
 
 
+@pytest.fixture(scope="module")
+def spec_runs(real_pair, prompts, tmp_path_factory):
+    """llama-speculative-simple natively and its schedule driven in-process (the twin), of the module's prompts."""
+    folder = tmp_path_factory.mktemp("spec")
+    native, twin = folder / "native.json", folder / "twin.json"
+    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--runtime", "llama-spec-cli",
+               "--mode", "native", "--out", native).exit_code == 0
+    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--schedule",
+               "llama-spec-simple", "--out", twin).exit_code == 0
+    return native, twin
+
+
+@pytest.fixture(scope="module")
+def schedules_parity(server_runs, driven, spec_runs):
+    """One parity of the native runs of two schedules and crossrt's own: llama-server natively
+    (its twin left out, so its splits are re-scored), llama-speculative-simple natively with its
+    driven twin, and the driven run. Runs whose schedules differ get tau gap lines, whose oracles
+    (every prompt decoded by target and drafter) are built once here where a parity per test
+    built them twice."""
+    report = run("parity", server_runs[0], driven, *spec_runs, "--no-logits")
+    return report
+
+
 def test_every_lossless_failure_has_a_numerics_cause(driven):
     record = load_record(driven)
     with Replayer() as replay:
@@ -103,17 +126,17 @@ def _honest(output: str) -> None:
     assert "FAIL" not in output and "unexplained" not in output and "disagreement" not in output, output
 
 
-def test_llama_server_finishes_every_prompt_and_every_split_is_explained(server_runs, driven, tmp_path):
+def test_llama_server_finishes_every_prompt_and_every_split_is_explained(server_runs, schedules_parity, tmp_path):
     """llama-server on a sliding-window model: with its prompt in one decode (--swa-full, as the
     in-process cache), its counts fit its schedule. Its splits are explained by the driven
     llama-server schedule's pass views where that twin emitted the same ids, and by its passes
-    re-scored in-process where no twin did (against crossrt's own schedule)."""
+    re-scored in-process where no twin did (against crossrt's own schedule: the module's parity of
+    schedules, where llama-spec-cli's runs are compared too)."""
     native, twin = server_runs
     record = load_record(native)
     assert all(r.ok and r.unfit_counts is None and r.counters.identity_violations(7) == [] for r in record.results)
-    reports = {}
-    for others in (twin, driven):
-        report = reports[others] = run("parity", native, others, "--no-logits")
+    reports = {twin: run("parity", native, twin, "--no-logits"), "driven": schedules_parity}
+    for report in reports.values():
         assert report.exit_code == 0, report.output
         _honest(report.output)
         assert "llama-server/native vs its baseline: 3 prompts:" in report.output and ", 0 failed" in report.output
@@ -147,30 +170,40 @@ def with_one_more_accepted(record):
     return dataclasses.replace(record, results=tuple(results))
 
 
-def test_every_split_of_the_real_model_has_a_numerics_cause(prompts, driven, server_runs, tmp_path):
+def test_every_split_of_the_real_model_has_a_numerics_cause(driven, server_runs, tmp_path):
     """The split census (crossrt/compare/census.py) of the real model: six prompts through llama.cpp
     under every numerics variant (F16 and F32 KV cache, flash attention off, llama-server natively
     and its schedule driven), a numerics cause for every split, which prompts split where left to
     the machine. The first three are the module's prompts, whose F16-cache, llama-server and twin
     runs are the module's own (the other tests read them too); three generated ones run every
-    variant. 16 tokens, as every real-model run here: a comparison ends at its first split, so a
-    prompt gives at most one split per run and per pair of runs at any length."""
+    variant. One batch of the six: a variant the module ran runs the generated three and its
+    record is joined to the module's, the others run all six at once (one load, one comparison
+    of every run, where two batches loaded and compared twice). 16 tokens, as every real-model
+    run here: a comparison ends at its first split, so a prompt gives at most one split per run
+    and per pair of runs at any length."""
     made = dict(zip(("f16-kv", "server", "server-schedule"), (driven, *server_runs)))
+    generated = generated_prompts(1, 3)
     variants = NUMERICS_VARIANTS + (SERVER_TWIN,)
     assert {v.name: (v.runtime, v.mode, v.options) for v in variants if v.name in made} == {
         "f16-kv": ("llama-cpp", "driven", ()), "server": ("llama-server", "native", ()),
         "server-schedule": ("llama-cpp", "driven", ("--schedule", "llama-server"))}  # as the fixtures ran them
 
     def run_one(variant, batch, out):
-        if variant.name in made and batch.read_text() == prompts.read_text():
-            return load_record(made[variant.name])
+        given = [json.loads(line) for line in batch.read_text().splitlines()]
+        assert given == PROMPTS + generated
+        if variant.name in made:
+            batch = out.with_suffix(".jsonl")
+            batch.write_text("".join(json.dumps(p) + "\n" for p in generated))
         result = run("run", "--pair", PAIR, "--runtime", variant.runtime, "--mode", variant.mode, "--prompts", batch,
                      "--max-new-tokens", 16, "--out", out, *variant.options)
         assert result.exit_code == 0, result.output
-        return load_record(out)
+        record = load_record(out)
+        if variant.name in made:
+            record = load_record(made[variant.name]).with_results(record.results)
+        assert [r.prompt_id for r in record.results] == [p["id"] for p in given]
+        return record
 
-    census = take_census(run_one, tmp_path, variants, max_batches=2,
-                         prompts_of=lambda number: PROMPTS if number == 0 else generated_prompts(number, 3))
+    census = take_census(run_one, tmp_path, variants, max_batches=1, prompts_of=lambda number: PROMPTS + generated)
     print("\n" + census.render())  # pytest -s: this machine's census
     assert census.failures == [], "\n".join(census.failures[:5])
     assert census.unexplained() == 0
@@ -178,13 +211,10 @@ def test_every_split_of_the_real_model_has_a_numerics_cause(prompts, driven, ser
     assert census.prompts == 6
 
 
-def test_llama_spec_cli_equals_its_driven_schedule_on_the_real_model(real_pair, prompts, driven, tmp_path):
-    native, twin = tmp_path / "native.json", tmp_path / "twin.json"
-    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--runtime", "llama-spec-cli",
-               "--mode", "native", "--out", native).exit_code == 0
-    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--schedule",
-               "llama-spec-simple", "--out", twin).exit_code == 0
-    report = run("parity", native, twin, driven, "--no-logits")
+def test_llama_spec_cli_equals_its_driven_schedule_on_the_real_model(spec_runs, schedules_parity):
+    """llama-speculative-simple natively, its driven twin and crossrt's driven run in one parity
+    (the module's, with llama-server's native run beside them)."""
+    report = schedules_parity
     assert report.exit_code == 0, report.output
     _honest(report.output)
     assert "llama-spec-cli/native vs llama-cpp/driven (twin.json): 3 prompts:" in report.output
@@ -253,20 +283,19 @@ def test_native_ngram_drafting_drafts_at_most_k_and_every_prompt_counts(tmp_path
     assert any("--spec-ngram-simple-size-m 7" in note for note in load_record(out).notes)
 
 
-def test_a_sweep_of_the_real_pair_equals_crossrt_run_cell_for_cell(real_pair, prompts, driven, tmp_path):
+def test_a_sweep_of_the_real_pair_equals_crossrt_run_cell_for_cell(real_pair, prompts, driven, server_runs, tmp_path):
     """Two cells of one runtime share a loaded model in one process (LoadedModels): each equals
-    a `crossrt run` of its own, prompt for prompt, id for id, count for count."""
+    a `crossrt run` of its own, prompt for prompt, id for id, count for count. The cells are two
+    schedules (crossrt's and llama-server's, whose baseline takes its first token from the prompt
+    pass), whose runs of their own the module already made (driven and the llama-server twin)."""
     sweep = tmp_path / "real.toml"
-    sweep.write_text(f'name = "real-k"\n[axes]\npair = ["{PAIR}"]\nruntime = ["llama-cpp"]\nmode = ["driven"]\n'
-                     f'k = [3, 7]\nprompts = "{prompts}"\nmax_new_tokens = 16\n')
+    sweep.write_text(f'name = "real-schedule"\n[axes]\npair = ["{PAIR}"]\nruntime = ["llama-cpp"]\nmode = ["driven"]\n'
+                     f'schedule = ["crossrt", "llama-server"]\nprompts = "{prompts}"\nmax_new_tokens = 16\n')
     result = run("sweep", "run", sweep, "--dir", tmp_path / "store")
     assert result.exit_code == 0, result.output
-    cells = {cell.meta["params"]["k"]: cell.record() for cell in SweepStore(tmp_path / "store").stored()}
-    assert sorted(cells) == [3, 7]
-    result = run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--k", 3,
-                 "--out", tmp_path / "k3.json")
-    assert result.exit_code == 0, result.output
-    for swept, alone in ((cells[3], load_record(tmp_path / "k3.json")), (cells[7], load_record(driven))):
+    cells = {cell.meta["params"]["schedule"]: cell.record() for cell in SweepStore(tmp_path / "store").stored()}
+    assert sorted(cells) == ["crossrt", "llama-server"]
+    for swept, alone in ((cells["crossrt"], load_record(driven)), (cells["llama-server"], load_record(server_runs[1]))):
         assert [(r.prompt_id, r.status, r.output_ids, r.baseline_ids, r.counters) for r in swept.results] == \
             [(r.prompt_id, r.status, r.output_ids, r.baseline_ids, r.counters) for r in alone.results]
         assert all(r.ok for r in swept.results) and sum(r.counters.steps for r in swept.results) > 0
