@@ -1,27 +1,220 @@
 """One vLLM engine in a process of vLLM's own environment (.venv-vllm), spoken to in JSON lines:
-the parent's side of backends/vllm_worker.py, which runs there (backends/vllm.py starts two)."""
+the parent's side of backends/vllm_worker.py, which runs there (backends/vllm.py starts two).
+
+Each worker is forked by this process's vLLM zygote (backends/vllm_zygote.py: torch,
+transformers and vLLM imported once, ~8 CPU-s, kept while this process lives), so that an engine
+costs its build alone; where the zygote cannot fork (it died, it is not one thread), or with
+CROSSRT_VLLM_ZYGOTE=0, the worker starts on its own, importing everything itself. Either way it
+is read the same: its pid, stdin, stdout, exit status (ForkedWorker reads the zygote's reports
+like subprocess.Popen)."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
+import signal
+import socket
 import subprocess
+import threading
 import time
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 from crossrt.run.processes import ProcessTree, die_with_parent
 from crossrt.run.runtime import RuntimeFailure
+from crossrt.run.zygote import IMPORT_TIME
 from crossrt.backends.llama_tools import log_tail
 from crossrt.backends.vllm_memory import KV_CACHE_GIB
 
 VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
 PYTHON = VENV / "bin" / "python"
 WORKER = Path(__file__).with_name("vllm_worker.py")
-# Loading imports torch and vLLM (~15 CPU-s) and loads the weights: minutes on a busy 2-core machine.
+ZYGOTE = Path(__file__).with_name("vllm_zygote.py")
+ZYGOTE_ENV = "CROSSRT_VLLM_ZYGOTE"  # "0": every worker starts on its own
+# Loading imports torch and vLLM (~8 CPU-s) and loads the weights: minutes on a busy 2-core machine.
 LOAD_TIMEOUT_S = 900.0
 LOG_TAIL_LINES = 30
+MESSAGE_BYTES = 1 << 22
+# Besides IMPORT_TIME's prefixes, what torch, transformers or vLLM read when they load (cache
+# folders, the temporary folder): a zygote serves workers whose values are its own.
+READ_AT_IMPORT = ("HOME", "TMPDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")
+KEPT = 2  # zygotes one process keeps (each holds its imports resident: ~0.5 GiB)
+
+
+class Zygote:
+    """The parent's side of one backends/vllm_zygote.py, started with the workers' environment."""
+
+    def __init__(self, environment: dict):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.process = subprocess.Popen([str(PYTHON), str(ZYGOTE), str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, env=environment,
+                                        preexec_fn=partial(die_with_parent, os.getpid()))
+        theirs.close()
+        self._control = ours
+        self._lock = threading.Lock()
+        self._exits: dict[int, int] = {}
+        self.running: set[int] = set()
+        self._alive = True
+        self.usable = True
+        self._requests = 0
+
+    def fork(self, config: dict, environment: dict, fds: list[int]) -> Optional[int]:
+        """A child running the worker's main on config with fds as its stdin, stdout and stderr
+        (the caller's to close); None where the zygote cannot (it died, hung, or is not one thread)."""
+        with self._lock:
+            self._requests += 1  # a reply to an earlier request (one interrupted while waiting) is not this one's
+            try:
+                socket.send_fds(self._control, [json.dumps({"op": "fork", "id": self._requests, "config": config,
+                                                            "environ": environment, "cwd": os.getcwd()}).encode()],
+                                fds)
+                deadline = time.monotonic() + LOAD_TIMEOUT_S  # its first fork waits for its imports
+                while True:
+                    message = self._receive(deadline - time.monotonic())
+                    if message is None or message.get("id") == self._requests and "unsafe" in message:
+                        break
+                    if message.get("id") == self._requests and "forked" in message:
+                        self.running.add(message["forked"])
+                        return message["forked"]
+            except OSError:
+                pass
+            # It died, hung or is not one thread: it forks no more, and is closed once its running
+            # children have ended (closing it kills them).
+            self.usable = False
+        return None
+
+    def _receive(self, timeout: Optional[float]) -> Optional[dict]:
+        """One message (an exit is kept for exit_code); None when none came within timeout, or the
+        zygote has gone (then _alive is False)."""
+        if not self._alive:
+            return None
+        try:
+            self._control.settimeout(None if timeout is None else max(0.0, timeout))
+            message = self._control.recv(MESSAGE_BYTES)
+        except (BlockingIOError, socket.timeout):
+            return None
+        except OSError:
+            message = b""
+        if not message:
+            self._alive = False
+            return None
+        message = json.loads(message)
+        if "exit" in message:
+            self._exits[message["exit"][0]] = message["exit"][1]
+        return message
+
+    def exit_code(self, pid: int, timeout: Optional[float]) -> Optional[int]:
+        """The child's exit code (negative: its signal) once it ended, else None after timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while pid not in self._exits:
+                if not self._alive:  # its children die with it (the parent-death signal)
+                    self.running.discard(pid)
+                    return -signal.SIGKILL
+                if self._receive(None if deadline is None else deadline - time.monotonic()) is None \
+                        and self._alive and deadline is not None and time.monotonic() >= deadline:
+                    return None
+            self.running.discard(pid)
+            return self._exits.pop(pid)
+
+    @property
+    def alive(self) -> bool:
+        return self._alive and self.usable and self.process.poll() is None
+
+    def close(self) -> None:
+        """Kill it (it holds nothing but imports) and, with it, its children."""
+        self._alive = False
+        self._control.close()
+        self.process.kill()
+        self.process.wait()
+
+
+class ForkedWorker:
+    """A zygote's child, read like subprocess.Popen: pid, stdin, stdout, poll(), wait(), kill()."""
+
+    def __init__(self, zygote: Zygote, pid: int, stdin, stdout):
+        self._zygote, self.pid, self.stdin, self.stdout = zygote, pid, stdin, stdout
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(f"vLLM worker {self.pid}", timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:  # ended since: wait() reads how
+                pass
+
+
+_zygotes: dict[tuple, Zygote] = {}  # by _key, most recently used last
+_retired: list[Zygote] = []  # forking no more, closed once their children have ended
+
+
+def _key(environment: dict) -> tuple:
+    # By thread too: the kernel kills a zygote when the thread that started it ends.
+    read = sorted((name, value) for name, value in environment.items()
+                  if name.startswith(IMPORT_TIME) or name in READ_AT_IMPORT)
+    return os.getpid(), threading.get_ident(), tuple(read)
+
+
+def _zygote_for(environment: dict) -> Zygote:
+    key = _key(environment)
+    zygote = _zygotes.pop(key, None)
+    if zygote is not None and not zygote.alive:
+        _retired.append(zygote)
+        zygote = None
+    for retired in [retired for retired in _retired if not retired.running]:
+        _retired.remove(retired)
+        retired.close()
+    _zygotes[key] = zygote = zygote or Zygote(environment)
+    idle = [other for other, held in _zygotes.items() if other != key and not held.running]
+    for other in idle[:max(0, len(_zygotes) - KEPT)]:
+        _zygotes.pop(other).close()
+    return zygote
+
+
+@atexit.register
+def _close_zygotes() -> None:
+    for key in [key for key in _zygotes if key[0] == os.getpid()]:
+        _zygotes.pop(key).close()
+    while _retired:
+        _retired.pop().close()
+
+
+def start(config: dict, environment: dict, stderr) -> tuple[subprocess.Popen | ForkedWorker, Optional[Zygote]]:
+    """The worker for config, forked by this process's zygote for environment (started if there is
+    none), else started on its own; and the zygote that forked it."""
+    if environment.get(ZYGOTE_ENV, "1") != "0":
+        zygote = _zygote_for(environment)
+        stdin_read, stdin_write = os.pipe()
+        stdout_read, stdout_write = os.pipe()
+        pid = None
+        try:
+            pid = zygote.fork(config, environment, [stdin_read, stdout_write, stderr.fileno()])
+        finally:
+            os.close(stdin_read)
+            os.close(stdout_write)
+            if pid is None:  # a child forked meanwhile (an interrupt) reads the end of its stdin once loaded
+                os.close(stdin_write)
+                os.close(stdout_read)
+        if pid is not None:
+            return ForkedWorker(zygote, pid, open(stdin_write, "wb"), open(stdout_read, "rb")), zygote
+    return subprocess.Popen([str(PYTHON), str(WORKER), json.dumps(config)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=stderr, env=environment,
+                            preexec_fn=partial(die_with_parent, os.getpid())), None
 
 
 class Worker:
@@ -41,9 +234,7 @@ class Worker:
             environment["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), os.environ.get("LD_PRELOAD")]))
         self._log = log
         self._log_file = open(log, "wb")
-        self._process = subprocess.Popen([str(PYTHON), str(WORKER), json.dumps(config)], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=self._log_file, env=environment,
-                                         preexec_fn=partial(die_with_parent, os.getpid()))
+        self._process, self._zygote = start(config, environment, self._log_file)
         self._tree = ProcessTree(self._process.pid)  # its engine processes, sampled while it is waited on
         self._loaded = False
 

@@ -226,16 +226,24 @@ def test_the_real_model_runs_natively_on_vllm(real_pair, tmp_path):
 
 
 def worker_children(drafter: bool) -> list[int]:
-    """Live vLLM workers this test process started, with or without a drafter."""
-    found = []
+    """Live vLLM workers under this test process (its children, or its vLLM zygote's), with or
+    without a drafter: the processes whose stderr is an engine's log."""
+    parents, logs = {}, {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            parents[int(entry)] = int(fields[1])
+            if fields[0] != "Z":
+                logs[int(entry)] = os.path.basename(os.readlink(f"/proc/{entry}/fd/2"))
         except OSError:
             continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z" and any(a.endswith(b"vllm_worker.py") for a in argv):
-            found += [int(entry)] if (b'"speculative": null' not in argv[-2]) == drafter else []
+    found = []
+    for pid, log in logs.items():
+        ancestor = parents[pid]
+        while ancestor in parents and ancestor != os.getpid():
+            ancestor = parents[ancestor]
+        if ancestor == os.getpid() and log == ("vllm-speculative.log" if drafter else "vllm-baseline.log"):
+            found.append(pid)
     return found
 
 
