@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,24 @@ class Vocabulary:
 
 
 def read_vocabulary(path: Path) -> Vocabulary:
+    """The vocabulary of a GGUF file or an HF folder, read once per version of its files in a
+    process: a run, a parity's every record and a chat template each ask for it, and its
+    meanings and fingerprint (~0.15 CPU-s on a 262k vocabulary) are computed once with it."""
+    path = Path(path)
+    files = (path,) if path.suffix == ".gguf" else (path / "tokenizer.json", path / "config.json")
+    try:
+        versions = tuple((os.stat(file).st_size, os.stat(file).st_mtime_ns) for file in files)
+    except OSError:
+        return _read_vocabulary(path)  # raises the reading's own error
+    return _cached_vocabulary(str(path), versions)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_vocabulary(path: str, versions: tuple) -> Vocabulary:
+    return _read_vocabulary(Path(path))
+
+
+def _read_vocabulary(path: Path) -> Vocabulary:
     if path.suffix == ".gguf":
         return _gguf_vocabulary(path)
     tokenizer_file = path / "tokenizer.json"
