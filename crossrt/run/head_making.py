@@ -104,8 +104,17 @@ def make_head(kind: str, target: Path, output: Path, choose: Callable[[TargetSha
     from crossrt.backends.transformers import dequantized_folder, load_model
     from crossrt.run.runtime import RuntimeOptions
 
-    model = load_model(target, RuntimeOptions(threads=training.threads)).model
-    shape = TargetShape.of(model.config)
+    # The target's shape from its converted folder's config where there is one: loading the model
+    # (1.8 CPU-s on SmolLM2-135M) is needed only to train, not to find a cached head.
+    converted, model = dequantized_folder(target), None
+    if (converted / "config.json").is_file():
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(converted)
+    else:
+        model = load_model(target, RuntimeOptions(threads=training.threads)).model
+        config = model.config
+    shape = TargetShape.of(config)
     settings = choose(shape)
     key = head_key(kind, target, settings, training, new_tokens)
     cached, gguf = cache_dir() / "heads" / key, GGUF_NAMES[kind]
@@ -113,7 +122,8 @@ def make_head(kind: str, target: Path, output: Path, choose: Callable[[TargetSha
         return MadeHead(output, output / gguf, True, json.loads((output / PROVENANCE).read_text()))
     was_cached = (cached / PROVENANCE).is_file() and (cached / gguf).is_file()
     if not was_cached:
-        _train_into(kind, cached, target, dequantized_folder(target), model, shape, settings, training, new_tokens,
+        model = model or load_model(target, RuntimeOptions(threads=training.threads)).model
+        _train_into(kind, cached, target, converted, model, shape, settings, training, new_tokens,
                     key, progress)
     _copy_folder(cached, output)
     return MadeHead(output, output / gguf, was_cached, json.loads((output / PROVENANCE).read_text()))
