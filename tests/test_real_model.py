@@ -283,19 +283,20 @@ def test_native_ngram_drafting_drafts_at_most_k_and_every_prompt_counts(tmp_path
     assert any("--spec-ngram-simple-size-m 7" in note for note in load_record(out).notes)
 
 
-def test_a_sweep_of_the_real_pair_equals_crossrt_run_cell_for_cell(real_pair, prompts, driven, server_runs, tmp_path):
+def test_a_sweep_of_the_real_pair_equals_crossrt_run_cell_for_cell(real_pair, prompts, driven, tmp_path):
     """Two cells of one runtime share a loaded model in one process (LoadedModels): each equals
-    a `crossrt run` of its own, prompt for prompt, id for id, count for count. The cells are two
-    schedules (crossrt's and llama-server's, whose baseline takes its first token from the prompt
-    pass), whose runs of their own the module already made (driven and the llama-server twin)."""
+    a `crossrt run` of its own, prompt for prompt, id for id, count for count."""
     sweep = tmp_path / "real.toml"
-    sweep.write_text(f'name = "real-schedule"\n[axes]\npair = ["{PAIR}"]\nruntime = ["llama-cpp"]\nmode = ["driven"]\n'
-                     f'schedule = ["crossrt", "llama-server"]\nprompts = "{prompts}"\nmax_new_tokens = 16\n')
+    sweep.write_text(f'name = "real-k"\n[axes]\npair = ["{PAIR}"]\nruntime = ["llama-cpp"]\nmode = ["driven"]\n'
+                     f'k = [3, 7]\nprompts = "{prompts}"\nmax_new_tokens = 16\n')
     result = run("sweep", "run", sweep, "--dir", tmp_path / "store")
     assert result.exit_code == 0, result.output
-    cells = {cell.meta["params"]["schedule"]: cell.record() for cell in SweepStore(tmp_path / "store").stored()}
-    assert sorted(cells) == ["crossrt", "llama-server"]
-    for swept, alone in ((cells["crossrt"], load_record(driven)), (cells["llama-server"], load_record(server_runs[1]))):
+    cells = {cell.meta["params"]["k"]: cell.record() for cell in SweepStore(tmp_path / "store").stored()}
+    assert sorted(cells) == [3, 7]
+    result = run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--k", 3,
+                 "--out", tmp_path / "k3.json")
+    assert result.exit_code == 0, result.output
+    for swept, alone in ((cells[3], load_record(tmp_path / "k3.json")), (cells[7], load_record(driven))):
         assert [(r.prompt_id, r.status, r.output_ids, r.baseline_ids, r.counters) for r in swept.results] == \
             [(r.prompt_id, r.status, r.output_ids, r.baseline_ids, r.counters) for r in alone.results]
         assert all(r.ok for r in swept.results) and sum(r.counters.steps for r in swept.results) > 0
