@@ -58,28 +58,26 @@ def driven(real_pair, prompts, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def server_runs(real_pair, prompts, tmp_path_factory):
-    """llama-server natively and its schedule driven in-process (the twin), of the module's prompts."""
-    folder = tmp_path_factory.mktemp("server")
+def native_and_twin(runtime: str, schedule: str, prompts, folder):
+    """A native runtime's run of the module's prompts and its schedule driven in-process (the twin)."""
     native, twin = folder / "native.json", folder / "twin.json"
-    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--runtime", "llama-server",
+    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--runtime", runtime,
                "--mode", "native", "--out", native).exit_code == 0
-    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--schedule", "llama-server",
+    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--schedule", schedule,
                "--out", twin).exit_code == 0
     return native, twin
 
 
 @pytest.fixture(scope="module")
+def server_runs(real_pair, prompts, tmp_path_factory):
+    """llama-server natively and its twin."""
+    return native_and_twin("llama-server", "llama-server", prompts, tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture(scope="module")
 def spec_runs(real_pair, prompts, tmp_path_factory):
-    """llama-speculative-simple natively and its schedule driven in-process (the twin), of the module's prompts."""
-    folder = tmp_path_factory.mktemp("spec")
-    native, twin = folder / "native.json", folder / "twin.json"
-    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--runtime", "llama-spec-cli",
-               "--mode", "native", "--out", native).exit_code == 0
-    assert run("run", "--pair", PAIR, "--prompts", prompts, "--max-new-tokens", 16, "--schedule",
-               "llama-spec-simple", "--out", twin).exit_code == 0
-    return native, twin
+    """llama-speculative-simple natively and its twin."""
+    return native_and_twin("llama-spec-cli", "llama-spec-simple", prompts, tmp_path_factory.mktemp("spec"))
 
 
 @pytest.fixture(scope="module")
