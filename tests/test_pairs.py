@@ -113,3 +113,18 @@ def test_a_token_that_means_other_text_is_another_vocabulary(tiny_pair, real_con
     # a format's view of which added tokens are special is no part of what they mean
     assert dataclasses.replace(tiny, special=frozenset(), literal=tiny.special).fingerprint == tiny.fingerprint
     assert dataclasses.replace(tiny, eos_id=tiny.bos_id).fingerprint != tiny.fingerprint
+
+
+def test_a_missing_model_of_the_checkouts_cache_says_scripts_setup_makes_it(tmp_path):
+    """scripts/demo sets up only what it runs (no SmolLM2 drafter heads): a pair whose files are
+    still to be fetched or made in the checkout's .cache/models says what makes them; a file
+    missing anywhere else is only said missing."""
+    from crossrt.inputs.pairs import load_pair
+
+    for where, hinted in ((REPO / ".cache" / "models" / "not-made-yet" / "eagle3.gguf", True),
+                          (tmp_path / "elsewhere.gguf", False)):
+        manifest = tmp_path / "pair.toml"
+        manifest.write_text(f'name = "p"\n[target]\ngguf = "{where}"\n[drafter]\ngguf = "{where}"\n')
+        with pytest.raises(PairError, match="file not found") as raised:
+            load_pair(manifest).path("target", "gguf")
+        assert ("scripts/setup fetches and makes the built-in pairs' models" in str(raised.value)) is hinted

@@ -74,4 +74,8 @@ def missing_model_hint(path: Path) -> str:
     for folder, command in MADE_HERE.items():
         if (model_home() / folder) in path.parents:
             return f"; make it with: {sys.executable} {command}"
+    # A checkout's fetched and trained models (the real model, SmolLM2 and its drafter heads):
+    # scripts/demo sets up only what it runs, so after it alone the heads are still to be made.
+    if FROM_CHECKOUT and CHECKOUT / ".cache" / "models" in Path(os.path.normpath(path)).parents:
+        return f"; scripts/setup fetches and makes the built-in pairs' models in {CHECKOUT / '.cache' / 'models'}"
     return ""
