@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from crossrt.cli import main
 from crossrt.run.run_writer import lock_path
 from crossrt.records.record_json import load_record
 
@@ -35,6 +37,17 @@ def error_line(done: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def read_error_line(*args) -> str:
+    """error_line for a reader (show, analyze) run in this process: no runtime loads, so a
+    process of its own would only add crossrt's start; the same one line, checked alike."""
+    done = CliRunner().invoke(main, [*map(str, args)])
+    assert done.exit_code == 1 and isinstance(done.exception, SystemExit), (done.output, done.exception)
+    assert "Traceback" not in done.output
+    lines = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1, done.output
+    return lines[0]
+
+
 def prompt_file(path: Path, texts: dict) -> Path:
     path.write_text("".join(json.dumps({"id": i, "category": "prose", "prompt": t}) + "\n" for i, t in texts.items()))
     return path
@@ -53,8 +66,9 @@ def test_resume_refuses_a_prompt_file_whose_ids_collide(tmp_path):
 
 
 def test_resume_refuses_another_suite(tmp_path):
-    out = tmp_path / "cat.json"
-    assert crossrt(*RUN, "--max-new-tokens", 2, "--prompts", "categories", "--out", out, cwd=tmp_path).returncode == 0
+    # The code suite (22 prompts), not categories (110): any built-in suite whose ids builtin lacks.
+    out = tmp_path / "code.json"
+    assert crossrt(*RUN, "--max-new-tokens", 2, "--prompts", "code", "--out", out, cwd=tmp_path).returncode == 0
     before = [r.prompt_id for r in load_record(out).results]
     line = error_line(crossrt(*RUN, "--max-new-tokens", 2, "--prompts", "builtin", "--out", out, "--resume",
                               cwd=tmp_path))
@@ -89,7 +103,11 @@ def test_resume_refusal_names_only_the_differing_fields(tmp_path):
 # ---- one writer; Ctrl-C ---------------------------------------------------------------------
 
 def test_a_second_writer_is_refused_and_ctrl_c_says_how_to_resume(tmp_path):
-    prompts = prompt_file(tmp_path / "many.jsonl", {f"p{i}": f"Story {i}: the cat" for i in range(150)})
+    # The first run is stopped (SIGSTOP) once a prompt is in, holding its lock while the second
+    # writer tries: 40 prompts then outlast the poll's few milliseconds on any machine (150 were
+    # needed to outlast a second crossrt's start, and the resume ran what was left of them).
+    count = 40
+    prompts = prompt_file(tmp_path / "many.jsonl", {f"p{i}": f"Story {i}: the cat" for i in range(count)})
     out = tmp_path / "run.json"
     args = [*RUN, "--max-new-tokens", 48, "--prompts", prompts, "--out", out]
     first = subprocess.Popen([CROSSRT, *map(str, args)], cwd=tmp_path, stdout=subprocess.PIPE,
@@ -99,10 +117,12 @@ def test_a_second_writer_is_refused_and_ctrl_c_says_how_to_resume(tmp_path):
         deadline = time.monotonic() + 120
         while not (journal.is_file() and journal.read_text().count("\n") >= 2):  # a prompt is in
             assert first.poll() is None and time.monotonic() < deadline, "the first run ended too soon"
-            time.sleep(0.05)
+            time.sleep(0.01)
+        first.send_signal(signal.SIGSTOP)
         line = error_line(crossrt(*args, "--resume", cwd=tmp_path))
         assert f"pid {first.pid}" in line and str(out) in line
-        first.send_signal(signal.SIGINT)
+        first.send_signal(signal.SIGINT)  # pending until it runs again: Ctrl-C on a running crossrt
+        first.send_signal(signal.SIGCONT)
         _, stderr = first.communicate(timeout=60)
     finally:
         if first.poll() is None:
@@ -111,10 +131,10 @@ def test_a_second_writer_is_refused_and_ctrl_c_says_how_to_resume(tmp_path):
     command = stderr.strip().splitlines()[-1].strip()
     assert command == shlex.join(["crossrt", *map(str, args), "--resume"])
     kept = len(load_record(out).results)
-    assert 0 < kept < 150 and not lock_path(out).exists()
+    assert 0 < kept < count and not lock_path(out).exists()
     resumed = subprocess.run([CROSSRT, *shlex.split(command)[1:]], cwd=tmp_path, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
-    assert len(load_record(out).results) == 150
+    assert len(load_record(out).results) == count
 
 
 # ---- system errors: read-only and full disks -----------------------------------------------
@@ -181,7 +201,8 @@ def test_a_truncated_gguf_is_one_line(tmp_path):
 def traced(tmp_path_factory):
     folder = tmp_path_factory.mktemp("traced")
     out = folder / "run.json"
-    done = crossrt(*RUN, "--max-new-tokens", 8, "--prompts", "categories", "--trace", "--out", out, cwd=folder)
+    # The code suite's 22 prompts: a 5 kB trace whose bytes 3000-3100 are an array's, as damaged below.
+    done = crossrt(*RUN, "--max-new-tokens", 8, "--prompts", "code", "--trace", "--out", out, cwd=folder)
     assert done.returncode == 0, done.stderr
     return out
 
@@ -193,7 +214,7 @@ def test_a_damaged_trace_is_one_line(traced, damage, tmp_path):
     record.write_bytes(traced.read_bytes())
     trace = tmp_path / "run.trace.npz"
     trace.write_bytes(damage((traced.parent / "run.trace.npz").read_bytes()))
-    line = error_line(crossrt("analyze", record, cwd=tmp_path))
+    line = read_error_line("analyze", record)
     assert str(trace) in line and "not a trace file" in line
 
 
@@ -211,7 +232,7 @@ def test_a_damaged_record_is_one_line(traced, tmp_path):
     for index, (data, message) in enumerate(damaged_records(json.loads(traced.read_text()))):
         path = tmp_path / f"bad{index}.json"
         path.write_bytes(data)
-        line = error_line(crossrt("show", path, cwd=tmp_path))
+        line = read_error_line("show", path)
         assert str(path) in line and message in line, line
 
 
