@@ -59,8 +59,12 @@ def test_a_run_shows_its_bar_on_a_terminal_and_none_when_quiet_or_piped(tmp_path
 
 
 def test_a_parity_matrix_shows_each_cell_and_its_verdicts_stages(tmp_path):
+    # Two prompts, not the built-in ten: each cell and stage shows its bar whatever the count.
+    prompts = tmp_path / "two.jsonl"
+    prompts.write_text('{"id": "a", "category": "code", "prompt": "def add(a, b):"}\n'
+                       '{"id": "b", "category": "prose", "prompt": "The river ran"}\n')
     args = ["parity", "--pair", TINY_PAIR, "--runtimes", "llama-cpp,transformers", "--modes", "driven",
-            "--max-new-tokens", "8", "--out-dir", tmp_path / "m"]
+            "--prompts", prompts, "--max-new-tokens", "8", "--out-dir", tmp_path / "m"]
     shown = crossrt(*args, progress="1", cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     for stage in ("llama-cpp/driven:", "transformers/driven:", "re-scoring:", "verification:", "float control:",
