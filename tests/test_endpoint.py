@@ -11,6 +11,7 @@ SGLang's http_server.py and tokenizer_manager.py), served over a real local sock
 
 import dataclasses
 import functools
+import http.client
 import json
 import os
 import re
@@ -98,21 +99,46 @@ def test_attached_llama_server_equals_the_native_run_id_for_id_and_count_for_cou
     assert "2 prompts: 2 identical, 0 explained, 0 failed" in result.output
 
 
+def stream_until(url: str, body: dict, stop: threading.Event) -> None:
+    """A streamed /completion read until stop is set, then its connection closed: llama-server
+    cancels a request whose client has gone (tools/server/server-context.cpp stops the stream at
+    should_stop, server_response_reader::stop posts the cancel task), so it never runs to the end."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        connection.request("POST", "/completion", json.dumps({**body, "stream": True}),
+                           {"Content-Type": "application/json"})
+        answer = connection.getresponse()
+        while not stop.is_set() and answer.readline():
+            pass
+    finally:
+        connection.close()
+
+
 @needs_server
 def test_a_busy_server_is_one_line(real_servers, monkeypatch):
     monkeypatch.setattr(endpoint_module, "BUSY_WAIT_S", 0.5)
     speculative, baseline = (Attached.attach(url) for url in real_servers.urls)
     session = EndpointSession(speculative, baseline, DraftRules(7), ())
-    someone_else = threading.Thread(target=speculative.endpoint.call_json, args=("POST", "/completion", {
-        "prompt": "Once upon a time", "n_predict": 96, "temperature": 0.0}, endpoint_http.generation_budget(100)))
+    # Someone else's request, long enough to outlast the 0.5 s wait on any machine, cancelled
+    # once the failure is seen rather than decoded to its end.
+    stop = threading.Event()
+    someone_else = threading.Thread(target=stream_until, args=(real_servers.urls[0], {
+        "prompt": "Once upon a time", "n_predict": 400, "temperature": 0.0}, stop))
     someone_else.start()
     try:
         while speculative.kind.scrape(speculative.endpoint).busy == 0:
             assert someone_else.is_alive(), "the other request ended before the server showed it"
+            time.sleep(0.01)  # a scrape without a pause starves the server of the CPU it needs
         with pytest.raises(RuntimeFailure, match=r"is busy: 1 requests running or waiting for 0.5 s"):
             session.generate(session.tokenize("Hello"), 4, speculative=True)
     finally:
+        stop.set()
         someone_else.join()
+    deadline = time.monotonic() + 60
+    while speculative.kind.scrape(speculative.endpoint).busy:  # the cancelled request leaves the server idle
+        assert time.monotonic() < deadline, "the other request was not cancelled"
+        time.sleep(0.05)
 
 
 # ---- faults on the tiny pair's servers -------------------------------------------------------------
