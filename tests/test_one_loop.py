@@ -131,9 +131,12 @@ def _gap(view: dict, position: int, emitted: int, other: int):
 
 
 def _a_few(case: dict) -> bool:
-    """The real model's cases kept short: two prompts, every schedule at k=7, one set of
-    llama.cpp drafting rules, the tree and the baselines."""
-    return case["prompt_id"] != "structured-json" and case.get("k", 7) in (4, 7) and case.get("n_min", 2) == 2
+    """The real model's cases kept short: one prompt, every schedule at k=7, one set of
+    llama.cpp drafting rules, the tree and the baselines. Every schedule is replayed exactly on
+    the F32 pairs above; what the real model adds is a quantized model whose outputs may part
+    from the records, and crossrt's near-tie verdict wherever they do, which one prompt's nine
+    cases give as well as two prompts' eighteen (17 CPU s here instead of 41)."""
+    return case["prompt_id"] == "code-fib" and case.get("k", 7) in (4, 7) and case.get("n_min", 2) == 2
 
 
 @pytest.fixture(scope="module")
