@@ -38,6 +38,11 @@ class Scripted(LoopbackServer):
         self.routes, self.sent, self.paths = routes, 0, []
         super().__init__(_ScriptedHandler)
 
+    def serve_forever(self, poll_interval=0.02):
+        # shutdown() waits for the loop's next look at its flag: at socketserver's 0.5 s each
+        # server took half a second to stop, most of this module's time.
+        super().serve_forever(poll_interval)
+
 
 class _ScriptedHandler(QuietHandler):
     def _answer(self):
@@ -390,12 +395,12 @@ def test_attaching_has_one_deadline_over_all_its_requests(monkeypatch):
 @pytest.mark.parametrize("latency", [float("nan"), -1.0, 1e308, "fast"], ids=["nan", "negative", "huge", "string"])
 def test_a_time_that_is_not_a_time_fails_the_prompt_naming_it(latency):
     """NaN seconds once went into a record that no command could read again (issue 58)."""
-    from test_endpoint import FormatServer, sglang_routes
+    from test_endpoint import sglang_routes
 
     routes = sglang_routes()
     answer = routes["/generate"](None)[1]
     routes["/generate"] = lambda _: (200, {**answer, "meta_info": {**answer["meta_info"], "e2e_latency": latency}})
-    spec = FormatServer(routes)
+    spec = Scripted(routes)  # SGLang's routes, answered as test_endpoint's FormatServer does
     try:
         speculative = Attached.attach(spec.url)
         session = EndpointSession(speculative, speculative, DraftRules(3), ())
