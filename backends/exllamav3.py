@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -65,15 +66,18 @@ def nvcc_path() -> Optional[str]:
 def missing_requirements() -> list[str]:
     """What this machine lacks to run exllamav3, without importing it; empty when nothing."""
     problems = []
-    if importlib.util.find_spec("torch") is None:
+    torch_spec = importlib.util.find_spec("torch")
+    if torch_spec is None:
         problems.append("torch is not installed")
     else:
-        import torch
+        version, cuda = _torch_build(torch_spec)
+        if cuda is None:
+            problems.append(f"torch {version} is a build without CUDA")
+        else:
+            import torch
 
-        if torch.version.cuda is None:
-            problems.append(f"torch {torch.__version__} is a build without CUDA")
-        elif not torch.cuda.is_available():
-            problems.append(f"torch {torch.__version__} sees no CUDA GPU")
+            if not torch.cuda.is_available():
+                problems.append(f"torch {version} sees no CUDA GPU")
     if importlib.util.find_spec("exllamav3") is None:
         problems.append("exllamav3 is not installed")
     elif importlib.util.find_spec("exllamav3_ext") is None:
@@ -84,6 +88,23 @@ def missing_requirements() -> list[str]:
         if shutil.which("ninja") is None:
             problems.append("no ninja on PATH to run exllamav3's extension build")
     return problems
+
+
+def _torch_build(spec) -> tuple[str, Optional[str]]:
+    """torch's version and CUDA version, read from its torch/version.py (plain assignments) where
+    torch is not imported yet: importing it costs ~3 CPU-s, and on a CPU-only build every command
+    listing the usable runtimes paid that only to learn that exllamav3 cannot run."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].__version__, sys.modules["torch"].version.cuda
+    build: dict = {}
+    version_file = Path(spec.submodule_search_locations[0]) / "version.py"
+    try:
+        exec(compile(version_file.read_text(), str(version_file), "exec"), build)
+        return build["__version__"], build["cuda"]
+    except (OSError, SyntaxError, ImportError, KeyError, TypeError):  # another layout: ask torch itself
+        import torch
+
+        return torch.__version__, torch.version.cuda
 
 
 def page_round(tokens: int) -> int:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib
+import importlib.util
 import io
 import json
 from dataclasses import dataclass
@@ -31,12 +33,23 @@ from crossrt.backends import transformers_plants
 from crossrt.backends.transformers_conversion import (DIGESTS, conversion_files, dequantized_folder, each_gguf_read_once,
                                                       save_dequantized)
 
-try:
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
-except ImportError:  # reported by check_available, with the fix
-    transformers = None
+
+
+class _ImportedOnFirstUse:
+    """A module imported when one of its attributes is first read. torch and transformers take
+    ~3.5 CPU-s to import, and most processes that import this runtime's class only list runtimes
+    or read its attributes (`crossrt runtimes --usable`, a parity matrix's parent process, which
+    runs transformers in a child of its own)."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attribute: str):
+        return getattr(importlib.import_module(self._name), attribute)
+
+
+torch = _ImportedOnFirstUse("torch")
+transformers = _ImportedOnFirstUse("transformers")
 
 KV_CACHE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 INSTALL_HINT = "run scripts/setup, or pip install 'crossrt[hf]' (torch, transformers, accelerate)"
@@ -130,11 +143,11 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
     try:
         # local_files_only: a path that is not a local model must fail here, never reach for a hub.
         with quiet, each_gguf_read_once() if extra else contextlib.nullcontext():
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), local_files_only=True,
-                                                         **extra)
+            model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype),
+                                                                      local_files_only=True, **extra)
             converting = bool(extra) or tokenizer_source is not None
             tokenizer = _folder_tokenizer(tokenizer_source) if tokenizer_source else \
-                AutoTokenizer.from_pretrained(source, local_files_only=True, **extra) if extra else None
+                transformers.AutoTokenizer.from_pretrained(source, local_files_only=True, **extra) if extra else None
     except LOAD_ERRORS as error:
         via = f" from its cached conversion {source} (delete it to convert again)" \
             if source in (cached, tokenizer_source) else ""
@@ -147,7 +160,7 @@ def load_model(path: Path, options: RuntimeOptions) -> LoadedModel:
     model.to(device_of(options)).eval()
     shipped = model.generation_config
     eog = _ids(shipped.eos_token_id) | _ids(model.config.get_text_config().eos_token_id)
-    model.generation_config = GenerationConfig(
+    model.generation_config = transformers.GenerationConfig(
         bos_token_id=shipped.bos_token_id, eos_token_id=sorted(eog) or None,
         pad_token_id=shipped.pad_token_id if shipped.pad_token_id is not None else min(eog, default=None))
     return LoadedModel(model, frozenset(eog), cached if converting else source, tokenizer)
@@ -186,7 +199,7 @@ def _folder_tokenizer(folder: Path):
                    if p.is_file() and p.name not in NOT_TOKENIZER and not p.name.endswith(WEIGHT_SUFFIXES))
     key = (config.get("model_type"), config.get("tokenizer_class"), tuple(files))
     if key not in _tokenizers:
-        _tokenizers[key] = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        _tokenizers[key] = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return _tokenizers[key]
 
 
@@ -227,8 +240,8 @@ class TransformersSession(ModelSession):
     def input_embeddings(self) -> "torch.Tensor":
         return self._model.get_input_embeddings().weight
 
-    def _new_cache(self) -> "DynamicCache":
-        cache = DynamicCache(config=self._model.config)
+    def _new_cache(self) -> "transformers.DynamicCache":
+        cache = transformers.DynamicCache(config=self._model.config)
         # Sliding-window layers drop old states unless told to keep them until the next crop,
         # which rolling back a rejected draft needs.
         cache.activate_past_recording()
@@ -290,8 +303,10 @@ class TransformersRuntime(Runtime):
 
     @classmethod
     def check_available(cls) -> None:
-        if transformers is None:
-            raise RuntimeUnavailable(f"torch and transformers are not installed: {INSTALL_HINT}")
+        missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+        if missing:
+            raise RuntimeUnavailable(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
+                                     f"{INSTALL_HINT}")
 
     def load(self, path: Path) -> TransformersSession:
         transformers_plants.install(TransformersSession)  # a planted bug, only where asked for (tests)

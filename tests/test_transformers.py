@@ -202,3 +202,23 @@ def test_cli_native_reports_refused_drafting_rules(tmp_path):
     result = invoke("run", "--runtime", "transformers", "--mode", "native", "--pair", TINY_PAIR,
                     "--draft-n-min", 1, "--out", tmp_path / "run.json")
     assert result.exit_code == 1 and "no n_min or p_min" in result.output
+
+
+def test_listing_runtimes_imports_no_torch_and_a_missing_torch_is_one_reason():
+    """Listing the usable runtimes reads the transformers and exllamav3 runtimes' classes without
+    importing torch (~3.5 CPU-s, paid by every such command before); with torch absent (the
+    module finder made to find none, as on a machine without it) the transformers runtime is
+    unusable and says why and what fixes it."""
+    script = """
+import importlib.util, sys
+from crossrt.run.runtime import availability, usable_runtimes
+usable_runtimes()
+print("torch imported:", "torch" in sys.modules)
+found = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *rest: None if name == "torch" else found(name, *rest)
+print("reason:", availability("transformers"))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "torch imported: False" in done.stdout
+    assert "reason: torch is not installed: run scripts/setup, or pip install 'crossrt[hf]'" in done.stdout
