@@ -81,14 +81,29 @@ def _prompts(tmp_path, count=8):
     return path
 
 
-def test_another_target_fails(tmp_path):
-    prompts = _prompts(tmp_path)
+NUMERICS_FLAGS = ("--f32-kv-cache", "--no-flash-attn")
+
+
+@pytest.fixture(scope="module")
+def schedule_runs(tmp_path_factory):
+    """The trained pair on the generated prompts under the crossrt and the llama-server schedule,
+    same runtime, files and numerics: run once for the two tests below that compare against them."""
+    folder = tmp_path_factory.mktemp("schedules")
+    prompts = _prompts(folder)
+    for name, schedule in (("claimed", "crossrt"), ("server", "llama-server")):
+        assert run("run", "--pair", TRAINED, "--prompts", prompts, "--max-new-tokens", 24, "--schedule", schedule,
+                   "--out", folder / f"{name}.json", *NUMERICS_FLAGS).exit_code == 0
+    return prompts, folder / "claimed.json", folder / "server.json"
+
+
+def test_another_target_fails(schedule_runs, tmp_path):
+    # The trained pair's crossrt-schedule run against the drafter run as its own target, in the
+    # same numerics: only the target differs.
+    prompts, ours, _ = schedule_runs
     drafter = REPO / "models" / "trained" / "drafter.f32.gguf"
-    assert run("run", "--pair", TRAINED, "--prompts", prompts, "--max-new-tokens", 24,
-               "--out", tmp_path / "a.json").exit_code == 0
     assert run("run", "--target", drafter, "--drafter", drafter, "--prompts", prompts, "--max-new-tokens", 24,
-               "--out", tmp_path / "b.json").exit_code == 0
-    report = run("parity", tmp_path / "a.json", tmp_path / "b.json", "--no-logits")
+               "--out", tmp_path / "b.json", *NUMERICS_FLAGS).exit_code == 0
+    report = run("parity", ours, tmp_path / "b.json", "--no-logits")
     assert report.exit_code == 1
     cross = [line for line in report.output.splitlines() if line.startswith(("FAIL", "NOTE")) and " vs llama-cpp" in line]
     failed = [line for line in cross if line.startswith("FAIL")]
@@ -124,18 +139,14 @@ def test_a_cache_truncated_one_position_short_is_a_disagreement(tmp_path, monkey
     assert INSIDE_DISAGREEMENT in report.output and "FAIL" in report.output
 
 
-def test_a_run_claiming_another_schedule_fails(tmp_path):
+def test_a_run_claiming_another_schedule_fails(schedule_runs, tmp_path):
     """The crossrt schedule's counts filed as llama-server's, against a real run of the
     llama-server schedule: same runtime, files and numerics, so no rounding can excuse the
     counts; with identical outputs the counters differ and must fail."""
-    prompts = _prompts(tmp_path)
-    numerics = ("--f32-kv-cache", "--no-flash-attn")
-    for name, schedule in (("claimed", "crossrt"), ("server", "llama-server")):
-        assert run("run", "--pair", TRAINED, "--prompts", prompts, "--max-new-tokens", 24, "--schedule", schedule,
-                   "--out", tmp_path / f"{name}.json", *numerics).exit_code == 0
-    claimed = load_record(tmp_path / "claimed.json")
+    _, ours, server = schedule_runs
+    claimed = load_record(ours)
     relabelled = dataclasses.replace(claimed, params=dataclasses.replace(claimed.params, schedule="llama-server"))
     save_record(relabelled, tmp_path / "claimed.json")
-    report = run("parity", tmp_path / "claimed.json", tmp_path / "server.json", "--no-logits")
+    report = run("parity", tmp_path / "claimed.json", server, "--no-logits")
     assert report.exit_code == 1
     assert COUNTERS_UNEXPLAINED in report.output
