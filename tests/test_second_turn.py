@@ -23,10 +23,10 @@ SPEC_BENCH = REPO / "tests" / "fixtures" / "benchmarks" / "spec_bench_question.j
 TOKENS = "16"
 
 
-@pytest.fixture
-def questions(tmp_path):
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory):
     """Two MT-Bench questions (Spec-Bench's first 80 rows are MT-Bench's, two turns each)."""
-    path = tmp_path / "question.jsonl"
+    path = tmp_path_factory.mktemp("questions") / "question.jsonl"
     path.write_text("".join(SPEC_BENCH.read_text().splitlines(keepends=True)[:2]))
     return f"mtbench:{path}"
 
@@ -49,10 +49,18 @@ def test_the_reader_keeps_the_second_turn(questions):
     assert len(second.later_turns) == 1
 
 
-def test_the_first_answer_is_the_targets_greedy_output_made_once(questions, tmp_path):
-    first = run_turn(questions, tmp_path / "turn1.json")
-    second = run_turn(questions, tmp_path / "turn2.json", "--turn", "2")
-    answers_file = tmp_path / "tiny-first-answers.jsonl"
+@pytest.fixture(scope="module")
+def turns(questions, tmp_path_factory):
+    """A turn-1 run, then a turn-2 run making the first-answers file beside its record: the
+    folder, both records and the file."""
+    folder = tmp_path_factory.mktemp("turns")
+    first = run_turn(questions, folder / "turn1.json")
+    second = run_turn(questions, folder / "turn2.json", "--turn", "2")
+    return folder, first, second, folder / "tiny-first-answers.jsonl"
+
+
+def test_the_first_answer_is_the_targets_greedy_output_made_once(questions, turns):
+    tmp_path, first, second, answers_file = turns
     answers = [json.loads(line) for line in answers_file.read_text().splitlines()]
     turn1 = {r.prompt_id: r for r in first.results}
     assert [a["id"] for a in answers] == list(turn1) == ["mtbench-81", "mtbench-82"]
@@ -89,9 +97,10 @@ def test_the_conversation_is_rendered_whole(questions, tmp_path):
     assert prompts[0].text.startswith("### user:\n") and "### assistant:\n" in prompts[0].text
 
 
-def test_a_file_made_for_something_else_is_refused(questions, tmp_path):
+def test_a_file_made_for_something_else_is_refused(questions, turns, tmp_path):
+    # The turn-2 run's answers (16 tokens), where the next run's record goes, as if made for it.
     answers_file = tmp_path / "tiny-first-answers.jsonl"
-    run_turn(questions, tmp_path / "turn2.json", "--turn", "2")
+    answers_file.write_bytes(turns[3].read_bytes())
     kept = answers_file.read_text()
     result = invoke("run", "--pair", TINY_PAIR, "--prompts", questions, "--turn", "2", "--max-new-tokens", "8",
                     "--out", tmp_path / "short.json")
