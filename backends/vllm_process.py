@@ -10,7 +10,6 @@ like subprocess.Popen)."""
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import select
@@ -25,7 +24,7 @@ from typing import Optional
 
 from crossrt.run.processes import ProcessTree, die_with_parent
 from crossrt.run.runtime import RuntimeFailure
-from crossrt.run.zygote import IMPORT_TIME
+from crossrt.run.zygote import IMPORT_TIME, KeptZygotes
 from crossrt.backends.llama_tools import log_tail
 from crossrt.backends.vllm_memory import KV_CACHE_GIB
 
@@ -159,39 +158,18 @@ class ForkedWorker:
                 pass
 
 
-_zygotes: dict[tuple, Zygote] = {}  # by _key, most recently used last
-_retired: list[Zygote] = []  # forking no more, closed once their children have ended
+worker_zygotes = KeptZygotes(KEPT)
 
 
 def _key(environment: dict) -> tuple:
     # By thread too: the kernel kills a zygote when the thread that started it ends.
     read = sorted((name, value) for name, value in environment.items()
                   if name.startswith(IMPORT_TIME) or name in READ_AT_IMPORT)
-    return os.getpid(), threading.get_ident(), tuple(read)
+    return threading.get_ident(), tuple(read)
 
 
 def _zygote_for(environment: dict) -> Zygote:
-    key = _key(environment)
-    zygote = _zygotes.pop(key, None)
-    if zygote is not None and not zygote.alive:
-        _retired.append(zygote)
-        zygote = None
-    for retired in [retired for retired in _retired if not retired.running]:
-        _retired.remove(retired)
-        retired.close()
-    _zygotes[key] = zygote = zygote or Zygote(environment)
-    idle = [other for other, held in _zygotes.items() if other != key and not held.running]
-    for other in idle[:max(0, len(_zygotes) - KEPT)]:
-        _zygotes.pop(other).close()
-    return zygote
-
-
-@atexit.register
-def _close_zygotes() -> None:
-    for key in [key for key in _zygotes if key[0] == os.getpid()]:
-        _zygotes.pop(key).close()
-    while _retired:
-        _retired.pop().close()
+    return worker_zygotes.get(_key(environment), lambda: Zygote(environment))
 
 
 def start(config: dict, environment: dict, stderr) -> tuple[subprocess.Popen | ForkedWorker, Optional[Zygote]]:

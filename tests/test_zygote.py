@@ -86,7 +86,7 @@ def test_a_crash_under_a_zygote_is_still_named_by_its_signal():
 
 
 def test_zygotes_beyond_the_kept_few_are_closed_only_when_idle(monkeypatch):
-    monkeypatch.setattr(zygotes, "KEPT", 1)
+    monkeypatch.setattr(zygotes.process_zygotes, "kept", 1)
     busy = zygote_for("busy", preloads("busy"))
     child = busy.fork((1, 2), "time:sleep", 5)
     others = [zygote_for(f"other-{i}", []) for i in range(2)]

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import traceback
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from crossrt.run.processes import die_with_parent
 
@@ -257,30 +257,52 @@ class ForkedChild:
         self.send_signal(signal.SIGKILL)
 
 
-_zygotes: dict[tuple, Zygote] = {}  # by key(), most recently used last
+class KeptZygotes:
+    """The zygotes one process keeps, by key, most recently used last; crossrt's runtimes' and
+    vLLM's workers' (backends/vllm_process.py) alike. A zygote found no longer alive is retired and
+    closed once its children have ended (closing kills them); the least recently used idle ones
+    beyond kept are closed; at exit the process closes its own (a forked child inherits this
+    object, not the zygotes)."""
+
+    def __init__(self, kept: int):
+        self.kept = kept
+        self._held: dict[tuple, object] = {}  # (pid, key) -> zygote
+        self._retired: list[tuple[int, object]] = []  # (pid, zygote)
+        atexit.register(self.close_all)
+
+    def get(self, key: tuple, start: Callable[[], object]):
+        """The zygote kept for key, started by start() if there is none alive."""
+        key = (os.getpid(), *key)
+        zygote = self._held.pop(key, None)
+        if zygote is not None and not zygote.alive:
+            self._retired.append((key[0], zygote))
+            zygote = None
+        for retired in [entry for entry in self._retired if not entry[1].running]:
+            self._retired.remove(retired)
+            retired[1].close()
+        self._held[key] = zygote = zygote or start()
+        idle = [other for other, held in self._held.items() if other != key and not held.running]
+        for other in idle[:max(0, len(self._held) - self.kept)]:
+            self._held.pop(other).close()
+        return zygote
+
+    def close_all(self) -> None:
+        for key in [key for key in self._held if key[0] == os.getpid()]:
+            self._held.pop(key).close()
+        for retired in [entry for entry in self._retired if entry[0] == os.getpid()]:
+            self._retired.remove(retired)
+            retired[1].close()
+
+
+process_zygotes = KeptZygotes(KEPT)
 
 
 def _key(name: str) -> tuple:
     read_at_import = sorted((key, value) for key, value in os.environ.items() if key.startswith(IMPORT_TIME))
-    return name, os.getpid(), tuple(sys.path), tuple(read_at_import)
+    return name, tuple(sys.path), tuple(read_at_import)
 
 
 def zygote_for(name: str, modules: Sequence[str]) -> Zygote:
     """This process's zygote for name (a runtime) under the current import-time environment,
-    started with modules imported if there is none yet; the least recently used idle ones
-    beyond KEPT are closed."""
-    key = _key(name)
-    zygote = _zygotes.pop(key, None)
-    if zygote is None or not zygote.alive:
-        zygote = Zygote(modules)
-    _zygotes[key] = zygote
-    idle = [other_key for other_key, other in _zygotes.items() if other_key != key and not other.running]
-    for other_key in idle[:max(0, len(_zygotes) - KEPT)]:
-        _zygotes.pop(other_key).close()
-    return zygote
-
-
-@atexit.register
-def _close_all() -> None:
-    for key in [key for key in _zygotes if key[1] == os.getpid()]:
-        _zygotes.pop(key).close()
+    started with modules imported if there is none yet (KeptZygotes keeps KEPT)."""
+    return process_zygotes.get(_key(name), lambda: Zygote(modules))
