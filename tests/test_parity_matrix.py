@@ -1,11 +1,13 @@
 """The parity matrix across two real runtimes: llama.cpp in-process and transformers, on the
 tiny pair in F32 with an F32 KV cache and flash attention off (the closest numerics)."""
 
+import json
 
 import pytest
 from click.testing import CliRunner
 
 from crossrt.cli import main
+from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
 
 from conftest import REPO, TINY_PAIR
@@ -60,11 +62,16 @@ def test_ci_reports_are_written(matrix):
 
 def test_default_numerics_differ_in_logits_not_tokens(tmp_path):
     """llama.cpp's default F16 cache and flash attention move logits ~5e-3 from transformers':
-    tokens agree, the strict logit check does not, and says so."""
+    tokens agree, the strict logit check does not, and says so. Three of the built-in prompts:
+    a shift 50 times the tolerance shows on any of them, and each prompt more is two more runs."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": p.id, "category": p.category, "prompt": p.text}) + "\n"
+                               for p in load_prompts("builtin")[:3]))
     result = invoke("parity", "--pair", TINY_PAIR, "--runtimes", "llama-cpp,transformers", "--modes", "driven",
-                    "--max-new-tokens", 16, "--out-dir", tmp_path, "--logit-tolerance", "1e-4")
+                    "--prompts", prompts, "--max-new-tokens", 16, "--out-dir", tmp_path / "runs",
+                    "--logit-tolerance", "1e-4")
     assert result.exit_code == 1
-    assert "10 prompts: 10 identical, 0 explained, 0 failed, 0 not comparable; counters compared" in result.output
+    assert "3 prompts: 3 identical, 0 explained, 0 failed, 0 not comparable; counters compared" in result.output
     assert "logits: max abs logit diff" in result.output and "(tolerance for --logit-tolerance)" in result.output
 
 
