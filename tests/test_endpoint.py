@@ -207,6 +207,11 @@ class LoopbackServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), handler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
+    def serve_forever(self, poll_interval=0.02):
+        # shutdown() waits for the loop's next look at its flag: at socketserver's 0.5 s each
+        # server took half a second to stop.
+        super().serve_forever(poll_interval)
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"

@@ -38,11 +38,6 @@ class Scripted(LoopbackServer):
         self.routes, self.sent, self.paths = routes, 0, []
         super().__init__(_ScriptedHandler)
 
-    def serve_forever(self, poll_interval=0.02):
-        # shutdown() waits for the loop's next look at its flag: at socketserver's 0.5 s each
-        # server took half a second to stop, most of this module's time.
-        super().serve_forever(poll_interval)
-
 
 class _ScriptedHandler(QuietHandler):
     def _answer(self):
