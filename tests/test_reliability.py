@@ -100,6 +100,17 @@ def test_resume_refusal_names_only_the_differing_fields(tmp_path):
     assert "schedule" not in line and "RunParams" not in line
 
 
+
+def test_an_existing_record_is_refused_before_the_runtime_loads(tmp_path):
+    """An --out that exists, without --resume or --overwrite, is refused first: exllamav3 cannot
+    run on a CPU, so a refusal that came after opening the runtime would say that instead (and
+    on vLLM it came after an engine's 80 s start)."""
+    out = tmp_path / "run.json"
+    out.write_text("{}")
+    line = read_error_line(*RUN, "--runtime", "exllamav3", "--out", out)
+    assert line == f"Error: {out} exists: pass --resume to continue it or --overwrite to replace it"
+
+
 # ---- one writer; Ctrl-C ---------------------------------------------------------------------
 
 def test_a_second_writer_is_refused_and_ctrl_c_says_how_to_resume(tmp_path):

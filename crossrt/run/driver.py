@@ -23,7 +23,7 @@ from crossrt.inputs.pairs import ROLES, Pair, pair_info
 from crossrt.inputs.prompts import Prompt
 from crossrt.run.memory import loading
 from crossrt.run.prompt_run import NativeBaseline, native_baseline, prompt_ids_of, run_prompt, run_prompt_native
-from crossrt.run.resume import check_prompts, prompt_sha256, starting_record
+from crossrt.run.resume import check_prompts, check_writable, prompt_sha256, starting_record
 from crossrt.run.run_writer import RunWriter, record_lock
 from crossrt.run.runtime import (HEAD_SPEC_TYPES, DraftRules, ModelSession, Runtime, RuntimeOptions,
                              RuntimeUnavailable, open_runtime)
@@ -267,6 +267,7 @@ def run_pair(request: RunRequest, prompts: Sequence[Prompt],
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(record_lock(request.out))  # first: a second writer is refused before any loading
+        check_writable(request.out, request.resume, request.overwrite)
         runtime = open_runtime(request.runtime, request.options)
         # A driven head run reads the head's speculators folder, whatever the target's format.
         head_driven = request.mode == "driven" and request.rules.spec_type in HEAD_SPEC_TYPES

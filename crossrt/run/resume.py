@@ -29,12 +29,18 @@ def _differences(before: Any, now: Any) -> str:
                      for f in dataclasses.fields(before) if getattr(before, f.name) != getattr(now, f.name))
 
 
+def check_writable(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse an existing out that is neither resumed nor overwritten: checked again before any
+    runtime loads (a vLLM engine took 80 s to start before this refusal)."""
+    if out.exists() and not resume and not overwrite:
+        raise RecordError(f"{out} exists: pass --resume to continue it or --overwrite to replace it")
+
+
 def starting_record(out: Path, fresh: RunRecord, resume: bool, overwrite: bool) -> RunRecord:
     """The record to continue: the fresh one, or with resume the matching one at out."""
+    check_writable(out, resume, overwrite)
     if not out.exists() or overwrite:
         return fresh
-    if not resume:
-        raise RecordError(f"{out} exists: pass --resume to continue it or --overwrite to replace it")
     # Read by crossrt run --resume and crossrt reproduce --resume: each starts a record anew its own way.
     previous = load_record(out, remake="start it anew instead of resuming it (crossrt run --overwrite; "
                                        "crossrt reproduce without --resume)")
