@@ -105,23 +105,39 @@ class Eagle3Head(torch.nn.Module):
         it, as a runtime's KV cache stores them (llama.cpp's draft cache: float16 by default).
         last_only: the last pair's alone ([B, 1, ...]), all a draft pass reads: the query, the MLP
         and the LM head then run on one row, as llama.cpp's one-token draft passes do."""
-        s, eps = self.shape, self.shape.eps
-        batch, length = tokens.shape
-        xe = rms(self.embeddings[tokens], self.input_layernorm, eps)
-        xg = rms(g, self.hidden_norm, eps)
-        x = torch.cat([xe, xg], -1)
+        x, xg = self.inputs(tokens, g)
+        k, v = self.keys_values(x, positions, kv_dtype)
+        if last_only:  # the last query attends to every pair: no mask
+            return self.attend(x[:, -1:], xg[:, -1:], g[:, -1:], positions[-1:], k, v, causal=False)
+        return self.attend(x, xg, g, positions, k, v, causal=True)
+
+    def inputs(self, tokens: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (the attention's input, [B, L, 2 x hidden]) and rms(g) of pairs (tokens [B, L], g [B, L, hidden])."""
+        xg = rms(g, self.hidden_norm, self.shape.eps)
+        return torch.cat([rms(self.embeddings[tokens], self.input_layernorm, self.shape.eps), xg], -1), xg
+
+    def keys_values(self, x: torch.Tensor, positions: torch.Tensor,
+                    kv_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (RoPE at positions [L]) and values [B, L, kv_heads, head_dim] of inputs x, rounded
+        to kv_dtype: each pair's own, so a drafter may keep them as a runtime's cache does."""
+        s, batch, length = self.shape, x.shape[0], x.shape[1]
         k = rope((x @ self.k_proj.T).view(batch, length, s.kv_heads, s.head_dim), positions, s.rope_theta)
         v = (x @ self.v_proj.T).view(batch, length, s.kv_heads, s.head_dim)
         if kv_dtype is not None:
             k, v = k.to(kv_dtype).float(), v.to(kv_dtype).float()
-        if last_only:  # the last query attends to every pair: no mask
-            x, xg, g, positions = x[:, -1:], xg[:, -1:], g[:, -1:], positions[-1:]
-        queries = x.shape[1]
+        return k, v
+
+    def attend(self, x: torch.Tensor, xg: torch.Tensor, g: torch.Tensor, positions: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """pre and logits of the queries x (inputs at positions, with their rms(g) and g) over keys
+        and values k, v of every pair they see (keys_values); causal: x are all the pairs."""
+        s, eps = self.shape, self.shape.eps
+        batch, queries = x.shape[0], x.shape[1]
         q = rope((x @ self.q_proj.T).view(batch, queries, s.heads, s.head_dim), positions, s.rope_theta)
         group = s.heads // s.kv_heads
         attended = functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.repeat_interleave(group, 2).transpose(1, 2),
-            v.repeat_interleave(group, 2).transpose(1, 2), is_causal=not last_only)
+            v.repeat_interleave(group, 2).transpose(1, 2), is_causal=causal)
         h = attended.transpose(1, 2).reshape(batch, queries, -1) @ self.o_proj.T
         h = h + (xg if self.settings.norm_before_residual else g)
         m = rms(h, self.post_attention_layernorm, eps)

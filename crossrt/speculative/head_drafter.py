@@ -86,6 +86,9 @@ class Eagle3Drafter:
 
     def _reset(self) -> None:
         self.pairs: dict[int, tuple[int, object]] = {}
+        # Each position's keys and values, with the pair and the head's kv_dtype they were computed
+        # for: stale once the pair is replaced, or a replay switches the head's arithmetic.
+        self.kv: dict[int, tuple] = {}
         self.pending_pos, self.pending_g, self.verified_first, self.verified_g = -1, None, -1, None
 
     def close(self) -> None:
@@ -142,14 +145,27 @@ class Eagle3Drafter:
 
     def _pass(self, position: int):
         """The head's pre and full-vocabulary logits (-inf outside its draft vocabulary) at
-        position, attending to every pair up to it."""
+        position, attending to every pair up to it. A pair's keys and values depend on it alone,
+        so they are kept while the pair stands (as llama.cpp's draft cache keeps them), computed
+        once each, not every pass over the whole context."""
         import torch
 
         self.calls += 1
+        kv_dtype = self.head.kv_dtype
         positions = sorted(p for p in self.pairs if p <= position)
-        tokens = torch.tensor([[self.pairs[p][0] for p in positions]])
-        g = torch.stack([self.pairs[p][1] for p in positions])[None]
-        pre, logits = self.head(tokens, g, torch.tensor(positions), self.head.kv_dtype, last_only=True)
+        fresh = [p for p in positions if p not in self.kv or self.kv[p][0] is not self.pairs[p]
+                 or self.kv[p][1] is not kv_dtype]
+        if fresh:
+            x, _ = self.head.inputs(torch.tensor([[self.pairs[p][0] for p in fresh]]),
+                                    torch.stack([self.pairs[p][1] for p in fresh])[None])
+            k, v = self.head.keys_values(x, torch.tensor(fresh), kv_dtype)
+            for i, p in enumerate(fresh):
+                self.kv[p] = (self.pairs[p], kv_dtype, k[0, i], v[0, i])
+        token, g = self.pairs[position]
+        x, xg = self.head.inputs(torch.tensor([[token]]), g[None, None])
+        k = torch.stack([self.kv[p][2] for p in positions])[None]
+        v = torch.stack([self.kv[p][3] for p in positions])[None]
+        pre, logits = self.head.attend(x, xg, g[None, None], torch.tensor([position]), k, v, causal=False)
         row = np.full(self.head.shape.vocab, -np.inf, dtype=np.float32)
         row[self.head.draft_ids.numpy()] = logits[0, -1].numpy()
         return pre[0, -1], row
