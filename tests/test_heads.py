@@ -88,15 +88,17 @@ def test_a_shorter_corpus_is_cut_from_a_longer_one():
 
 
 def test_dflash_command_writes_one_drafter_in_both_formats(tmp_path):
-    """z-lab's folder names layer outputs, the GGUF inputs of the next layer: the same layers."""
+    """z-lab's folder names layer outputs, the GGUF inputs of the next layer: the same layers.
+    Outputs of 2 and 13 are hidden states 3 and 14, among the EAGLE3 head's above (inputs of 3, 14,
+    26) on the same corpus: the process's target pass over it serves both (run/head_making.py)."""
     out = tmp_path / "dflash"
-    made = invoke("drafter", "dflash", TARGET, out, "--epochs", 1, "--new-tokens", 8, "--layers", "3,20",
+    made = invoke("drafter", "dflash", TARGET, out, "--epochs", 1, "--new-tokens", 8, "--layers", "2,13",
                   "--block-size", 5, "--depth", 1)
     assert made.exit_code == 0, made.output
     config = json.loads((out / "config.json").read_text())
-    assert config["dflash_config"] == {"mask_token_id": 16, "target_layer_ids": [3, 20], "block_size": 5}
+    assert config["dflash_config"] == {"mask_token_id": 16, "target_layer_ids": [2, 13], "block_size": 5}
     folder, gguf = folder_head_settings(out, "llama-cpp"), gguf_head_settings(out / "dflash.gguf")
-    assert folder == gguf == {"mask_token_id": 16, "target_layers": [4, 21], "block_size": 5}
+    assert folder == gguf == {"mask_token_id": 16, "target_layers": [3, 14], "block_size": 5}
     refused = invoke("drafter", "dflash", TARGET, tmp_path / "last", "--layers", "1,29")
     assert_clean_error(refused, r"--layers 1,29: a DFlash drafter reads outputs of layers 0 to 28")
 

@@ -59,19 +59,25 @@ class TrainingReport:
     accuracy_by_type: dict[str, float]  # first pass, last epoch, per content type
 
 
-def target_features(model, corpus: list[CorpusSequence], layer_ids: tuple[int, ...],
-                    progress: Optional[Callable[[int, int], None]] = None) -> list[Featured]:
-    """The target's features and argmax over each corpus sequence (one pass each)."""
-    featured = []
+def target_states(model, corpus: list[CorpusSequence], state_ids: tuple[int, ...],
+                  progress: Optional[Callable[[int, int], None]] = None) -> list[tuple[dict, torch.Tensor]]:
+    """Per corpus sequence, the target's hidden states state_ids ({i: HF hidden_states[i], [T, hidden]})
+    and its argmax after each position [T] (one pass each)."""
+    states = []
     with torch.no_grad():
         for done, sequence in enumerate(corpus):
-            ids = torch.tensor(sequence.ids)
-            out = model(ids[None], output_hidden_states=True)
-            features = torch.cat([out.hidden_states[i][0] for i in layer_ids], -1).float()
-            featured.append(Featured(sequence.category, ids, features, out.logits[0].argmax(-1)))
+            out = model(torch.tensor(sequence.ids)[None], output_hidden_states=True)
+            states.append(({i: out.hidden_states[i][0] for i in state_ids}, out.logits[0].argmax(-1)))
             if progress is not None:
                 progress(done + 1, len(corpus))
-    return featured
+    return states
+
+
+def featured_of(corpus: list[CorpusSequence], states: list[tuple[dict, torch.Tensor]],
+                layer_ids: tuple[int, ...]) -> list[Featured]:
+    """Each corpus sequence with its states (target_states) at layer_ids, concatenated in this order."""
+    return [Featured(sequence.category, torch.tensor(sequence.ids), torch.cat([held[i] for i in layer_ids], -1).float(),
+                     labels) for sequence, (held, labels) in zip(corpus, states)]
 
 
 def draft_vocabulary(featured: list[Featured], size: int, vocab: int) -> torch.Tensor:

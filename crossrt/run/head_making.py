@@ -24,7 +24,7 @@ from crossrt.builders.dflash import DFlashDrafter, train_dflash
 from crossrt.builders.eagle3 import Eagle3Head, TargetShape
 from crossrt.builders.head_files import GGUF_NAMES, HeadFilesError, convert_to_gguf, write_speculators, write_zlab
 from crossrt.builders.head_settings import DFlashSettings, Eagle3Settings, TrainingSettings
-from crossrt.builders.head_training import draft_vocabulary, target_features, train_head
+from crossrt.builders.head_training import draft_vocabulary, featured_of, target_states, train_head
 from crossrt.inputs.gguf_file import gguf_metadata
 from crossrt.inputs.head_targets import why_unfeedable
 from crossrt.inputs.pairs import PairError, cache_dir, sha256_of
@@ -135,7 +135,8 @@ def _train_into(kind: str, cached: Path, target: Path, target_folder: Path, mode
     corpus = head_corpus(target, new_tokens, lambda done, total: progress("corpus", done, total))
     # EAGLE3 ids name layer inputs (HF hidden_states[i]); DFlash ids layer outputs (hidden_states[i + 1]).
     tapped = settings.layer_ids if kind == "eagle3" else tuple(i + 1 for i in settings.layer_ids)
-    featured = target_features(model, corpus, tapped, lambda done, total: progress("features", done, total))
+    featured = _corpus_features(target, model, corpus, tapped, training.threads,
+                                lambda done, total: progress("features", done, total))
     draft_ids = draft_vocabulary(featured, settings.draft_vocab, shape.vocab)
     torch.manual_seed(training.seed)
     embeddings, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
@@ -170,6 +171,27 @@ def _train_into(kind: str, cached: Path, target: Path, target_folder: Path, mode
         if cached.exists():
             shutil.rmtree(cached)
         os.rename(folder, cached)
+
+
+# The target's hidden states over the last corpus it ran on in this process, and the states'
+# ids: a second head of the same target and corpus whose layers are among them (`crossrt drafter
+# dflash` after `crossrt drafter eagle3` in one process, as tests/test_heads.py does) reads them
+# instead of running the target over the corpus again (SmolLM2-135M, 66 prompts x 8 new tokens:
+# 10 to 20 CPU-s, more than a test head's training).
+_STATES: dict[tuple, tuple[tuple[int, ...], list]] = {}
+
+
+def _corpus_features(target: Path, model, corpus: list, tapped: tuple[int, ...], threads: int,
+                     progress: Callable[[int, int], None]) -> list:
+    """The target's features at tapped over corpus, from _STATES where it holds them."""
+    key = (sha256_of(target), threads, tuple(corpus))  # threads: float sums, like the head's own key
+    held, states = _STATES.get(key, ((), None))
+    if states is None or not set(tapped) <= set(held):
+        held = tuple(sorted(set(tapped) | set(held)))
+        states = target_states(model, corpus, held, progress)
+        _STATES.clear()  # one corpus held: the last
+        _STATES[key] = (held, states)
+    return featured_of(corpus, states, tapped)
 
 
 def _key_of(folder: Path) -> Optional[str]:
