@@ -149,7 +149,11 @@ def test_real_model_runs_in_bfloat16_from_a_half_size_conversion_within_its_pari
         assert {weights.get_slice(name).get_dtype() for name in weights.keys()} == {"BF16"}
 
     assert tolerance_for(load_record(runs["llama-cpp"]), record) is QUANTIZED_HALF
-    parity = CliRunner().invoke(main, ["parity", str(runs["llama-cpp"]), str(runs["transformers"])])
+    # --no-float-control: what is asserted is the QUANTIZED_HALF bounds; the float control (a
+    # 1.08 GB float twin written into this module's fresh cache and F32 scorings, ~13 CPU-s) is
+    # asserted on the real model by tests/test_planted.py (the clean pair's float control passes).
+    parity = CliRunner().invoke(main, ["parity", str(runs["llama-cpp"]), str(runs["transformers"]),
+                                       "--no-float-control"])
     assert f"against {QUANTIZED_HALF.describe()}" in parity.output, parity.output
     assert "logits along common outputs: 2/2 within tolerance" in parity.output, parity.output
 
