@@ -46,3 +46,20 @@ def test_the_noise_is_measured_at_every_row_where_a_run_left_its_baseline(tiny_p
     per_prompt = max(LEAST_ROWS, min(CONTROL_ROWS, DECODED_ROWS // len(prompts)))
     assert per_prompt < SPLIT_AT + 1
     assert measured_rows(split) - measured_rows(record) == SPLIT_AT + 1 - per_prompt
+
+
+def test_a_short_output_still_measures_the_noise_over_control_rows(real_pair, tmp_path):
+    """The noise control reaches CONTROL_ROWS rows on its first prompt, past the output where it
+    is shorter (by the decodes' own greedy choice). Gemma 3 270M on llama.cpp's defaults (F16 KV,
+    flash attention): its one-token decodes equal one pass exactly over a prompt's first rows
+    and differ by about a logit after them, while its verification batches differ from the first
+    row; 4 new tokens measured a noise of 0 and the honest batches failed (the README tour's
+    sizes, one prompt). The real model because the tiny pair's float32 rows never agree exactly."""
+    prompts = [load_prompts("builtin")[0]]
+    record = run_pair(RunRequest(real_pair, "llama-cpp", RuntimeOptions(threads=1), DraftRules(7), 4,
+                                 tmp_path / "run.json"), prompts)
+    assert record.results[0].ok and len(record.results[0].output_ids) <= 4
+    _, checks, _ = scored_with_path_checks([("llama-cpp/driven", record)])
+    verification = next(c for c in checks if c.kind == VERIFICATION)
+    assert verification.noise.positions >= CONTROL_ROWS > verification.measured.positions
+    assert all(check.ok for check in checks), [check.describe() for check in checks if not check.ok]

@@ -98,6 +98,22 @@ def score_stepwise(session: ModelSession, prompt_ids: Sequence[int], output_ids:
     return np.array(found)
 
 
+def score_stepwise_beyond(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                          rows: int) -> tuple[np.ndarray, list[int]]:
+    """rows rows of score_stepwise along output_ids and, past its end, along the greedy
+    continuation the decodes themselves choose (plain greedy decoding all the way); with the
+    rows tokens they predict, for score() to compute the same rows as one pass."""
+    session.truncate(0)
+    row = np.asarray(session.eval(list(prompt_ids), Rows.LAST)[0], dtype=np.float64)
+    found, tokens = [row], []
+    while True:
+        tokens.append(int(output_ids[len(tokens)]) if len(tokens) < len(output_ids) else int(np.argmax(row)))
+        if len(found) == rows:
+            return np.array(found), tokens
+        row = np.asarray(session.eval([tokens[-1]], Rows.LAST)[0], dtype=np.float64)
+        found.append(row)
+
+
 def row_in_pass(session: ModelSession, prefix: Sequence[int], following: Sequence[int], shape: int) -> np.ndarray:
     """The logits row predicting the token after prefix, computed as the first row of a pass of
     shape tokens (prefix[-1] then following[:shape - 1]) after the rest of prefix is cached:

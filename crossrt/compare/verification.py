@@ -27,7 +27,7 @@ from crossrt.compare.control import CONTROL_ROWS, FACTOR, FLOAT32_EPS, demoted, 
 from crossrt.compare.parity import OWN_BASELINE
 from crossrt.compare.power import Power, find_power
 from crossrt.compare.rescore import (DecodedRows, LogitAgreement, RowStatistics, ScoredRows, open_scorer,
-                                     row_statistics, score, score_stepwise, scorer_key)
+                                     row_statistics, score, score_stepwise, score_stepwise_beyond, scorer_key)
 from crossrt.compare.splits import first_divergence
 from crossrt.compare.tolerance import Tolerance
 from crossrt.records.schema import RunRecord
@@ -161,12 +161,31 @@ def split_rows(records: Sequence[RunRecord]) -> dict[str, int]:
     return found
 
 
+def noise_beyond(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence[int], rows: int,
+                 n_ctx: int) -> Optional[tuple[RowStatistics, np.ndarray]]:
+    """One prompt's batch-shape noise over its first rows rows (one-token decodes against one
+    pass, with the top-two gap shifts), continued past its output by the decodes' own greedy
+    choice where the output is shorter; None where those rows would not fit n_ctx.
+
+    A noise control needs rows beyond the first few: llama.cpp's one-token decodes can equal its
+    one pass exactly over a prompt's first rows and differ by a logit from there on (Gemma 3
+    270M with flash attention: exact up to the 4th row, then up to 2.5), while its verification
+    batches differ from the first row. Measured on the first rows of short outputs alone (the
+    README tour's 4 new tokens) the noise was 0 and honest batches failed. Both sides are plain
+    greedy decoding, which a verification-path bug cannot reach."""
+    if len(prompt_ids) + rows >= n_ctx:
+        return None
+    decoded, tokens = score_stepwise_beyond(session, prompt_ids, output_ids, rows)
+    decoded, full = ScoredRows(decoded), ScoredRows(score(session, prompt_ids, tokens))
+    return row_statistics(decoded, full), gap_shifts(decoded.logits, full.logits)[1]
+
+
 def _measure(session: ModelSession, key: tuple, prompts: dict, rows: dict[str, np.ndarray], batches: Sequence[int],
-             per_prompt: int, decodes: DecodedRows, at_splits: dict[str, int]) -> _Measured:
+             per_prompt: int, decodes: DecodedRows, at_splits: dict[str, int], n_ctx: int) -> _Measured:
     noise, shifts, parts, pairs, verification_shifts = [], [], [], [], []
     repeat = None
-    for prompt_id, (prompt_ids, output_ids) in progress.each(prompts.items(), f"{scorer_label(key)}: verification",
-                                                             total=len(prompts)):
+    for index, (prompt_id, (prompt_ids, output_ids)) in enumerate(
+            progress.each(prompts.items(), f"{scorer_label(key)}: verification", total=len(prompts))):
         full = ScoredRows(rows[prompt_id])  # each row's log-probabilities and top 5 computed once
         wanted = min(max(per_prompt, at_splits.get(prompt_id, 0)), len(full))
         decoded = ScoredRows(decodes.decode(key, session, prompt_id, prompt_ids, output_ids, wanted,
@@ -174,6 +193,12 @@ def _measure(session: ModelSession, key: tuple, prompts: dict, rows: dict[str, n
         n = len(decoded)
         noise.append(row_statistics(decoded, full, length=n))
         shifts.append(gap_shifts(decoded.logits, full.logits[:n])[1])
+        # The first prompt's noise over CONTROL_ROWS rows at least, whatever its output's length.
+        beyond = noise_beyond(session, prompt_ids, output_ids, CONTROL_ROWS, n_ctx) \
+            if index == 0 and n < CONTROL_ROWS else None
+        if beyond is not None:
+            noise.append(beyond[0])
+            shifts.append(beyond[1])
         for batch in batches:
             verified = ScoredRows(rolled_back_rows(session, prompt_ids, output_ids, batch - 1, batched=True))
             parts += [(prompt_id, row_statistics(decoded, verified, length=n)),
@@ -228,6 +253,7 @@ def drafter_checks(groups: dict, references: dict, threads: int) -> list[PathChe
         labels = tuple(label for label, _ in members)
         name = f"the drafter on {scorer_label(key)}"
         per_prompt = max(2 * k + 2, min(CONTROL_ROWS, DECODED_ROWS // max(1, len(references))))
+        n_ctx = min(record.params.n_ctx for record in records)
         noise_parts, rolled_parts = [], []
         with open_scorer(records[0], role="drafter", threads=threads) as session:
             for prompt_id, (prompt_ids, output_ids) in progress.each(references.items(), "drafter rollback",
@@ -237,6 +263,10 @@ def drafter_checks(groups: dict, references: dict, threads: int) -> list[PathChe
                                         rows=min(per_prompt, len(full)))
                 decoded = score_stepwise(session, prompt_ids, output_ids, len(rows))  # no rollback: the control
                 noise_parts.append(row_statistics(decoded, full, length=len(decoded)))
+                beyond = noise_beyond(session, prompt_ids, output_ids, CONTROL_ROWS, n_ctx) \
+                    if len(noise_parts) == 1 and len(decoded) < CONTROL_ROWS else None
+                if beyond is not None:
+                    noise_parts.append(beyond[0])
                 rolled_parts.append((prompt_id, row_statistics(rows, full, length=len(rows)),
                                      float(np.abs(full.logits).max())))
         scale = max(largest for _, _, largest in rolled_parts)
@@ -290,7 +320,8 @@ def scored_with_path_checks(runs: Sequence[tuple[str, RunRecord]], threads: int 
                 continue
             per_prompt = max(LEAST_ROWS, min(CONTROL_ROWS, DECODED_ROWS // len(prompts)))
             measured = _measure(session, key, prompts, {p: as_run[first_label, p] for p in prompts}, batches,
-                                per_prompt, decodes, split_rows([record for _, record in members]))
+                                per_prompt, decodes, split_rows([record for _, record in members]),
+                                min(record.params.n_ctx for _, record in members))
         noise = measured.noise.summary()
         noises.update(dict.fromkeys(labels, BatchNoise(name, float(measured.noise_shifts.max()), noise.max_abs_diff,
                                                        measured.scale, tuple(map(float, measured.verification_shifts)))))
