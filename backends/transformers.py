@@ -34,7 +34,6 @@ from crossrt.backends.transformers_conversion import (DIGESTS, conversion_files,
                                                       save_dequantized)
 
 
-
 class _ImportedOnFirstUse:
     """A module imported when one of its attributes is first read. torch and transformers take
     ~3.5 CPU-s to import, and most processes that import this runtime's class only list runtimes

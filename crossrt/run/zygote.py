@@ -272,17 +272,20 @@ class KeptZygotes:
 
     def get(self, key: tuple, start: Callable[[], object]):
         """The zygote kept for key, started by start() if there is none alive."""
-        key = (os.getpid(), *key)
+        pid = os.getpid()
+        key = (pid, *key)
         zygote = self._held.pop(key, None)
         if zygote is not None and not zygote.alive:
-            self._retired.append((key[0], zygote))
+            self._retired.append((pid, zygote))
             zygote = None
-        for retired in [entry for entry in self._retired if not entry[1].running]:
+        for retired in [entry for entry in self._retired if entry[0] == pid and not entry[1].running]:
             self._retired.remove(retired)
             retired[1].close()
         self._held[key] = zygote = zygote or start()
-        idle = [other for other, held in self._held.items() if other != key and not held.running]
-        for other in idle[:max(0, len(self._held) - self.kept)]:
+        # Only this process's own: a forked child sees its parent's entries and must not close them.
+        own = [other for other in self._held if other[0] == pid]
+        idle = [other for other in own if other != key and not self._held[other].running]
+        for other in idle[:max(0, len(own) - self.kept)]:
             self._held.pop(other).close()
         return zygote
 
