@@ -161,11 +161,12 @@ def split_rows(records: Sequence[RunRecord]) -> dict[str, int]:
     return found
 
 
-def noise_beyond(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence[int], rows: int,
+def noise_beyond(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence[int], measured: int,
                  n_ctx: int) -> Optional[tuple[RowStatistics, np.ndarray]]:
-    """One prompt's batch-shape noise over its first rows rows (one-token decodes against one
-    pass, with the top-two gap shifts), continued past its output by the decodes' own greedy
-    choice where the output is shorter; None where those rows would not fit n_ctx.
+    """One prompt's batch-shape noise over its first CONTROL_ROWS rows (one-token decodes against
+    one pass, with the top-two gap shifts), continued past its output by the decodes' own greedy
+    choice where the output is shorter; None where the rows already measured reach CONTROL_ROWS
+    or those rows would not fit n_ctx. Each check calls it on its first prompt.
 
     A noise control needs rows beyond the first few: llama.cpp's one-token decodes can equal its
     one pass exactly over a prompt's first rows and differ by a logit from there on (Gemma 3
@@ -173,11 +174,16 @@ def noise_beyond(session: ModelSession, prompt_ids: Sequence[int], output_ids: S
     batches differ from the first row. Measured on the first rows of short outputs alone (the
     README tour's 4 new tokens) the noise was 0 and honest batches failed. Both sides are plain
     greedy decoding, which a verification-path bug cannot reach."""
-    if len(prompt_ids) + rows >= n_ctx:
+    if measured >= CONTROL_ROWS or len(prompt_ids) + CONTROL_ROWS >= n_ctx:
         return None
-    decoded, tokens = score_stepwise_beyond(session, prompt_ids, output_ids, rows)
+    decoded, tokens = score_stepwise_beyond(session, prompt_ids, output_ids, CONTROL_ROWS)
     decoded, full = ScoredRows(decoded), ScoredRows(score(session, prompt_ids, tokens))
     return row_statistics(decoded, full), gap_shifts(decoded.logits, full.logits)[1]
+
+
+def _smallest_context(records: Sequence[RunRecord]) -> int:
+    """The context every scorer's run fits: rows past it are not scored (noise_beyond)."""
+    return min(record.params.n_ctx for record in records)
 
 
 def _measure(session: ModelSession, key: tuple, prompts: dict, rows: dict[str, np.ndarray], batches: Sequence[int],
@@ -194,8 +200,7 @@ def _measure(session: ModelSession, key: tuple, prompts: dict, rows: dict[str, n
         noise.append(row_statistics(decoded, full, length=n))
         shifts.append(gap_shifts(decoded.logits, full.logits[:n])[1])
         # The first prompt's noise over CONTROL_ROWS rows at least, whatever its output's length.
-        beyond = noise_beyond(session, prompt_ids, output_ids, CONTROL_ROWS, n_ctx) \
-            if index == 0 and n < CONTROL_ROWS else None
+        beyond = noise_beyond(session, prompt_ids, output_ids, n, n_ctx) if index == 0 else None
         if beyond is not None:
             noise.append(beyond[0])
             shifts.append(beyond[1])
@@ -253,18 +258,17 @@ def drafter_checks(groups: dict, references: dict, threads: int) -> list[PathChe
         labels = tuple(label for label, _ in members)
         name = f"the drafter on {scorer_label(key)}"
         per_prompt = max(2 * k + 2, min(CONTROL_ROWS, DECODED_ROWS // max(1, len(references))))
-        n_ctx = min(record.params.n_ctx for record in records)
+        n_ctx = _smallest_context(records)
         noise_parts, rolled_parts = [], []
         with open_scorer(records[0], role="drafter", threads=threads) as session:
-            for prompt_id, (prompt_ids, output_ids) in progress.each(references.items(), "drafter rollback",
-                                                                     total=len(references)):
+            for index, (prompt_id, (prompt_ids, output_ids)) in enumerate(
+                    progress.each(references.items(), "drafter rollback", total=len(references))):
                 full = ScoredRows(score(session, prompt_ids, output_ids))
                 rows = rolled_back_rows(session, prompt_ids, output_ids, k, batched=False,
                                         rows=min(per_prompt, len(full)))
                 decoded = score_stepwise(session, prompt_ids, output_ids, len(rows))  # no rollback: the control
                 noise_parts.append(row_statistics(decoded, full, length=len(decoded)))
-                beyond = noise_beyond(session, prompt_ids, output_ids, CONTROL_ROWS, n_ctx) \
-                    if len(noise_parts) == 1 and len(decoded) < CONTROL_ROWS else None
+                beyond = noise_beyond(session, prompt_ids, output_ids, len(decoded), n_ctx) if index == 0 else None
                 if beyond is not None:
                     noise_parts.append(beyond[0])
                 rolled_parts.append((prompt_id, row_statistics(rows, full, length=len(rows)),
@@ -321,7 +325,7 @@ def scored_with_path_checks(runs: Sequence[tuple[str, RunRecord]], threads: int 
             per_prompt = max(LEAST_ROWS, min(CONTROL_ROWS, DECODED_ROWS // len(prompts)))
             measured = _measure(session, key, prompts, {p: as_run[first_label, p] for p in prompts}, batches,
                                 per_prompt, decodes, split_rows([record for _, record in members]),
-                                min(record.params.n_ctx for _, record in members))
+                                _smallest_context([record for _, record in members]))
         noise = measured.noise.summary()
         noises.update(dict.fromkeys(labels, BatchNoise(name, float(measured.noise_shifts.max()), noise.max_abs_diff,
                                                        measured.scale, tuple(map(float, measured.verification_shifts)))))
