@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from crossrt.cli import main
 from crossrt.records.journal import journal_path
 from crossrt.records.record_json import load_record
 from crossrt.run.run_writer import lock_path
@@ -55,6 +57,22 @@ def comparable(record) -> list:
 
 def crossrt(*args, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([CROSSRT, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def in_process(*args, cwd) -> subprocess.CompletedProcess:
+    """crossrt(*args) run by click in this process, read alike: the readers, refusals and the
+    sweep plans below load no runtime of their own (simulate's oracle and report's re-scoring
+    fork from their zygote either way), so a process each would only add crossrt's start (0.7
+    CPU-s of imports, 33 times). A bug's exception, which a process would print as a traceback,
+    is caught here by not being click's exit."""
+    before = Path.cwd()
+    os.chdir(cwd)  # relative names in the commands (./a.json, r.md) are the working folder's
+    try:
+        done = CliRunner().invoke(main, [*map(str, args)])
+    finally:
+        os.chdir(before)
+    assert done.exception is None or isinstance(done.exception, SystemExit), (done.output, done.exception)
+    return subprocess.CompletedProcess(args, done.exit_code, done.stdout, done.stderr)
 
 
 def journal_prompts(out: Path) -> int:
@@ -157,11 +175,18 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_one(uninterrupted, tmp_
 
 # ---- a native runtime: no llama-server left ---------------------------------------------------
 
+@pytest.fixture(scope="module")
+def native_whole(tmp_path_factory):
+    """The uninterrupted native run both signals' resumes must equal: made once, not per signal."""
+    folder = tmp_path_factory.mktemp("native-whole")
+    done = crossrt(*NATIVE, "--out", folder / "whole.json", cwd=folder)
+    assert done.returncode == 0, done.stderr
+    return load_record(folder / "whole.json")
+
+
 @pytest.mark.skipif(availability("llama-server") is not None, reason=f"{availability('llama-server')}")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
-def test_an_interrupted_native_run_leaves_no_server_and_resumes(tmp_path, sig):
-    whole = tmp_path / "whole.json"
-    assert crossrt(*NATIVE, "--out", whole, cwd=tmp_path).returncode == 0
+def test_an_interrupted_native_run_leaves_no_server_and_resumes(native_whole, tmp_path, sig):
     out = tmp_path / "run.json"
     point = random.Random(SEED + sig).randrange(1, PROMPTS - 2)
     process, stderr, servers = interrupt([*NATIVE, "--out", out], out, tmp_path, sig, point, 0.0, "llama-server")
@@ -174,7 +199,7 @@ def test_an_interrupted_native_run_leaves_no_server_and_resumes(tmp_path, sig):
     assert 0 < len(load_record(out).results) < PROMPTS
     resumed = crossrt(*resume, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    assert comparable(load_record(out)) == comparable(load_record(whole))
+    assert comparable(load_record(out)) == comparable(native_whole)
 
 
 # ---- a hung llama-speculative-simple ---------------------------------------------------------
@@ -273,11 +298,11 @@ def tmpfs(tmp_path):
 
 def test_outputs_go_into_a_missing_folder_and_a_file_in_the_way_is_one_line(small_record, tmp_path):
     for option, command in writers(small_record, tmp_path / "new" / "folder" / "out.xml").items():
-        done = crossrt(*command, cwd=tmp_path)
+        done = in_process(*command, cwd=tmp_path)
         assert done.returncode == 0 and written_path(command).stat().st_size > 0, done.stderr
     (tmp_path / "file").write_text("in the way")
     for option, command in writers(small_record, tmp_path / "file" / "out.xml").items():
-        line = output_error(crossrt(*command, cwd=tmp_path))
+        line = output_error(in_process(*command, cwd=tmp_path))
         assert f"cannot write {written_path(command)}: File exists; a file is in the way" in line
         assert f"pass {option} elsewhere" in line
 
@@ -286,7 +311,7 @@ def test_a_read_only_output_folder_is_one_line(small_record, tmpfs):
     point = tmpfs("size=1m")
     subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
     for option, command in writers(small_record, point / "out.xml").items():
-        line = output_error(crossrt(*command, cwd=point.parent))
+        line = output_error(in_process(*command, cwd=point.parent))
         assert f"cannot write {written_path(command)}: Read-only file system" in line
         assert f"pass {option} somewhere writable" in line
 
@@ -295,7 +320,7 @@ def test_a_full_disk_leaves_no_half_written_report(small_record, tmpfs):
     point = tmpfs("size=8k")  # smaller than the HTML report
     report = point / "report.html"
     report.write_text("the previous report")
-    line = output_error(crossrt("report", small_record, "-o", report, cwd=point.parent))
+    line = output_error(in_process("report", small_record, "-o", report, cwd=point.parent))
     assert f"cannot write {report}: No space left on device" in line
     assert report.read_text() == "the previous report" and [p.name for p in point.iterdir()] == ["report.html"]
 
@@ -317,7 +342,7 @@ def test_the_same_record_twice_is_one_line(small_record, tmp_path, command):
     os.link(small_record, hard)
     names = {"a": small_record, "link": link, "dotted": small_record.parent / "." / small_record.name,
              "out": tmp_path, "copy": copy, "hard": hard}
-    line = output_error(crossrt(*(arg.format(**names) for arg in command), cwd=tmp_path))
+    line = output_error(in_process(*(arg.format(**names) for arg in command), cwd=tmp_path))
     assert "is given twice" in line, line
 
 
@@ -332,7 +357,7 @@ def test_no_report_output_is_one_of_its_inputs(small_record, tmp_path):
             (["report", markdown, record, "-o", markdown], f"-o {markdown} is an input"),
             (["report", record, "-o", tmp_path / "r.md", "--markdown", tmp_path / "." / "r.md"],
              "--markdown and -o name the same file")]:
-        assert message in output_error(crossrt(*command, cwd=tmp_path))
+        assert message in output_error(in_process(*command, cwd=tmp_path))
     assert {p: p.read_bytes() for p in before} == before and not (tmp_path / "r.html").exists()
 
 
@@ -351,7 +376,7 @@ def test_no_parity_or_simulate_output_is_one_of_its_inputs(small_record, tmp_pat
             (["parity", "--no-logits", record, "--junit", tmp_path / "p.out", "--markdown", tmp_path / "p.out"],
              "--markdown and --junit name the same file"),
             ([*simulate, "--against", record, "--out", record], f"--out {record} is an input")]:
-        assert message in output_error(crossrt(*command, cwd=tmp_path))
+        assert message in output_error(in_process(*command, cwd=tmp_path))
     assert {p: p.read_bytes() for p in before} == before and not (tmp_path / "p.out").exists()
 
 
@@ -371,7 +396,7 @@ def test_a_damaged_records_hint_names_what_makes_it_anew_for_each_command(small_
              "so reproduce runs the claim"),
             ([*RUN[:-1], "2", "--prompts", "code", "--resume", "--out", damaged],
              "start it anew instead of resuming it (crossrt run --overwrite; crossrt reproduce without --resume)")]:
-        line = output_error(crossrt(*command, cwd=tmp_path))
+        line = output_error(in_process(*command, cwd=tmp_path))
         assert f"{damaged} is not JSON" in line and f"(a damaged record: {hint})" in line, line
 
 
@@ -382,7 +407,7 @@ SWEEP = """name = "faults"
 runtime = "llama-cpp"
 k = [1, 2, 3]
 prompts = "code"
-max_new_tokens = 16
+max_new_tokens = 4
 [resources.llama-cpp]
 threads = 1
 """
@@ -394,26 +419,35 @@ def test_a_second_sweep_run_is_refused_and_a_killed_one_leaves_no_lock(tmp_path)
     out = tmp_path / "out"
     first = subprocess.Popen([CROSSRT, "sweep", "run", str(sweep), "--dir", str(out)], cwd=tmp_path,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # The first run is stopped (SIGSTOP) while it holds the lock (its pid written: the flock is
+    # taken) and the second tries, then goes on until a cell is done and is killed: its sweep
+    # need not outlast a second crossrt's start, so 4 tokens a prompt do (16 did only that).
+    lock = out / "sweep.lock"
     try:
         deadline = time.monotonic() + 60
-        while not (out / "sweep.lock").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert (out / "sweep.lock").exists(), "the first run never took the lock"
-        second = crossrt("sweep", "run", sweep, "--dir", out, cwd=tmp_path)
+        while not (lock.exists() and lock.read_text().strip()):
+            assert first.poll() is None and time.monotonic() < deadline, "the first run never took the lock"
+            time.sleep(0.002)
+        first.send_signal(signal.SIGSTOP)
+        second = in_process("sweep", "run", sweep, "--dir", out, cwd=tmp_path)
         line = output_error(second)
         assert f"being written by another `crossrt sweep run` (pid {first.pid})" in line, line
+        first.send_signal(signal.SIGCONT)
+        while not list((out / "cells").glob("*.cell.json")) and first.poll() is None:
+            assert time.monotonic() < deadline + 60, "the first run finished no cell"
+            time.sleep(0.002)
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
     # The kernel dropped the lock with its holder: the next run continues, whatever the kill left.
     done = crossrt("sweep", "run", sweep, "--dir", out, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "3 cells: 0 to run, 3 done" in crossrt("sweep", "plan", sweep, "--dir", out, cwd=tmp_path).stdout
+    assert "3 cells: 0 to run, 3 done" in in_process("sweep", "plan", sweep, "--dir", out, cwd=tmp_path).stdout
 
 
 def test_a_sweep_cell_that_does_not_read_names_what_runs_it_again(tmp_path):
     sweep = tmp_path / "sweep.toml"
-    sweep.write_text(SWEEP.replace("k = [1, 2, 3]", "k = 1").replace("max_new_tokens = 16", "max_new_tokens = 4"))
+    sweep.write_text(SWEEP.replace("k = [1, 2, 3]", "k = 1"))
     out = tmp_path / "out"
     assert crossrt("sweep", "run", sweep, "--dir", out, cwd=tmp_path).returncode == 0
     (meta,) = (out / "cells").glob("*.cell.json")
@@ -422,12 +456,12 @@ def test_a_sweep_cell_that_does_not_read_names_what_runs_it_again(tmp_path):
     record.write_bytes(record.read_bytes()[:300])
     fields = json.loads(meta.read_text())
     meta.write_text(json.dumps({**fields, "record_sha256": hashlib.sha256(record.read_bytes()).hexdigest()}))
-    line = output_error(crossrt("sweep", "show", out, cwd=tmp_path))
+    line = output_error(in_process("sweep", "show", out, cwd=tmp_path))
     assert f"{record} is not JSON" in line and "--overwrite" not in line, line
     assert f"(a damaged record); delete {meta} and `crossrt sweep run` runs the cell again" in line, line
     meta.unlink()
     assert crossrt("sweep", "run", sweep, "--dir", out, cwd=tmp_path).returncode == 0
-    done = crossrt("sweep", "show", out, cwd=tmp_path)
+    done = in_process("sweep", "show", out, cwd=tmp_path)
     assert done.returncode == 0 and load_record(record).results, done.stderr
 
 
@@ -437,7 +471,7 @@ def test_two_names_of_one_pair_are_planned_once(tmp_path):
     sweep, alone = tmp_path / "sweep.toml", tmp_path / "alone.toml"
     sweep.write_text(f"[axes]\npair = {json.dumps(names)}\nruntime = \"llama-cpp\"\nk = [1, 2]\n")
     alone.write_text("[axes]\npair = \"tiny\"\nruntime = \"llama-cpp\"\nk = [1, 2]\n")
-    planned, once = (crossrt("sweep", "plan", path, cwd=tmp_path) for path in (sweep, alone))
+    planned, once = (in_process("sweep", "plan", path, cwd=tmp_path) for path in (sweep, alone))
     assert planned.returncode == 0 and "4 cells: 4 to run" in planned.stdout, planned.stderr
     for alias in names[1:3]:
         assert f"warning: pair {alias!r} and 'tiny' name one manifest ({TINY_PAIR.resolve()}): planned once, " \
@@ -450,11 +484,15 @@ def test_two_names_of_one_pair_are_planned_once(tmp_path):
 def test_an_interrupted_parity_says_what_each_record_kept(tmp_path):
     """Ctrl-C while a parity matrix runs: each record with what finished, and how to go on, never
     a bare `Aborted!` (issue 58). 32 tokens a prompt: the signal comes after the first prompt of
-    the first of two 10-prompt cells, so 19 prompts are still to run; 64 only doubled the cost."""
+    the first of two 10-prompt cells, so 19 prompts are still to run; 64 only doubled the cost.
+    --no-logits: the verdict's logit stages (re-scoring, float control, verification batches,
+    drafter rollback: 7 of the matrix's 16 CPU s) run after both cells, where no signal comes;
+    tests/test_progress.py and tests/test_planted.py run them."""
     out_dir = tmp_path / "matrix"
     first = out_dir / "tiny-llama-cpp-driven-k4.json"
     process = subprocess.Popen([CROSSRT, "parity", "--pair", "tiny", "--runtimes", "llama-cpp,transformers", "--modes",
-                                "driven", "--max-new-tokens", "32", "--out-dir", str(out_dir)], cwd=tmp_path,
+                                "driven", "--max-new-tokens", "32", "--no-logits", "--out-dir", str(out_dir)],
+                               cwd=tmp_path,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=with_sigint)
     try:
         deadline = time.monotonic() + 120
@@ -479,7 +517,7 @@ def test_an_interrupted_parity_says_what_each_record_kept(tmp_path):
     after = load_record(first).results
     assert len(after) == 10 and after[:len(kept_before)] == kept_before
     assert len(load_record(out_dir / "tiny-transformers-driven-k4.json").results) == 10
-    changed = crossrt("parity", "--pair", "tiny", "--runtimes", "llama-cpp", "--modes", "driven", "--max-new-tokens",
-                      "16", "--out-dir", out_dir, "--resume", cwd=tmp_path)
+    changed = in_process("parity", "--pair", "tiny", "--runtimes", "llama-cpp", "--modes", "driven",
+                         "--max-new-tokens", "16", "--out-dir", out_dir, "--resume", cwd=tmp_path)
     assert changed.returncode == 1 and "cannot resume" in changed.stderr and "max_new_tokens" in changed.stderr, \
         changed.stderr
