@@ -38,8 +38,9 @@ def error_line(done: subprocess.CompletedProcess) -> str:
 
 
 def read_error_line(*args) -> str:
-    """error_line for a reader (show, analyze) run in this process: no runtime loads, so a
-    process of its own would only add crossrt's start; the same one line, checked alike."""
+    """error_line for a reader (show, analyze) or a run refused before its runtime loads, run in
+    this process: no runtime loads, so a process of its own would only add crossrt's start (0.7
+    CPU-s of imports); the same one line, checked alike. Paths are absolute: no working folder."""
     done = CliRunner().invoke(main, [*map(str, args)])
     assert done.exit_code == 1 and isinstance(done.exception, SystemExit), (done.output, done.exception)
     assert "Traceback" not in done.output
@@ -60,7 +61,7 @@ def test_resume_refuses_a_prompt_file_whose_ids_collide(tmp_path):
     other = prompt_file(tmp_path / "b.jsonl", {"p1": "The cat sat on", "p2": "Once upon a time"})
     out = tmp_path / "run.json"
     assert crossrt(*RUN, "--max-new-tokens", 4, "--prompts", first, "--out", out, cwd=tmp_path).returncode == 0
-    line = error_line(crossrt(*RUN, "--max-new-tokens", 4, "--prompts", other, "--out", out, "--resume", cwd=tmp_path))
+    line = read_error_line(*RUN, "--max-new-tokens", 4, "--prompts", other, "--out", out, "--resume")
     assert "prompt 'p2'" in line and str(out) in line
     assert [r.prompt_id for r in load_record(out).results] == ["p1", "p2"]
 
@@ -70,8 +71,7 @@ def test_resume_refuses_another_suite(tmp_path):
     out = tmp_path / "code.json"
     assert crossrt(*RUN, "--max-new-tokens", 2, "--prompts", "code", "--out", out, cwd=tmp_path).returncode == 0
     before = [r.prompt_id for r in load_record(out).results]
-    line = error_line(crossrt(*RUN, "--max-new-tokens", 2, "--prompts", "builtin", "--out", out, "--resume",
-                              cwd=tmp_path))
+    line = read_error_line(*RUN, "--max-new-tokens", 2, "--prompts", "builtin", "--out", out, "--resume")
     assert f"its prompt {before[0]!r} is not in the prompt source" in line
     assert [r.prompt_id for r in load_record(out).results] == before
 
@@ -85,8 +85,7 @@ def test_old_records_without_digests_are_checked_by_tokenizing(tmp_path):
     for result in data["results"]:
         del result["prompt_sha256"]  # as a record written before the digest existed
     out.write_text(json.dumps(data))
-    assert "prompt 'p1'" in error_line(crossrt(*RUN, "--max-new-tokens", 3, "--prompts", other, "--out", out,
-                                               "--resume", cwd=tmp_path))
+    assert "prompt 'p1'" in read_error_line(*RUN, "--max-new-tokens", 3, "--prompts", other, "--out", out, "--resume")
     done = crossrt(*RUN, "--max-new-tokens", 3, "--prompts", first, "--out", out, "--resume", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert load_record(out).results[0].prompt_sha256 is not None  # filled in once checked
@@ -95,7 +94,7 @@ def test_old_records_without_digests_are_checked_by_tokenizing(tmp_path):
 def test_resume_refusal_names_only_the_differing_fields(tmp_path):
     out = tmp_path / "run.json"
     assert crossrt(*RUN, "--max-new-tokens", 2, "--out", out, cwd=tmp_path).returncode == 0
-    line = error_line(crossrt(*RUN, "--max-new-tokens", 3, "--out", out, "--resume", cwd=tmp_path))
+    line = read_error_line(*RUN, "--max-new-tokens", 3, "--out", out, "--resume")
     assert "max_new_tokens: 2 in the record, 3 now" in line
     assert "schedule" not in line and "RunParams" not in line
 
@@ -176,7 +175,7 @@ def test_a_read_only_folder_is_one_line(tmpfs):
     (point / "runs").mkdir()
     subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
     out = point / "runs" / "run.json"
-    line = error_line(crossrt(*RUN, "--max-new-tokens", 2, "--out", out, cwd=point.parent))
+    line = read_error_line(*RUN, "--max-new-tokens", 2, "--out", out)
     assert str(out) in line and "read-only" in line.lower()
 
 
@@ -193,8 +192,8 @@ def test_a_full_disk_is_one_line_and_keeps_what_finished(tmpfs):
 
 def test_an_unwritable_logs_folder_is_one_line(tmp_path):
     (tmp_path / "run.logs").write_text("a file where the native runtime's logs folder goes")
-    line = error_line(crossrt("run", "--runtime", "llama-server", "--mode", "native", "--pair", TINY_PAIR,
-                              "--threads", 1, "--max-new-tokens", 2, "--out", tmp_path / "run.json", cwd=tmp_path))
+    line = read_error_line("run", "--runtime", "llama-server", "--mode", "native", "--pair", TINY_PAIR,
+                           "--threads", 1, "--max-new-tokens", 2, "--out", tmp_path / "run.json")
     assert f"cannot write {tmp_path / 'run.logs'}: File exists; a file is in the way" in line
 
 
@@ -203,8 +202,8 @@ def test_an_unwritable_logs_folder_is_one_line(tmp_path):
 def test_a_truncated_gguf_is_one_line(tmp_path):
     target = tmp_path / "target.gguf"
     target.write_bytes((REPO / "models" / "tiny" / "target.f32.gguf").read_bytes()[:5000])
-    line = error_line(crossrt("run", "--target", target, "--drafter", REPO / "models" / "tiny" / "drafter.f32.gguf",
-                              "--threads", "1", "--out", tmp_path / "run.json", cwd=tmp_path))
+    line = read_error_line("run", "--target", target, "--drafter", REPO / "models" / "tiny" / "drafter.f32.gguf",
+                           "--threads", "1", "--out", tmp_path / "run.json")
     assert str(target) in line and "damaged or truncated" in line
 
 
