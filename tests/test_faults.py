@@ -60,11 +60,12 @@ def crossrt(*args, cwd) -> subprocess.CompletedProcess:
 
 
 def in_process(*args, cwd) -> subprocess.CompletedProcess:
-    """crossrt(*args) run by click in this process, read alike: the readers, refusals and the
-    sweep plans below load no runtime of their own (simulate's oracle and report's re-scoring
-    fork from their zygote either way), so a process each would only add crossrt's start (0.7
-    CPU-s of imports, 33 times). A bug's exception, which a process would print as a traceback,
-    is caught here by not being click's exit."""
+    """crossrt(*args) run by click in this process, read alike: the readers, refusals, sweeps,
+    the uninterrupted runs and the resumes load no runtime in it (llama.cpp runs in a child forked
+    from its zygote, llama-server in its own processes, either way), so a process each would only
+    add crossrt's start (0.7 CPU-s of imports, 48 times). The interrupted runs stay processes:
+    they are what the signal ends. A bug's exception, which a process would print as a
+    traceback, is caught here by not being click's exit."""
     before = Path.cwd()
     os.chdir(cwd)  # relative names in the commands (./a.json, r.md) are the working folder's
     try:
@@ -133,7 +134,7 @@ def interrupt(args: list, out: Path, cwd: Path, sig: int, point, delay: float, c
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     folder = tmp_path_factory.mktemp("whole")
-    done = crossrt(*RUN, "--out", folder / "whole.json", cwd=folder)
+    done = in_process(*RUN, "--out", folder / "whole.json", cwd=folder)
     assert done.returncode == 0, done.stderr
     return load_record(folder / "whole.json")
 
@@ -166,7 +167,7 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_one(uninterrupted, tmp_
     if out.exists():  # a kill before the record's first write leaves nothing to read, and nothing lost
         kept = comparable(load_record(out))
         assert len(kept) < PROMPTS and kept == comparable(uninterrupted)[:len(kept)]
-    resumed = crossrt(*resume, cwd=tmp_path)
+    resumed = in_process(*resume, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert comparable(load_record(out)) == comparable(uninterrupted)
     assert not journal_path(out).exists() and not lock_path(out).exists()
@@ -197,7 +198,7 @@ def test_an_interrupted_native_run_leaves_no_server_and_resumes(native_whole, tm
     assert not [pid for pid in servers if alive(pid)], "a llama-server outlived crossrt"
     resume = check_interrupted(process, stderr, sig, out, NATIVE)
     assert 0 < len(load_record(out).results) < PROMPTS
-    resumed = crossrt(*resume, cwd=tmp_path)
+    resumed = in_process(*resume, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert comparable(load_record(out)) == comparable(native_whole)
 
@@ -254,7 +255,7 @@ def test_a_stopped_spec_tool_is_a_failure_that_keeps_finished_prompts(tmp_path, 
 @pytest.fixture(scope="module")
 def small_record(tmp_path_factory):
     out = tmp_path_factory.mktemp("small") / "run.json"
-    assert crossrt(*RUN[:-1], "4", "--out", out, cwd=out.parent).returncode == 0
+    assert in_process(*RUN[:-1], "4", "--out", out, cwd=out.parent).returncode == 0
     return out
 
 
@@ -440,7 +441,7 @@ def test_a_second_sweep_run_is_refused_and_a_killed_one_leaves_no_lock(tmp_path)
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
     # The kernel dropped the lock with its holder: the next run continues, whatever the kill left.
-    done = crossrt("sweep", "run", sweep, "--dir", out, cwd=tmp_path)
+    done = in_process("sweep", "run", sweep, "--dir", out, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "3 cells: 0 to run, 3 done" in in_process("sweep", "plan", sweep, "--dir", out, cwd=tmp_path).stdout
 
@@ -449,7 +450,7 @@ def test_a_sweep_cell_that_does_not_read_names_what_runs_it_again(tmp_path):
     sweep = tmp_path / "sweep.toml"
     sweep.write_text(SWEEP.replace("k = [1, 2, 3]", "k = 1"))
     out = tmp_path / "out"
-    assert crossrt("sweep", "run", sweep, "--dir", out, cwd=tmp_path).returncode == 0
+    assert in_process("sweep", "run", sweep, "--dir", out, cwd=tmp_path).returncode == 0
     (meta,) = (out / "cells").glob("*.cell.json")
     record = meta.with_name(meta.name.replace(".cell.json", ".json"))
     # Written over by hand, its meta made to name the new bytes: the store takes the cell as done.
@@ -460,7 +461,7 @@ def test_a_sweep_cell_that_does_not_read_names_what_runs_it_again(tmp_path):
     assert f"{record} is not JSON" in line and "--overwrite" not in line, line
     assert f"(a damaged record); delete {meta} and `crossrt sweep run` runs the cell again" in line, line
     meta.unlink()
-    assert crossrt("sweep", "run", sweep, "--dir", out, cwd=tmp_path).returncode == 0
+    assert in_process("sweep", "run", sweep, "--dir", out, cwd=tmp_path).returncode == 0
     done = in_process("sweep", "show", out, cwd=tmp_path)
     assert done.returncode == 0 and load_record(record).results, done.stderr
 
