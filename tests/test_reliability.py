@@ -24,10 +24,6 @@ CROSSRT = str(Path(sys.executable).parent / "crossrt")
 RUN = ["run", "--pair", str(TINY_PAIR), "--threads", "1", "--k", "3"]
 
 
-def crossrt(*args, cwd, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([CROSSRT, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout)
-
-
 def error_line(done: subprocess.CompletedProcess) -> str:
     """The one `Error:` line a failed command prints, checked to come without a traceback."""
     assert done.returncode == 1, done.stdout + done.stderr
@@ -37,16 +33,20 @@ def error_line(done: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def read_error_line(*args) -> str:
-    """error_line for a reader (show, analyze) or a run refused before its runtime loads, run in
-    this process: no runtime loads, so a process of its own would only add crossrt's start (0.7
-    CPU-s of imports); the same one line, checked alike. Paths are absolute: no working folder."""
+def here(*args) -> subprocess.CompletedProcess:
+    """`crossrt *args` run by click in this process, read as a process's: a run loads llama.cpp in a child
+    forked from its zygote and llama-server in processes of its own either way, so a process
+    of crossrt's own would only add its start (0.7 CPU-s of imports). Paths are absolute: no
+    working folder. A bug's exception, which a process would print as a traceback, is caught
+    here by not being click's exit."""
     done = CliRunner().invoke(main, [*map(str, args)])
-    assert done.exit_code == 1 and isinstance(done.exception, SystemExit), (done.output, done.exception)
-    assert "Traceback" not in done.output
-    lines = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
-    assert len(lines) == 1, done.output
-    return lines[0]
+    assert done.exception is None or isinstance(done.exception, SystemExit), (done.output, done.exception)
+    return subprocess.CompletedProcess(args, done.exit_code, done.stdout, done.stderr)
+
+
+def read_error_line(*args) -> str:
+    """error_line for a reader (show, analyze) or a run refused before its runtime loads, here."""
+    return error_line(here(*args))
 
 
 def prompt_file(path: Path, texts: dict) -> Path:
@@ -60,7 +60,7 @@ def test_resume_refuses_a_prompt_file_whose_ids_collide(tmp_path):
     first = prompt_file(tmp_path / "a.jsonl", {"p1": "The cat sat on", "p2": "def add(a, b):"})
     other = prompt_file(tmp_path / "b.jsonl", {"p1": "The cat sat on", "p2": "Once upon a time"})
     out = tmp_path / "run.json"
-    assert crossrt(*RUN, "--max-new-tokens", 4, "--prompts", first, "--out", out, cwd=tmp_path).returncode == 0
+    assert here(*RUN, "--max-new-tokens", 4, "--prompts", first, "--out", out).returncode == 0
     line = read_error_line(*RUN, "--max-new-tokens", 4, "--prompts", other, "--out", out, "--resume")
     assert "prompt 'p2'" in line and str(out) in line
     assert [r.prompt_id for r in load_record(out).results] == ["p1", "p2"]
@@ -69,7 +69,7 @@ def test_resume_refuses_a_prompt_file_whose_ids_collide(tmp_path):
 def test_resume_refuses_another_suite(tmp_path):
     # The code suite (22 prompts), not categories (110): any built-in suite whose ids builtin lacks.
     out = tmp_path / "code.json"
-    assert crossrt(*RUN, "--max-new-tokens", 2, "--prompts", "code", "--out", out, cwd=tmp_path).returncode == 0
+    assert here(*RUN, "--max-new-tokens", 2, "--prompts", "code", "--out", out).returncode == 0
     before = [r.prompt_id for r in load_record(out).results]
     line = read_error_line(*RUN, "--max-new-tokens", 2, "--prompts", "builtin", "--out", out, "--resume")
     assert f"its prompt {before[0]!r} is not in the prompt source" in line
@@ -80,20 +80,20 @@ def test_old_records_without_digests_are_checked_by_tokenizing(tmp_path):
     first = prompt_file(tmp_path / "a.jsonl", {"p1": "The cat sat on"})
     other = prompt_file(tmp_path / "b.jsonl", {"p1": "Once upon a time"})
     out = tmp_path / "run.json"
-    assert crossrt(*RUN, "--max-new-tokens", 3, "--prompts", first, "--out", out, cwd=tmp_path).returncode == 0
+    assert here(*RUN, "--max-new-tokens", 3, "--prompts", first, "--out", out).returncode == 0
     data = json.loads(out.read_text())
     for result in data["results"]:
         del result["prompt_sha256"]  # as a record written before the digest existed
     out.write_text(json.dumps(data))
     assert "prompt 'p1'" in read_error_line(*RUN, "--max-new-tokens", 3, "--prompts", other, "--out", out, "--resume")
-    done = crossrt(*RUN, "--max-new-tokens", 3, "--prompts", first, "--out", out, "--resume", cwd=tmp_path)
+    done = here(*RUN, "--max-new-tokens", 3, "--prompts", first, "--out", out, "--resume")
     assert done.returncode == 0, done.stderr
     assert load_record(out).results[0].prompt_sha256 is not None  # filled in once checked
 
 
 def test_resume_refusal_names_only_the_differing_fields(tmp_path):
     out = tmp_path / "run.json"
-    assert crossrt(*RUN, "--max-new-tokens", 2, "--out", out, cwd=tmp_path).returncode == 0
+    assert here(*RUN, "--max-new-tokens", 2, "--out", out).returncode == 0
     line = read_error_line(*RUN, "--max-new-tokens", 3, "--out", out, "--resume")
     assert "max_new_tokens: 2 in the record, 3 now" in line
     assert "schedule" not in line and "RunParams" not in line
@@ -129,7 +129,7 @@ def test_a_second_writer_is_refused_and_ctrl_c_says_how_to_resume(tmp_path):
             assert first.poll() is None and time.monotonic() < deadline, "the first run ended too soon"
             time.sleep(0.01)
         first.send_signal(signal.SIGSTOP)
-        line = error_line(crossrt(*args, "--resume", cwd=tmp_path))
+        line = error_line(here(*args, "--resume"))
         assert f"pid {first.pid}" in line and str(out) in line
         first.send_signal(signal.SIGINT)  # pending until it runs again: Ctrl-C on a running crossrt
         first.send_signal(signal.SIGCONT)
@@ -182,7 +182,7 @@ def test_a_read_only_folder_is_one_line(tmpfs):
 def test_a_full_disk_is_one_line_and_keeps_what_finished(tmpfs):
     point = tmpfs("size=12k")
     out = point / "run.json"
-    done = crossrt(*RUN, "--max-new-tokens", 32, "--prompts", "categories", "--out", out, cwd=point.parent)
+    done = here(*RUN, "--max-new-tokens", 32, "--prompts", "categories", "--out", out)
     line = error_line(done)
     assert "No space left on device" in line and str(point) in line
     assert not [p.name for p in point.iterdir() if p.name.endswith(".tmp")]
@@ -212,7 +212,7 @@ def traced(tmp_path_factory):
     folder = tmp_path_factory.mktemp("traced")
     out = folder / "run.json"
     # The code suite's 22 prompts: a 5 kB trace whose bytes 3000-3100 are an array's, as damaged below.
-    done = crossrt(*RUN, "--max-new-tokens", 8, "--prompts", "code", "--trace", "--out", out, cwd=folder)
+    done = here(*RUN, "--max-new-tokens", 8, "--prompts", "code", "--trace", "--out", out)
     assert done.returncode == 0, done.stderr
     return out
 
@@ -249,22 +249,20 @@ def test_a_damaged_record_is_one_line(traced, tmp_path):
 # ---- runs that cannot do anything ------------------------------------------------------------
 
 def test_every_prompt_failing_exits_1(tmp_path):
-    line = error_line(crossrt(*RUN, "--n-ctx", 16, "--max-new-tokens", 4, "--out", tmp_path / "run.json",
-                              cwd=tmp_path))
+    line = error_line(here(*RUN, "--n-ctx", 16, "--max-new-tokens", 4, "--out", tmp_path / "run.json"))
     assert "all 10 prompts failed" in line
 
 
 def test_a_k_no_draft_can_reach_warns_on_a_native_runtime(tmp_path):
-    done = crossrt("run", "--runtime", "llama-server", "--mode", "native", "--pair", TINY_PAIR, "--threads", 1,
-                   "--k", 100, "--max-new-tokens", 8, "--prompts", "code", "--out", tmp_path / "run.json",
-                   cwd=tmp_path)
+    done = here("run", "--runtime", "llama-server", "--mode", "native", "--pair", TINY_PAIR, "--threads", 1,
+                "--k", 100, "--max-new-tokens", 8, "--prompts", "code", "--out", tmp_path / "run.json")
     assert done.returncode == 0, done.stderr
     assert "warning: --k 100: llama.cpp drops drafts shorter than draft-n-min 100" in done.stderr
 
 
 def test_gpu_split_without_a_gpu_warns(tmp_path):
-    done = crossrt(*RUN, "--gpu-split", "1,1", "--n-gpu-layers", 99, "--max-new-tokens", 2, "--prompts", "code",
-                   "--out", tmp_path / "run.json", cwd=tmp_path)
+    done = here(*RUN, "--gpu-split", "1,1", "--n-gpu-layers", 99, "--max-new-tokens", 2, "--prompts", "code",
+                "--out", tmp_path / "run.json")
     assert done.returncode == 0, done.stderr
     if load_record(tmp_path / "run.json").runtime.device != "cpu":
         pytest.skip("this machine has a GPU")
