@@ -59,18 +59,18 @@ def cli(*args, cwd: Path, crash: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([CROSSRT, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
 
 
-def in_process(*args, cwd: Path, monkeypatch, crash: str = "") -> subprocess.CompletedProcess:
+def in_process(*args, cwd: Path, crash: str = "") -> subprocess.CompletedProcess:
     """cli(*args) run by click in this process, for commands whose every runtime call is isolated
-    (runs, re-scoring, the oracles, MT-Bench's first answers): the hook kills the child either way, each
-    child getting this process's environment and working folder, so a process of crossrt's own
-    would only add its start (0.7 CPU-s of imports). What a process would print as a traceback is
-    an exception here that is not click's exit."""
-    monkeypatch.chdir(cwd)
-    if crash:
-        monkeypatch.setenv(CRASH_HOOK, crash)
-    else:
-        monkeypatch.delenv(CRASH_HOOK, raising=False)
-    done = CliRunner().invoke(main, [*map(str, args)])
+    (runs, re-scoring, the oracles, MT-Bench's first answers, sweeps): the hook kills the child
+    either way, each child getting this process's environment and working folder, so a process
+    of crossrt's own would only add its start (0.7 CPU-s of imports). What a process would
+    print as a traceback is an exception here that is not click's exit."""
+    before = Path.cwd()
+    os.chdir(cwd)
+    try:
+        done = CliRunner().invoke(main, [*map(str, args)], env={CRASH_HOOK: crash or None})
+    finally:
+        os.chdir(before)
     assert done.exception is None or isinstance(done.exception, SystemExit), (done.output, done.exception)
     return subprocess.CompletedProcess(args, done.exit_code, done.stdout, done.stderr)
 
@@ -102,13 +102,13 @@ def test_a_crashed_run_is_one_line_that_keeps_its_prompts_and_resumes(tmp_path):
 
 
 @pytest.mark.skipif(availability("transformers") is not None, reason=f"{availability('transformers')}")
-def test_a_crashed_runtime_fails_parity_and_the_other_runtime_still_runs(tmp_path, monkeypatch):
+def test_a_crashed_runtime_fails_parity_and_the_other_runtime_still_runs(tmp_path):
     """llama-cpp, the matrix's first cell (whose tokenization would feed the others), dies by
     SIGABRT after one prompt; transformers still runs and is checked; parity fails naming it."""
     out_dir = tmp_path / "parity"
     done = in_process("parity", "--pair", TINY_PAIR, "--runtimes", "llama-cpp,transformers", "--modes", "driven",
                       "--prompts", prompt_file(tmp_path, 2), "--max-new-tokens", 8, "--threads", 1, "--no-logits",
-                      "--out-dir", out_dir, cwd=tmp_path, monkeypatch=monkeypatch, crash="llama-cpp:1:SIGABRT")
+                      "--out-dir", out_dir, cwd=tmp_path, crash="llama-cpp:1:SIGABRT")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
     crashed = out_dir / "tiny-llama-cpp-driven-k4.json"
@@ -127,21 +127,21 @@ def two_records(tmp_path_factory):
     folder = tmp_path_factory.mktemp("two")
     prompts = prompt_file(folder)
     for k in (3, 2):
-        done = cli("run", "--pair", TINY_PAIR, "--threads", 1, "--k", k, "--max-new-tokens", 8, "--prompts", prompts,
-                   "--out", folder / f"k{k}.json", cwd=folder)
+        done = in_process("run", "--pair", TINY_PAIR, "--threads", 1, "--k", k, "--max-new-tokens", 8, "--prompts",
+                          prompts, "--out", folder / f"k{k}.json", cwd=folder)
         assert done.returncode == 0, done.stderr
     return folder / "k3.json", folder / "k2.json"
 
 
-def test_a_crash_while_re_scoring_fails_parity_and_the_runs_are_still_compared(two_records, tmp_path, monkeypatch):
+def test_a_crash_while_re_scoring_fails_parity_and_the_runs_are_still_compared(two_records, tmp_path):
     """Explaining splits and re-scoring logits load llama.cpp in a process of their own: the same
     verdict as in crossrt's process when it lives; when it dies (here as it starts), a FAIL
     naming it, and the runs compared from what they recorded."""
     a, b = two_records
-    whole = in_process("parity", a, b, "--threads", 1, cwd=tmp_path, monkeypatch=monkeypatch)
+    whole = in_process("parity", a, b, "--threads", 1, cwd=tmp_path)
     assert whole.returncode == 0, whole.stdout + whole.stderr
     assert "logits along common outputs: 3/3 within tolerance" in whole.stdout, whole.stdout
-    crashed = in_process("parity", a, b, "--threads", 1, cwd=tmp_path, monkeypatch=monkeypatch, crash="re-scoring:0")
+    crashed = in_process("parity", a, b, "--threads", 1, cwd=tmp_path, crash="re-scoring:0")
     assert crashed.returncode == 1 and "Traceback" not in crashed.stderr, crashed.stdout + crashed.stderr
     assert re.search(r"^FAIL re-scoring: crashed: SIGSEGV \(Segmentation fault\) in ctypes/__init__\.py:\d+ "
                      r"string_at, from crossrt/run/isolation\.py:\d+ _crash; the runs were compared from what they "
@@ -156,18 +156,17 @@ SEGV = r"SIGSEGV \(Segmentation fault\) in ctypes/__init__\.py:\d+ string_at, fr
 
 @pytest.mark.parametrize("command", [["diff", "{a}"], ["diff", "{a}", "{b}"], ["report", "{a}", "{b}", "-o", "r.md"]],
                          ids=["diff-one", "diff-two", "report"])
-def test_re_scoring_outside_parity_crashes_in_one_line(two_records, tmp_path, monkeypatch, command):
+def test_re_scoring_outside_parity_crashes_in_one_line(two_records, tmp_path, command):
     """diff's divergence detail and report's parity section re-score where RESCORING runs: its
     death (the hook at once) is one line, no traceback."""
     a, b = two_records
-    done = in_process(*[part.format(a=a, b=b) for part in command], cwd=tmp_path, monkeypatch=monkeypatch,
-                      crash="re-scoring:0")
+    done = in_process(*[part.format(a=a, b=b) for part in command], cwd=tmp_path, crash="re-scoring:0")
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stdout + done.stderr
     assert re.fullmatch(f"Error: re-scoring crashed: {SEGV}", done.stderr.strip().splitlines()[-1]), done.stderr
 
 
 @pytest.mark.parametrize("command", ["report", "parity"])
-def test_a_crash_building_the_tau_gap_oracle_is_that_gaps_reason(two_records, tmp_path, monkeypatch, command):
+def test_a_crash_building_the_tau_gap_oracle_is_that_gaps_reason(two_records, tmp_path, command):
     """report's and parity's tau gaps (two schedules) build their oracle in llama.cpp's process: its
     death is the gap's reason, and the rest (the page; parity's comparisons and verdict) follows."""
     a, b = two_records
@@ -176,8 +175,7 @@ def test_a_crash_building_the_tau_gap_oracle_is_that_gaps_reason(two_records, tm
     save_record(dataclasses.replace(record, params=dataclasses.replace(record.params, schedule="llama-server")),
                 relabelled)
     out = ["-o", "r.md"] if command == "report" else ["--no-logits"]
-    done = in_process(command, a, relabelled, "--no-rescore", *out, cwd=tmp_path, monkeypatch=monkeypatch,
-                      crash="llama-cpp:0")
+    done = in_process(command, a, relabelled, "--no-rescore", *out, cwd=tmp_path, crash="llama-cpp:0")
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stdout + done.stderr
     if command == "report":
         page = (tmp_path / "r.md").read_text()  # markdown: its underscores escaped
@@ -203,13 +201,13 @@ def test_a_census_batch_whose_re_scoring_crashes_is_a_failure_and_is_still_count
     assert census.compared == 9  # 3 prompts: each run against its baseline, and the two runs
 
 
-def test_mt_benchs_first_answers_are_made_in_a_process_of_their_own(tmp_path, monkeypatch):
+def test_mt_benchs_first_answers_are_made_in_a_process_of_their_own(tmp_path):
     """--turn 2's first answers load the target in llama.cpp's process: its death is one line
     saying no answer was kept, and no answers file is written."""
     questions = tmp_path / "question.jsonl"
     questions.write_text(SPEC_BENCH.read_text().splitlines(keepends=True)[0])
     done = in_process(*RUN, "--prompts", f"mtbench:{questions}", "--turn", 2, "--out", tmp_path / "turn2.json",
-                      cwd=tmp_path, monkeypatch=monkeypatch, crash="llama-cpp:0")
+                      cwd=tmp_path, crash="llama-cpp:0")
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     answers = tmp_path / "tiny-first-answers.jsonl"
     assert re.match(f"Error: llama-cpp crashed: {SEGV}; while making --turn 2's first answers, none of them kept "
@@ -237,7 +235,7 @@ def test_a_crashed_sweep_cell_fails_in_one_line_and_the_others_run(tmp_path, cpu
     (tmp_path / "one.jsonl").write_text(json.dumps(PROMPTS[0]) + "\n")
     (tmp_path / "sweep.toml").write_text(SWEEP)
     args = ["sweep", "run", "sweep.toml", "--dir", tmp_path / "store", *(["--cpus", cpus] if cpus else [])]
-    done = cli(*args, cwd=tmp_path, crash="llama-cpp:2" if cpus is None else "llama-cpp:1")
+    done = in_process(*args, cwd=tmp_path, crash="llama-cpp:2" if cpus is None else "llama-cpp:1")
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("[")]
     failed = [line for line in lines if "FAILED: llama-cpp crashed: SIGSEGV (Segmentation fault)" in line]
@@ -339,17 +337,17 @@ def test_in_process_runtimes_are_isolated_and_programs_are_not(monkeypatch):
     assert call_safely("llama-cpp", os.getpid) == os.getpid()
 
 
-def test_simulate_builds_its_oracle_in_a_process_of_its_own(tmp_path, monkeypatch):
+def test_simulate_builds_its_oracle_in_a_process_of_its_own(tmp_path):
     """The oracle's models load in the child: its death (the hook at once) is simulate's one line."""
     done = in_process("simulate", "--pair", TINY_PAIR, "--threads", 1, "--max-k", 2, "--max-new-tokens", 4,
-                      "--prompts", prompt_file(tmp_path, 1), cwd=tmp_path, monkeypatch=monkeypatch,
+                      "--prompts", prompt_file(tmp_path, 1), cwd=tmp_path,
                       crash="llama-cpp:0:SIGILL")
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert re.fullmatch(r"Error: llama-cpp crashed: SIGILL \(Illegal instruction\), from crossrt/run/isolation\.py:\d+ "
                         r"_crash", done.stderr.strip().splitlines()[-1]), done.stderr
 
 
-def test_reproduce_runs_each_claim_in_a_process_of_its_own(tmp_path, monkeypatch):
+def test_reproduce_runs_each_claim_in_a_process_of_its_own(tmp_path):
     """A runtime's death while reproducing a claim fails that claim in one line, not crossrt."""
     claims = tmp_path / "claims.toml"
     claims.write_text(f'[[claim]]\nid = "mine"\nsource = "test"\nruntime = "llama.cpp"\ncrossrt_runtime = "llama-cpp"\n'
@@ -357,7 +355,7 @@ def test_reproduce_runs_each_claim_in_a_process_of_its_own(tmp_path, monkeypatch
                       f'prompts = "{prompt_file(tmp_path)}"\n'
                       '[claim.expect.code]\ntau = 3.0\n[claim.expect.prose]\ntau = 3.0\n')
     done = in_process("reproduce", claims, "--threads", 1, "--out-dir", tmp_path / "runs", cwd=tmp_path,
-                      monkeypatch=monkeypatch, crash="llama-cpp:1")
+                      crash="llama-cpp:1")
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert re.search(r"run failed: llama-cpp crashed: SIGSEGV \(Segmentation fault\) .*; 1 of 3 prompts finished",
                      done.stdout), done.stdout
