@@ -19,15 +19,14 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from crossrt.cli import main
 from crossrt.records.journal import journal_path
 from crossrt.records.record_json import load_record
 from crossrt.run.run_writer import lock_path
 from crossrt.run.runtime import availability
 
 from conftest import TINY_PAIR, with_sigint
+from in_process import crossrt_here
 
 CROSSRT = str(Path(sys.executable).parent / "crossrt")
 SEED = 11
@@ -60,20 +59,10 @@ def crossrt(*args, cwd) -> subprocess.CompletedProcess:
 
 
 def in_process(*args, cwd) -> subprocess.CompletedProcess:
-    """crossrt(*args) run by click in this process, read alike: the readers, refusals, sweeps,
-    the uninterrupted runs and the resumes load no runtime in it (llama.cpp runs in a child forked
-    from its zygote, llama-server in its own processes, either way), so a process each would only
-    add crossrt's start (0.7 CPU-s of imports, 48 times). The interrupted runs stay processes:
-    they are what the signal ends. A bug's exception, which a process would print as a
-    traceback, is caught here by not being click's exit."""
-    before = Path.cwd()
-    os.chdir(cwd)  # relative names in the commands (./a.json, r.md) are the working folder's
-    try:
-        done = CliRunner().invoke(main, [*map(str, args)])
-    finally:
-        os.chdir(before)
-    assert done.exception is None or isinstance(done.exception, SystemExit), (done.output, done.exception)
-    return subprocess.CompletedProcess(args, done.exit_code, done.stdout, done.stderr)
+    """crossrt(*args) in this process (tests/in_process.py): the readers, refusals, sweeps, the
+    uninterrupted runs and the resumes (48 commands). The interrupted runs stay processes: they
+    are what the signal ends."""
+    return crossrt_here(*args, cwd=cwd)
 
 
 def journal_prompts(out: Path) -> int:

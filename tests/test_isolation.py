@@ -21,9 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from crossrt.cli import main
 from crossrt.records.record_json import load_record
 import crossrt
 import crossrt.backends
@@ -36,6 +34,7 @@ from crossrt.run.processes import oom_kills
 from crossrt.run.runtime import availability
 
 from conftest import REPO, TINY_PAIR
+from in_process import crossrt_here
 from test_processes import memory_cgroup
 
 CROSSRT = str(Path(sys.executable).parent / "crossrt")
@@ -60,19 +59,10 @@ def cli(*args, cwd: Path, crash: str = "") -> subprocess.CompletedProcess:
 
 
 def in_process(*args, cwd: Path, crash: str = "") -> subprocess.CompletedProcess:
-    """cli(*args) run by click in this process, for commands whose every runtime call is isolated
-    (runs, re-scoring, the oracles, MT-Bench's first answers, sweeps): the hook kills the child
-    either way, each child getting this process's environment and working folder, so a process
-    of crossrt's own would only add its start (0.7 CPU-s of imports). What a process would
-    print as a traceback is an exception here that is not click's exit."""
-    before = Path.cwd()
-    os.chdir(cwd)
-    try:
-        done = CliRunner().invoke(main, [*map(str, args)], env={CRASH_HOOK: crash or None})
-    finally:
-        os.chdir(before)
-    assert done.exception is None or isinstance(done.exception, SystemExit), (done.output, done.exception)
-    return subprocess.CompletedProcess(args, done.exit_code, done.stdout, done.stderr)
+    """cli(*args) in this process (tests/in_process.py), for commands whose every runtime call
+    is isolated (runs, re-scoring, the oracles, MT-Bench's first answers, sweeps): the hook kills
+    the forked child either way, which gets this process's environment and working folder."""
+    return crossrt_here(*args, cwd=cwd, env={CRASH_HOOK: crash or None})
 
 
 def comparable(result):

@@ -12,13 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from crossrt.cli import main
 from crossrt.run.run_writer import lock_path
 from crossrt.records.record_json import load_record
 
 from conftest import REPO, TINY_PAIR, with_sigint
+from in_process import crossrt_here
 
 CROSSRT = str(Path(sys.executable).parent / "crossrt")
 RUN = ["run", "--pair", str(TINY_PAIR), "--threads", "1", "--k", "3"]
@@ -34,14 +33,8 @@ def error_line(done: subprocess.CompletedProcess) -> str:
 
 
 def here(*args) -> subprocess.CompletedProcess:
-    """`crossrt *args` run by click in this process, read as a process's: a run loads llama.cpp in a child
-    forked from its zygote and llama-server in processes of its own either way, so a process
-    of crossrt's own would only add its start (0.7 CPU-s of imports). Paths are absolute: no
-    working folder. A bug's exception, which a process would print as a traceback, is caught
-    here by not being click's exit."""
-    done = CliRunner().invoke(main, [*map(str, args)])
-    assert done.exception is None or isinstance(done.exception, SystemExit), (done.output, done.exception)
-    return subprocess.CompletedProcess(args, done.exit_code, done.stdout, done.stderr)
+    """`crossrt *args` in this process (tests/in_process.py); paths are absolute."""
+    return crossrt_here(*args)
 
 
 def read_error_line(*args) -> str:
