@@ -36,6 +36,10 @@ class Replayer:
         self._gaps: dict[tuple, Gap] = {}  # a split is asked for by its lossless check and its cross-run links
         self.passes = 0  # re-scored passes run, for the report of what explaining cost
         self._heads: dict[tuple, tuple] = {}  # (head, its KV dtype and LM-head arithmetic as loaded)
+        # The drafter rows of the split explained last: a counts split of two runs that draft on one
+        # scorer asks for the same rows for each run (a native run and its driven twin, say).
+        self._drafter: dict[tuple, np.ndarray] = {}
+        self._drafter_split: Optional[tuple] = None  # (prompt ids, output ids) whose rows _drafter holds
 
     def __enter__(self) -> "Replayer":
         return self
@@ -72,15 +76,28 @@ class Replayer:
 
     def drafter_rows(self, record: RunRecord, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> np.ndarray:
         """The record's drafter's logits rows predicting each output token, in one pass."""
-        self.passes += 1
-        return score(self.session(record, "drafter"), prompt_ids, output_ids)
+        return self._drafter_rows(record, prompt_ids, output_ids, None)
 
     def drafter_rows_decoded(self, record: RunRecord, prompt_ids: Sequence[int], output_ids: Sequence[int],
                              rows: int) -> np.ndarray:
         """The first rows of drafter_rows, computed as one-token decodes (as a drafter drafts):
         how far the drafter's own batch shapes move its logits."""
-        self.passes += rows
-        return score_stepwise(self.session(record, "drafter"), prompt_ids, output_ids, rows)
+        return self._drafter_rows(record, prompt_ids, output_ids, rows)
+
+    def _drafter_rows(self, record: RunRecord, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                      decoded: Optional[int]) -> np.ndarray:
+        """drafter_rows (decoded None) or drafter_rows_decoded, kept while the same prompt and
+        output are explained: a real model's rows are 2 MB each, so another split's are let go."""
+        split = (tuple(prompt_ids), tuple(output_ids))
+        if split != self._drafter_split:
+            self._drafter_split, self._drafter = split, {}
+        key = (self._key(record, "drafter"), decoded)
+        if key not in self._drafter:
+            session = self.session(record, "drafter")
+            self.passes += 1 if decoded is None else decoded
+            self._drafter[key] = (score(session, prompt_ids, output_ids) if decoded is None
+                                  else score_stepwise(session, prompt_ids, output_ids, decoded))
+        return self._drafter[key]
 
     def head_counts(self, record: RunRecord, prompt_ids: Sequence[int], max_new_tokens: int,
                     variant: str) -> Optional[tuple[int, int, int]]:
