@@ -149,11 +149,13 @@ def eagle3_command(target: Path, output: Path, epochs: int, new_tokens: int, see
 
 def _make(kind: str, target: Path, output: Path, choose, training: TrainingSettings, new_tokens: int,
           overwrite: bool):
-    from crossrt.run.head_making import make_head
+    from crossrt.run.head_making import TargetStates, make_head
 
+    # A caller making several heads in one process may pass click a TargetStates as obj (tests do).
+    states = click.get_current_context().find_object(TargetStates)
     bar = _StageBar()
     try:
-        return make_head(kind, target, output, choose, training, new_tokens, overwrite, bar)
+        return make_head(kind, target, output, choose, training, new_tokens, overwrite, bar, states)
     except CrossrtError as error:
         raise click.ClickException(str(error)) from None
     finally:

@@ -95,9 +95,10 @@ def dflash_settings(layer_ids: Optional[tuple[int, ...]], block_size: int, mask_
 
 
 def make_head(kind: str, target: Path, output: Path, choose: Callable[[TargetShape], object],
-              training: TrainingSettings, new_tokens: int, overwrite: bool, progress: Progress) -> MadeHead:
+              training: TrainingSettings, new_tokens: int, overwrite: bool, progress: Progress,
+              states: Optional[TargetStates] = None) -> MadeHead:
     """kind "eagle3" or "dflash"; choose: its settings for the target's shape (eagle3_settings,
-    dflash_settings)."""
+    dflash_settings); states: the target's states kept from an earlier head, and for a later one."""
     check_target(target)
     if output.exists() and not overwrite and not (output / PROVENANCE).is_file():
         raise HeadFilesError(f"{output} exists and holds no crossrt head: pass --overwrite or another OUTPUT")
@@ -124,19 +125,20 @@ def make_head(kind: str, target: Path, output: Path, choose: Callable[[TargetSha
     if not was_cached:
         model = model or load_model(target, RuntimeOptions(threads=training.threads)).model
         _train_into(kind, cached, target, converted, model, shape, settings, training, new_tokens,
-                    key, progress)
+                    key, progress, states or TargetStates())
     _copy_folder(cached, output)
     return MadeHead(output, output / gguf, was_cached, json.loads((output / PROVENANCE).read_text()))
 
 
 def _train_into(kind: str, cached: Path, target: Path, target_folder: Path, model, shape: TargetShape, settings,
-                training: TrainingSettings, new_tokens: int, key: str, progress: Progress) -> None:
+                training: TrainingSettings, new_tokens: int, key: str, progress: Progress,
+                states: TargetStates) -> None:
     torch.set_num_threads(training.threads)
     corpus = head_corpus(target, new_tokens, lambda done, total: progress("corpus", done, total))
     # EAGLE3 ids name layer inputs (HF hidden_states[i]); DFlash ids layer outputs (hidden_states[i + 1]).
     tapped = settings.layer_ids if kind == "eagle3" else tuple(i + 1 for i in settings.layer_ids)
-    featured = _corpus_features(target, model, corpus, tapped, training.threads,
-                                lambda done, total: progress("features", done, total))
+    featured = states.features(target, model, corpus, tapped, training.threads,
+                               lambda done, total: progress("features", done, total))
     draft_ids = draft_vocabulary(featured, settings.draft_vocab, shape.vocab)
     torch.manual_seed(training.seed)
     embeddings, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
@@ -173,25 +175,28 @@ def _train_into(kind: str, cached: Path, target: Path, target_folder: Path, mode
         os.rename(folder, cached)
 
 
-# The target's hidden states over the last corpus it ran on in this process, and the states'
-# ids: a second head of the same target and corpus whose layers are among them (`crossrt drafter
-# dflash` after `crossrt drafter eagle3` in one process, as tests/test_heads.py does) reads them
-# instead of running the target over the corpus again (SmolLM2-135M, 66 prompts x 8 new tokens:
-# 10 to 20 CPU-s, more than a test head's training).
-_STATES: dict[tuple, tuple[tuple[int, ...], list]] = {}
+class TargetStates:
+    """The target's hidden states over the last corpus it ran on, and the states' ids, for a caller
+    that makes several heads of one target in one process (tests/test_heads.py passes one to both
+    of its `crossrt drafter` commands, as click's obj): a second head of the same target and corpus
+    whose layers are among them reads them instead of running the target over the corpus again
+    (SmolLM2-135M, 66 prompts x 8 new tokens: 10 to 20 CPU-s, more than a test head's training).
+    One corpus held: the last."""
 
+    def __init__(self) -> None:
+        self._key: Optional[tuple] = None
+        self._held: tuple[int, ...] = ()
+        self._states: Optional[list] = None
 
-def _corpus_features(target: Path, model, corpus: list, tapped: tuple[int, ...], threads: int,
-                     progress: Callable[[int, int], None]) -> list:
-    """The target's features at tapped over corpus, from _STATES where it holds them."""
-    key = (sha256_of(target), threads, tuple(corpus))  # threads: float sums, like the head's own key
-    held, states = _STATES.get(key, ((), None))
-    if states is None or not set(tapped) <= set(held):
-        held = tuple(sorted(set(tapped) | set(held)))
-        states = target_states(model, corpus, held, progress)
-        _STATES.clear()  # one corpus held: the last
-        _STATES[key] = (held, states)
-    return featured_of(corpus, states, tapped)
+    def features(self, target: Path, model, corpus: list, tapped: tuple[int, ...], threads: int,
+                 progress: Callable[[int, int], None]) -> list:
+        """The target's features at tapped over corpus, from the states held where they hold them."""
+        key = (sha256_of(target), threads, tuple(corpus))  # threads: float sums, like the head's own key
+        held = self._held if key == self._key else ()
+        if key != self._key or not set(tapped) <= set(held):
+            held = tuple(sorted(set(tapped) | set(held)))
+            self._key, self._held, self._states = key, held, target_states(model, corpus, held, progress)
+        return featured_of(corpus, self._states, tapped)
 
 
 def _key_of(folder: Path) -> Optional[str]:
