@@ -6,9 +6,9 @@ import struct
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType
 
-from crossrt.inputs.gguf_file import encode_field, read_layout
+from crossrt.inputs.gguf_file import Kind, encode_field, read_layout
 
 from conftest import REPO
 
@@ -55,3 +55,8 @@ def test_unsupported_versions_and_duplicate_keys_are_refused():
         read_layout(_pairs(1, ("a", 1)), tensors=False)
     with pytest.raises(ValueError, match="duplicate key a"):
         read_layout(_pairs(3, ("a", 1), ("a", 2)), tensors=False)
+
+
+def test_value_kinds_are_gguf_pys():
+    """gguf_file names GGUF's value types itself, not importing gguf-py in every process."""
+    assert {kind.name: int(kind) for kind in Kind} == {kind.name: int(kind) for kind in GGUFValueType}

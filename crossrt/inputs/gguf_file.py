@@ -10,6 +10,7 @@ struct.errors) saying where the file stops making sense; gguf_metadata words the
 
 from __future__ import annotations
 
+import enum
 import functools
 import mmap
 import os
@@ -18,11 +19,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFValueType as Kind
 
 from crossrt.errors import PairError
 
-# GGUF value types that are scalars, as struct formats, by gguf-py's names (not raw numbers).
+
+class Kind(enum.IntEnum):
+    """GGUF's value types by gguf-py's names (its GGUFValueType, which tests/test_gguf_file.py
+    checks this against): importing gguf-py for them costs every crossrt process ~0.07 CPU-s."""
+
+    UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)
+
+
+# GGUF value types that are scalars, as struct formats.
 SCALARS = {Kind.UINT8: "B", Kind.INT8: "b", Kind.UINT16: "H", Kind.INT16: "h", Kind.UINT32: "I",
            Kind.INT32: "i", Kind.FLOAT32: "f", Kind.BOOL: "?", Kind.UINT64: "Q", Kind.INT64: "q",
            Kind.FLOAT64: "d"}

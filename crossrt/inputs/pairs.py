@@ -20,8 +20,9 @@ from typing import Optional, Sequence, Union
 
 from crossrt.errors import PairError
 from crossrt.inputs.builtin import cache_dir, made_on_first_use, missing_model_hint, model_path, named
+from crossrt.inputs.file_facts import file_fact, write_json
 from crossrt.inputs.gguf_file import gguf_metadata
-from crossrt.inputs.vocabulary import Vocabulary, check_compatible, read_vocabulary
+from crossrt.inputs.vocabulary import check_files_compatible, vocabulary_facts
 from crossrt.records.schema import LoadedFile, ModelInfo, PairInfo
 
 if sys.version_info >= (3, 11):
@@ -158,6 +159,7 @@ def sha256_of(path: Path) -> str:
         cache = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         cache = {}
+    known = len(cache)
     if path.is_dir():
         digest = hashlib.sha256()
         for file in sorted(p for p in path.rglob("*") if p.is_file()):
@@ -165,11 +167,8 @@ def sha256_of(path: Path) -> str:
         result = digest.hexdigest()
     else:
         result = _file_sha256(path, cache)
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        cache_file.write_text(json.dumps(cache))
-    except OSError:
-        pass  # a read-only home only costs re-hashing next time
+    if len(cache) > known:  # written only with a new digest (file facts ask for known ones often)
+        write_json(cache_file, cache)
     return result
 
 
@@ -181,13 +180,8 @@ def model_files(path: Path, what: str = "model") -> tuple[LoadedFile, ...]:
 
 
 def quantization_of(path: Path) -> str:
-    if path.suffix == ".gguf":
-        from gguf import LlamaFileType
-
-        file_type = gguf_metadata(path).get("general.file_type")
-        if file_type is None:
-            return "unknown"
-        return LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    if path.suffix == ".gguf":  # kept by digest (file_fact): reading the metadata reads every token
+        return file_fact("gguf-quantization-1", [path], lambda: _gguf_quantization(path))
     config = json.loads((path / "config.json").read_text())
     quant = config.get("quantization_config")
     if quant:
@@ -195,28 +189,37 @@ def quantization_of(path: Path) -> str:
     return str(config.get("torch_dtype") or config.get("dtype") or "unknown")
 
 
-def model_info(path: Path, vocabulary: Vocabulary) -> ModelInfo:
+def _gguf_quantization(path: Path) -> str:
+    from gguf import LlamaFileType
+
+    file_type = gguf_metadata(path).get("general.file_type")
+    if file_type is None:
+        return "unknown"
+    return LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
+def model_info(path: Path, fingerprint: str, n_vocab: int) -> ModelInfo:
     return ModelInfo(path=str(path), sha256=sha256_of(path), format=model_format(path),
-                     quantization=quantization_of(path), vocab_fingerprint=vocabulary.fingerprint,
-                     n_vocab=len(vocabulary.tokens))
+                     quantization=quantization_of(path), vocab_fingerprint=fingerprint, n_vocab=n_vocab)
 
 
 def pair_info(pair: Pair, model_format_name, drafter_format=None) -> PairInfo:
     """Check the pair's files for one format and describe them for the record; drafter_format:
-    the drafter's, where it differs (a head's torch weights are its speculators folder)."""
+    the drafter's, where it differs (a head's torch weights are its speculators folder). What
+    is read of the vocabularies is kept by the files' digests (vocabulary_facts)."""
     paths = {"target": pair.path("target", model_format_name),
              "drafter": pair.path("drafter", drafter_format or model_format_name)}
-    vocabularies = {"target": read_vocabulary(paths["target"])}
+    vocabularies = {"target": vocabulary_facts(paths["target"])}  # role: (fingerprint, size)
     head = head_folder_vocab_size(paths["drafter"])
     if head is None:
-        vocabularies["drafter"] = read_vocabulary(paths["drafter"])
-        check_compatible(vocabularies["target"], vocabularies["drafter"])
-    elif head != len(vocabularies["target"].tokens):
+        check_files_compatible(paths["target"], paths["drafter"])
+        vocabularies["drafter"] = vocabulary_facts(paths["drafter"])
+    elif head != vocabularies["target"][1]:
         raise PairError(f"{paths['drafter']}: the head drafts for a {head}-token vocabulary, the target has "
-                        f"{len(vocabularies['target'].tokens)}: a head of another target")
+                        f"{vocabularies['target'][1]}: a head of another target")
     else:  # a head folder reads the target's embeddings and ids: the target's vocabulary is its
         vocabularies["drafter"] = vocabularies["target"]
-    return PairInfo(name=pair.name, **{role: model_info(paths[role], vocabularies[role]) for role in ROLES})
+    return PairInfo(name=pair.name, **{role: model_info(paths[role], *vocabularies[role]) for role in ROLES})
 
 
 def head_folder_vocab_size(path: Path) -> Optional[int]:
