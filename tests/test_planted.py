@@ -6,6 +6,10 @@ named in one pair manifest (`gguf = ...`, `hf = ...`), as a user compares a GGUF
 folder. llama.cpp runs the GGUF, transformers the folder, and parity must exit 1 with a FAIL
 that names what diverged (the float control's logits, the weights, the tokenization): never a
 pass of splits labelled numerics. Nothing here depends on which prompt splits where.
+
+A plant changes one runtime's copy only, so the other runtime's run is the clean pair's: each
+planted kind runs the runtime its plant is in, and plain `crossrt parity` of that record and the
+other runtime's record of the clean pair (run once per module) must fail.
 """
 
 import json
@@ -26,13 +30,14 @@ PROMPTS = [{"id": "code", "category": "code", "prompt": "def add(a, b):\n    ret
 # What a FAIL line of a planted bug may name: the float control's logits, the weights, the ids.
 NAMED = ("float control: logits beyond the noise control", "weights: not the same model",
          "tokenizes the prompt text differently", "prompt token ids differ")
+TOKENS = 12  # new tokens per prompt on the tiny pair
 
 
 def manifest(folder: Path, *files: Path) -> Path:
     return PairFiles(*files).manifest(folder)
 
 
-def parity(pair: Path, folder: Path, tokens: int = 12, *extra: str):
+def parity(pair: Path, folder: Path, tokens: int = TOKENS, *extra: str):
     prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     return CliRunner().invoke(main, ["parity", "--pair", str(pair), "--runtimes", "llama-cpp,transformers",
@@ -52,10 +57,20 @@ def assert_fails_by_name(result, plant_name):
     assert result.output.strip().splitlines()[-1].startswith("parity: FAILED")
 
 
-def test_the_clean_tiny_pair_passes_with_its_power_stated(tmp_path):
-    pair = manifest(tmp_path, TINY / "target.f32.gguf", TINY / "target-hf", TINY / "drafter.f32.gguf",
+@pytest.fixture(scope="module")
+def tiny_clean(tmp_path_factory):
+    """(parity's result, folder, {runtime name: its record}): `crossrt parity --pair` of the clean
+    tiny pair, whose records are each planted kind's clean side."""
+    folder = tmp_path_factory.mktemp("planted-tiny")
+    pair = manifest(folder, TINY / "target.f32.gguf", TINY / "target-hf", TINY / "drafter.f32.gguf",
                     TINY / "drafter-hf")
-    result = parity(pair, tmp_path)
+    result = parity(pair, folder)
+    records = {json.loads(path.read_text())["runtime"]["name"]: path for path in (folder / "runs").glob("*.json")}
+    return result, folder, records
+
+
+def test_the_clean_tiny_pair_passes_with_its_power_stated(tiny_clean):
+    result, folder, records = tiny_clean
     assert result.exit_code == 0, result.output
     verdict = result.output.strip().splitlines()[-1]
     assert verdict.startswith("parity: OK") and "logits against a float control in 1 pair" in verdict
@@ -65,18 +80,29 @@ def test_the_clean_tiny_pair_passes_with_its_power_stated(tmp_path):
     assert len(said) == 1 and "the logit checks would notice a run whose every logit was off by random noise" in said[0]
     # The cheaper mode says it is weaker: a verdict of the same two runs' records (running them
     # again would give the same records; the mode changes only the verdict).
-    records = sorted(str(path) for path in (tmp_path / "runs").glob("*.json"))
-    assert len(records) == 2, records
-    cheaper = CliRunner().invoke(main, ["parity", *records, "--no-float-control"], catch_exceptions=False)
+    assert sorted(records) == ["llama-cpp", "transformers"], sorted((folder / "runs").glob("*.json"))
+    cheaper = CliRunner().invoke(main, ["parity", *map(str, records.values()), "--no-float-control"],
+                                 catch_exceptions=False)
     assert cheaper.exit_code == 0, cheaper.output
     assert "no float control (--no-float-control): a weaker check" in cheaper.output.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("plant_name", [p.name for p in PLANTS])
-def test_each_planted_kind_fails_on_the_tiny_pair(plant_name, tmp_path):
+def test_each_planted_kind_fails_on_the_tiny_pair(plant_name, tiny_clean, tmp_path):
+    """The planted copy runs on its format's runtime; the other runtime's run is the clean
+    pair's (tiny_clean): the same files, prompts and settings, so running it again per kind
+    would give the same record."""
+    _, folder, records = tiny_clean
     pair = planted_pair(plant_name, tmp_path, TINY / "target.f32.gguf", TINY / "target-hf",
                         TINY / "drafter.f32.gguf", TINY / "drafter-hf")
-    assert_fails_by_name(parity(pair, tmp_path), plant_name)
+    runtime, clean = ("transformers", "llama-cpp") if plant_named(plant_name).fmt == "hf" \
+        else ("llama-cpp", "transformers")
+    planted = CliRunner().invoke(main, ["run", "--pair", str(pair), "--runtime", runtime, "--prompts",
+                                        str(folder / "prompts.jsonl"), "--max-new-tokens", str(TOKENS),
+                                        "--out", str(tmp_path / "planted.json")], catch_exceptions=False)
+    assert planted.exit_code == 0, planted.output
+    assert_fails_by_name(CliRunner().invoke(main, ["parity", str(records[clean]), str(tmp_path / "planted.json")],
+                                            catch_exceptions=False), plant_name)
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +130,12 @@ REAL_PLANTS = ("rope-base", "attention-scale", "block-weights")
 # rows; a second prompt repeated the same finding at the real model's cost per prompt (five runs,
 # each scored, decoded and verified on its scorer). The tiny pair keeps both prompts.
 REAL_PROMPTS = PROMPTS[:1]
+# 6 new tokens on the real model, not the tiny pair's 12: for the same reason, every row shows each
+# plant, far past its bound. Measured at 6 (12), the float control against llama.cpp's twin:
+# rope-base max abs 16x (15x) its bound, mean KL 410x; attention-scale 27x (24x), KL 1100x;
+# block-weights 8.7x (6.7x), KL 75x, and the weights check, which reads the files, names it at any
+# length. Each further token only repeated the finding, on all five runs and scorers.
+REAL_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +155,7 @@ def real_verdict(gemma, tmp_path_factory):
 
     def run(pair: Path, runtime: str, out: str) -> str:
         result = CliRunner().invoke(main, ["run", "--pair", str(pair), "--runtime", runtime, "--prompts", str(prompts),
-                                           "--max-new-tokens", "12", "--out", str(folder / out)])
+                                           "--max-new-tokens", str(REAL_TOKENS), "--out", str(folder / out)])
         assert result.exit_code == 0, result.output
         return str(folder / out)
 
