@@ -120,12 +120,16 @@ def interrupt(args: list, out: Path, cwd: Path, sig: int, point, delay: float, c
     return process, stderr, held
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("whole")
-    done = in_process(*RUN, "--out", folder / "whole.json", cwd=folder)
+def whole_record(run, args: list, folder: Path):
+    """The record of `crossrt *args` run whole in folder by run (in_process or crossrt)."""
+    done = run(*args, "--out", folder / "whole.json", cwd=folder)
     assert done.returncode == 0, done.stderr
     return load_record(folder / "whole.json")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return whole_record(in_process, RUN, tmp_path_factory.mktemp("whole"))
 
 
 def check_interrupted(process, stderr: str, sig: int, out: Path, args: list) -> list:
@@ -168,10 +172,7 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_one(uninterrupted, tmp_
 @pytest.fixture(scope="module")
 def native_whole(tmp_path_factory):
     """The uninterrupted native run both signals' resumes must equal: made once, not per signal."""
-    folder = tmp_path_factory.mktemp("native-whole")
-    done = crossrt(*NATIVE, "--out", folder / "whole.json", cwd=folder)
-    assert done.returncode == 0, done.stderr
-    return load_record(folder / "whole.json")
+    return whole_record(crossrt, NATIVE, tmp_path_factory.mktemp("native-whole"))
 
 
 @pytest.mark.skipif(availability("llama-server") is not None, reason=f"{availability('llama-server')}")
