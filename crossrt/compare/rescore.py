@@ -51,14 +51,18 @@ class DecodedRows:
         self._rows: dict[tuple, np.ndarray] = {}
 
     def decode(self, key: tuple, session: ModelSession, prompt_id: str, prompt_ids: Sequence[int],
-               output_ids: Sequence[int], rows: int, least: int = 0) -> np.ndarray:
-        """score_stepwise's first rows rows; where key is wanted, at least least rows are
-        decoded and kept for get()."""
-        if key not in self.wanted:
-            return score_stepwise(session, prompt_ids, output_ids, rows)
-        decoded = score_stepwise(session, prompt_ids, output_ids, max(rows, min(least, len(output_ids))))
-        self._rows[key, prompt_id] = decoded
-        return decoded[:rows]
+               output_ids: Sequence[int], rows: int, least: int = 0,
+               beyond: int = 0) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """score_stepwise's first rows rows, and score_stepwise_beyond's first beyond rows with
+        their tokens (0: none), from one decode: both are the same decodes along output_ids, so a
+        noise control continuing past the output does not decode those rows again. Where key is
+        wanted, at least least rows are decoded and kept for get()."""
+        kept = max(rows, min(least, len(output_ids))) if key in self.wanted else 0
+        decoded, tokens = score_stepwise_beyond(session, prompt_ids, output_ids, max(rows, kept, beyond))
+        if kept:
+            # a copy where the decodes went on: the rows past kept are not held for get()
+            self._rows[key, prompt_id] = decoded[:kept].copy() if len(decoded) > kept else decoded
+        return decoded[:rows], decoded[:beyond], tokens[:beyond]
 
     def get(self, key: tuple, prompt_id: str, rows: int) -> Optional[np.ndarray]:
         """The first rows kept rows of a prompt, or None where fewer were decoded."""

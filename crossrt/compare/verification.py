@@ -27,7 +27,7 @@ from crossrt.compare.control import CONTROL_ROWS, FACTOR, FLOAT32_EPS, demoted, 
 from crossrt.compare.parity import OWN_BASELINE
 from crossrt.compare.power import Power, find_power
 from crossrt.compare.rescore import (DecodedRows, LogitAgreement, RowStatistics, ScoredRows, open_scorer,
-                                     row_statistics, score, score_stepwise, score_stepwise_beyond, scorer_key)
+                                     row_statistics, score, score_stepwise_beyond, scorer_key)
 from crossrt.compare.splits import first_divergence
 from crossrt.compare.tolerance import Tolerance
 from crossrt.records.schema import RunRecord
@@ -161,12 +161,22 @@ def split_rows(records: Sequence[RunRecord]) -> dict[str, int]:
     return found
 
 
-def noise_beyond(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence[int], measured: int,
-                 n_ctx: int) -> Optional[tuple[RowStatistics, np.ndarray]]:
+def beyond_rows(index: int, measured: int, prompt_ids: Sequence[int], n_ctx: int) -> int:
+    """The rows noise_beyond reads, decoded with a check's own (DecodedRows.decode): CONTROL_ROWS
+    on the check's first prompt (index 0) where its rows measured fall short and those rows fit
+    n_ctx, else 0 (no noise_beyond)."""
+    if index or measured >= CONTROL_ROWS or len(prompt_ids) + CONTROL_ROWS >= n_ctx:
+        return 0
+    return CONTROL_ROWS
+
+
+def noise_beyond(session: ModelSession, prompt_ids: Sequence[int], decoded: np.ndarray,
+                 tokens: Sequence[int]) -> Optional[tuple[RowStatistics, np.ndarray]]:
     """One prompt's batch-shape noise over its first CONTROL_ROWS rows (one-token decodes against
-    one pass, with the top-two gap shifts), continued past its output by the decodes' own greedy
-    choice where the output is shorter; None where the rows already measured reach CONTROL_ROWS
-    or those rows would not fit n_ctx. Each check calls it on its first prompt.
+    one pass, with the top-two gap shifts): decoded, score_stepwise_beyond's rows (continued past
+    the output by the decodes' own greedy choice where it is shorter) and tokens, the tokens they
+    predict; None where there are none (beyond_rows was 0). Each check measures it on its first
+    prompt.
 
     A noise control needs rows beyond the first few: llama.cpp's one-token decodes can equal its
     one pass exactly over a prompt's first rows and differ by a logit from there on (Gemma 3
@@ -174,9 +184,8 @@ def noise_beyond(session: ModelSession, prompt_ids: Sequence[int], output_ids: S
     batches differ from the first row. Measured on the first rows of short outputs alone (the
     README tour's 4 new tokens) the noise was 0 and honest batches failed. Both sides are plain
     greedy decoding, which a verification-path bug cannot reach."""
-    if measured >= CONTROL_ROWS or len(prompt_ids) + CONTROL_ROWS >= n_ctx:
+    if not len(decoded):
         return None
-    decoded, tokens = score_stepwise_beyond(session, prompt_ids, output_ids, CONTROL_ROWS)
     decoded, full = ScoredRows(decoded), ScoredRows(score(session, prompt_ids, tokens))
     return row_statistics(decoded, full), gap_shifts(decoded.logits, full.logits)[1]
 
@@ -194,13 +203,15 @@ def _measure(session: ModelSession, key: tuple, prompts: dict, rows: dict[str, n
             progress.each(prompts.items(), f"{scorer_label(key)}: verification", total=len(prompts))):
         full = ScoredRows(rows[prompt_id])  # each row's log-probabilities and top 5 computed once
         wanted = min(max(per_prompt, at_splits.get(prompt_id, 0)), len(full))
-        decoded = ScoredRows(decodes.decode(key, session, prompt_id, prompt_ids, output_ids, wanted,
-                                            least=CONTROL_ROWS))
+        # The first prompt's noise over CONTROL_ROWS rows at least, whatever its output's length.
+        rows_decoded, continued, tokens = decodes.decode(key, session, prompt_id, prompt_ids, output_ids, wanted,
+                                                         least=CONTROL_ROWS,
+                                                         beyond=beyond_rows(index, wanted, prompt_ids, n_ctx))
+        decoded = ScoredRows(rows_decoded)
         n = len(decoded)
         noise.append(row_statistics(decoded, full, length=n))
         shifts.append(gap_shifts(decoded.logits, full.logits[:n])[1])
-        # The first prompt's noise over CONTROL_ROWS rows at least, whatever its output's length.
-        beyond = noise_beyond(session, prompt_ids, output_ids, n, n_ctx) if index == 0 else None
+        beyond = noise_beyond(session, prompt_ids, continued, tokens)
         if beyond is not None:
             noise.append(beyond[0])
             shifts.append(beyond[1])
@@ -266,9 +277,12 @@ def drafter_checks(groups: dict, references: dict, threads: int) -> list[PathChe
                 full = ScoredRows(score(session, prompt_ids, output_ids))
                 rows = rolled_back_rows(session, prompt_ids, output_ids, k, batched=False,
                                         rows=min(per_prompt, len(full)))
-                decoded = score_stepwise(session, prompt_ids, output_ids, len(rows))  # no rollback: the control
+                # No rollback, the control: on the first prompt decoded on for noise_beyond too.
+                extra = beyond_rows(index, len(rows), prompt_ids, n_ctx)
+                continued, tokens = score_stepwise_beyond(session, prompt_ids, output_ids, max(len(rows), extra))
+                decoded = continued[:len(rows)]
                 noise_parts.append(row_statistics(decoded, full, length=len(decoded)))
-                beyond = noise_beyond(session, prompt_ids, output_ids, len(decoded), n_ctx) if index == 0 else None
+                beyond = noise_beyond(session, prompt_ids, continued[:extra], tokens[:extra])
                 if beyond is not None:
                     noise_parts.append(beyond[0])
                 rolled_parts.append((prompt_id, row_statistics(rows, full, length=len(rows)),
