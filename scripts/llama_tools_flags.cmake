@@ -15,10 +15,16 @@
 # batch helpers, the server's slot loop, llama-speculative-simple itself. GCC and Clang take the
 # last -O given: a target's options follow CMAKE_CXX_FLAGS_RELEASE, a source file's follow the
 # target's, and CMake keeps a source with options of its own out of unity batches.
+#
+# CROSSRT_GGML_CPU_OPTIONS (a list, from setup's probe: backends/llama_build_probe.py) goes to
+# ggml-cpu alone, so turning its AMX kernels off recompiles that library, not every target.
 include_guard(GLOBAL)  # ggml's own project() includes this file again
 
 function(crossrt_tool_flags)
   set(root ${CMAKE_SOURCE_DIR})
+  if(CROSSRT_GGML_CPU_OPTIONS)
+    target_compile_options(ggml-cpu PRIVATE ${CROSSRT_GGML_CPU_OPTIONS})
+  endif()
   foreach(target llama-common mtmd server-context llama-server-impl llama-server cpp-httplib)
     if(TARGET ${target})
       target_compile_options(${target} PRIVATE -O1)
