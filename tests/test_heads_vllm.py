@@ -34,11 +34,13 @@ def invoke(*args):
 
 
 def run_both(tmp_path, pair: str):
-    """vLLM and llama-server natively with pair on 2 built-in code prompts x 16 tokens: vLLM's
-    record, and parity's result over the two."""
+    """vLLM and llama-server natively with pair on the first built-in code prompt x 16 tokens: vLLM's
+    record, and parity's result over the two. One prompt: what is asserted (the head read alike by
+    both runtimes, vLLM's counts per step, lossless outputs) holds prompt by prompt, and parity's
+    re-scoring and tau gap cost ~6.5 CPU-s a prompt (27.5 CPU-s at 2 prompts, 21 at 1)."""
     prompts = tmp_path / "code.jsonl"
     prompts.write_text("".join(json.dumps({"id": p.id, "category": p.category, "prompt": p.text}) + "\n"
-                               for p in [p for p in load_prompts("builtin") if p.category == "code"][:2]))
+                               for p in [p for p in load_prompts("builtin") if p.category == "code"][:1]))
     same = ["--pair", PAIRS / f"{pair}.toml", "--prompts", prompts, "--max-new-tokens", 16, "--threads", 1,
             "--mode", "native"]
     for runtime in ("vllm", "llama-server"):
@@ -51,6 +53,7 @@ def run_both(tmp_path, pair: str):
 def check_vllm_run(record, spec_type: str, note: str):
     assert record.params.spec_type == spec_type and record.params.schedule == "vllm"
     assert any(note in line for line in record.notes)
+    assert len(record.results) == 1  # the loop below checks the one prompt, not nothing
     for result in record.results:
         assert result.output_ids == result.baseline_ids and result.counters.steps > 0
         assert result.counters.drafted == result.counters.steps * record.params.k  # vLLM drafts k a step
