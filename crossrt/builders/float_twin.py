@@ -12,7 +12,6 @@ Written once per source file, keyed by its digest, in crossrt's cache folder.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import mmap
 import os
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from crossrt.errors import CrossrtError
-from crossrt.inputs.gguf_file import aligned, encode_field, encode_string, read_layout
+from crossrt.inputs.gguf_file import aligned, encode_field, encode_string, file_layout, read_layout
 from crossrt.inputs.pairs import cache_dir, sha256_of
 
 F32 = 0  # ggml_type of a float32 tensor
@@ -41,16 +40,9 @@ def float_twin_path(source: Path) -> Path:
 
 def is_float(source: Path) -> bool:
     """Whether every tensor of source is F32 already (its own twin). Read once per version of
-    the file in a process: parity asks it of every run, and most runs share one file (~0.3 s
-    apiece for a 262,144-token vocabulary's metadata)."""
-    stat = os.stat(source)
-    return _is_float(str(source), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=16)
-def _is_float(source: str, size: int, mtime_ns: int) -> bool:
-    with open(source, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        return all(t.ggml_type == F32 for t in read_layout(data).tensors)
+    the file in a process (file_layout): parity asks it of every run, and most runs share one
+    file (~0.3 s apiece for a 262,144-token vocabulary's metadata)."""
+    return all(t.ggml_type == F32 for t in file_layout(Path(source)).tensors)
 
 
 def float_twin(source: Path) -> Path:

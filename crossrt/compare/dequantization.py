@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from crossrt.compare.verification import PathCheck
-from crossrt.inputs.gguf_file import read_layout
+from crossrt.inputs.gguf_file import file_layout
 from crossrt.records.schema import RunRecord
 
 DEQUANTIZATION = "dequantization"
@@ -35,8 +35,8 @@ def check_file(path: Path, runs: tuple[str, ...]) -> PathCheck:
 
     worst: dict[str, float] = {}
     findings, blocks = [], 0
+    layout = file_layout(path)  # read already where the float control asked whether path is float
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        layout = read_layout(data)
         by_type: dict[int, list] = {}
         for tensor in layout.tensors:
             if tensor.ggml_type not in (F32, F16):

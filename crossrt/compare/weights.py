@@ -68,10 +68,10 @@ class WeightsMatch:
 
 def _gguf_tensors(path: Path) -> Iterator[tuple[str, tuple[int, np.ndarray]]]:
     from crossrt.builders.float_twin import dequantized
-    from crossrt.inputs.gguf_file import read_layout
+    from crossrt.inputs.gguf_file import file_layout
 
+    layout = file_layout(path)  # read once in a process (the float control's is_float, the dequantization check)
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        layout = read_layout(data)
         for tensor in layout.tensors:
             yield tensor.name, (tensor.ggml_type, dequantized(data, layout.data_start + tensor.offset, tensor))
 
@@ -135,10 +135,9 @@ def _names(identity: tuple) -> list[str]:
     their headers alone."""
     files = [Path(path) for path, _, _ in identity]
     if files[0].suffix == ".gguf":
-        from crossrt.inputs.gguf_file import read_layout
+        from crossrt.inputs.gguf_file import file_layout
 
-        with open(files[0], "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return [tensor.name for tensor in read_layout(data).tensors]
+        return [tensor.name for tensor in file_layout(files[0]).tensors]
     from safetensors import safe_open
 
     names = []
