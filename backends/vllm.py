@@ -115,15 +115,17 @@ def vllm_folder(folder: Path) -> Path:
     config = _config(folder)
     if config.get("architectures"):
         return folder
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"))
-    if architecture is None:
-        raise ModelError(f"{folder}: config.json names no architectures and model_type "
-                         f"{config.get('model_type')!r} has no causal-LM class in transformers")
     key = hashlib.sha256(f"{folder.resolve()}\n{json.dumps(config, sort_keys=True)}".encode()).hexdigest()
     out = cache_dir() / "vllm-folders" / key[:32]
     if not (out / "config.json").is_file():
+        # Only here: importing transformers for its class names costs ~3 CPU-s, and every vLLM run
+        # of a converted GGUF after the first finds its folder made (by the same folder and config).
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"))
+        if architecture is None:
+            raise ModelError(f"{folder}: config.json names no architectures and model_type "
+                             f"{config.get('model_type')!r} has no causal-LM class in transformers")
         out.mkdir(parents=True, exist_ok=True)
         for item in folder.resolve().iterdir():
             link = out / item.name
