@@ -136,9 +136,13 @@ def model_format(path: Path) -> str:
 
 # ---- fingerprints -------------------------------------------------------------------------
 
-def _file_sha256(path: Path, cache: dict[str, str]) -> str:
+def _digest_key(path: Path) -> str:
     stat = path.stat()
-    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def _file_sha256(path: Path, cache: dict[str, str]) -> str:
+    key = _digest_key(path)
     if key not in cache:
         digest = hashlib.sha256()
         with path.open("rb") as handle:
@@ -170,6 +174,19 @@ def sha256_of(path: Path) -> str:
     if len(cache) > known:  # written only with a new digest (file facts ask for known ones often)
         write_json(cache_file, cache)
     return result
+
+
+def note_sha256(digests: dict[Path, str]) -> None:
+    """Keep in sha256_of's cache the sha256 of files their writer hashed as it wrote them (a
+    cached conversion: backends/transformers_conversion.py), so that the first load after
+    does not read a gigabyte again only to hash it."""
+    cache_file = cache_dir() / "sha256.json"
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    cache.update({_digest_key(path): digest for path, digest in digests.items()})
+    write_json(cache_file, cache)
 
 
 def model_files(path: Path, what: str = "model") -> tuple[LoadedFile, ...]:
