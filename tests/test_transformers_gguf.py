@@ -130,7 +130,9 @@ def test_real_model_runs_in_bfloat16_from_a_half_size_conversion_within_its_pari
     """The bfloat16 conversion is cast from the float32 one (made above, or here when this test
     runs alone); the target drafts for itself, as in the CLI test above. Its logits along
     llama.cpp's outputs meet the bounds stated for half-precision weights against a quantized
-    GGUF. Lossless is not asserted: which prompt splits where is a fact about one CPU."""
+    GGUF. Lossless is not asserted: which prompt splits where is a fact about one CPU. 4 new
+    tokens, not 8: the bounds hold along whatever outputs the runs share, while each token costs
+    bfloat16 forwards on the CPU in the run and again in parity's checks of it."""
     target = real_pair.path("target", "gguf")
     if not dequantized_folder(target).is_dir():
         hf_runtime.load(target)
@@ -141,11 +143,11 @@ def test_real_model_runs_in_bfloat16_from_a_half_size_conversion_within_its_pari
         runs[runtime] = tmp_path / f"{runtime}.json"
         result = CliRunner().invoke(main, [str(a) for a in (
             "run", "--runtime", runtime, "--target", target, "--drafter", target, "--k", 4, "--dtype", "bfloat16",
-            "--max-new-tokens", 8, "--prompts", prompts, "--out", runs[runtime])])
+            "--max-new-tokens", 4, "--prompts", prompts, "--out", runs[runtime])])
         assert result.exit_code == 0, result.output
     record = load_record(runs["transformers"])
     assert (record.runtime.dtype, record.runtime.kv_cache) == ("bfloat16", "bf16")
-    assert all(r.ok and len(r.output_ids) == 8 for r in record.results)
+    assert all(r.ok and len(r.output_ids) == 4 for r in record.results)
     half, full = dequantized_folder(target, "bfloat16"), dequantized_folder(target)
     assert abs((half / "model.safetensors").stat().st_size / (full / "model.safetensors").stat().st_size - 0.5) < 0.01
     with safe_open(half / "model.safetensors", "pt") as weights:
