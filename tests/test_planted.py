@@ -150,13 +150,8 @@ def real_verdict(gemma, tmp_path_factory):
     once and Gemma's 262,144-token tokenizer, the same bytes in every folder, is read once (~4.5
     CPU-s a process) for the four transformers runs and the verdict's scorers: measured 109 -> 89
     CPU-s for the four real-model tests. What is asserted is the verdict, not the isolation
-    (tests/test_isolation.py and tests/test_processes.py test that)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(IN_PROCESS, "1")
-        yield from _real_verdict(gemma, tmp_path_factory)
-
-
-def _real_verdict(gemma, tmp_path_factory):
+    (tests/test_isolation.py and tests/test_processes.py test that); the setting is this
+    fixture's commands' alone."""
     target, target_hf, drafter, drafter_hf = gemma
     folder = tmp_path_factory.mktemp("planted-real")
     prompts = folder / "prompts.jsonl"
@@ -173,11 +168,14 @@ def _real_verdict(gemma, tmp_path_factory):
         assert result.exit_code == 0, result.output
         return str(folder / out)
 
-    records = [run(pairs["clean"], "llama-cpp", "llama-clean.json"),
-               run(pairs["clean"], "transformers", "hf-clean.json"),
-               *(run(pairs[name], "transformers", f"hf-{name}.json") for name in REAL_PLANTS)]
     try:
-        yield CliRunner().invoke(main, ["parity", *records], catch_exceptions=False), folder
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(IN_PROCESS, "1")
+            records = [run(pairs["clean"], "llama-cpp", "llama-clean.json"),
+                       run(pairs["clean"], "transformers", "hf-clean.json"),
+                       *(run(pairs[name], "transformers", f"hf-{name}.json") for name in REAL_PLANTS)]
+            verdict = CliRunner().invoke(main, ["parity", *records], catch_exceptions=False)
+        yield verdict, folder
     finally:
         for name in REAL_PLANTS:
             shutil.rmtree(folder / name, ignore_errors=True)
