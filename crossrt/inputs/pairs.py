@@ -152,17 +152,22 @@ def _file_sha256(path: Path, cache: dict[str, str]) -> str:
     return cache[key]
 
 
+def _digest_cache() -> tuple[Path, dict[str, str]]:
+    """sha256_of's cache file and what it holds (nothing where it is missing or damaged)."""
+    cache_file = cache_dir() / "sha256.json"
+    try:
+        return cache_file, json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        return cache_file, {}
+
+
 def sha256_of(path: Path) -> str:
     """sha256 of a file, or of a folder's files (names and contents, in name order).
 
     Multi-gigabyte models take a while to hash, so digests are cached by path, size and
     modification time in crossrt's cache folder (cache_dir).
     """
-    cache_file = cache_dir() / "sha256.json"
-    try:
-        cache = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        cache = {}
+    cache_file, cache = _digest_cache()
     known = len(cache)
     if path.is_dir():
         digest = hashlib.sha256()
@@ -180,11 +185,7 @@ def note_sha256(digests: dict[Path, str]) -> None:
     """Keep in sha256_of's cache the sha256 of files their writer hashed as it wrote them (a
     cached conversion: backends/transformers_conversion.py), so that the first load after
     does not read a gigabyte again only to hash it."""
-    cache_file = cache_dir() / "sha256.json"
-    try:
-        cache = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        cache = {}
+    cache_file, cache = _digest_cache()
     cache.update({_digest_key(path): digest for path, digest in digests.items()})
     write_json(cache_file, cache)
 
