@@ -254,12 +254,15 @@ def test_llama_cpp_and_transformers_agree_in_distribution_and_a_run_of_spaces_sp
     llama.cpp quantizes activations, so parity checks KL divergence, and passes on it; a run of
     40 spaces is tokenized differently by the two (a tokenization split, named as such, by the
     diff `crossrt diff` prints: diff_records, without the parity verdict the command appends,
-    which is the one asserted above and cost as much again)."""
+    which is the one asserted above and cost as much again). --no-float-control: what is asserted
+    is QUANTIZED's bounds and the two splits' names; the float control (F32 scorings of both runs,
+    9-10 CPU-s here in two of three measurements) is asserted on the real model by
+    tests/test_planted.py, where llama.cpp's clean run and transformers' pass it."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "capital", "category": "prose", "prompt": "The capital of France is"}) + "\n"
                        + json.dumps({"id": "spaces", "category": "structured", "prompt": "x =" + " " * 40 + "1"}) + "\n")
     report = run("parity", "--pair", PAIR, "--runtimes", "llama-cpp,transformers", "--modes", "driven",
-                 "--prompts", prompts, "--k", 4, "--max-new-tokens", 6, "--out-dir", tmp_path)
+                 "--prompts", prompts, "--k", 4, "--max-new-tokens", 6, "--out-dir", tmp_path, "--no-float-control")
     assert "2/2 within tolerance" in report.output, report.output
     assert "quantized weights: llama.cpp quantizes activations too" in report.output
     assert "FAIL transformers/driven vs its baseline, spaces: tokenizes the prompt text differently" in report.output
