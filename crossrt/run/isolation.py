@@ -34,6 +34,11 @@ from crossrt.run.processes import oom_kills
 from crossrt.run.runtime import RUNTIMES, runtime_class
 from crossrt.run.zygote import interrupted, note_interrupt, zygote_for
 
+# Every runtime's children in a process fork from one zygote (per import-time environment): what
+# one child imported is warm for the next of any runtime, so a parity's verdict, whose re-scoring
+# loads transformers, forks with torch and transformers imported by its transformers cells where a
+# zygote of its own imported them again (~3-5 CPU-s a parity with transformers).
+ZYGOTE = "runtimes"
 CRASH_HOOK = "CROSSRT_TEST_CRASH_AFTER"
 IN_PROCESS = "CROSSRT_IN_PROCESS"
 ENTRY = "crossrt.run.isolation:_serve_call"
@@ -125,7 +130,7 @@ class Isolated:
         self._oom_kills = oom_kills()
         read_fd, write_fd = os.pipe()
         call_read, call_write = os.pipe()
-        self._zygote = zygote_for(runtime, preloads(runtime))
+        self._zygote = zygote_for(ZYGOTE, preloads(runtime))
         try:
             self.process = self._zygote.fork((1, 2, write_fd, call_read), ENTRY, str(self._dump), os.getpid(), runtime)
         finally:

@@ -1,8 +1,8 @@
 """Warm starts for runtime processes: a zygote that has imported once what a runtime's process
 imports forks each new one, so it starts in milliseconds instead of seconds.
 
-It loads no model and runs no kernel; it serves one parent, runtime, sys.path and set of
-import-time variables (IMPORT_TIME), learns what its children import, reaps them and reports
+It loads no model and runs no kernel; it serves one parent, name (crossrt's runtimes share one:
+isolation.ZYGOTE), sys.path and set of import-time variables (IMPORT_TIME), learns what its children import, reaps them and reports
 their exit status (ForkedChild reads it like subprocess.Popen), and dies with its parent.
 Why and how: docs/reliability.md, "A runtime that crashes", the zygote's paragraph.
 """
@@ -306,6 +306,9 @@ def _key(name: str) -> tuple:
 
 
 def zygote_for(name: str, modules: Sequence[str]) -> Zygote:
-    """This process's zygote for name (a runtime) under the current import-time environment,
-    started with modules imported if there is none yet (KeptZygotes keeps KEPT)."""
-    return process_zygotes.get(_key(name), lambda: Zygote(modules))
+    """This process's zygote for name under the current import-time environment, started with
+    modules imported if there is none yet (KeptZygotes keeps KEPT); a kept one imports those of
+    modules it has not before its next child (another runtime's backend, when several share it)."""
+    zygote = process_zygotes.get(_key(name), lambda: Zygote(modules))
+    zygote.preload(modules)
+    return zygote
