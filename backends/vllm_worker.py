@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import time
+import types
 
 # Python puts this script's folder first on sys.path, and crossrt's backends/transformers.py
 # beside it would then be imported as transformers.
@@ -90,6 +91,12 @@ def build(config: dict):
     # and warming up chat rendering (loading the model's processor, a second tokenizer load).
     vllm.renderers.hf.maybe_make_thread_pool = lambda tokenizer, copies=1: tokenizer
     vllm.renderers.hf.HfRenderer.warmup = lambda self, chat_params: None
+    # HfRenderer.__init__ copies the tokenizer only so that maybe_make_thread_pool's change in
+    # place leaves vLLM's cached one alone ("Ensure the og tokenizer is never modified"), and
+    # copying vLLM's cached tokenizer builds it again (its __reduce__ is get_cached_tokenizer:
+    # the whole vocabulary read and scanned, 0.5 CPU-s on Gemma 3): with the pool gone, the copy
+    # guards nothing. That __init__ is the module's only use of copy.
+    vllm.renderers.hf.copy = types.SimpleNamespace(copy=lambda tokenizer: tokenizer)
 
     speculative = {}
     if config["speculative"] is not None:

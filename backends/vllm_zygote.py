@@ -12,6 +12,9 @@ it over a SOCK_SEQPACKET socket, one JSON message a datagram:
         the parent starts the worker on its own)
     ... and, whenever a child ends: {"exit": [pid, code]} (code negative: the signal)
 
+Before it forks a worker it loads the worker's tokenizer into vLLM's own cache of tokenizers
+(_load_tokenizer), so that a run's two engines, and later runs on the same model, share one load.
+
 It forks only while it is one thread (a fork copies one thread; a lock another one held would
 stay held in the child); it ignores SIGINT (a terminal's Ctrl-C reaches its children, as it
 reached workers started on their own) and ends, killing its children, when its parent closes the
@@ -42,6 +45,11 @@ PR_SET_PDEATHSIG = 1
 # and no more: a module imported before vLLM's build that it would import during it can change
 # what the build does (vLLM's kernel dispatcher rebinds what it finds in sys.modules).
 BASE = ("torch", "transformers", "vllm", "vllm.renderers.hf", "vllm.entrypoints.llm")
+# The arguments an engine's build passes vLLM's tokenizer cache for a model (vllm 0.32.0,
+# tokenizers/registry.py, cached_tokenizer_from_config, read from the ModelConfig that
+# backends/vllm_worker.py's LLM(...) makes: runner "generate", tokenizer mode "auto", no revision,
+# no remote code); the cache is an lru_cache keyed by them, so another value only misses it.
+TOKENIZER_ARGS = {"runner_type": "generate", "tokenizer_mode": "auto", "revision": None, "trust_remote_code": False}
 
 
 def _worker():
@@ -57,6 +65,43 @@ def _import_all(names) -> None:
             importlib.import_module(name)
         except BaseException:  # noqa: BLE001 - the child imports it again and meets the error where it matters
             pass
+
+
+def _folder_state(folder: str) -> tuple:
+    """What a tokenizer loaded from folder depends on: its files' names, sizes and times (a run's
+    folders are made once, but a test may write another model into the same folder)."""
+    state = []
+    for entry in sorted(os.scandir(folder), key=lambda entry: entry.name):
+        stat = entry.stat()  # through links: a GGUF's conversion links its files
+        state.append((entry.name, stat.st_size, stat.st_mtime_ns))
+    return folder, tuple(state)
+
+
+def _load_tokenizer(config: dict, loaded: list) -> None:
+    """Load config's model's tokenizer here, once, into vLLM's lru_cache of tokenizers
+    (vllm.tokenizers.registry.cached_get_tokenizer) under the key its build looks up, so each
+    child forked after finds it there instead of loading it: the same object, built by the same
+    call in the same import-time environment (the parent keys zygotes by it), and loaded before
+    the engine's core starts either way (the build's first use, renderer_from_config, comes
+    before the core's kernel rebinding that the imports above are kept minimal for). Loading
+    Gemma 3's 262k-token tokenizer costs 3-4 CPU-s, paid once per engine before. Only the latest
+    model's is kept (loaded: its folder's state); a failure is left to the child,
+    which meets it where it matters, as with the imports."""
+    model = config.get("model")
+    if not isinstance(model, str) or not os.path.isabs(model):  # relative: to the child's folder
+        return
+    try:
+        state = _folder_state(model)
+        if loaded == [state]:
+            return
+        from vllm.tokenizers.registry import cached_get_tokenizer
+
+        cached_get_tokenizer.cache_clear()
+        loaded[:] = []
+        cached_get_tokenizer(model, **TOKENIZER_ARGS)
+        loaded.append(state)  # not frozen here (a tokenizer replaced must be collectable): the child's main freezes it
+    except BaseException:  # noqa: BLE001 - the child loads it again and meets the error where it matters
+        pass
 
 
 def _threads() -> int:
@@ -81,6 +126,7 @@ def serve() -> None:
     selector.register(control, selectors.EVENT_READ)
     selector.register(wake_read, selectors.EVENT_READ)
     children = set()
+    tokenizer = []  # the state of the folder whose tokenizer vLLM's cache holds
     while True:
         for key, _ in selector.select():
             if key.fileobj is not control:
@@ -98,6 +144,7 @@ def serve() -> None:
                         pass
                 os._exit(0)
             request = json.loads(message)
+            _load_tokenizer(request.get("config") or {}, tokenizer)
             threads = _threads()
             if threads != 1 or len(fds) != 3:
                 _send(control, {"id": request.get("id"),
