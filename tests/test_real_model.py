@@ -84,10 +84,13 @@ def spec_runs(real_pair, prompts, tmp_path_factory):
 def schedules_parity(server_runs, driven, spec_runs):
     """One parity of the native runs of two schedules and crossrt's own: llama-server natively
     (its twin left out, so its splits are re-scored), llama-speculative-simple natively with its
-    driven twin, and the driven run. Runs whose schedules differ get tau gap lines, whose oracles
-    (every prompt decoded by target and drafter) are built once here where a parity per test
-    built them twice."""
-    report = run("parity", server_runs[0], driven, *spec_runs, "--no-logits")
+    driven twin, and the driven run. --no-tau-gap: the runs' schedules differ, so parity would
+    add tau gap lines, whose oracle (every prompt decoded again by target and drafter in
+    llama.cpp, ~12 CPU-s here) no test here reads: what is asserted is the headlines, the
+    counters compared and that nothing fails or is left unexplained, which the gap lines never
+    change (they are information, not a verdict). Parity's tau gap lines are asserted in
+    tests/test_tau_gap.py, and on the real model's heads in tests/test_heads.py."""
+    report = run("parity", server_runs[0], driven, *spec_runs, "--no-logits", "--no-tau-gap")
     return report
 
 

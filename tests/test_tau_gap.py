@@ -199,3 +199,8 @@ def test_parity_prints_the_tau_gap_before_its_verdict(records, tmp_path):
                              "(llama-server), ALL (")
     assert " + schedule and rules " in gap[0] and " + residual +0.00" in gap[0]
     assert len(gap) == 1 + len({p.category for p in PROMPTS})
+    # --no-tau-gap leaves the lines out and the verdict as it was.
+    without = CliRunner().invoke(parity, [str(p) for p in paths] + ["--no-logits", "--no-tau-gap"])
+    kept, gaps = without.output.strip().splitlines(), ("tau gap ", "  alpha ")
+    assert without.exit_code == 0 and kept[-1] == lines[-1] and not [line for line in kept if line.startswith(gaps)]
+    assert len(kept) == len([line for line in lines if not line.startswith(gaps)])  # the cost line's time aside

@@ -66,6 +66,8 @@ from crossrt.run.runtime import runtime_names, usable_runtimes
 @click.option("--no-rescore", is_flag=True, help="Explain splits only from what the runs recorded: a native run's "
               "split with no driven twin stays unexplained (and fails) instead of being re-scored in-process in "
               "its schedule's pass shapes.")
+@click.option("--no-tau-gap", is_flag=True, help="Leave out why tau differs between runs whose schedules differ "
+              "(its oracle runs the pair once more in llama.cpp), as `crossrt report --no-tau-gap`.")
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Run this many (runtime, mode) cells of the matrix at once, each in a process of its own "
               "with --threads threads (the first cell runs alone first: its tokenization feeds every "
@@ -78,7 +80,8 @@ from crossrt.run.runtime import runtime_names, usable_runtimes
 @runtime_options
 def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max_new_tokens, out_dir, resume,
            baselines, counter_tolerance, logit_tolerance, strict, no_logits, no_float_control, counters_only, no_rescore,
-           jobs, junit, markdown, html, chat, chat_template, template_vars, turn, first_answers_file, options) -> None:
+           no_tau_gap, jobs, junit, markdown, html, chat, chat_template, template_vars, turn, first_answers_file,
+           options) -> None:
     """Check that runs agree: same token ids over the full length, counters equal between runs
     that counted and drafted alike (schedule, k, rules, drafting), each run lossless, logits close along common outputs.
 
@@ -135,7 +138,8 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
         click.echo("note: fewer than two runs, so nothing was compared across runs", err=True)
     text = render_text(report).splitlines()
     # Runs whose schedules differ: their tau gap in named parts, before the verdict (crossrt/compare/tau_gap.py).
-    click.echo("\n".join(text[:-1] + gap_lines(runs, options.threads) + text[-1:]))
+    gaps = [] if no_tau_gap else gap_lines(runs, options.threads)
+    click.echo("\n".join(text[:-1] + gaps + text[-1:]))
     # Each file whole or not at all; a full disk or a read-only folder is a one-line error (user_errors).
     if junit:
         write_atomically(junit, render_junit(report).encode(), option="--junit")
