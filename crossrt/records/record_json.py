@@ -110,9 +110,46 @@ def json_schema() -> dict[str, Any]:
     return json.loads(text)
 
 
+# JSON Schema's own items keyword, which descends into each item of an array in turn.
+_ITEMS = jsonschema.Draft202012Validator.VALIDATORS["items"]
+_SCALARS = {"integer": (int,), "number": (int, float)}  # exact types: a bool is neither here
+_PASSES: dict[int, tuple[Any, Optional[typing.Callable[[Any], bool]]]] = {}  # by item schema: _passes
+
+
+def _passes(schema: Any) -> Optional[typing.Callable[[Any], bool]]:
+    """A test that only values schema accepts pass, where schema is a number (type, minimum) or an
+    array of them (type, maxItems, items); None for any other schema."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind in _SCALARS and schema.keys() <= {"type", "minimum"}:
+        types, least = _SCALARS[kind], schema.get("minimum")
+        return lambda value: type(value) in types and (least is None or value >= least)
+    inner = _passes(schema.get("items")) if kind == "array" and schema.keys() <= {"type", "maxItems", "items"} else None
+    if inner is None:
+        return None
+    most = schema.get("maxItems")
+    return lambda value: type(value) is list and (most is None or len(value) <= most) and all(map(inner, value))
+
+
+def _items(validator, items, instance, schema):
+    """items, with an array of numbers or of arrays of them (token ids, margins, close ids: most of
+    a record's values) checked in one loop: only an array that loop does not pass goes through
+    JSON Schema's own check, so the errors are the same as without it (descending into each
+    token id made a record's validation 18 ms; 7 ms with this)."""
+    known = _PASSES.get(id(items))
+    if known is None or known[0] is not items:
+        known = _PASSES[id(items)] = (items, _passes(items))
+    if known[1] is not None and type(instance) is list and "prefixItems" not in schema \
+            and all(map(known[1], instance)):
+        return
+    yield from _ITEMS(validator, items, instance, schema)
+
+
+_Validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"items": _items})
+
+
 def validate_json(data: Any) -> None:
     """Raise RecordError naming the first place where data breaks the JSON Schema."""
-    validator = jsonschema.Draft202012Validator(json_schema())
+    validator = _Validator(json_schema())
     error = jsonschema.exceptions.best_match(validator.iter_errors(data))
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
