@@ -84,10 +84,18 @@ def _decode(kind: Any, value: Any) -> Any:
     if origin is tuple:
         return tuple(_decode(typing.get_args(kind)[0], item) for item in value)
     if dataclasses.is_dataclass(kind):
-        hints = typing.get_type_hints(kind)
-        return kind(**{f.name: _decode(hints[f.name], value[f.name])
-                       for f in dataclasses.fields(kind) if f.name in value})
+        hints = _fields(kind)
+        return kind(**{name: _decode(hint, value[name]) for name, hint in hints if name in value})
     return value
+
+
+@lru_cache(maxsize=None)
+def _fields(kind: type) -> tuple[tuple[str, Any], ...]:
+    """A dataclass's fields with their resolved types, in order: typing.get_type_hints evaluates
+    every annotation anew, and a record decoded each result, counter and view with it (half of
+    reading a record)."""
+    hints = typing.get_type_hints(kind)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(kind))
 
 
 def _close(a: Any, b: Any) -> bool:
