@@ -264,7 +264,10 @@ def test_llama_server_round_trip(tmp_path, monkeypatch):
     unread = lambda model: dataclasses.replace(model, loaded=None)
     assert record.pair == dataclasses.replace(native.pair, target=unread(native.pair.target),
                                               drafter=unread(native.pair.drafter)) and record.params.k == 4
-    parity = invoke("parity", out, tmp_path / "imported.json", "--no-logits", "--counters-only")
+    # --no-tau-gap: the two records state their drafting differently, so parity would add a tau gap
+    # line ("not computed" for the import) after building the native run's oracle in llama.cpp,
+    # which no line here reads; a gap beside an import is asserted in tests/test_tau_gap.py.
+    parity = invoke("parity", out, tmp_path / "imported.json", "--no-logits", "--counters-only", "--no-tau-gap")
     assert parity.exit_code == 0, parity.output
     assert parity.output.strip().splitlines()[-1].startswith("parity: OK, counters only; compared token ids in ")
     assert "counters compared on sums over all prompts: steps, drafted, accepted, emitted, unverified, cut" \
