@@ -101,10 +101,21 @@ def _quiet_interrupt(unraisable) -> None:
         sys.__unraisablehook__(unraisable)
 
 
+# What a runtime's sessions import on first use, which its backend module imports lazily (so that
+# `crossrt runtimes` need not): the zygote imports them before the runtime's first child, which
+# then starts warm as later ones do, instead of importing them itself before the zygote learns
+# them (a resumed tiny chat parity, cells and verdict: 8.3 -> 5.5 CPU-s).
+FIRST_USE = {"transformers": ("torch", "transformers", "transformers.modeling_utils",
+                              "transformers.models.auto.modeling_auto")}
+
+
 def preloads(runtime: str) -> list[str]:
-    """What a zygote for runtime imports before its first child: crossrt's side of the call and
-    the runtime's backend module (a name that is not a runtime's: crossrt's side alone)."""
-    return [__name__] + ([RUNTIMES[runtime].split(":")[0]] if runtime in RUNTIMES else [])
+    """What a zygote for runtime imports before its first child: crossrt's side of the call, the
+    runtime's backend module and what its sessions import on first use (a name that is not a
+    runtime's: crossrt's side alone)."""
+    if runtime not in RUNTIMES:
+        return [__name__]
+    return [__name__, RUNTIMES[runtime].split(":")[0], *FIRST_USE.get(runtime, ())]
 
 
 def _portable(error: BaseException) -> BaseException:
