@@ -204,3 +204,10 @@ def test_parity_prints_the_tau_gap_before_its_verdict(records, tmp_path):
     kept, gaps = without.output.strip().splitlines(), ("tau gap ", "  alpha ")
     assert without.exit_code == 0 and kept[-1] == lines[-1] and not [line for line in kept if line.startswith(gaps)]
     assert len(kept) == len([line for line in lines if not line.startswith(gaps)])  # the cost line's time aside
+    # ... and from the --html page: its "Why tau differs" section is drawn only where gaps were computed.
+    pages = {}
+    for flags in ((), ("--no-tau-gap",)):
+        pages[flags] = tmp_path / f"parity{len(flags)}.html"
+        assert CliRunner().invoke(parity, [str(p) for p in paths] + ["--no-logits", "--html", str(pages[flags]),
+                                                                     *flags]).exit_code == 0
+    assert 'id="tau-gap"' in pages[()].read_text() and 'id="tau-gap"' not in pages[("--no-tau-gap",)].read_text()

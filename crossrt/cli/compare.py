@@ -146,7 +146,8 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
     if markdown:
         write_atomically(markdown, render_markdown(report).encode(), option="--markdown")
     if html:
-        page = parity_html(runs, report, list(records) or [None] * len(runs), not no_rescore, strict)
+        page = parity_html(runs, report, list(records) or [None] * len(runs), not no_rescore, strict,
+                           tau_gap=not no_tau_gap, threads=options.threads)
         write_atomically(html, page.encode(), option="--html")
     sys.exit(0 if report.ok else 1)
 

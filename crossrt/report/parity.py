@@ -339,10 +339,13 @@ def _rescored(labelled: Sequence[tuple[str, RunRecord]], grouping: Grouping) -> 
 
 
 def parity_html(runs: Sequence[tuple[str, RunRecord]], report: ParityReport, paths: Sequence[Optional[Path]],
-                rescored: bool, strict: bool, title: str = "crossrt parity") -> str:
+                rescored: bool, strict: bool, title: str = "crossrt parity", tau_gap: bool = True,
+                threads: int = 1) -> str:
     """`crossrt parity --html`: the report page of the runs parity compared, with its verdict and
-    the tau gaps it printed, drawn (their oracle is built again here: parity_gaps gives lines)."""
+    the tau gaps it printed, drawn (their oracle is built again here, on parity's threads:
+    parity_gaps gives lines); none with tau_gap False (`--no-tau-gap`), and no oracle built."""
     report_runs = [report_run(label, path, record, index)
                    for index, ((label, record), path) in enumerate(zip(runs, paths, strict=True))]
     parity = (verdict_banner(report), parity_section(runs, report, rescored, strict=strict))
-    return to_html(page(title, report_sections(report_runs, parity, run_gaps(report_runs))))
+    gaps = run_gaps(report_runs, threads) if tau_gap else []
+    return to_html(page(title, report_sections(report_runs, parity, gaps)))
