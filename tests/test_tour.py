@@ -7,10 +7,13 @@ default training settings, those scripts/setup made SmolLM2's head with (scripts
 as for a newcomer after set-up, it finds that head in the user's heads cache and writes it out
 (training itself is tests/test_heads.py's; cut to one short epoch, it trained here for 35 s).
 
-Where its time goes (issue 56, 2 busy cores): ~265 CPU-s over 41 commands, each command's own
-start (~0.6 CPU-s to import crossrt's CLI, whose core alone costs the same), its zygotes' imports
-(torch and transformers ~5 CPU-s, vLLM's ~8) and its models' loads, not the prompts: two prompts
-of 4 tokens. One prompt would save ~6 CPU-s of the gemma3-270m parity's ~80; it found that parity
+Where its time goes (issue 56, 2 cores): ~180 CPU-s over 41 commands (~220 on busy cores), each
+command's own start (~0.6 CPU-s to import crossrt's CLI, whose core alone costs the same), its
+zygotes' imports (torch and transformers ~5 CPU-s, once a command; vLLM's ~8), its models' loads
+and the gemma3-270m parity's verdict (~50 of its ~65 CPU-s: re-scoring, verification, drafter
+and float checks on each scorer, docs/parity.md), not the prompts: two prompts of 4 tokens.
+Records are written and read at ~10 ms apiece (sweep run: 24 cells, ~6 CPU-s). One prompt would
+save ~6 CPU-s of the gemma3-270m parity; it found that parity
 failing honest llama.cpp there (its noise control measured 0 on 4 tokens of one prompt), since
 mended: the noise is measured over 24 rows at least (docs/parity.md). The two prompts are kept,
 one of code and one of prose, as a newcomer's file would have them. The printed table gives each command's wall and CPU seconds (its processes', the machine's load aside)."""
