@@ -39,8 +39,21 @@ def _summary_json(summary: Summary) -> dict[str, Any]:
     return {**{name: getattr(summary, name) for name in SUMMARY_COUNTS}, **metrics.values(summary)}
 
 
+def _plain(value: Any) -> Any:
+    """value as dataclasses.asdict gives it, for the JSON it is written as (a tuple a list, a
+    dataclass a dict of its fields in order), without asdict's deep copy of each token id (a
+    third of writing a record)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [item if type(item) in (int, float, str) else _plain(item) for item in value]
+    if isinstance(value, dict):
+        return {_plain(key): _plain(item) for key, item in value.items()}
+    return value
+
+
 def record_to_json(record: RunRecord) -> dict[str, Any]:
-    data = dataclasses.asdict(record)
+    data = _plain(record)
     for result_data, result in zip(data["results"], record.results, strict=True):
         result_data["derived"] = _derived_of_result(result)
     data["summary"] = {
