@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import io
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -60,7 +61,7 @@ class LoadedModel:
     """A model in eval mode on its device, the end-of-generation ids its configuration names
     (read before generation_config is replaced by a clean one), and its tokenizer: the one a
     GGUF conversion made, else the folder's, loaded on first use (re-scoring never tokenizes,
-    and Gemma 3's tokenizer takes ~4.5 s to load)."""
+    and Gemma 3's tokenizer takes ~2 CPU-s to load)."""
 
     model: "transformers.PreTrainedModel"
     eog_ids: frozenset[int]
@@ -191,15 +192,52 @@ _tokenizers: dict[tuple, "transformers.PreTrainedTokenizerBase"] = {}
 def _folder_tokenizer(folder: Path):
     """The tokenizer of a transformers folder, loaded once per process for folders whose
     tokenizer files are the same bytes: a target and its layer-skip drafter share Gemma 3's
-    262,144-token tokenizer, ~4.5 s to load. Tokenizers are only read by sessions (encode,
+    262,144-token tokenizer, ~2 CPU-s to load. Tokenizers are only read by sessions (encode,
     decode, chat templates), so one object serves both."""
     config = json.loads((folder / "config.json").read_text())
     files = sorted((p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in folder.iterdir()
                    if p.is_file() and p.name not in NOT_TOKENIZER and not p.name.endswith(WEIGHT_SUFFIXES))
     key = (config.get("model_type"), config.get("tokenizer_class"), tuple(files))
     if key not in _tokenizers:
-        _tokenizers[key] = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        with _parsed_once(folder / "tokenizer.json"):
+            _tokenizers[key] = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return _tokenizers[key]
+
+
+@contextlib.contextmanager
+def _parsed_once(path: Path):
+    """While transformers loads a tokenizer, json.load parses the file path once, not twice.
+
+    For a tokenizer class that builds its backend from the file's vocabulary and merges (Gemma
+    3's GemmaTokenizer), transformers 5.24 parses the whole tokenizer.json for its added tokens
+    (_from_pretrained, where tokenizer_config.json has no added_tokens_decoder, as in the
+    conversions save_pretrained writes) and again for the vocabulary and merges
+    (convert_to_native_format): ~1 CPU-s each for Gemma 3's 33 MB file. Every read after the
+    first gets the first's values: a new top-level dict and new added-token dicts each time, the
+    parts a reader changes (the first pops "added_tokens" and each token's "id"); the rest, the
+    vocabulary and merges, is only read or copied. The tokenizer is built from the same values.
+    """
+    parse, target, parsed = json.load, os.path.realpath(path), []
+
+    def load(handle, **options):
+        name = getattr(handle, "name", None)
+        if options or not isinstance(name, str) or os.path.realpath(name) != target:
+            return parse(handle, **options)
+        if not parsed:
+            parsed.append(parse(handle))
+        value = parsed[0]
+        if not isinstance(value, dict):
+            return value
+        fresh = dict(value)
+        if isinstance(fresh.get("added_tokens"), list):
+            fresh["added_tokens"] = [dict(t) if isinstance(t, dict) else t for t in fresh["added_tokens"]]
+        return fresh
+
+    json.load = load
+    try:
+        yield
+    finally:
+        json.load = parse
 
 
 def synchronize(device: "torch.device") -> None:

@@ -65,6 +65,34 @@ def test_tokenizer_matches_llama_cpp(hf_sessions, llama_f32_sessions):
     assert target.detokenize(target.tokenize("def add(a, b):")) == "def add(a, b):"
 
 
+def test_a_tokenizer_file_is_parsed_once_and_each_read_gets_what_a_parse_gives(tiny_pair, monkeypatch):
+    """transformers parses Gemma 3's 33 MB tokenizer.json twice while loading its tokenizer;
+    crossrt serves the second read from the first parse (backends/transformers.py,
+    _parsed_once). Its first reader pops the added tokens and their ids: a later read must still
+    get what a parse of the file gives. The tiny pair's file has the same layout; other files
+    and json.load after the load are untouched."""
+    from crossrt.backends.transformers import _parsed_once
+
+    folder = tiny_pair.path("target", "hf")
+    tokenizer, config = folder / "tokenizer.json", folder / "config.json"
+    expected = json.loads(tokenizer.read_text())
+    assert expected["added_tokens"] and all("id" in token for token in expected["added_tokens"])
+    parsed, parse = [], json.load
+    monkeypatch.setattr(json, "load", lambda handle, **options: parsed.append(handle.name) or parse(handle, **options))
+    counting = json.load
+    with _parsed_once(tokenizer):
+        for _ in range(3):
+            with tokenizer.open(encoding="utf-8") as handle:
+                read = json.load(handle)
+            assert read == expected
+            for token in read.pop("added_tokens"):  # as transformers' first reader does
+                token.pop("id")
+        with config.open() as handle:
+            assert json.load(handle) == json.loads(config.read_text())
+    assert json.load is counting
+    assert parsed == [str(tokenizer), str(config)]
+
+
 def test_session_describes_the_model(hf_runtime, hf_sessions):
     target, drafter = hf_sessions
     assert target.n_vocab == drafter.n_vocab == 512
