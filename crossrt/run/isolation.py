@@ -35,9 +35,10 @@ from crossrt.run.runtime import RUNTIMES, runtime_class
 from crossrt.run.zygote import interrupted, note_interrupt, zygote_for
 
 # Every runtime's children in a process fork from one zygote (per import-time environment): what
-# one child imported is warm for the next of any runtime, so a parity's verdict, whose re-scoring
-# loads transformers, forks with torch and transformers imported by its transformers cells where a
-# zygote of its own imported them again (~3-5 CPU-s a parity with transformers).
+# one child imported is warm for the next of any runtime, and a runtime's first child finds its
+# preloads (FIRST_USE too) imported, so a parity's verdict, whose re-scoring loads transformers,
+# forks with the torch and transformers its transformers cells had, where a zygote of its own
+# imported them again (~3-5 CPU-s a parity with transformers).
 ZYGOTE = "runtimes"
 CRASH_HOOK = "CROSSRT_TEST_CRASH_AFTER"
 IN_PROCESS = "CROSSRT_IN_PROCESS"
