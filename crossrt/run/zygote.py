@@ -2,8 +2,9 @@
 imports forks each new one, so it starts in milliseconds instead of seconds.
 
 It loads no model and runs no kernel; it serves one parent, name (crossrt's runtimes share one:
-isolation.ZYGOTE), sys.path and set of import-time variables (IMPORT_TIME), learns what its children import, reaps them and reports
-their exit status (ForkedChild reads it like subprocess.Popen), and dies with its parent.
+isolation.ZYGOTE), sys.path and set of import-time variables (IMPORT_TIME), learns what its
+children import, reaps them and reports their exit status (ForkedChild reads it like
+subprocess.Popen), and dies with its parent.
 Why and how: docs/reliability.md, "A runtime that crashes", the zygote's paragraph.
 """
 
