@@ -13,7 +13,7 @@ from crossrt.inputs.prompts import Prompt, load_prompts
 from crossrt.run.runtime import DraftRules, RuntimeOptions, availability
 from crossrt.simulate.schedule_sims import summarize_schedule
 from crossrt.records.schema import Counters, ImportInfo
-from crossrt.compare.tau_gap import METRICS, PARTS, build_oracles, exact_figures, parity_gaps, tau_gap
+from crossrt.compare.tau_gap import METRICS, PARTS, build_oracles, exact_figures, pair_gaps, tau_gap
 
 PROMPTS = load_prompts("builtin")[::2]
 BUDGET = 24
@@ -167,8 +167,9 @@ def test_refusals(records, oracles, tiny_pair, tmp_path):
 def test_parity_lines_for_every_two_runs_whose_schedules_differ(records):
     runs = list(records.items())
     imported = dataclasses.replace(records["server"], imported=ImportInfo("vllm-log", "x.log", (), ()))
-    lines = parity_gaps(runs + [("imported", dataclasses.replace(imported, params=dataclasses.replace(
+    gaps = pair_gaps(runs + [("imported", dataclasses.replace(imported, params=dataclasses.replace(
         imported.params, schedule="vllm", draft_n_min=4)))])
+    lines = [line for gap in gaps for line in gap.lines()]
     heads = [line for line in lines if line.startswith("tau gap ") and ", ALL (" in line]
     differ = [(a, b) for i, (a, ra) in enumerate(runs) for b, rb in runs[i + 1:]
               if ra.params.schedule != rb.params.schedule]

@@ -19,7 +19,8 @@ from crossrt.inputs.pairs import resolve_pair, run_k
 from crossrt.compare.parity import labelled
 from crossrt.compare.parity_report import ParityReport, render_junit, render_markdown, render_text
 from crossrt.compare.control import not_one_function
-from crossrt.compare.parity_run import Checks, Matrix, compare_safely, gap_lines, run_matrix
+from crossrt.compare.tau_gap import pair_gaps
+from crossrt.compare.parity_run import Checks, Matrix, compare_safely, run_matrix
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
 from crossrt.report.parity import parity_html
@@ -138,16 +139,15 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
         click.echo("note: fewer than two runs, so nothing was compared across runs", err=True)
     text = render_text(report).splitlines()
     # Runs whose schedules differ: their tau gap in named parts, before the verdict (crossrt/compare/tau_gap.py).
-    gaps = [] if no_tau_gap else gap_lines(runs, options.threads)
-    click.echo("\n".join(text[:-1] + gaps + text[-1:]))
+    gaps = [] if no_tau_gap else pair_gaps(runs, options.threads)
+    click.echo("\n".join(text[:-1] + [line for gap in gaps for line in gap.lines()] + text[-1:]))
     # Each file whole or not at all; a full disk or a read-only folder is a one-line error (user_errors).
     if junit:
         write_atomically(junit, render_junit(report).encode(), option="--junit")
     if markdown:
         write_atomically(markdown, render_markdown(report).encode(), option="--markdown")
     if html:
-        page = parity_html(runs, report, list(records) or [None] * len(runs), not no_rescore, strict,
-                           tau_gap=not no_tau_gap, threads=options.threads)
+        page = parity_html(runs, report, list(records) or [None] * len(runs), not no_rescore, strict, gaps=gaps)
         write_atomically(html, page.encode(), option="--html")
     sys.exit(0 if report.ok else 1)
 

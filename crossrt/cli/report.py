@@ -12,6 +12,7 @@ import click
 
 from crossrt.analyze import analysis
 from crossrt.cli.common import Increasing, refuse_inputs_as_outputs, user_errors
+from crossrt.compare.tau_gap import pair_gaps
 from crossrt.report.ceiling import ceiling_section
 from crossrt.records.journal import write_atomically
 from crossrt.report.gaps import run_gaps
@@ -142,7 +143,7 @@ def report(records: Sequence[Path], out: Optional[Path], markdown_out: Optional[
     # A sweep's cells differ in k and schedule by design: their pairwise tau gaps would be one chart per
     # pair of cells, so a sweep draws its numbers against k instead.
     parity = report_parity(loaded, rescore=not no_rescore)
-    gaps = [] if no_tau_gap or inputs.cells else run_gaps(loaded)
+    gaps = [] if no_tau_gap or inputs.cells else run_gaps(loaded, pair_gaps([(run.label, run.record) for run in loaded]))
     runs = [dataclasses.replace(run, record=analysis.grouped(run.record, grouping)) for run in loaded]
     by_path = {Path(run.path): run for run in runs}
     cells = [SweptCell(settings, by_path[path] if path else None, failure)

@@ -28,7 +28,6 @@ from crossrt.compare.replay import Replayer
 from crossrt.compare.tolerance import tolerance_for
 from crossrt.inputs.prompts import Prompt
 from crossrt.compare.rescore import DecodedRows
-from crossrt.compare.tau_gap import ORACLE_RUNTIME, gap_pairs, parity_gaps
 from crossrt.compare.departures import departure_checks
 from crossrt.compare.verification import PathCheck, judged_by_paths, scored_with_path_checks
 from crossrt.speculative.loop import SCHEDULE
@@ -226,14 +225,3 @@ def compare_safely(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRec
         return verdicts, [NotRun(RESCORING, f"{crash.cause()}; the runs were compared from what they recorded, "
                                             "nothing re-scored", what="crashed")]
 
-
-def gap_lines(runs: Sequence[tuple[str, RunRecord]], threads: int) -> list[str]:
-    """parity's tau gap lines (crossrt/compare/tau_gap.py's parity_gaps) where their oracle's runtime
-    runs (crossrt/run/isolation.py): a crash there is every gap's reason, as a model that does not
-    load is, and the verdict still follows."""
-    if not gap_pairs(runs):  # no two runs differ in schedule or drafting: nothing to load
-        return []
-    try:
-        return call_safely(ORACLE_RUNTIME, parity_gaps, list(runs), threads)
-    except RuntimeCrashed as crash:
-        return [f"tau gap {a} vs {b}: not computed ({crash})" for pairs in gap_pairs(runs) for (a, _), (b, _) in pairs]

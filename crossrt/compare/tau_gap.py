@@ -17,6 +17,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from crossrt import progress
 from crossrt.errors import ComparisonError, CrossrtError, SettingsError
+from crossrt.run.isolation import call_safely
 from crossrt.run.runtime import ModelSession, RuntimeOptions, open_runtime
 from crossrt.simulate.drafting import (HEAD_LABELS, MODEL, Drafting, check_drafting, per_run, record_drafting,
                                       simulate_sequence)
@@ -287,28 +288,45 @@ def gap_pairs(runs: Sequence[tuple[str, RunRecord]]) -> list[list[tuple[tuple[st
     return groups
 
 
-def parity_gaps(runs: Sequence[tuple[str, RunRecord]], threads: int = 1) -> list[str]:
-    """`crossrt parity`'s tau gap lines: for every two runs of one pair whose schedules or
-    draftings differ, the gap overall (tau, then alpha and steps) and per category (tau), or why
-    it was not computed. One oracle set per pair, built in-process on llama.cpp from the records'
-    GGUF files at the runs' context size (its default F16 KV cache and flash attention, as
-    llama.cpp's tools run)."""
-    lines: list[str] = []
+@dataclass(frozen=True)
+class PairGap:
+    """One pair of runs (labels as parity prints them): its gap per category and over every common
+    prompt (last), or why it was not computed."""
+
+    label_a: str
+    label_b: str
+    gaps: tuple[TauGap, ...]
+    problem: Optional[str] = None
+
+    def lines(self) -> list[str]:
+        """`crossrt parity`'s lines: the gap overall (tau, then alpha and steps) and per category (tau)."""
+        if self.problem is not None:
+            return [f"tau gap {self.label_a} vs {self.label_b}: not computed ({self.problem})"]
+        return self.gaps[-1].lines() + [line for gap in self.gaps[:-1] for line in gap.lines(alpha_and_steps=False)]
+
+
+def pair_gaps(runs: Sequence[tuple[str, RunRecord]], threads: int = 1) -> list[PairGap]:
+    """For every two runs of one pair whose schedules or draftings differ, their gap or why it was
+    not computed; one build serves parity's lines and its page (crossrt/report/gaps.py). One oracle
+    set per pair of models, built on llama.cpp from the records' GGUF files at the runs' context
+    size (its default F16 KV cache and flash attention, as llama.cpp's tools run), where
+    crossrt/run/isolation.py places that runtime: a crash there, as a model that does not load, is
+    that pair's reason, and the verdict still follows."""
+    found: list[PairGap] = []
     for pairs in gap_pairs(runs):
         records = list({id(record): record for pair in pairs for _, record in pair}.values())
         try:
-            oracles = parity_oracles([record for record in records if record.imported is None], threads)
-        except CrossrtError as error:  # no model files, a model that does not load, a prompt that does not fit
-            lines += [f"tau gap {a} vs {b}: not computed ({error})" for (a, _), (b, _) in pairs]
+            oracles = call_safely(ORACLE_RUNTIME, parity_oracles,
+                                  [record for record in records if record.imported is None], threads)
+        except CrossrtError as error:  # no model files, a model that does not load or crashes, a prompt too long
+            found += [PairGap(a, b, (), str(error)) for (a, _), (b, _) in pairs]
             continue
         for (label_a, a), (label_b, b) in pairs:
             try:
-                gaps = tau_gap(a, b, oracles, label_a, label_b)
+                found.append(PairGap(label_a, label_b, tuple(tau_gap(a, b, oracles, label_a, label_b))))
             except ComparisonError as error:
-                lines.append(f"tau gap {label_a} vs {label_b}: not computed ({error})")
-                continue
-            lines += gaps[-1].lines() + [line for gap in gaps[:-1] for line in gap.lines(alpha_and_steps=False)]
-    return lines
+                found.append(PairGap(label_a, label_b, (), str(error)))
+    return found
 
 
 def parity_oracles(records: Sequence[RunRecord], threads: int) -> dict[tuple[int, ...], Oracle]:

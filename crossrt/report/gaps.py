@@ -4,8 +4,8 @@ rendering, drafter algorithm, schedule and rules, numerics, residual), as a wate
 run's tau to the other's, and the same for alpha; the tables hold every figure, per category
 too, as parity prints them.
 
-The decomposition is tau_gap's; this module only picks the pairs as `crossrt parity` does
-(parity_gaps) and keeps the TauGap objects, which parity turns into lines."""
+The decomposition is tau_gap's (pair_gaps, which picks the pairs and gives `crossrt parity` its
+lines); this module only draws it."""
 
 from __future__ import annotations
 
@@ -13,12 +13,10 @@ from dataclasses import dataclass
 from html import escape
 from typing import Optional, Sequence
 
-from crossrt.compare.tau_gap import ORACLE_RUNTIME, PARTS, TauGap, parity_oracles, gap_pairs, tau_gap
-from crossrt.errors import ComparisonError, CrossrtError
+from crossrt.compare.tau_gap import PARTS, PairGap, TauGap
 from crossrt.report.page import Section, Table
 from crossrt.report.runs import ReportRun, category_name
 from crossrt.report.svg import waterfall_chart
-from crossrt.run.isolation import call_safely
 
 DIGITS = {"tau": 2, "alpha": 3}  # as `crossrt parity` prints each gap
 
@@ -33,27 +31,11 @@ class RunGap:
     problem: Optional[str] = None
 
 
-def run_gaps(runs: Sequence[ReportRun], threads: int = 1) -> list[RunGap]:
-    """The pairs of runs `crossrt parity` decomposes (one pair of models, other schedules or
-    draftings), each with its gaps or why they were not computed. The oracles load the pair in
-    llama.cpp, where crossrt/run/isolation.py places it (a process of its own: a crash is that pair's reason)."""
+def run_gaps(runs: Sequence[ReportRun], computed: Sequence[PairGap]) -> list[RunGap]:
+    """The gaps computed for these runs (crossrt/compare/tau_gap.py's pair_gaps, whose labels are
+    the runs'), each with its two runs, to be drawn."""
     by_label = {run.label: run for run in runs}
-    found = []
-    for labelled in gap_pairs([(run.label, run.record) for run in runs]):
-        pairs = [(by_label[a], by_label[b]) for (a, _), (b, _) in labelled]
-        group = list({run.label: run for pair in pairs for run in pair}.values())
-        try:
-            oracles = call_safely(ORACLE_RUNTIME, parity_oracles,
-                                  [run.record for run in group if run.record.imported is None], threads)
-        except CrossrtError as error:  # no model files, a model that does not load or crashes, a prompt too long
-            found += [RunGap(a, b, (), str(error)) for a, b in pairs]
-            continue
-        for a, b in pairs:
-            try:
-                found.append(RunGap(a, b, tuple(tau_gap(a.record, b.record, oracles, a.label, b.label))))
-            except ComparisonError as error:
-                found.append(RunGap(a, b, (), str(error)))
-    return found
+    return [RunGap(by_label[gap.label_a], by_label[gap.label_b], gap.gaps, gap.problem) for gap in computed]
 
 
 def _figure(value) -> Optional[float]:

@@ -26,6 +26,7 @@ from crossrt.compare.parity import GREEDY_ONLY, OWN_BASELINE, PromptParity
 from crossrt.compare.parity_report import ParityReport, headlines
 from crossrt.compare.plain import cause_plainly, power_plainly
 from crossrt.compare.replay import Replayer
+from crossrt.compare.tau_gap import PairGap
 from crossrt.report.gaps import run_gaps
 from crossrt.report.groups import Grouping, group_runs, grouped_comparisons
 from crossrt.report.layout import report_sections
@@ -339,13 +340,10 @@ def _rescored(labelled: Sequence[tuple[str, RunRecord]], grouping: Grouping) -> 
 
 
 def parity_html(runs: Sequence[tuple[str, RunRecord]], report: ParityReport, paths: Sequence[Optional[Path]],
-                rescored: bool, strict: bool, title: str = "crossrt parity", tau_gap: bool = True,
-                threads: int = 1) -> str:
+                rescored: bool, strict: bool, title: str = "crossrt parity", gaps: Sequence[PairGap] = ()) -> str:
     """`crossrt parity --html`: the report page of the runs parity compared, with its verdict and
-    the tau gaps it printed, drawn (their oracle is built again here, on parity's threads:
-    parity_gaps gives lines); none with tau_gap False (`--no-tau-gap`), and no oracle built."""
+    the tau gaps it printed (crossrt/compare/tau_gap.py's pair_gaps: one build for both), drawn."""
     report_runs = [report_run(label, path, record, index)
                    for index, ((label, record), path) in enumerate(zip(runs, paths, strict=True))]
     parity = (verdict_banner(report), parity_section(runs, report, rescored, strict=strict))
-    gaps = run_gaps(report_runs, threads) if tau_gap else []
-    return to_html(page(title, report_sections(report_runs, parity, gaps)))
+    return to_html(page(title, report_sections(report_runs, parity, run_gaps(report_runs, gaps))))
