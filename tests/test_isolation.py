@@ -28,8 +28,8 @@ import crossrt.backends
 from crossrt.compare.census import Variant, take_census
 from crossrt.records.record_json import save_record
 from crossrt.run.crashes import crash_of, crashed_stack
-from crossrt.run.isolation import (CRASH_HOOK, RESCORING, Isolated, RuntimeCrashed, call_isolated, call_safely,
-                                   isolated, prompt_hook)
+from crossrt.run.isolation import (CRASH_HOOK, RESCORING, Isolated, RuntimeCrashed, begin_safely, call_isolated,
+                                   call_safely, isolated, prompt_hook)
 from crossrt.run.processes import oom_kills
 from crossrt.run.runtime import availability
 
@@ -155,17 +155,18 @@ def test_re_scoring_outside_parity_crashes_in_one_line(two_records, tmp_path, co
     assert re.fullmatch(f"Error: re-scoring crashed: {SEGV}", done.stderr.strip().splitlines()[-1]), done.stderr
 
 
-@pytest.mark.parametrize("command", ["report", "parity"])
+@pytest.mark.parametrize("command", ["report", "parity", "parity --jobs 2"])
 def test_a_crash_building_the_tau_gap_oracle_is_that_gaps_reason(two_records, tmp_path, command):
     """report's and parity's tau gaps (two schedules) build their oracle in llama.cpp's process: its
-    death is the gap's reason, and the rest (the page; parity's comparisons and verdict) follows."""
+    death is the gap's reason, and the rest (the page; parity's comparisons and verdict) follows.
+    With --jobs 2 the oracle builds beside parity's verdict."""
     a, b = two_records
     record = load_record(b)
     relabelled = tmp_path / "server.json"
     save_record(dataclasses.replace(record, params=dataclasses.replace(record.params, schedule="llama-server")),
                 relabelled)
-    out = ["-o", "r.md"] if command == "report" else ["--no-logits"]
-    done = in_process(command, a, relabelled, "--no-rescore", *out, cwd=tmp_path, crash="llama-cpp:0")
+    out = ["-o", "r.md"] if command == "report" else ["--no-logits", *command.split()[1:]]
+    done = in_process(command.split()[0], a, relabelled, "--no-rescore", *out, cwd=tmp_path, crash="llama-cpp:0")
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stdout + done.stderr
     if command == "report":
         page = (tmp_path / "r.md").read_text()  # markdown: its underscores escaped
@@ -325,6 +326,22 @@ def test_in_process_runtimes_are_isolated_and_programs_are_not(monkeypatch):
     monkeypatch.setenv("CROSSRT_IN_PROCESS", "1")
     assert not isolated("llama-cpp") and not isolated(RESCORING)
     assert call_safely("llama-cpp", os.getpid) == os.getpid()
+
+
+def test_a_call_begun_runs_beside_the_caller_and_one_given_up_on_is_killed(monkeypatch):
+    """begin_safely starts an isolated call's process at once: two begun calls that each sleep
+    1 s end together in about 1 s, not 2; close() kills a call not waited for."""
+    call_safely("llama-cpp", os.getpid)  # the zygote started, as after any first call
+    started = time.perf_counter()
+    begun = [begin_safely("llama-cpp", time.sleep, 1.0) for _ in range(2)]
+    assert [call.wait() for call in begun] == [None, None]
+    assert time.perf_counter() - started < 1.9
+    abandoned = begin_safely("llama-cpp", time.sleep, 60)
+    abandoned.close()
+    assert abandoned.process.poll() is not None
+    monkeypatch.setenv("CROSSRT_IN_PROCESS", "1")  # no process of its own: the call runs when waited for
+    here = begin_safely("llama-cpp", os.getpid)
+    assert here.wait() == os.getpid()
 
 
 def test_simulate_builds_its_oracle_in_a_process_of_its_own(tmp_path):

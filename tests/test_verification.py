@@ -11,8 +11,8 @@ by editing one baseline of a real run.
 import dataclasses
 
 from crossrt.compare.control import CONTROL_ROWS
-from crossrt.compare.verification import (DECODED_ROWS, LEAST_ROWS, VERIFICATION, scored_with_path_checks,
-                                         split_rows)
+from crossrt.compare.verification import (DECODED_ROWS, DRAFTER, LEAST_ROWS, NONDETERMINISM, VERIFICATION,
+                                         scored_with_path_checks, split_rows)
 from crossrt.run.driver import RunRequest, run_pair
 from crossrt.run.runtime import DraftRules, RuntimeOptions
 from crossrt.inputs.prompts import load_prompts
@@ -63,3 +63,32 @@ def test_a_short_output_still_measures_the_noise_over_control_rows(real_pair, tm
     verification = next(c for c in checks if c.kind == VERIFICATION)
     assert verification.noise.positions >= CONTROL_ROWS > verification.measured.positions
     assert all(check.ok for check in checks), [check.describe() for check in checks if not check.ok]
+
+
+def test_the_drafters_checks_beside_the_targets_give_every_figure_they_give_after_them(tiny_pair, tmp_path,
+                                                                                       monkeypatch):
+    """parity --jobs 2: the drafter's rollback check runs in a thread of its own beside the target's
+    checks (each on its own session, loads in turn); every check says what it says one after the other."""
+    import threading
+    from crossrt.compare import verification
+
+    record = run_pair(RunRequest(tiny_pair, "llama-cpp", RuntimeOptions(n_ctx=512, threads=1, f32_kv_cache=True,
+                                                                         flash_attn=False), DraftRules(4), 12,
+                                 tmp_path / "run.json"), load_prompts("builtin")[:2])
+    threads = []
+
+    def recorded(*args):
+        threads.append(threading.current_thread())
+        return drafter_checks(*args)
+    drafter_checks = verification.drafter_checks
+    monkeypatch.setattr(verification, "drafter_checks", recorded)
+
+    def said(beside):
+        as_run, checks, noises = scored_with_path_checks([("llama-cpp/driven", record)], beside=beside)
+        return ({key: rows.tobytes() for key, rows in as_run.items()}, noises,
+                [(c.kind, c.scorings, c.runs, c.prompts, c.findings, c.summary, c.measured, c.bounds, c.noise)
+                 for c in checks])
+    after, beside = said(False), said(True)
+    assert [kind for kind, *_ in after[2]] == [VERIFICATION, NONDETERMINISM, DRAFTER], after[2]
+    assert beside == after
+    assert threads[0] is threading.main_thread() and threads[1] is not threading.main_thread()

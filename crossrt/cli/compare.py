@@ -19,8 +19,7 @@ from crossrt.inputs.pairs import resolve_pair, run_k
 from crossrt.compare.parity import labelled
 from crossrt.compare.parity_report import ParityReport, render_junit, render_markdown, render_text
 from crossrt.compare.control import not_one_function
-from crossrt.compare.tau_gap import pair_gaps
-from crossrt.compare.parity_run import Checks, Matrix, compare_safely, run_matrix
+from crossrt.compare.parity_run import Checks, Matrix, compare_safely, run_matrix, verdicts_and_gaps
 from crossrt.inputs.prompts import load_prompts
 from crossrt.records.record_json import load_record
 from crossrt.report.parity import parity_html
@@ -72,7 +71,8 @@ from crossrt.run.runtime import runtime_names, usable_runtimes
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Run this many (runtime, mode) cells of the matrix at once, each in a process of its own "
               "with --threads threads (the first cell runs alone first: its tokenization feeds every "
-              "other). Cells that run at once share the machine, so their timings do too.")
+              "other). Cells that run at once share the machine, so their timings do too. With 2 or more, "
+              "the verdict's drafter checks and the tau gaps' oracle run beside its other checks.")
 @click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), help="Write a JUnit XML report.")
 @click.option("--markdown", type=click.Path(path_type=Path, dir_okay=False), help="Write a markdown summary.")
 @click.option("--html", type=click.Path(path_type=Path, dir_okay=False),
@@ -126,8 +126,9 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
     # Explaining splits and re-scoring logits load runtimes: in a process of their own, where a crash
     # is a FAIL and the runs are still compared from what they recorded.
     checks = Checks(counter_tolerance=counter_tolerance, logit_tolerance=logit_tolerance, strict=strict,
-                    rescore=not no_rescore, logits=not no_logits, control=not no_float_control)
-    verdicts, crashed = compare_safely(runs, [load_record(path) for path in baselines], checks)
+                    rescore=not no_rescore, logits=not no_logits, control=not no_float_control, jobs=jobs)
+    verdicts, crashed, gaps = verdicts_and_gaps(runs, [load_record(path) for path in baselines], checks,
+                                                None if no_tau_gap else options.threads)
     if verdicts.passes:
         click.echo(f"explaining: {verdicts.passes} passes re-scored in {verdicts.explain_s:.1f} s", err=True)
     click.echo(verdicts.cost(runs), err=True)
@@ -139,7 +140,6 @@ def parity(records: Sequence[Path], pair, runtimes, modes, prompt_source, k, max
         click.echo("note: fewer than two runs, so nothing was compared across runs", err=True)
     text = render_text(report).splitlines()
     # Runs whose schedules differ: their tau gap in named parts, before the verdict (crossrt/compare/tau_gap.py).
-    gaps = [] if no_tau_gap else pair_gaps(runs, options.threads)
     click.echo("\n".join(text[:-1] + [line for gap in gaps for line in gap.lines()] + text[-1:]))
     # Each file whole or not at all; a full disk or a read-only folder is a one-line error (user_errors).
     if junit:

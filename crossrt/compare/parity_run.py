@@ -28,6 +28,7 @@ from crossrt.compare.replay import Replayer
 from crossrt.compare.tolerance import tolerance_for
 from crossrt.inputs.prompts import Prompt
 from crossrt.compare.rescore import DecodedRows
+from crossrt.compare.tau_gap import GapBuild, PairGap
 from crossrt.compare.departures import departure_checks
 from crossrt.compare.verification import PathCheck, judged_by_paths, scored_with_path_checks
 from crossrt.speculative.loop import SCHEDULE
@@ -170,6 +171,7 @@ class Checks:
     rescore: bool = True  # splits explained by re-scoring passes in their runs' shapes
     logits: bool = True  # outputs re-scored: logit checks, verification paths, departures
     control: bool = True  # with logits: the float control and the dequantization check
+    jobs: int = 1  # parity's --jobs: with 2 or more, the drafters' checks and the tau gaps' oracle run beside
 
 
 def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecord], checks: Checks) -> Verdicts:
@@ -186,7 +188,7 @@ def compare_runs(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecor
     # The float control's scorings that are a run's own: the path check's decodes serve both.
     decodes = DecodedRows(shared_keys(scored) if logits and control else ())
     if logits:
-        as_run, paths, noises = scored_with_path_checks(scored, decodes=decodes)
+        as_run, paths, noises = scored_with_path_checks(scored, decodes=decodes, beside=checks.jobs > 1)
     with Replayer() as replay:
         started = time.perf_counter()
         comparisons = compare_all(runs, counter_tolerance, logit_tolerance, strict, replay=replay if rescore else None,
@@ -225,3 +227,17 @@ def compare_safely(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRec
         return verdicts, [NotRun(RESCORING, f"{crash.cause()}; the runs were compared from what they recorded, "
                                             "nothing re-scored", what="crashed")]
 
+
+def verdicts_and_gaps(runs: Sequence[tuple[str, RunRecord]], saved: Sequence[RunRecord], checks: Checks,
+                      gap_threads: Optional[int]) -> tuple[Verdicts, list[NotRun], list[PairGap]]:
+    """compare_safely, and the tau gaps (crossrt/compare/tau_gap.py's GapBuild) on gap_threads
+    unless it is None (`--no-tau-gap`). With checks.jobs > 1 the gaps' oracles build in their
+    process while the verdict is computed in its own (both load the pair: --jobs says that many
+    fit at once); else one after the other."""
+    build = GapBuild(runs, gap_threads, beside=checks.jobs > 1) if gap_threads is not None else None
+    try:
+        verdicts, crashed = compare_safely(runs, saved, checks)
+        return verdicts, crashed, build.gaps() if build is not None else []
+    finally:
+        if build is not None:
+            build.close()

@@ -9,6 +9,7 @@ Native-only runtimes are scored by their in-process sibling at the same commit.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -80,7 +81,13 @@ def open_scorer(record: RunRecord, role: str = "target", threads: int = 1) -> Mo
     options = RuntimeOptions(n_ctx=record.params.n_ctx, threads=threads,
                              f32_kv_cache=record.runtime.kv_cache == "f32",
                              flash_attn=record.runtime.flash_attn is not False, dtype=record.runtime.dtype)
-    return open_runtime(name, options).load(Path(model.path))
+    with _LOADING:
+        return open_runtime(name, options).load(Path(model.path))
+
+
+# Loads take turns: a load sets process-wide state (transformers': torch's threads, the parse of
+# tokenizer.json) while the drafters' checks may score beside the targets' (verification.py).
+_LOADING = threading.Lock()
 
 
 def score(session: ModelSession, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> np.ndarray:

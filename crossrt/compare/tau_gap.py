@@ -17,7 +17,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from crossrt import progress
 from crossrt.errors import ComparisonError, CrossrtError, SettingsError
-from crossrt.run.isolation import call_safely
+from crossrt.run.isolation import begin_safely
 from crossrt.run.runtime import ModelSession, RuntimeOptions, open_runtime
 from crossrt.simulate.drafting import (HEAD_LABELS, MODEL, Drafting, check_drafting, per_run, record_drafting,
                                       simulate_sequence)
@@ -305,28 +305,53 @@ class PairGap:
         return self.gaps[-1].lines() + [line for gap in self.gaps[:-1] for line in gap.lines(alpha_and_steps=False)]
 
 
-def pair_gaps(runs: Sequence[tuple[str, RunRecord]], threads: int = 1) -> list[PairGap]:
+class GapBuild:
     """For every two runs of one pair whose schedules or draftings differ, their gap or why it was
     not computed; one build serves parity's lines and its page (crossrt/report/gaps.py). One oracle
     set per pair of models, built on llama.cpp from the records' GGUF files at the runs' context
     size (its default F16 KV cache and flash attention, as llama.cpp's tools run), where
     crossrt/run/isolation.py places that runtime: a crash there, as a model that does not load, is
-    that pair's reason, and the verdict still follows."""
-    found: list[PairGap] = []
-    for pairs in gap_pairs(runs):
-        records = list({id(record): record for pair in pairs for _, record in pair}.values())
-        try:
-            oracles = call_safely(ORACLE_RUNTIME, parity_oracles,
-                                  [record for record in records if record.imported is None], threads)
-        except CrossrtError as error:  # no model files, a model that does not load or crashes, a prompt too long
-            found += [PairGap(a, b, (), str(error)) for (a, _), (b, _) in pairs]
-            continue
-        for (label_a, a), (label_b, b) in pairs:
+    that pair's reason, and the verdict still follows.
+
+    With beside=True the first pair's oracles start building at once, in their process, so that
+    work done meanwhile (parity's verdict, in its own) runs beside it; gaps() waits for them."""
+
+    def __init__(self, runs: Sequence[tuple[str, RunRecord]], threads: int = 1, beside: bool = False):
+        self._threads = threads
+        self._groups = []
+        for pairs in gap_pairs(runs):
+            records = list({id(record): record for pair in pairs for _, record in pair}.values())
+            self._groups.append((pairs, [record for record in records if record.imported is None]))
+        self._begun = self._begin(self._groups[0][1]) if beside and self._groups else None
+
+    def _begin(self, records: list[RunRecord]):
+        return begin_safely(ORACLE_RUNTIME, parity_oracles, records, self._threads)
+
+    def gaps(self) -> list[PairGap]:
+        found: list[PairGap] = []
+        for index, (pairs, records) in enumerate(self._groups):
+            begun = self._begun if index == 0 and self._begun is not None else self._begin(records)
             try:
-                found.append(PairGap(label_a, label_b, tuple(tau_gap(a, b, oracles, label_a, label_b))))
-            except ComparisonError as error:
-                found.append(PairGap(label_a, label_b, (), str(error)))
-    return found
+                oracles = begun.wait()
+            except CrossrtError as error:  # no model files, a model that does not load or crashes, a prompt too long
+                found += [PairGap(a, b, (), str(error)) for (a, _), (b, _) in pairs]
+                continue
+            for (label_a, a), (label_b, b) in pairs:
+                try:
+                    found.append(PairGap(label_a, label_b, tuple(tau_gap(a, b, oracles, label_a, label_b))))
+                except ComparisonError as error:
+                    found.append(PairGap(label_a, label_b, (), str(error)))
+        return found
+
+    def close(self) -> None:
+        """Give up on oracles begun and not waited for (their process killed)."""
+        if self._begun is not None:
+            self._begun.close()
+
+
+def pair_gaps(runs: Sequence[tuple[str, RunRecord]], threads: int = 1) -> list[PairGap]:
+    """GapBuild's gaps, each pair's oracles built in turn."""
+    return GapBuild(runs, threads).gaps()
 
 
 def parity_oracles(records: Sequence[RunRecord], threads: int) -> dict[tuple[int, ...], Oracle]:

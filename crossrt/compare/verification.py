@@ -17,8 +17,9 @@ The batch-shape noise also sets the near-tie threshold of the run's batch-shape 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -312,20 +313,50 @@ def _one_pass_rows(session: ModelSession, members: Sequence[tuple[str, RunRecord
                 as_run[label, result.prompt_id] = rows[result.prompt_id]
 
 
+class _Beside:
+    """function(*args) in a thread of its own; result() waits for its value or raises its error.
+    A daemon: a caller that fails meanwhile does not wait for it."""
+
+    def __init__(self, function: Callable, *args):
+        self._outcome: list = []
+        self._thread = threading.Thread(target=self._run, args=(function, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, function: Callable, args: tuple) -> None:
+        try:
+            self._outcome.append((True, function(*args)))
+        except BaseException as error:  # raised again in the caller's thread
+            self._outcome.append((False, error))
+
+    def result(self):
+        self._thread.join()
+        ok, value = self._outcome[0]
+        if not ok:
+            raise value
+        return value
+
+
 def scored_with_path_checks(runs: Sequence[tuple[str, RunRecord]], threads: int = 1,
-                            decodes: Optional[DecodedRows] = None,
+                            decodes: Optional[DecodedRows] = None, beside: bool = False,
                             ) -> tuple[dict[tuple[str, str], np.ndarray], tuple[PathCheck, ...], dict[str, BatchNoise]]:
     """Every run re-scored on its scorer with its numerics, one load per scorer: the one-pass rows
     along the reference sequences (as_run, by run label and prompt id: every logit check reads
     them), then that scorer's verification-batch and nondeterminism checks (module docstring),
     with each run's measured batch-shape noise by label; then each drafter's rollback check.
-    decodes: where the one-token decodes of the scorers the float control reads again are kept."""
+    decodes: where the one-token decodes of the scorers the float control reads again are kept.
+    beside (parity's --jobs 2 or more): the drafters' checks run in a thread beside the targets'
+    (forward passes and array statistics release the GIL; loads take turns: rescore.open_scorer),
+    each on its own sessions, so every figure is the one computed one after the other."""
     decodes = decodes or DecodedRows()
     references = reference_sequences(runs)
     groups: dict[tuple, list[tuple[str, RunRecord]]] = {}
+    drafters: dict[tuple, list[tuple[str, RunRecord]]] = {}
     for label, record in runs:
         if not record.imported:
             groups.setdefault(scorer_key(record), []).append((label, record))
+            if _drafts_with_model(record) and record.results:
+                drafters.setdefault(scorer_key(record, "drafter"), []).append((label, record))
+    drafting = _Beside(drafter_checks, drafters, references, threads) if beside and references and drafters else None
     as_run, checks, noises = {}, [], {}
     for key, members in groups.items():
         first_label = members[0][0]
@@ -353,11 +384,9 @@ def scored_with_path_checks(runs: Sequence[tuple[str, RunRecord]], threads: int 
                                  f"differ by max abs {repeated:.3g}: its noise cannot be measured, every split and "
                                  "bound of its runs is in doubt",) if repeated > 0 else (),
                                 f"the same pass scored twice: max abs diff {repeated:.3g}"))
-    drafters: dict[tuple, list[tuple[str, RunRecord]]] = {}
-    for label, record in runs:
-        if not record.imported and _drafts_with_model(record) and record.results:
-            drafters.setdefault(scorer_key(record, "drafter"), []).append((label, record))
-    if references:
+    if drafting is not None:
+        checks += drafting.result()
+    elif references:
         checks += drafter_checks(drafters, references, threads)
     return as_run, tuple(checks), noises
 

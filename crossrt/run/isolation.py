@@ -229,9 +229,29 @@ def call_safely(runtime: str, function: Callable, *args) -> Any:
     """function(*args), a call that loads runtime (or RESCORING's scorers), where that runtime
     belongs: in a process of its own where its native code would run in crossrt's (isolated: a
     crash is RuntimeCrashed, one line), else here. function and args must pickle."""
+    return begin_safely(runtime, function, *args).wait()
+
+
+class _Deferred:
+    """A call kept for later, where no process of its own starts it now (begin_safely)."""
+
+    def __init__(self, function: Callable, args: tuple):
+        self._function, self._args = function, args
+
+    def wait(self) -> Any:
+        return self._function(*self._args)
+
+    def close(self) -> None:
+        pass
+
+
+def begin_safely(runtime: str, function: Callable, *args) -> Isolated | _Deferred:
+    """call_safely begun: where the call is isolated its process starts now and wait() reads its
+    outcome, so that other work runs beside it; else the call runs here when wait() is called.
+    close() gives up on a call not waited for (its process killed)."""
     if isolated(runtime):
-        return call_isolated(runtime, function, *args)
-    return function(*args)
+        return Isolated(runtime, function, args)
+    return _Deferred(function, args)
 
 
 def crash_hook(runtime: str) -> Optional[tuple[int, signal.Signals]]:
