@@ -65,30 +65,37 @@ def test_a_short_output_still_measures_the_noise_over_control_rows(real_pair, tm
     assert all(check.ok for check in checks), [check.describe() for check in checks if not check.ok]
 
 
-def test_the_drafters_checks_beside_the_targets_give_every_figure_they_give_after_them(tiny_pair, tmp_path,
-                                                                                       monkeypatch):
-    """parity --jobs 2: the drafter's rollback check runs in a thread of its own beside the target's
-    checks (each on its own session, loads in turn); every check says what it says one after the other."""
+def test_drafter_checks_beside_the_scorers_give_every_figure_they_give_one_after_them(tiny_pair, tmp_path,
+                                                                                     monkeypatch):
+    """parity --jobs 2: the drafters' rollback checks run in a thread of their own beside the
+    scorers' checks (each on its own session, loads in turn); every row, noise and check is what it
+    is one after the other."""
     import threading
     from crossrt.compare import verification
 
-    record = run_pair(RunRequest(tiny_pair, "llama-cpp", RuntimeOptions(n_ctx=512, threads=1, f32_kv_cache=True,
-                                                                         flash_attn=False), DraftRules(4), 12,
-                                 tmp_path / "run.json"), load_prompts("builtin")[:2])
+    options = RuntimeOptions(n_ctx=512, threads=1, f32_kv_cache=True, flash_attn=False)
+    runs = [(f"{runtime}/driven", run_pair(RunRequest(tiny_pair, runtime, options, DraftRules(4), 12,
+                                                      tmp_path / f"{runtime}.json"), load_prompts("builtin")[:2]))
+            for runtime in ("llama-cpp", "transformers")]
     threads = []
 
-    def recorded(*args):
-        threads.append(threading.current_thread())
-        return drafter_checks(*args)
-    drafter_checks = verification.drafter_checks
-    monkeypatch.setattr(verification, "drafter_checks", recorded)
+    def in_thread(function):
+        def recorded(*args):
+            threads.append((function.__name__, threading.current_thread() is threading.main_thread()))
+            return function(*args)
+        return recorded
+    for name in ("drafter_checks", "_scorer_checks"):
+        monkeypatch.setattr(verification, name, in_thread(getattr(verification, name)))
 
     def said(beside):
-        as_run, checks, noises = scored_with_path_checks([("llama-cpp/driven", record)], beside=beside)
+        as_run, checks, noises = scored_with_path_checks(runs, beside=beside)
         return ({key: rows.tobytes() for key, rows in as_run.items()}, noises,
                 [(c.kind, c.scorings, c.runs, c.prompts, c.findings, c.summary, c.measured, c.bounds, c.noise)
                  for c in checks])
-    after, beside = said(False), said(True)
-    assert [kind for kind, *_ in after[2]] == [VERIFICATION, NONDETERMINISM, DRAFTER], after[2]
+    after = said(False)
+    assert threads == [("_scorer_checks", True), ("_scorer_checks", True), ("drafter_checks", True)]
+    threads.clear()
+    beside = said(True)
+    assert sorted(threads) == [("_scorer_checks", True), ("_scorer_checks", True), ("drafter_checks", False)]
+    assert [kind for kind, *_ in after[2]] == [VERIFICATION, NONDETERMINISM] * 2 + [DRAFTER] * 2, after[2]
     assert beside == after
-    assert threads[0] is threading.main_thread() and threads[1] is not threading.main_thread()

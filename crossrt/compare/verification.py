@@ -17,13 +17,13 @@ The batch-shape noise also sets the near-tie threshold of the run's batch-shape 
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from crossrt import progress
+from crossrt.compare.beside import Beside
 from crossrt.compare.control import CONTROL_ROWS, FACTOR, FLOAT32_EPS, demoted, noise_bounds, reference_sequences
 from crossrt.compare.parity import OWN_BASELINE
 from crossrt.compare.power import Power, find_power
@@ -313,27 +313,36 @@ def _one_pass_rows(session: ModelSession, members: Sequence[tuple[str, RunRecord
                 as_run[label, result.prompt_id] = rows[result.prompt_id]
 
 
-class _Beside:
-    """function(*args) in a thread of its own; result() waits for its value or raises its error.
-    A daemon: a caller that fails meanwhile does not wait for it."""
-
-    def __init__(self, function: Callable, *args):
-        self._outcome: list = []
-        self._thread = threading.Thread(target=self._run, args=(function, args), daemon=True)
-        self._thread.start()
-
-    def _run(self, function: Callable, args: tuple) -> None:
-        try:
-            self._outcome.append((True, function(*args)))
-        except BaseException as error:  # raised again in the caller's thread
-            self._outcome.append((False, error))
-
-    def result(self):
-        self._thread.join()
-        ok, value = self._outcome[0]
-        if not ok:
-            raise value
-        return value
+def _scorer_checks(key: tuple, members: Sequence[tuple[str, RunRecord]], references: dict, threads: int,
+                   decodes: DecodedRows, as_run: dict[tuple[str, str], np.ndarray],
+                   ) -> tuple[list[PathCheck], dict[str, BatchNoise]]:
+    """One scorer's share of scored_with_path_checks: its members' one-pass rows into as_run, its
+    verification-batch and nondeterminism checks, and its runs' batch-shape noise by label."""
+    first_label = members[0][0]
+    labels, name = tuple(label for label, _ in members), scorer_label(key)
+    batches = _batches([record for _, record in members])
+    with open_scorer(members[0][1], threads=threads) as session:
+        _one_pass_rows(session, members, references, as_run)
+        prompts = {p: ref for p, ref in references.items() if (first_label, p) in as_run}
+        if not prompts:
+            return [], {}
+        per_prompt = max(LEAST_ROWS, min(CONTROL_ROWS, DECODED_ROWS // len(prompts)))
+        measured = _measure(session, key, prompts, {p: as_run[first_label, p] for p in prompts}, batches,
+                            per_prompt, decodes, split_rows([record for _, record in members]),
+                            _smallest_context([record for _, record in members]))
+    noise = measured.noise.summary()
+    noises = dict.fromkeys(labels, BatchNoise(name, float(measured.noise_shifts.max()), noise.max_abs_diff,
+                                              measured.scale, tuple(map(float, measured.verification_shifts))))
+    prompt_id, repeated, rows = measured.repeat
+    return [_bounded_check(VERIFICATION, (f"{name} verification batches of {', '.join(map(str, batches))}",
+                                          "one-token decodes and one pass"), labels, measured.parts, noise,
+                           measured.scale, "verification batches compute otherwise than one-token decodes "
+                           "and one pass", power_pairs=measured.decoded_pairs),
+            PathCheck(NONDETERMINISM, (name, "itself"), (labels, ()), 1,
+                      (f"nondeterministic: {name} scored the same {rows} rows of {prompt_id} twice and they "
+                       f"differ by max abs {repeated:.3g}: its noise cannot be measured, every split and "
+                       "bound of its runs is in doubt",) if repeated > 0 else (),
+                      f"the same pass scored twice: max abs diff {repeated:.3g}")], noises
 
 
 def scored_with_path_checks(runs: Sequence[tuple[str, RunRecord]], threads: int = 1,
@@ -345,8 +354,9 @@ def scored_with_path_checks(runs: Sequence[tuple[str, RunRecord]], threads: int 
     with each run's measured batch-shape noise by label; then each drafter's rollback check.
     decodes: where the one-token decodes of the scorers the float control reads again are kept.
     beside (parity's --jobs 2 or more): the drafters' checks run in a thread beside the targets'
-    (forward passes and array statistics release the GIL; loads take turns: rescore.open_scorer),
-    each on its own sessions, so every figure is the one computed one after the other."""
+    (crossrt/compare/beside.py), each on its own sessions, so every figure is the one computed one
+    after the other. (The scorers beside one another gained nothing more on the real model: 67.2
+    against 68.1 s.)"""
     decodes = decodes or DecodedRows()
     references = reference_sequences(runs)
     groups: dict[tuple, list[tuple[str, RunRecord]]] = {}
@@ -356,34 +366,12 @@ def scored_with_path_checks(runs: Sequence[tuple[str, RunRecord]], threads: int 
             groups.setdefault(scorer_key(record), []).append((label, record))
             if _drafts_with_model(record) and record.results:
                 drafters.setdefault(scorer_key(record, "drafter"), []).append((label, record))
-    drafting = _Beside(drafter_checks, drafters, references, threads) if beside and references and drafters else None
+    drafting = Beside(drafter_checks, drafters, references, threads) if beside and references and drafters else None
     as_run, checks, noises = {}, [], {}
     for key, members in groups.items():
-        first_label = members[0][0]
-        labels, name = tuple(label for label, _ in members), scorer_label(key)
-        batches = _batches([record for _, record in members])
-        with open_scorer(members[0][1], threads=threads) as session:
-            _one_pass_rows(session, members, references, as_run)
-            prompts = {p: ref for p, ref in references.items() if (first_label, p) in as_run}
-            if not prompts:
-                continue
-            per_prompt = max(LEAST_ROWS, min(CONTROL_ROWS, DECODED_ROWS // len(prompts)))
-            measured = _measure(session, key, prompts, {p: as_run[first_label, p] for p in prompts}, batches,
-                                per_prompt, decodes, split_rows([record for _, record in members]),
-                                _smallest_context([record for _, record in members]))
-        noise = measured.noise.summary()
-        noises.update(dict.fromkeys(labels, BatchNoise(name, float(measured.noise_shifts.max()), noise.max_abs_diff,
-                                                       measured.scale, tuple(map(float, measured.verification_shifts)))))
-        checks.append(_bounded_check(VERIFICATION, (f"{name} verification batches of {', '.join(map(str, batches))}",
-                                                    "one-token decodes and one pass"), labels, measured.parts, noise,
-                                     measured.scale, "verification batches compute otherwise than one-token decodes "
-                                     "and one pass", power_pairs=measured.decoded_pairs))
-        prompt_id, repeated, rows = measured.repeat
-        checks.append(PathCheck(NONDETERMINISM, (name, "itself"), (labels, ()), 1,
-                                (f"nondeterministic: {name} scored the same {rows} rows of {prompt_id} twice and they "
-                                 f"differ by max abs {repeated:.3g}: its noise cannot be measured, every split and "
-                                 "bound of its runs is in doubt",) if repeated > 0 else (),
-                                f"the same pass scored twice: max abs diff {repeated:.3g}"))
+        found, measured_noises = _scorer_checks(key, members, references, threads, decodes, as_run)
+        checks += found
+        noises.update(measured_noises)
     if drafting is not None:
         checks += drafting.result()
     elif references:
