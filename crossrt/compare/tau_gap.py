@@ -330,9 +330,8 @@ class GapBuild:
     def gaps(self) -> list[PairGap]:
         found: list[PairGap] = []
         for index, (pairs, records) in enumerate(self._groups):
-            begun = self._begun if index == 0 and self._begun is not None else self._begin(records)
             try:
-                oracles = begun.wait()
+                oracles = (self._begun if index == 0 and self._begun is not None else self._begin(records)).wait()
             except CrossrtError as error:  # no model files, a model that does not load or crashes, a prompt too long
                 found += [PairGap(a, b, (), str(error)) for (a, _), (b, _) in pairs]
                 continue
