@@ -229,7 +229,9 @@ def call_safely(runtime: str, function: Callable, *args) -> Any:
     """function(*args), a call that loads runtime (or RESCORING's scorers), where that runtime
     belongs: in a process of its own where its native code would run in crossrt's (isolated: a
     crash is RuntimeCrashed, one line), else here. function and args must pickle."""
-    return begin_safely(runtime, function, *args).wait()
+    if isolated(runtime):
+        return call_isolated(runtime, function, *args)
+    return function(*args)
 
 
 class _Deferred:
